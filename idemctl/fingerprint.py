@@ -1,0 +1,84 @@
+"""Request fingerprints and key validation, exactly as the recipe computes them."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Mapping
+from typing import Union
+
+from .errors import InvalidBodyError
+from .policy import DEFAULT_FINGERPRINT_HEADERS
+
+HeadersLike = Union[Mapping[str, str], Iterable[tuple[str, str]]]
+
+# \Z, not $: Python's $ also matches before a trailing newline, which would
+# let "abc\n" through where the recipe's JavaScript pattern rejects it.
+_KEY_PATTERN = re.compile(r"[\x20-\x7e]{1,255}\Z")
+
+# Fetch's Headers trims HTTP whitespace only; str.strip() would also eat
+# vertical tabs, form feeds and Unicode spaces and change the fingerprint.
+_HTTP_WHITESPACE = " \t\r\n"
+
+
+def is_valid_key(key: object) -> bool:
+    """Whether `key` is 1-255 characters, each 0x20-0x7E, as a whole string.
+
+    >>> is_valid_key("550e8400-e29b-41d4-a716-446655440000"), is_valid_key("abc\\n")
+    (True, False)
+    """
+    return isinstance(key, str) and _KEY_PATTERN.match(key) is not None
+
+
+def header_pairs(headers: HeadersLike | None) -> list[tuple[str, str]]:
+    """Headers as a list of (name, value) pairs in received order."""
+    if headers is None:
+        return []
+    if isinstance(headers, Mapping):
+        return [(str(k), str(v)) for k, v in headers.items()]
+    return [(str(k), str(v)) for k, v in headers]
+
+
+def header_values(headers: HeadersLike | None, names: Iterable[str]) -> dict[str, str | None]:
+    """Fetch-style lookup: each wanted name (lower case) maps to its values,
+    each trimmed of HTTP whitespace and joined with ", ", or None when absent."""
+    wanted = {n.lower(): [] for n in names}  # type: dict[str, list[str]]
+    for name, value in header_pairs(headers):
+        bucket = wanted.get(name.lower())
+        if bucket is not None:
+            bucket.append(value.strip(_HTTP_WHITESPACE))
+    return {n: (", ".join(v) if v else None) for n, v in wanted.items()}
+
+
+def as_body_bytes(body: object, what: str = "body") -> bytes:
+    """Accept bytes-like bodies only: decoding or re-encoding would change the
+    fingerprint of binary payloads."""
+    if isinstance(body, bytes):
+        return body
+    if isinstance(body, (bytearray, memoryview)):
+        return bytes(body)
+    raise InvalidBodyError(f"{what} must be bytes, got {type(body).__name__}")
+
+
+def fingerprint(
+    method: str,
+    path_and_query: str,
+    headers: HeadersLike | None,
+    body: bytes,
+    names: Iterable[str] = DEFAULT_FINGERPRINT_HEADERS,
+) -> str:
+    """sha256 of "METHOD\\nPATH_AND_QUERY\\nname:value\\n..." followed by the raw body.
+
+    `path_and_query` is taken verbatim; headers outside `names` never count.
+
+    >>> fingerprint("POST", "/orders", [], b"")
+    'fc4d6d6663d197e95ef43ecc071614db7227f117beb78b985980d692380c7654'
+    """
+    raw = as_body_bytes(body)
+    names = tuple(n.lower() for n in names)
+    values = header_values(headers, names)
+    lines = [method.upper(), path_and_query]
+    lines.extend(f"{n}:{values[n] or ''}" for n in names)
+    digest = hashlib.sha256("\n".join(lines).encode("utf-8") + b"\n")
+    digest.update(raw)
+    return digest.hexdigest()

@@ -1,0 +1,257 @@
+"""Small typed values that the ledger returns: no dicts, no magic strings."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from typing import Iterator
+
+
+class Outcome(enum.Enum):
+    """What `Ledger.handle` did with one request."""
+
+    EXECUTED = "executed"  # won the claim, ran the mutation, stored its answer
+    TAKEN_OVER = "taken_over"  # took over a stale reservation, ran, stored
+    FENCED_OUT = "fenced_out"  # ran, but a takeover superseded us: answer not stored
+    REPLAYED = "replayed"  # answered from the stored response, nothing ran
+    IN_PROGRESS = "in_progress"  # 409: the reservation is pending and fresh
+    REUSED = "reused"  # 409/422: same key, different request
+    RETRY = "retry"  # 409: the row vanished between claim and lookup
+    KEY_REQUIRED = "key_required"  # 400
+    KEY_INVALID = "key_invalid"  # 400
+    UNAUTHENTICATED = "unauthenticated"  # 401: no server-side principal
+    PASSTHROUGH = "passthrough"  # unprotected method: ran without the ledger
+
+    @property
+    def ran_mutation(self) -> bool:
+        return self in (Outcome.EXECUTED, Outcome.TAKEN_OVER, Outcome.FENCED_OUT, Outcome.PASSTHROUGH)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The HTTP answer to send. Unpacks as `(status, headers, body)`.
+
+    >>> status, headers, body = Answer(200, (("content-type", "text/plain"),), b"ok", Outcome.EXECUTED)
+    >>> status, body
+    (200, b'ok')
+    """
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    outcome: Outcome
+    generation: int | None = None
+    # The `now` the request was decided at; the post-response sweep uses it.
+    # None when the ledger was never consulted (400, 401, passthrough).
+    started_at: int | None = None
+
+    def __iter__(self) -> Iterator[object]:
+        return iter((self.status, self.headers, self.body))
+
+    def header(self, name: str) -> str | None:
+        """The first value of a header, case-insensitively, or None."""
+        lname = name.lower()
+        for k, v in self.headers:
+            if k.lower() == lname:
+                return v
+        return None
+
+
+class Status(str, enum.Enum):
+    """The ledger row's own `status` column."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+
+
+class State(enum.Enum):
+    """A row's state as seen at one instant, derived from status, age and policy."""
+
+    PENDING_FRESH = "pending_fresh"  # retries get 409 in progress
+    PENDING_STALE = "pending_stale"  # the next retry takes it over
+    COMPLETED = "completed"  # retries are replayed
+    EXPIRED = "expired"  # past retention: waiting for the sweep, a retry runs again
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Ownership of (principal, key) at one generation: the fencing token."""
+
+    principal: str
+    key: str
+    generation: int
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class StoredRow:
+    """One `idempotency_keys` row as stored."""
+
+    principal: str
+    key: str
+    fingerprint: str
+    status: Status
+    generation: int
+    response_status: int | None
+    response_body: str | bytes | None  # TEXT when valid UTF-8, BLOB otherwise
+    response_headers: str | None  # JSON object of the replayable headers
+    created_at: int
+    updated_at: int
+
+    @property
+    def body_bytes(self) -> bytes | None:
+        if self.response_body is None:
+            return None
+        if isinstance(self.response_body, str):
+            return self.response_body.encode("utf-8")
+        return bytes(self.response_body)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        if not self.response_headers:
+            return {}
+        try:
+            value = json.loads(self.response_headers)
+        except ValueError:
+            return {}
+        return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+@dataclass(frozen=True)
+class RowView:
+    """A row plus what it means right now, for operators.
+
+    >>> view.state is State.PENDING_FRESH and view.takeover_in_ms > 0  # doctest: +SKIP
+    True
+    """
+
+    row: StoredRow
+    state: State
+    now: int
+    pending_ttl_ms: int
+    retention_ms: int
+
+    @property
+    def age_ms(self) -> int:
+        """Time since the row was last written (claim, takeover or completion)."""
+        return self.now - self.row.updated_at
+
+    @property
+    def takeovers(self) -> int:
+        return self.row.generation - 1
+
+    @property
+    def takeover_at(self) -> int | None:
+        """First instant at which a retry takes a pending row over (None if not pending)."""
+        if self.row.status is not Status.PENDING:
+            return None
+        return self.row.updated_at + self.pending_ttl_ms + 1
+
+    @property
+    def takeover_in_ms(self) -> int | None:
+        at = self.takeover_at
+        return None if at is None else max(0, at - self.now)
+
+    @property
+    def replay_until(self) -> int | None:
+        """Last instant a completed row is guaranteed to be replayed."""
+        if self.row.status is not Status.COMPLETED:
+            return None
+        return self.row.updated_at + self.retention_ms
+
+    @property
+    def sweep_after(self) -> int:
+        """From this instant on the sweep may delete the row."""
+        return self.row.updated_at + self.retention_ms + 1
+
+
+@dataclass(frozen=True)
+class Completion:
+    """Result of a fenced completion, with the answer built from what was (or
+    would have been) stored."""
+
+    stored: bool  # False: fenced out, the row belongs to a newer generation
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    oversize: bool = False  # the body exceeded the cap: the 500 sentinel was stored
+    event: "FencedEvent | None" = None
+
+
+@dataclass(frozen=True)
+class FencedEvent:
+    """A late completion that the fencing token rejected."""
+
+    id: int
+    principal: str
+    key: str
+    superseded_generation: int
+    current_generation: int | None
+    computed_status: int
+    fenced_at: int
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """One bounded sweep batch."""
+
+    keys_deleted: int
+    fenced_deleted: int
+    cutoff: int  # rows with updated_at < cutoff were eligible
+
+    @property
+    def deleted(self) -> int:
+        return self.keys_deleted + self.fenced_deleted
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Counts for dashboards and cron checks, all taken at `now`."""
+
+    now: int
+    total: int
+    pending_fresh: int
+    pending_stale: int
+    completed: int
+    expired: int  # sweep backlog: rows past retention
+    taken_over: int  # rows with generation > 1
+    fenced_out_events: int
+    oldest_pending_at: int | None  # created_at of the oldest pending row
+    oldest_completed_at: int | None
+    oldest_row_at: int | None
+    storage_bytes: int | None
+    schema_version: int
+
+
+class InitAction(enum.Enum):
+    CREATED = "created"
+    UP_TO_DATE = "already up to date"
+    UPGRADED = "upgraded"
+
+
+@dataclass(frozen=True)
+class InitResult:
+    action: InitAction
+    from_version: int | None  # None: there was no ledger table at all
+    to_version: int
+    dry_run: bool = False
+
+    def describe(self) -> str:
+        if self.action is InitAction.UPGRADED:
+            return f"upgraded from {self.from_version} to {self.to_version}"
+        if self.action is InitAction.CREATED:
+            return f"created (schema version {self.to_version})"
+        return f"already up to date (schema version {self.to_version})"
+
+
+class PurgeOutcome(enum.Enum):
+    PURGED = "purged"
+    NOT_FOUND = "not_found"
+    REFUSED_FRESH_PENDING = "refused_fresh_pending"
+
+
+@dataclass(frozen=True)
+class PurgeResult:
+    outcome: PurgeOutcome
+    row: StoredRow | None

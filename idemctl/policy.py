@@ -1,0 +1,79 @@
+"""Every knob of the Idempotency-Key contract, in one frozen object."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .errors import PolicyError
+
+DEFAULT_FINGERPRINT_HEADERS: tuple[str, ...] = ("content-type", "x-api-version")
+DEFAULT_REPLAYABLE_HEADERS: tuple[str, ...] = ("content-type", "location")
+DEFAULT_PROTECTED_METHODS: frozenset[str] = frozenset({"POST", "PATCH", "DELETE"})
+
+
+def _lower_names(names: Iterable[str], what: str) -> tuple[str, ...]:
+    if isinstance(names, str):
+        raise PolicyError(f"{what} must be a list of header names, not one string")
+    out = tuple(str(n).strip().lower() for n in names)
+    if any(not n for n in out):
+        raise PolicyError(f"{what} contains an empty header name")
+    if len(set(out)) != len(out):
+        raise PolicyError(f"{what} names a header twice")
+    return out
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The contract's settings. The retention the API advertises and the one
+    the sweep enforces are the same field, so they cannot drift apart.
+
+    >>> Policy(pending_ttl_ms=60_000).retry_after_seconds
+    60
+    """
+
+    pending_ttl_ms: int = 30_000
+    retention_ms: int = 24 * 60 * 60 * 1000
+    sweep_batch: int = 20
+    body_cap_bytes: int = 16_384
+    fingerprint_headers: tuple[str, ...] = DEFAULT_FINGERPRINT_HEADERS
+    replayable_headers: tuple[str, ...] = DEFAULT_REPLAYABLE_HEADERS
+    protected_methods: frozenset[str] = field(default=DEFAULT_PROTECTED_METHODS)
+    reuse_status: int = 409
+
+    def __post_init__(self) -> None:
+        for name in ("pending_ttl_ms", "retention_ms", "sweep_batch", "body_cap_bytes", "reuse_status"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise PolicyError(f"{name} must be an integer, got {value!r}")
+        if self.pending_ttl_ms <= 0:
+            raise PolicyError(f"pending_ttl_ms must be > 0, got {self.pending_ttl_ms}")
+        if self.retention_ms <= self.pending_ttl_ms:
+            raise PolicyError(
+                f"retention_ms ({self.retention_ms}) must be longer than pending_ttl_ms ({self.pending_ttl_ms})"
+            )
+        if self.sweep_batch < 1:
+            raise PolicyError(f"sweep_batch must be >= 1, got {self.sweep_batch}")
+        if self.body_cap_bytes < 0:
+            raise PolicyError(f"body_cap_bytes must be >= 0, got {self.body_cap_bytes}")
+        if self.reuse_status not in (409, 422):
+            raise PolicyError(f"reuse_status must be 409 or 422, got {self.reuse_status}")
+        # Normalise so that comparisons elsewhere never worry about case.
+        object.__setattr__(self, "fingerprint_headers", _lower_names(self.fingerprint_headers, "fingerprint_headers"))
+        object.__setattr__(self, "replayable_headers", _lower_names(self.replayable_headers, "replayable_headers"))
+        if isinstance(self.protected_methods, str):
+            raise PolicyError("protected_methods must be a set of method names, not one string")
+        methods = frozenset(str(m).strip().upper() for m in self.protected_methods)
+        if not methods or any(not m for m in methods):
+            raise PolicyError("protected_methods must name at least one method")
+        object.__setattr__(self, "protected_methods", methods)
+
+    @property
+    def retry_after_seconds(self) -> int:
+        """`Retry-After` for a request that finds its key in progress: ceil(TTL / 1000)."""
+        return math.ceil(self.pending_ttl_ms / 1000)
+
+    def protects(self, method: str) -> bool:
+        """Whether requests with this method need an Idempotency-Key."""
+        return method.upper() in self.protected_methods
