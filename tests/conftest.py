@@ -3,7 +3,9 @@ so that backend-independent tests run against every one of them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -69,3 +71,16 @@ def ledger(make_ledger: Callable[..., Ledger]) -> Ledger:
 
 
 SHARED = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
+
+
+@contextlib.contextmanager
+def read_only_file(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Make a file truly read-only for root too (chattr +i), or skip with the reason."""
+    path = os.fspath(path)
+    done = subprocess.run(["chattr", "+i", path], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot make {path} immutable here: {done.stderr.strip() or 'chattr failed'}")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", path], check=False)

@@ -1,0 +1,135 @@
+"""The bounded sweep: batch size, order, retention and the fenced-out log."""
+
+from __future__ import annotations
+
+import sqlite3
+
+from idemctl import Ledger, Outcome, Policy, PolicyError
+from idemctl.backends.sqlite import SQL_SWEEP, SQL_SWEEP_FENCED
+
+import pytest
+
+DAY = 86_400_000
+
+
+def fill(ledger, clock, n, *, prefix="k", step=1):
+    for i in range(n):
+        r = ledger.claim("acct", f"{prefix}{i:04d}", "fp")
+        ledger.complete(r, 200, {}, b"ok")
+        clock.advance(step)
+
+
+def test_sweep_deletes_at_most_the_batch_per_call_oldest_first(ledger, clock):
+    fill(ledger, clock, 50)
+    clock.advance(DAY + 100)
+    first = ledger.sweep(batch=20)
+    assert first.keys_deleted == 20
+    remaining = sorted(v.row.key for v in ledger.pending()) + [
+        k for k in (f"k{i:04d}" for i in range(50)) if ledger.lookup("acct", k) is not None
+    ]
+    assert remaining == [f"k{i:04d}" for i in range(20, 50)]
+    assert ledger.sweep(batch=20).keys_deleted == 20
+    assert ledger.sweep(batch=20).keys_deleted == 10
+    assert ledger.sweep(batch=20).keys_deleted == 0
+    assert ledger.stats().total == 0
+
+
+def test_sweep_never_deletes_a_row_inside_retention(ledger, clock):
+    fill(ledger, clock, 10, prefix="old")
+    clock.advance(DAY)
+    fill(ledger, clock, 5, prefix="new")
+    # old rows are now between 1 day - 10ms and 1 day + 5 ms old.
+    result = ledger.sweep(batch=1000)
+    kept_old = [k for k in (f"old{i:04d}" for i in range(10)) if ledger.lookup("acct", k)]
+    assert result.keys_deleted == 10 - len(kept_old)
+    for key in kept_old:
+        assert ledger.get("acct", key).age_ms <= DAY
+    assert all(ledger.lookup("acct", f"new{i:04d}") for i in range(5))
+
+
+def test_sweep_also_removes_abandoned_pending_rows(ledger, clock):
+    ledger.claim("acct", "abandoned", "fp")
+    clock.advance(DAY + 1)
+    assert ledger.sweep().keys_deleted == 1
+
+
+def test_default_batch_is_the_policy_batch(make_ledger, clock):
+    ledger = make_ledger(policy=Policy(sweep_batch=7))
+    fill(ledger, clock, 10)
+    clock.advance(DAY + 100)
+    assert ledger.sweep().keys_deleted == 7
+
+
+def test_sweep_drains_the_fenced_out_log_on_the_same_retention(ledger, clock):
+    owners = [ledger.claim("acct", f"f{i}", "fp") for i in range(3)]
+    clock.advance(30_001)
+    for i, a in enumerate(owners):
+        b = ledger.takeover("acct", f"f{i}", "fp")
+        ledger.complete(b, 200, {}, b"B")
+        assert ledger.complete(a, 200, {}, b"A").stored is False
+    assert len(list(ledger.fenced())) == 3
+    clock.advance(DAY)
+    assert ledger.sweep(batch=2).fenced_deleted == 0
+    clock.advance(1)
+    first = ledger.sweep(batch=2)
+    assert (first.keys_deleted, first.fenced_deleted) == (2, 2)
+    second = ledger.sweep(batch=2)
+    assert (second.keys_deleted, second.fenced_deleted) == (1, 1)
+    assert list(ledger.fenced()) == []
+
+
+def test_after_response_runs_one_batch_at_the_requests_own_time(make_ledger, clock):
+    ledger = make_ledger(policy=Policy(sweep_batch=3))
+    fill(ledger, clock, 5)
+    clock.advance(DAY + 10)
+    answer = ledger.handle("acct", "fresh", "POST", "/", {}, b"", lambda b: (200, {}, b""))
+    clock.advance(DAY * 5)  # the sweep must use answer.started_at, not a later clock
+    result = ledger.after_response(answer)
+    assert result.keys_deleted == 3
+    assert result.cutoff == answer.started_at - DAY
+    assert ledger.lookup("acct", "fresh") is not None
+
+
+def test_after_response_skips_answers_that_never_touched_the_ledger(ledger):
+    answer = ledger.handle("acct", None, "POST", "/", {}, b"", lambda b: (200, {}, b""))
+    assert answer.outcome is Outcome.KEY_REQUIRED
+    assert ledger.after_response(answer) is None
+
+
+def test_after_response_logs_and_swallows_storage_errors(ledger, clock, caplog, monkeypatch):
+    answer = ledger.handle("acct", "k", "POST", "/", {}, b"", lambda b: (200, {}, b""))
+    from idemctl import DatabaseLockedError
+
+    def locked(cutoff, limit):
+        raise DatabaseLockedError("database x is locked")
+
+    monkeypatch.setattr(ledger.backend, "sweep", locked)
+    assert ledger.after_response(answer) is None
+    assert "post-response sweep failed: database x is locked" in caplog.text
+
+
+def test_sweep_retention_override_must_exceed_the_pending_ttl(ledger):
+    with pytest.raises(PolicyError, match="must be longer than the pending TTL"):
+        ledger.sweep(retention_ms=30_000)
+    with pytest.raises(PolicyError, match="sweep batch must be >= 1"):
+        ledger.sweep(batch=0)
+
+
+def test_sweep_with_shorter_retention_override(ledger, clock):
+    fill(ledger, clock, 4)
+    clock.advance(60_000)
+    assert ledger.count_expired(retention_ms=45_000) == 4
+    assert ledger.sweep(retention_ms=45_000, batch=100).keys_deleted == 4
+
+
+def test_sweep_statements_walk_the_updated_at_index(tmp_path):
+    ledger = Ledger.open(tmp_path / "plan.db")
+    ledger.init()
+    conn = sqlite3.connect(tmp_path / "plan.db")
+    plan = " | ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + SQL_SWEEP, (0, 20)))
+    assert "USING COVERING INDEX idx_idempotency_keys_updated_at (updated_at<?)" in plan
+    assert "SCAN idempotency_keys" not in plan
+    plan = " | ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + SQL_SWEEP_FENCED, (0, 20)))
+    assert "idx_idemctl_fenced_out_fenced_at (fenced_at<?)" in plan
+    conn.close()
+    ledger.close()
