@@ -12,11 +12,17 @@ import contextlib
 import os
 import sqlite3
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 from urllib.parse import quote
 
 import sqlite_utils
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; SQLite's own busy handler is all there is
+    fcntl = None  # type: ignore[assignment]
 
 from ..errors import (
     DatabaseLockedError,
@@ -43,6 +49,10 @@ from ..schema import SCHEMA_VERSION, schema_files
 LEDGER_TABLE = "idempotency_keys"
 FENCED_TABLE = "idemctl_fenced_out"
 VERSION_TABLE = "idemctl_schema_version"
+
+# The writer queue's lock file sits next to the ledger: `<db>-idemctl.lock`.
+WRITE_QUEUE_SUFFIX = "-idemctl.lock"
+_UNOPENED = object()  # a thread's queue descriptor before its first write
 
 _ROW_COLUMNS = (
     "principal, key, fingerprint, status, generation, response_status, "
@@ -151,7 +161,21 @@ def _event(values: tuple) -> FencedEvent:
 
 
 class SqliteBackend:
-    """One SQLite ledger file, shared safely by threads and processes."""
+    """One SQLite ledger file, shared safely by threads and processes.
+
+    Writer queue (``write_queue=True``, the default on POSIX): every write
+    statement first takes an exclusive ``flock`` on ``<db>-idemctl.lock`` and
+    waits for it in the kernel. SQLite's own busy handler polls with growing
+    sleeps (up to 100 ms each) and grants the lock to whoever happens to poll
+    right after it is freed, so under several writer processes one request
+    could wait for seconds while others went through; blocked ``flock``
+    waiters are woken the moment the lock is released and take turns. Only
+    idemctl's own writers queue; correctness never depends on the queue (the
+    SQLite lock still decides), so ``write_queue=False`` opts out and any
+    failure to open the lock file silently falls back to SQLite alone.
+
+    >>> Ledger(SqliteBackend("idempotency.db", write_queue=False))  # doctest: +SKIP
+    """
 
     dialect = "sqlite"
 
@@ -163,6 +187,7 @@ class SqliteBackend:
         readonly: bool = False,
         busy_timeout_ms: int = 5000,
         synchronous: str = "FULL",
+        write_queue: bool = True,
     ) -> None:
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise StorageError(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
@@ -188,9 +213,16 @@ class SqliteBackend:
             mode = "ro" if readonly else ("rwc" if create else "rw")
             self._uri = f"file:{quote(str(p.resolve()))}?mode={mode}"
             self._keepalive = None
+        # Memory databases and read-only opens have no writers to queue.
+        self.write_queue_path: str | None = (
+            str(Path(self.path).resolve()) + WRITE_QUEUE_SUFFIX
+            if write_queue and fcntl is not None and raw != ":memory:" and not readonly
+            else None
+        )
         self._local = threading.local()
         self._lock = threading.Lock()
         self._conns: list[sqlite3.Connection] = []
+        self._queue_fds: list[int] = []
         # Connections inherited across fork are never closed in the child:
         # closing them could checkpoint or unlock on behalf of the parent.
         self._inherited: list[sqlite3.Connection] = []
@@ -235,18 +267,78 @@ class SqliteBackend:
                 # limits here; keep them referenced so they are never closed.
                 self._inherited.extend(self._conns)
                 self._conns = []
+                # The parent's queue descriptors stay open too: they share the
+                # parent's open file description, so unlocking or closing here
+                # could drop a lock the parent holds.
+                self._queue_fds = []
                 self._pid = pid
             conn = self._connect()
             self._conns.append(conn)
         local.conn, local.pid = conn, pid
+        local.queue_fd = _UNOPENED
         return conn
+
+    def _queue_fd(self) -> int | None:
+        """This thread's descriptor on the lock file, opened at its first write
+        (so read-only use never creates the file). One open file description
+        per connection: flock excludes descriptions, so threads of one process
+        queue exactly like processes do."""
+        local = self._local
+        fd = getattr(local, "queue_fd", None)
+        if fd is not _UNOPENED:
+            return fd
+        fd = None
+        if self.write_queue_path is not None:
+            try:
+                fd = os.open(self.write_queue_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            except OSError:
+                fd = None  # e.g. a directory we may not create files in: SQLite's busy handler alone
+            else:
+                with self._lock:
+                    self._queue_fds.append(fd)
+        local.queue_fd = fd
+        return fd
+
+    @contextlib.contextmanager
+    def _writer_turn(self, conn: sqlite3.Connection) -> Iterator[None]:
+        """Hold this database's writer queue for one write statement.
+
+        The wait in flock counts against the busy timeout: once the lock is
+        ours, SQLite gets only what is left of it, so a queue stuck behind a
+        foreign writer fails within one busy timeout, not one per waiter."""
+        fd = self._queue_fd()
+        if fd is None:
+            yield
+            return
+        started = time.monotonic()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # e.g. ENOLCK on a file system without flock: SQLite alone decides
+            yield
+            return
+        waited_ms = int((time.monotonic() - started) * 1000)
+        shortened = waited_ms > 0
+        try:
+            if shortened:
+                conn.execute(f"PRAGMA busy_timeout = {max(0, self.busy_timeout_ms - waited_ms)}")
+            yield
+        finally:
+            try:
+                if shortened:
+                    conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
         with self._lock:
             conns, self._conns = self._conns, []
+            fds, self._queue_fds = self._queue_fds, []
         for conn in conns:
             with contextlib.suppress(sqlite3.Error):
                 conn.close()
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
         self._local = threading.local()
 
     def describe(self) -> str:
@@ -293,6 +385,20 @@ class SqliteBackend:
     def _run(self, sql: str, params: tuple = ()) -> int:
         with self._errors():
             return self._conn().execute(sql, params).rowcount
+
+    # Writes go through the writer queue; reads never wait in it (WAL readers
+    # do not block writers, nor writers readers).
+    def _write_all(self, sql: str, params: tuple | dict = ()) -> list[tuple]:
+        with self._errors():
+            conn = self._conn()
+            with self._writer_turn(conn):
+                return conn.execute(sql, params).fetchall()
+
+    def _write_run(self, sql: str, params: tuple = ()) -> int:
+        with self._errors():
+            conn = self._conn()
+            with self._writer_turn(conn):
+                return conn.execute(sql, params).rowcount
 
     # -- schema -----------------------------------------------------------------
     def _version_from(self, db: sqlite_utils.Database) -> int | None:
@@ -361,7 +467,7 @@ class SqliteBackend:
 
     # -- request path -------------------------------------------------------------
     def claim(self, principal: str, key: str, fingerprint: str, now: int) -> int | None:
-        rows = self._all(SQL_CLAIM, (principal, key, fingerprint, now, now))
+        rows = self._write_all(SQL_CLAIM, (principal, key, fingerprint, now, now))
         return int(rows[0][0]) if rows else None
 
     def lookup(self, principal: str, key: str) -> StoredRow | None:
@@ -369,7 +475,7 @@ class SqliteBackend:
         return _row(rows[0]) if rows else None
 
     def takeover(self, principal: str, key: str, fingerprint: str, now: int, stale_before: int) -> int | None:
-        rows = self._all(SQL_TAKEOVER, (now, principal, key, fingerprint, stale_before))
+        rows = self._write_all(SQL_TAKEOVER, (now, principal, key, fingerprint, stale_before))
         return int(rows[0][0]) if rows else None
 
     def complete(
@@ -382,21 +488,21 @@ class SqliteBackend:
         headers_json: str,
         now: int,
     ) -> bool:
-        rows = self._all(SQL_COMPLETE, (status, body, headers_json, now, principal, key, generation))
+        rows = self._write_all(SQL_COMPLETE, (status, body, headers_json, now, principal, key, generation))
         return bool(rows)
 
     def record_fenced(self, principal: str, key: str, generation: int, computed_status: int, now: int) -> FencedEvent | None:
         if not self.has_fenced_log:
             return None
-        rows = self._all(SQL_RECORD_FENCED, (principal, key, generation, principal, key, computed_status, now))
+        rows = self._write_all(SQL_RECORD_FENCED, (principal, key, generation, principal, key, computed_status, now))
         return _event(rows[0]) if rows else None
 
     def release(self, principal: str, key: str, generation: int) -> bool:
-        return bool(self._all(SQL_RELEASE, (principal, key, generation)))
+        return bool(self._write_all(SQL_RELEASE, (principal, key, generation)))
 
     def sweep(self, cutoff: int, limit: int) -> SweepResult:
-        keys = self._run(SQL_SWEEP, (cutoff, limit))
-        fenced = self._run(SQL_SWEEP_FENCED, (cutoff, limit)) if self.has_fenced_log else 0
+        keys = self._write_run(SQL_SWEEP, (cutoff, limit))
+        fenced = self._write_run(SQL_SWEEP_FENCED, (cutoff, limit)) if self.has_fenced_log else 0
         return SweepResult(keys, fenced, cutoff)
 
     # -- operator side ---------------------------------------------------------------
@@ -476,7 +582,7 @@ class SqliteBackend:
         return sum(os.path.getsize(p) for p in (self.path, self.path + "-wal") if os.path.exists(p))
 
     def purge(self, principal: str, key: str, stale_before: int | None) -> PurgeResult:
-        rows = self._all(SQL_PURGE, (principal, key, stale_before, stale_before))
+        rows = self._write_all(SQL_PURGE, (principal, key, stale_before, stale_before))
         if rows:
             return PurgeResult(PurgeOutcome.PURGED, _row(rows[0]))
         row = self.lookup(principal, key)
