@@ -114,3 +114,39 @@ def unavailable(retry_after_ms: int) -> tuple[int, Headers, bytes]:
         {"error": "idempotency_ledger_unavailable", "message": "The idempotency ledger is unavailable; retry later."},
         (("Retry-After", str(max(1, math.ceil(retry_after_ms / 1000)))),),
     )
+
+
+# -- refusals of the WSGI middleware: the request body could not be read safely,
+# so nothing was claimed and the client may fix the request and retry.
+
+
+def length_required() -> tuple[int, Headers, bytes]:
+    return json_error(
+        411,
+        {"error": "content_length_required", "message": "A request body needs a Content-Length header."},
+    )
+
+
+def content_length_invalid() -> tuple[int, Headers, bytes]:
+    return json_error(
+        400,
+        {"error": "content_length_invalid", "message": "Content-Length must be a non-negative decimal integer."},
+    )
+
+
+def body_too_large(limit_bytes: int) -> tuple[int, Headers, bytes]:
+    return json_error(
+        413,
+        {
+            "error": "request_body_too_large",
+            "message": f"The request body exceeds {limit_bytes} bytes.",
+            "limit_bytes": limit_bytes,
+        },
+    )
+
+
+def body_incomplete() -> tuple[int, Headers, bytes]:
+    return json_error(
+        400,
+        {"error": "request_body_incomplete", "message": "The request body ended before Content-Length bytes arrived."},
+    )

@@ -1,0 +1,428 @@
+"""WSGI middleware: the whole Idempotency-Key contract in front of any WSGI app.
+
+The middleware reads the request body once, asks the ledger whether this
+request may run, runs the wrapped app at most once per (principal, key) and
+generation, and sends the answer that was stored, so the first caller and
+every retry get the same bytes. The bounded sweep runs from the `close()` of
+the iterable handed to the server, after the answer has gone out.
+
+>>> from idemctl import Ledger
+>>> from idemctl.wsgi import IdempotencyMiddleware
+>>> ledger = Ledger.open("idempotency.db"); ledger.init()  # doctest: +SKIP
+>>> app = IdempotencyMiddleware(app, ledger, principal=lambda environ: environ.get("REMOTE_USER"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+from collections.abc import Callable, Iterable, Iterator
+from http import HTTPStatus
+from types import TracebackType
+from typing import Union
+from urllib.parse import quote
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
+
+from . import responses
+from .errors import LedgerUnavailableError, StorageError
+from .ledger import Ledger
+from .outcomes import Answer, Outcome
+from .policy import Policy
+
+log = logging.getLogger("idemctl.wsgi")
+
+EnvironPredicate = Callable[[WSGIEnvironment], bool]
+ExcInfo = Union[tuple[type[BaseException], BaseException, TracebackType], tuple[None, None, None], None]
+
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+DEFAULT_UNAVAILABLE_RETRY_AFTER_MS = 1000
+REPLAYED_HEADER = "Idempotent-Replayed"
+PRINCIPAL_ENVIRON_KEY = "idemctl.principal"
+
+_READ_CHUNK = 64 * 1024
+_CONTENT_LENGTH = re.compile(r"[0-9]+\Z")
+_STATUS_LINE = re.compile(r"([0-9]{3}) ")
+# RFC 3986 pchar minus the unreserved set (which quote() never escapes): a
+# rebuilt path keeps the characters a client may send unescaped in a path.
+_PATH_SAFE = "/:@!$&'()*+,;="
+# RFC 9110 §15 status classes: the reason phrase of a code HTTPStatus does not know.
+_CLASS_PHRASES = {1: "Informational", 2: "Success", 3: "Redirection", 4: "Client Error", 5: "Server Error"}
+# Never a body: no Content-Length (RFC 9110 §8.6 forbids it on 204) and no Content-Type.
+_NO_LENGTH_STATUSES = frozenset({204, 304})
+
+
+class _Refused(Exception):
+    """The request cannot be let through; carries the JSON answer to send."""
+
+    def __init__(self, answer: tuple[int, responses.Headers, bytes]) -> None:
+        super().__init__(answer[0])
+        self.answer = answer
+
+
+def request_target(environ: WSGIEnvironment) -> str:
+    """The request target the fingerprint covers: path and query as received.
+
+    `RAW_URI` (gunicorn) or `REQUEST_URI` (uWSGI, mod_wsgi) verbatim when the
+    server provides one; otherwise rebuilt as PEP 3333 describes from
+    `SCRIPT_NAME` + `PATH_INFO` (percent-encoded again, since servers decode
+    them) and `QUERY_STRING` (never decoded), with no `?` when the query is
+    empty. An absolute-form target (`http://host/path`) is reduced to its path.
+
+    >>> request_target({"SCRIPT_NAME": "/api", "PATH_INFO": "/orders", "QUERY_STRING": "b=2&a=1"})
+    '/api/orders?b=2&a=1'
+    """
+    raw = environ.get("RAW_URI") or environ.get("REQUEST_URI")
+    if raw:
+        return _origin_form(str(raw))
+    # PEP 3333 strings carry the raw bytes as latin-1: recover them before quoting.
+    path = (environ.get("SCRIPT_NAME", "") or "") + (environ.get("PATH_INFO", "") or "")
+    target = quote(path.encode("latin-1", "replace"), safe=_PATH_SAFE) or "/"
+    query = environ.get("QUERY_STRING", "") or ""
+    return f"{target}?{query}" if query else target
+
+
+def _origin_form(target: str) -> str:
+    if target.startswith("/") or "://" not in target:
+        return target
+    rest = target.split("://", 1)[1]
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    tail = rest[cut:]
+    return tail if tail.startswith("/") else "/" + tail
+
+
+def environ_headers(environ: WSGIEnvironment, names: Iterable[str]) -> list[tuple[str, str]]:
+    """The named request headers (lower-case names) as the environ carries them.
+
+    >>> environ_headers({"CONTENT_TYPE": "application/json", "HTTP_X_API_VERSION": "2"}, ["content-type", "x-api-version"])
+    [('content-type', 'application/json'), ('x-api-version', '2')]
+    """
+    out = []
+    for name in names:
+        lname = name.lower()
+        if lname in ("content-type", "content-length"):
+            var = lname.upper().replace("-", "_")
+        else:
+            var = "HTTP_" + lname.upper().replace("-", "_")
+        value = environ.get(var)
+        if value is not None:
+            out.append((lname, str(value)))
+    return out
+
+
+def _read_body(environ: WSGIEnvironment, limit: int) -> bytes:
+    """Read the request body once, completely, refusing what cannot be read safely.
+
+    Exactly `CONTENT_LENGTH` bytes; to the end of the stream when there is no
+    Content-Length and the server marks the input terminated (chunked
+    uploads); empty when the request announces no body. Raises `_Refused`
+    with the JSON answer (400, 411 or 413) otherwise.
+    """
+    stream = environ["wsgi.input"]
+    declared = str(environ.get("CONTENT_LENGTH", "") or "").strip(" \t")
+    if declared:
+        if not _CONTENT_LENGTH.match(declared):
+            raise _Refused(responses.content_length_invalid())
+        length = int(declared)
+        if length > limit:
+            raise _Refused(responses.body_too_large(limit))
+        return _read_exactly(stream, length)
+    if environ.get("wsgi.input_terminated"):
+        return _read_to_end(stream, limit)
+    if environ.get("HTTP_TRANSFER_ENCODING"):
+        # A body is coming but the server cannot tell us where it ends.
+        raise _Refused(responses.length_required())
+    return b""
+
+
+def _read_exactly(stream: io.RawIOBase, length: int) -> bytes:
+    parts: list[bytes] = []
+    remaining = length
+    while remaining > 0:
+        try:
+            chunk = stream.read(min(remaining, _READ_CHUNK))
+        except OSError as exc:  # gunicorn's NoMoreData and socket errors: the client left
+            log.info("client disconnected mid-body after %d of %d bytes: %s", length - remaining, length, exc)
+            raise _Refused(responses.body_incomplete()) from exc
+        if not chunk:
+            raise _Refused(responses.body_incomplete())
+        parts.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(parts)
+
+
+def _read_to_end(stream: io.RawIOBase, limit: int) -> bytes:
+    parts: list[bytes] = []
+    total = 0
+    while True:
+        try:
+            chunk = stream.read(_READ_CHUNK)
+        except OSError as exc:
+            raise _Refused(responses.body_incomplete()) from exc
+        if not chunk:
+            return b"".join(parts)
+        total += len(chunk)
+        if total > limit:
+            raise _Refused(responses.body_too_large(limit))
+        parts.append(chunk)
+
+
+def status_line(status: int) -> str:
+    """The WSGI status string for a stored status code. Replays only know the
+    code, so the first answer uses the same standard phrase to stay identical.
+
+    >>> status_line(201), status_line(299)
+    ('201 Created', '299 Success')
+    """
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = _CLASS_PHRASES.get(status // 100, "Unknown")
+    return f"{status} {phrase}"
+
+
+class _Captured:
+    """The wrapped app's complete answer, collected instead of sent (PEP 3333
+    start_response / write / iterable / exc_info semantics)."""
+
+    def __init__(self) -> None:
+        self.status: str | None = None
+        self.headers: list[tuple[str, str]] = []
+        self.chunks: list[bytes] = []
+        # What a streaming server would already have put on the wire: once a
+        # non-empty chunk is out, the headers are committed.
+        self.headers_sent = False
+
+    def start_response(
+        self, status: str, headers: list[tuple[str, str]], exc_info: ExcInfo = None
+    ) -> Callable[[bytes], object]:
+        if exc_info:
+            try:
+                if self.headers_sent:
+                    raise exc_info[1].with_traceback(exc_info[2])  # type: ignore[union-attr]
+            finally:
+                exc_info = None  # break the traceback reference cycle
+        elif self.status is not None:
+            raise AssertionError("start_response was called a second time without exc_info")
+        if not isinstance(status, str) or not _STATUS_LINE.match(status):
+            raise ValueError(f"WSGI status must be a string like '201 Created', got {status!r}")
+        self.status = status
+        self.headers = [(str(k), str(v)) for k, v in headers]
+        return self.write
+
+    def write(self, data: bytes) -> None:
+        if self.status is None:
+            raise AssertionError("write() was called before start_response()")
+        self._append(data)
+
+    def _append(self, data: bytes) -> None:
+        if not isinstance(data, bytes):
+            raise TypeError(f"a WSGI app must produce bytes, got {type(data).__name__}")
+        if data:
+            self.headers_sent = True
+            self.chunks.append(data)
+
+    def consume(self, result: Iterable[bytes]) -> None:
+        try:
+            for chunk in result:
+                self._append(chunk)
+        finally:
+            close = getattr(result, "close", None)
+            if close is not None:
+                close()
+
+    def answer(self) -> tuple[int, list[tuple[str, str]], bytes]:
+        if self.status is None:
+            raise AssertionError("the application returned without calling start_response()")
+        return int(self.status[:3]), self.headers, b"".join(self.chunks)
+
+
+class _Run:
+    """One execution of the wrapped app, as `Ledger.handle` calls it."""
+
+    def __init__(self, app: WSGIApplication, environ: WSGIEnvironment) -> None:
+        self.app = app
+        self.environ = environ
+        self.started = False
+        self.raised = False
+        self.result: tuple[int, list[tuple[str, str]], bytes] | None = None
+
+    def __call__(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+        self.started = True
+        environ = dict(self.environ)
+        # The app gets the body the fingerprint covered, de-chunked, with its length.
+        environ["wsgi.input"] = io.BytesIO(body)
+        environ["CONTENT_LENGTH"] = str(len(body))
+        environ["wsgi.input_terminated"] = True
+        environ.pop("HTTP_TRANSFER_ENCODING", None)
+        captured = _Captured()
+        try:
+            captured.consume(self.app(environ, captured.start_response))
+            self.result = captured.answer()
+        except BaseException:
+            self.raised = True
+            raise
+        return self.result
+
+
+class _Body:
+    """The iterable handed to the server. Its close() runs the post-response
+    housekeeping, so the sweep never delays the answer (PEP 3333: the server
+    calls close() once the response has been sent)."""
+
+    def __init__(self, body: bytes, after: Callable[[], object] | None) -> None:
+        self._chunks = [body] if body else []
+        self._after = after
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._chunks)
+
+    def close(self) -> None:
+        after, self._after = self._after, None
+        if after is None:
+            return
+        try:
+            after()
+        except Exception:  # the answer is already out; a failed sweep must not turn into a 500
+            log.exception("post-response housekeeping failed")
+
+
+class IdempotencyMiddleware:
+    """Wrap a WSGI app so every protected request honours its Idempotency-Key.
+
+    `principal(environ)` returns the caller's identity from the app's own auth
+    layer (an account id, `REMOTE_USER`, a session), or None to refuse with
+    401; never a value the client controls directly. Methods the ledger's
+    `Policy` does not protect pass straight through, as do requests for which
+    `exempt(environ)` is true, and requests without an `Idempotency-Key`
+    header for which `key_optional(environ)` is true.
+
+    >>> ledger = Ledger.open("idempotency.db"); ledger.init()  # doctest: +SKIP
+    >>> app = IdempotencyMiddleware(app, ledger, principal=lambda env: env.get("REMOTE_USER"),
+    ...                             exempt=lambda env: env["PATH_INFO"] == "/login")  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        app: WSGIApplication,
+        ledger: Ledger,
+        *,
+        principal: Callable[[WSGIEnvironment], str | None],
+        exempt: EnvironPredicate | None = None,
+        key_optional: EnvironPredicate | None = None,
+        release_on_error: bool | EnvironPredicate = False,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        replayed_header: bool = False,
+        unavailable_retry_after_ms: int = DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
+    ) -> None:
+        if not callable(principal):
+            raise TypeError("principal must be a callable environ -> str | None")
+        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 0:
+            raise ValueError(f"max_body_bytes must be an integer >= 0, got {max_body_bytes!r}")
+        if isinstance(unavailable_retry_after_ms, bool) or not isinstance(unavailable_retry_after_ms, int) or unavailable_retry_after_ms < 1:
+            raise ValueError(f"unavailable_retry_after_ms must be an integer >= 1, got {unavailable_retry_after_ms!r}")
+        self.app = app
+        self.ledger = ledger
+        self.principal = principal
+        self.exempt = exempt
+        self.key_optional = key_optional
+        self.release_on_error = release_on_error
+        self.max_body_bytes = max_body_bytes
+        self.replayed_header = replayed_header
+        self.unavailable_retry_after_ms = unavailable_retry_after_ms
+
+    @property
+    def policy(self) -> Policy:
+        return self.ledger.policy
+
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        method = str(environ.get("REQUEST_METHOD", "GET")).upper()
+        if not self.policy.protects(method) or (self.exempt is not None and self.exempt(environ)):
+            return self.app(environ, start_response)
+        key = environ.get("HTTP_IDEMPOTENCY_KEY")
+        if key is None and self.key_optional is not None and self.key_optional(environ):
+            return self.app(environ, start_response)
+
+        who = self.principal(environ)
+        if who is not None and not isinstance(who, str):
+            raise TypeError(f"principal() must return str or None, got {type(who).__name__}")
+        if not who:
+            return self._send(start_response, responses.unauthenticated())
+        try:
+            body = _read_body(environ, self.max_body_bytes)
+        except _Refused as refused:
+            return self._send(start_response, refused.answer)
+
+        inner = dict(environ)
+        inner[PRINCIPAL_ENVIRON_KEY] = who
+        run = _Run(self.app, inner)
+        release = self.release_on_error(environ) if callable(self.release_on_error) else bool(self.release_on_error)
+        target = request_target(environ)
+        headers = environ_headers(environ, self.policy.fingerprint_headers)
+        try:
+            answer = self.ledger.handle(who, key, method, target, headers, body, run, release_on_error=release)
+        except StorageError as exc:
+            if run.raised:
+                raise  # the app's own error, not the ledger's
+            if not run.started:
+                return self._unavailable(start_response, exc, method, target)
+            return self._send(start_response, self._unstored(who, key, run, exc))
+        return self._send(start_response, answer, answer)
+
+    # -- answers --------------------------------------------------------------------
+    def _send(
+        self,
+        start_response: StartResponse,
+        reply: tuple[int, tuple[tuple[str, str], ...], bytes] | Answer,
+        answer: Answer | None = None,
+    ) -> _Body:
+        status, headers, body = reply  # type: ignore[misc]
+        out = [(str(k), str(v)) for k, v in headers]
+        if status in _NO_LENGTH_STATUSES:
+            # No content, so nothing for a Content-Type to describe (frameworks
+            # add one by default; wsgiref.validate rejects it).
+            out = [(k, v) for k, v in out if k.lower() != "content-type"]
+        if answer is not None and answer.outcome is Outcome.REPLAYED and self.replayed_header:
+            out.append((REPLAYED_HEADER, "true"))
+        if status >= 200 and status not in _NO_LENGTH_STATUSES:
+            out.append(("Content-Length", str(len(body))))
+        start_response(status_line(status), out)
+        after = None
+        if answer is not None:
+            ledger = self.ledger
+            after = lambda: ledger.after_response(answer)  # noqa: E731
+        return _Body(body, after)
+
+    def _unavailable(self, start_response: StartResponse, exc: StorageError, method: str, target: str) -> _Body:
+        # Fail closed: an unprotected mutation is worse than a refused one.
+        level = logging.WARNING if isinstance(exc, LedgerUnavailableError) else logging.ERROR
+        log.log(level, "idempotency ledger unavailable, refused %s %s with 503: %s", method, target, exc)
+        return self._send(start_response, responses.unavailable(self.unavailable_retry_after_ms))
+
+    def _unstored(self, principal: str, key: str, run: _Run, exc: StorageError) -> tuple[int, responses.Headers, bytes]:
+        # The mutation ran but its answer could not be stored. Telling the client
+        # to retry would invite a second run once the reservation goes stale, so
+        # it gets what the app computed, shaped exactly as a stored answer.
+        assert run.result is not None
+        status, headers, body = run.result
+        log.error(
+            "principal=%s key=%s: the mutation ran but its answer (status %d) could not be stored: %s — "
+            "the reservation stays pending and a retry after the TTL will run it again",
+            principal,
+            key,
+            status,
+            exc,
+        )
+        stored = responses.to_store(status, headers, body, self.policy)
+        return responses.from_stored(stored.status, stored.body, stored.headers_json)
+
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "IdempotencyMiddleware",
+    "PRINCIPAL_ENVIRON_KEY",
+    "REPLAYED_HEADER",
+    "environ_headers",
+    "request_target",
+    "status_line",
+]
