@@ -107,16 +107,18 @@ RETURNING generation
 
 # PostgreSQL has no DELETE ... LIMIT. The batch is bounded by an InitPlan that
 # walks idx_idempotency_keys_updated_at oldest first and collects at most N
-# row addresses; the delete then fetches exactly those by TID Scan. The outer
-# `updated_at < cutoff` is not redundant: if a takeover refreshes one of the
-# chosen rows while this statement waits for its lock, PostgreSQL re-checks the
-# outer quals on the new row version, and only this one rejects it (the TID
-# condition is not re-checked on PostgreSQL <= 16).
+# row addresses (ctid); the delete then visits exactly those by TID Scan.
+# If a takeover refreshes a chosen row while this statement waits for its row
+# lock, READ COMMITTED re-checks the quals against the version the takeover
+# committed. PostgreSQL re-checks the TID condition itself; the outer cutoff
+# test is there so that an engine that does not still skips the refreshed
+# row. It is written `updated_at + 0` so the planner cannot answer it with a
+# second index scan over the whole backlog instead of the TID Scan.
 SQL_SWEEP = """
 DELETE FROM idempotency_keys
 WHERE ctid = ANY(ARRAY(
   SELECT ctid FROM idempotency_keys WHERE updated_at < %(cutoff)s ORDER BY updated_at LIMIT %(limit)s
-)) AND updated_at < %(cutoff)s
+)) AND updated_at + 0 < %(cutoff)s
 """
 
 SQL_SWEEP_FENCED = """
