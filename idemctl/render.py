@@ -1,0 +1,166 @@
+"""Words and JSON documents for what the ledger returns.
+
+Plain-text functions (no rich) so the CLI, the simulator and tests share one
+wording; `*_json` functions define the stable `--json` field names in one
+place (README "JSON field reference" documents them)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from .durations import ago, human_duration, iso
+from .outcomes import FencedEvent, RowView, State, Stats, Status, StoredRow
+from .responses import NULL_BODY_STATUSES, OVERSIZE_STATUS
+
+
+def state_words(view: RowView) -> str:
+    """What a row means right now, in one sentence an operator can act on.
+
+    >>> state_words(view)  # doctest: +SKIP
+    'pending, 12 s old: retries get 409 for 18 s more, then the next retry takes over as generation 3'
+    """
+    row, now = view.row, view.now
+    age = human_duration(max(0, view.age_ms))
+    nxt = row.generation + 1
+    if view.state is State.PENDING_FRESH:
+        left = human_duration(view.takeover_in_ms or 0)
+        return f"pending, {age} old: retries get 409 for {left} more, then the next retry takes over as generation {nxt}"
+    if view.state is State.PENDING_STALE:
+        return (
+            f"pending, {age} old, past the {human_duration(view.pending_ttl_ms)} TTL: "
+            f"the next retry takes over as generation {nxt}"
+        )
+    if view.state is State.COMPLETED:
+        until = view.replay_until or view.sweep_after
+        return f"completed {age} ago: replayed until {iso(until)} ({ago(until, now)}); swept after {iso(view.sweep_after)}"
+    # EXPIRED: past retention. The row still exists, so the request path still
+    # treats it by status until a sweep deletes it.
+    retention = human_duration(view.retention_ms)
+    if row.status is Status.COMPLETED:
+        return (
+            f"completed {age} ago, past the {retention} retention: still replayed until a sweep deletes it "
+            f"(any sweep since {iso(view.sweep_after)}); after that a retry runs the mutation again"
+        )
+    return (
+        f"pending, {age} old, past the {retention} retention: the next retry takes over as generation {nxt}, "
+        f"or a sweep deletes it"
+    )
+
+
+def takeovers_words(generation: int) -> str:
+    """``"2 (taken over once)"``."""
+    n = generation - 1
+    if n == 0:
+        return f"{generation} (never taken over)"
+    if n == 1:
+        return f"{generation} (taken over once)"
+    return f"{generation} (taken over {n} times)"
+
+
+def is_oversize_sentinel(row: StoredRow) -> bool:
+    """A completed 500 with a NULL body is what the ledger stores when the real
+    body exceeded the cap (a handler's own empty 500 is stored as "")."""
+    return row.status is Status.COMPLETED and row.response_body is None and row.response_status == OVERSIZE_STATUS
+
+
+def body_kind(row: StoredRow) -> str:
+    """One of ``none``, ``oversize``, ``empty``, ``json``, ``text``, ``blob``."""
+    if row.status is not Status.COMPLETED or (row.response_body is None and not is_oversize_sentinel(row)):
+        return "none"
+    if is_oversize_sentinel(row):
+        return "oversize"
+    if isinstance(row.response_body, (bytes, bytearray, memoryview)):
+        return "blob"
+    if row.response_body == "" or row.response_status in NULL_BODY_STATUSES:
+        return "empty"
+    try:
+        json.loads(row.response_body)  # type: ignore[arg-type]
+    except ValueError:
+        return "text"
+    return "json"
+
+
+def row_json(row: StoredRow) -> dict[str, Any]:
+    """The stored columns, body decoded per its kind."""
+    kind = body_kind(row)
+    raw = row.body_bytes
+    response: dict[str, Any] | None = None
+    if row.status is Status.COMPLETED:
+        response = {
+            "status": row.response_status,
+            "headers": row.headers,
+            "body_kind": kind,
+            "body_bytes": None if raw is None else len(raw),
+            "body": row.response_body if isinstance(row.response_body, str) else None,
+            "body_base64": base64.b64encode(raw).decode("ascii") if kind == "blob" and raw is not None else None,
+            "oversize_sentinel": kind == "oversize",
+        }
+    return {
+        "principal": row.principal,
+        "key": row.key,
+        "status": row.status.value,
+        "generation": row.generation,
+        "takeovers": row.generation - 1,
+        "fingerprint": row.fingerprint,
+        "created_at": row.created_at,
+        "updated_at": row.updated_at,
+        "response": response,
+    }
+
+
+def view_json(view: RowView) -> dict[str, Any]:
+    doc = row_json(view.row)
+    doc.update(
+        {
+            "state": view.state.value,
+            "state_text": state_words(view),
+            "now": view.now,
+            "age_ms": view.age_ms,
+            "pending_ttl_ms": view.pending_ttl_ms,
+            "retention_ms": view.retention_ms,
+            "takeover_at": view.takeover_at,
+            "takeover_in_ms": view.takeover_in_ms,
+            "takes_over_now": view.state in (State.PENDING_STALE, State.EXPIRED) and view.row.status is Status.PENDING,
+            "replay_until": view.replay_until,
+            "sweep_after": view.sweep_after,
+        }
+    )
+    return doc
+
+
+def event_json(event: FencedEvent) -> dict[str, Any]:
+    return {
+        "id": event.id,
+        "principal": event.principal,
+        "key": event.key,
+        "superseded_generation": event.superseded_generation,
+        "current_generation": event.current_generation,
+        "computed_status": event.computed_status,
+        "fenced_at": event.fenced_at,
+    }
+
+
+def stats_json(stats: Stats) -> dict[str, Any]:
+    return {
+        "now": stats.now,
+        "total": stats.total,
+        "pending_fresh": stats.pending_fresh,
+        "pending_stale": stats.pending_stale,
+        "completed": stats.completed,
+        "expired": stats.expired,
+        "taken_over": stats.taken_over,
+        "fenced_out_events": stats.fenced_out_events,
+        "oldest_pending_at": stats.oldest_pending_at,
+        "oldest_completed_at": stats.oldest_completed_at,
+        "oldest_row_at": stats.oldest_row_at,
+        "storage_bytes": stats.storage_bytes,
+        "schema_version": stats.schema_version,
+    }
+
+
+def fenced_words(event: FencedEvent) -> str:
+    """``generation 1 (computed 201) was superseded by generation 2``."""
+    by = "a deleted row" if event.current_generation is None else f"generation {event.current_generation}"
+    return f"generation {event.superseded_generation} (computed {event.computed_status}) was superseded by {by}"
