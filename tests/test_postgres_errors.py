@@ -38,6 +38,18 @@ def server(postgres_server: str) -> str:
     return f"{params.get('host', '127.0.0.1')}:{params.get('port', 5432)}"
 
 
+@pytest.fixture
+def pg_count_connections(ledger_target: str):
+    """How many server connections this test's ledgers hold right now."""
+    app = ledger_target.rsplit("application_name=", 1)[1]
+
+    def count() -> int:
+        with psycopg.connect(ledger_target.replace(app, "idemctl-test-observer"), autocommit=True) as conn:
+            return int(conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (app,)).fetchone()[0])
+
+    return count
+
+
 def single_line_without_secret(exc: BaseException) -> str:
     text = str(exc)
     assert "\n" not in text and "\t" not in text
@@ -174,7 +186,21 @@ def test_readonly_ledger_reads_but_every_write_is_read_only_error(make_ledger, l
         reader.close()
 
 
-def test_closed_ledger_refuses_with_a_storage_error(ledger) -> None:
+def test_a_closed_ledger_used_again_reconnects_like_sqlite(ledger, pg_count_connections) -> None:
+    ledger.claim("acct", "k", "fp")
+    assert pg_count_connections() >= 1
     ledger.close()
-    with pytest.raises(StorageError, match=r"is closed"):
-        ledger.claim("acct", "k", "fp")
+    assert pg_count_connections() == 0
+    assert ledger.lookup("acct", "k") is not None
+    assert pg_count_connections() >= 1
+
+
+def test_several_hosts_in_the_url_report_one_reason_per_host(server: str) -> None:
+    host = server.split(":")[0]
+    ledger = Ledger.open(f"postgresql://app:{SECRET}@{host}:1,{host}:2/test")
+    with pytest.raises(ConnectionFailedError) as caught:
+        ledger.stats()
+    assert single_line_without_secret(caught.value) == (
+        f"cannot reach PostgreSQL at postgresql://app@{host}:1,{host}:2/test: "
+        f"{host}:1: Connection refused; {host}:2: Connection refused"
+    )

@@ -220,6 +220,29 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def _libpq_reason(text: str) -> str:
+    """The reason inside libpq's connection error, without the parts the
+    caller already shows (which server) or that add nothing (hint lines).
+    With several hosts in the URL, one `host:port: reason` per host."""
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("\t")]
+    if "All failures were:" in text:
+        per_host = []
+        for line in lines:
+            m = re.match(r"- host: '([^']*)', port: '([^']*)'(?:, hostaddr: '[^']*')?: (.*)", line)
+            if m:
+                per_host.append(f"{m.group(1)}:{m.group(2)}: {_libpq_reason(m.group(3))}")
+        if per_host:
+            return "; ".join(per_host)
+    reasons: list[str] = []
+    for line in lines:
+        line = line.strip().removeprefix("connection failed: ")
+        line = re.sub(r'^connection to server (?:at|on socket) "[^"]*"(?: \([^)]*\))?(?:, port \d+)? failed: ', "", line)
+        line = re.sub(r"^FATAL:\s+", "", line)
+        if line not in reasons:
+            reasons.append(line)
+    return _one_line("; ".join(reasons)) or "connection failed"
+
+
 def _split_pool_params(url: str) -> tuple[str, dict[str, str]]:
     """Take idemctl's pool_* parameters out of the query string, leaving the
     rest of the URL byte for byte as given."""
@@ -322,7 +345,6 @@ class PostgresBackend:
         # Pools inherited across fork stay referenced and untouched: closing
         # one in the child would shut down sockets the parent still uses.
         self._inherited: list[ConnectionPool] = []
-        self._closed = False
         self._has_fenced_log: bool | None = None
 
     @staticmethod
@@ -383,8 +405,6 @@ class PostgresBackend:
         if pool is not None and self._pid == pid:
             return pool
         with self._lock:
-            if self._closed:
-                raise StorageError(f"the ledger at {self.describe()} is closed")
             if self._pid != pid:
                 # First use after a fork: leave the parent's pool alone.
                 if self._pool is not None:
@@ -404,8 +424,8 @@ class PostgresBackend:
             raise self._translate(exc) from exc
 
     def close(self) -> None:
+        # As on SQLite, a closed backend that is used again reconnects.
         with self._lock:
-            self._closed = True
             pool, self._pool = self._pool, None
             mine = self._pid == os.getpid()
         if pool is not None and mine:
@@ -442,14 +462,14 @@ class PostgresBackend:
         if state == "42501":
             return StorageError(f"permission denied on {where}: {msg}")
         if state == "3D000" or (connecting and re.search(r'database "[^"]*" does not exist', msg)):
-            return LedgerNotFoundError(f"cannot open the ledger at {where}: {msg}")
+            return LedgerNotFoundError(f"cannot open the ledger at {where}: {self._scrub(_libpq_reason(primary or str(exc)))}")
         if (
             connecting
             or state in _GONE_STATES
             or (state or "").startswith("08")
             or (isinstance(exc, psycopg.OperationalError) and state is None)
         ):
-            detail = msg.removeprefix("connection failed: ")
+            detail = self._scrub(_libpq_reason(primary or str(exc)))
             return ConnectionFailedError(f"cannot reach PostgreSQL at {where}: {detail}")
         if isinstance(exc, psycopg.DataError) and "NUL" in msg:
             return StorageError(f"PostgreSQL cannot store a NUL character in a text column ({msg})")
