@@ -133,3 +133,20 @@ def test_cli_init_then_inspect_against_postgres(ledger_target: str) -> None:
     assert shown["response"]["status"] == 201 and shown["response"]["body_base64"] == "AP8="  # b"\x00\xff"
     again = idemctl("--db", ledger_target, "init")
     assert again.returncode == 0 and again.stdout.strip() == f"{where}: already up to date (schema version 1)"
+
+
+def test_readme_postgres_example_runs_against_the_test_server(ledger_target: str, tmp_path) -> None:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## PostgreSQL\n", 1)[1].split("\n## ", 1)[0]
+    [example] = re.findall(r"```python\n(.*?)```", section, re.S)
+    shown = "postgresql://app:secret@db.internal:5432/payments?"
+    assert shown in example
+    code = example.replace(shown, ledger_target + "&")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "created (schema version 1)\n"
+    again = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert again.stdout == "already up to date (schema version 1)\n"
