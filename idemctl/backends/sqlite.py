@@ -299,35 +299,40 @@ class SqliteBackend:
         local.queue_fd = fd
         return fd
 
-    @contextlib.contextmanager
-    def _writer_turn(self, conn: sqlite3.Connection) -> Iterator[None]:
-        """Hold this database's writer queue for one write statement.
+    def _enter_queue(self, conn: sqlite3.Connection) -> tuple[int | None, bool]:
+        """Wait for this database's writer queue; returns (fd to unlock, shortened).
 
         The wait in flock counts against the busy timeout: once the lock is
         ours, SQLite gets only what is left of it, so a queue stuck behind a
         foreign writer fails within one busy timeout, not one per waiter."""
-        fd = self._queue_fd()
+        fd = self._local.queue_fd
+        if fd is _UNOPENED:
+            fd = self._queue_fd()
         if fd is None:
-            yield
-            return
+            return None, False
         started = time.monotonic()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:  # e.g. ENOLCK on a file system without flock: SQLite alone decides
-            yield
-            return
+            return None, False
         waited_ms = int((time.monotonic() - started) * 1000)
-        shortened = waited_ms > 0
+        if waited_ms <= 0:
+            return fd, False
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {max(0, self.busy_timeout_ms - waited_ms)}")
+        except BaseException:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            raise
+        return fd, True
+
+    def _leave_queue(self, conn: sqlite3.Connection, fd: int | None, shortened: bool) -> None:
+        if fd is None:
+            return
         try:
             if shortened:
-                conn.execute(f"PRAGMA busy_timeout = {max(0, self.busy_timeout_ms - waited_ms)}")
-            yield
+                conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
         finally:
-            try:
-                if shortened:
-                    conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
         with self._lock:
@@ -388,17 +393,25 @@ class SqliteBackend:
 
     # Writes go through the writer queue; reads never wait in it (WAL readers
     # do not block writers, nor writers readers).
+    # (Plain try/finally rather than a context manager: this runs twice per
+    # request, and the generator machinery cost more than the flock calls.)
     def _write_all(self, sql: str, params: tuple | dict = ()) -> list[tuple]:
         with self._errors():
             conn = self._conn()
-            with self._writer_turn(conn):
+            fd, shortened = self._enter_queue(conn)
+            try:
                 return conn.execute(sql, params).fetchall()
+            finally:
+                self._leave_queue(conn, fd, shortened)
 
     def _write_run(self, sql: str, params: tuple = ()) -> int:
         with self._errors():
             conn = self._conn()
-            with self._writer_turn(conn):
+            fd, shortened = self._enter_queue(conn)
+            try:
                 return conn.execute(sql, params).rowcount
+            finally:
+                self._leave_queue(conn, fd, shortened)
 
     # -- schema -----------------------------------------------------------------
     def _version_from(self, db: sqlite_utils.Database) -> int | None:
