@@ -153,7 +153,7 @@ def test_lock_timeout_in_the_url_options_wins_over_the_busy_timeout(ledger_targe
     reservation = ledger.claim("acct", "k", "fp")
     with psycopg.connect(ledger_target) as holder:
         holder.execute("SELECT * FROM idempotency_keys WHERE key = 'k' FOR UPDATE")
-        timer = threading.Timer(5, holder.cancel)  # never hang the suite if the option were ignored
+        timer = threading.Timer(5, holder.rollback)  # releases the lock: never hang the suite if the option were ignored
         timer.start()
         started = time.monotonic()
         try:
@@ -204,3 +204,19 @@ def test_several_hosts_in_the_url_report_one_reason_per_host(server: str) -> Non
         f"cannot reach PostgreSQL at postgresql://app@{host}:1,{host}:2/test: "
         f"{host}:1: Connection refused; {host}:2: Connection refused"
     )
+
+
+def test_zero_busy_timeout_means_do_not_wait_not_wait_forever(make_ledger, ledger_target: str) -> None:
+    ledger = make_ledger(busy_timeout_ms=0)
+    reservation = ledger.claim("acct", "k", "fp")
+    with psycopg.connect(ledger_target) as holder:
+        holder.execute("SELECT * FROM idempotency_keys WHERE key = 'k' FOR UPDATE")
+        timer = threading.Timer(5, holder.rollback)  # releases the lock: never hang the suite if it did wait
+        timer.start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(DatabaseLockedError):
+                ledger.complete(reservation, 201, {}, b"ok")
+        finally:
+            timer.cancel()
+        assert time.monotonic() - started < 2

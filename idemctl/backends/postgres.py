@@ -331,7 +331,9 @@ class PostgresBackend:
         self.pool_timeout_s = float(pool_timeout_s)
         # Session settings ride in libpq's `options`, ahead of the URL's own,
         # so an explicit `-c lock_timeout=…` in the URL still wins.
-        ours = [f"-c lock_timeout={self.busy_timeout_ms}"]
+        # lock_timeout=0 would mean "wait forever"; a zero busy timeout means
+        # "do not wait", as on SQLite.
+        ours = [f"-c lock_timeout={max(1, self.busy_timeout_ms)}"]
         if readonly:
             ours.append("-c default_transaction_read_only=on")
         options = " ".join([*ours, str(params["options"])] if params.get("options") else ours)
