@@ -51,19 +51,20 @@ def postgres_server() -> str:
     url = os.environ.get(POSTGRES_URL_ENV, DEFAULT_POSTGRES_URL)
     reason = None
     try:
-        import psycopg
-        import psycopg_pool  # noqa: F401
+        from idemctl.backends.postgres import PostgresBackend
     except ImportError as exc:
         reason = f"PostgreSQL tests need the driver: pip install -e '.[postgres]' ({exc.name} is missing)"
     else:
-        try:
-            with psycopg.connect(url, connect_timeout=3, autocommit=True):
-                pass
-        except psycopg.Error as exc:
-            from idemctl.backends.postgres import PostgresBackend
+        from idemctl import StorageError
 
-            shown = PostgresBackend(url).describe()
-            reason = f"no PostgreSQL test server at {shown} (set {POSTGRES_URL_ENV}): {' '.join(str(exc).split())}"
+        try:
+            probe = PostgresBackend(url, busy_timeout_ms=3000)
+            try:
+                probe.schema_version()
+            finally:
+                probe.close()
+        except StorageError as exc:
+            reason = f"{exc} (set {POSTGRES_URL_ENV} to use another server)"
     if reason is not None:
         if os.environ.get("CI"):
             pytest.fail(f"CI runs the PostgreSQL half of the suite: {reason}", pytrace=False)
