@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, Optional
 
-import click
 import typer
 from rich import box
 from rich.console import Console
@@ -37,15 +36,13 @@ from .policy import Policy
 from .render import (
     body_kind,
     event_json,
-    fenced_words,
-    row_json,
     state_words,
     stats_json,
     takeovers_words,
     view_json,
 )
 from .schema import SCHEMA_VERSION
-from .simulate import BUILTIN_NAMES, Event, Op, StepOutcome, Timeline, builtin, load_scenario_file, run_scenario
+from .simulate import BUILTIN_NAMES, Event, Op, Timeline, builtin, load_scenario_file, run_scenario
 
 # Exit codes: part of the interface, documented in `idemctl --help` and the README.
 EXIT_OK = 0
@@ -80,19 +77,19 @@ def _one_line(message: object) -> str:
 
 
 def _say_error(message: object) -> None:
-    # click.echo, not rich: rich would wrap a long message onto several lines.
-    click.echo(f"{click.style('error:', fg='red', bold=True)} {_one_line(message)}", err=True)
+    # typer.echo, not rich: rich would wrap a long message onto several lines.
+    typer.echo(f"{typer.style('error:', fg='red', bold=True)} {_one_line(message)}", err=True)
 
 
 def _say_no(message: object) -> None:
-    click.echo(_one_line(message), err=True)
+    typer.echo(_one_line(message), err=True)
 
 
 class IdemctlGroup(TyperGroup):
     """Maps every deliberate error to one stderr line and an exit code, for
     every command at once, so no command can forget to."""
 
-    def invoke(self, ctx: click.Context) -> Any:
+    def invoke(self, ctx: typer.Context) -> Any:
         try:
             return super().invoke(ctx)
         except IdemctlError as exc:
@@ -151,7 +148,7 @@ PrincipalOpt = Annotated[str, typer.Option("--principal", "-p", help="The princi
 
 def _version(value: bool) -> None:
     if value:
-        click.echo(f"idemctl {__version__}")
+        typer.echo(f"idemctl {__version__}")
         raise typer.Exit()
 
 
@@ -187,14 +184,18 @@ def _global(
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
-    source = ctx.get_parameter_source("db")
     ctx.obj = Settings(
         db=db,
-        db_on_command_line=source is click.core.ParameterSource.COMMANDLINE,
+        db_on_command_line=_from_command_line(ctx, "db"),
         ttl_ms=ttl,
         retention_ms=retention,
         busy_timeout_ms=busy_timeout,
     )
+
+
+def _from_command_line(ctx: typer.Context, name: str) -> bool:
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
 
 
 def _settings(ctx: typer.Context) -> Settings:
@@ -248,7 +249,7 @@ def _console() -> Console:
 
 
 def _emit_json(doc: object) -> None:
-    click.echo(json.dumps(doc, indent=2, ensure_ascii=False))
+    typer.echo(json.dumps(doc, indent=2, ensure_ascii=False))
 
 
 def _limit(value: int) -> int | None:
@@ -276,24 +277,24 @@ def init(
         try:
             ledger = Ledger.open(target, create=False, readonly=True, busy_timeout_ms=s.busy_timeout_ms)
         except LedgerNotFoundError:
-            click.echo(f"{target}: would create a new ledger (schema version {SCHEMA_VERSION}); nothing written")
+            typer.echo(f"{target}: would create a new ledger (schema version {SCHEMA_VERSION}); nothing written")
             return
         with ledger:
             result = ledger.init(dry_run=True)
             where = ledger.backend.describe()
         if result.action is InitAction.UP_TO_DATE:
-            click.echo(f"{where}: {result.describe()}; nothing to do")
+            typer.echo(f"{where}: {result.describe()}; nothing to do")
         elif result.action is InitAction.CREATED:
-            click.echo(f"{where}: would create the ledger tables (schema version {SCHEMA_VERSION}); nothing written")
+            typer.echo(f"{where}: would create the ledger tables (schema version {SCHEMA_VERSION}); nothing written")
         else:
-            click.echo(
+            typer.echo(
                 f"{where}: would upgrade from {result.from_version} to {result.to_version} "
                 f"(adds idemctl tables, no row touched); nothing written"
             )
         return
     with Ledger.open(target, create=True, busy_timeout_ms=s.busy_timeout_ms) as ledger:
         result = ledger.init()
-        click.echo(f"{ledger.backend.describe()}: {result.describe()}")
+        typer.echo(f"{ledger.backend.describe()}: {result.describe()}")
 
 
 # -- inspect -------------------------------------------------------------------------------
@@ -644,7 +645,7 @@ def sweep(
             if json_out:
                 _emit_json({"dry_run": True, "would_delete": backlog, "cutoff": cutoff, "retention_ms": retention_ms})
             else:
-                click.echo(
+                typer.echo(
                     f"would delete {backlog} row(s) not written since {iso(cutoff)} (retention "
                     f"{human_duration(retention_ms)}); nothing deleted"
                 )
@@ -693,11 +694,11 @@ def sweep(
             f"{human_duration(elapsed_ms)}"
         )
         if why == "drained":
-            click.echo(f"{done}; nothing left past the {human_duration(retention_ms)} retention")
+            typer.echo(f"{done}; nothing left past the {human_duration(retention_ms)} retention")
         elif why == "max_batches":
-            click.echo(f"{done}; stopped at --max-batches with {remaining} row(s) past retention left")
+            typer.echo(f"{done}; stopped at --max-batches with {remaining} row(s) past retention left")
         else:
-            click.echo(f"interrupted: {done}; {remaining} row(s) past retention left")
+            typer.echo(f"interrupted: {done}; {remaining} row(s) past retention left")
     if why == "interrupted":
         raise typer.Exit(EXIT_INTERRUPTED)
 
@@ -719,7 +720,7 @@ def purge(
         view = ledger.get(principal, key)
         if view is None:
             _not_found(principal, key)
-        click.echo(f"{principal} / {key}: {state_words(view)} (generation {view.row.generation})")
+        typer.echo(f"{principal} / {key}: {state_words(view)} (generation {view.row.generation})")
         refusal = (
             f"refused: {principal}/{key} is pending and only {human_duration(view.age_ms)} old — its owner may still be "
             f"running, and purging would let a retry run the mutation twice; wait "
@@ -730,19 +731,21 @@ def purge(
             raise typer.Exit(EXIT_NO)
         if not yes:
             try:
-                confirmed = click.confirm(
+                confirmed = typer.confirm(
                     f"Purge {principal}/{key}? The client's next retry will run the mutation again", err=True
                 )
-            except click.exceptions.Abort:
-                click.echo(err=True)  # end the prompt's line
+            except typer.Abort:
+                typer.echo(err=True)  # end the prompt's line
                 _say_no("not purged: no confirmation (pass --yes to skip the prompt)")
                 raise typer.Exit(EXIT_NO) from None
             if not confirmed:
+                if not sys.stdin.isatty():
+                    typer.echo(err=True)  # a piped answer is not echoed: end the prompt's line
                 _say_no("not purged")
                 raise typer.Exit(EXIT_NO)
         result = ledger.purge(principal, key, force=force)
     if result.outcome is PurgeOutcome.PURGED and result.row is not None:
-        click.echo(
+        typer.echo(
             f"purged {principal}/{key} ({result.row.status.value}, generation {result.row.generation}): "
             f"the client's next retry runs the mutation again"
         )
@@ -762,7 +765,7 @@ def _read_body(body: str | None, body_file: str | None) -> bytes:
     if body_file is None:
         return b""
     if body_file == "-":
-        return click.get_binary_stream("stdin").read()
+        return typer.get_binary_stream("stdin").read()
     try:
         return Path(body_file).read_bytes()
     except OSError as exc:
@@ -845,11 +848,11 @@ def fingerprint_cmd(
             }
         )
     else:
-        click.echo(fp)
+        typer.echo(fp)
         if verdict is not None:
-            click.echo(verdict[1])
+            typer.echo(verdict[1])
             if view is not None and not matches:
-                click.echo(f"stored: {view.row.fingerprint}")
+                typer.echo(f"stored: {view.row.fingerprint}")
     if verdict is not None and verdict[0] in ("new", "reused"):
         raise typer.Exit(EXIT_NO)
 
@@ -981,7 +984,7 @@ def simulate(
     s = _settings(ctx)
     if scenario is not None and file is not None:
         raise UserError("give a scenario name or --file, not both")
-    if ctx.get_parameter_source("workers") is click.core.ParameterSource.COMMANDLINE and scenario != "race":
+    if _from_command_line(ctx, "workers") and scenario != "race":
         raise UserError("--workers only applies to `idemctl simulate race`")
     policy = _policy(s, ttl, retention)
     if file is not None:
@@ -1017,7 +1020,7 @@ def simulate(
             if timeline.database and inspected:
                 last = inspected[-1]
                 hint = f"; see it with: idemctl inspect {last.key} --principal {last.principal} --db {timeline.database}"
-            click.echo(f"every step went as expected{hint}")
+            typer.echo(f"every step went as expected{hint}")
     failures = timeline.failures()
     if failures:
         first = failures[0]

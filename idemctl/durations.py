@@ -49,8 +49,7 @@ def human_duration(ms: int) -> str:
     if ms < 1000:
         return f"{ms} ms"
     if ms < 60_000:
-        seconds = ms / 1000
-        return f"{seconds:.1f} s" if seconds < 10 and ms % 1000 else f"{ms // 1000} s"
+        return f"{ms // 1000} s"  # whole seconds: "3.0 s" reads like false precision
     units = (("d", 86_400_000), ("h", 3_600_000), ("min", 60_000), ("s", 1000))
     parts: list[str] = []
     rest = ms

@@ -158,9 +158,3 @@ def stats_json(stats: Stats) -> dict[str, Any]:
         "storage_bytes": stats.storage_bytes,
         "schema_version": stats.schema_version,
     }
-
-
-def fenced_words(event: FencedEvent) -> str:
-    """``generation 1 (computed 201) was superseded by generation 2``."""
-    by = "a deleted row" if event.current_generation is None else f"generation {event.current_generation}"
-    return f"generation {event.superseded_generation} (computed {event.computed_status}) was superseded by {by}"

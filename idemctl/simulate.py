@@ -23,7 +23,7 @@ import tempfile
 import time
 import tomllib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
@@ -165,6 +165,7 @@ class Scenario:
     pending_ttl_ms: int | None = None
     retention_ms: int | None = None
     start_ms: int | None = None  # None: the timeline ends at the wall clock's now
+    source: str = "scenario"  # file name or "built-in NAME", for error messages
 
     def keys(self) -> list[tuple[str, str]]:
         """Every (principal, key) the scenario writes, in first-use order."""
@@ -387,9 +388,25 @@ def parse_scenario(doc: Mapping[str, Any], source: str = "scenario") -> Scenario
         else:
             raise ScenarioError(f"{source}: start must be a date-time like 2026-11-28T03:12:00Z or ms since the epoch")
     steps = tuple(_step(raw, i, source, defaults) for i, raw in enumerate(steps_raw, start=1))
+    _check_holders(steps, source)
     name = _string(doc.get("name", Path(source).stem), "name", source)
     description = _string(doc.get("description", ""), "description", source)
-    return Scenario(name, description, steps, ttl, retention, start)
+    return Scenario(name, description, steps, ttl, retention, start, source)
+
+
+def _check_holders(steps: tuple[Step, ...], source: str) -> None:
+    """A complete or release without `generation` needs an earlier claim or
+    takeover by the same actor on the same key: refused before anything runs."""
+    held: set[tuple[str, str, str]] = set()
+    for step in steps:
+        who = (step.actor, step.principal, step.key)
+        if step.op in (Op.CLAIM, Op.TAKEOVER):
+            held.add(who)
+        elif step.op in (Op.COMPLETE, Op.RELEASE) and step.generation is None and who not in held:
+            raise ScenarioError(
+                f"{_where(source, step.index, step.op.value)}: actor {step.actor!r} holds no reservation on "
+                f"{step.principal}/{step.key} (claim or take over first, or give generation = N)"
+            )
 
 
 def load_scenario_file(path: str | os.PathLike[str]) -> Scenario:
@@ -609,15 +626,17 @@ class _Runner:
     def run(self, step: Step) -> None:
         getattr(self, f"_{step.op.name.lower()}")(step)
 
-    def _reservation_for(self, step: Step) -> Reservation:
+    def _reservation_for(self, step: Step) -> Reservation | None:
         held = self.reservations.get((step.actor, step.principal, step.key))
         if step.generation is not None:
             fp = held.fingerprint if held else step.fingerprint(self.ledger.policy)
             return Reservation(step.principal, step.key, step.generation, fp)
         if held is None:
-            raise ScenarioError(
-                f"{_where(self.scenario.name, step.index, step.op.value)}: actor {step.actor!r} holds no reservation "
-                f"on {step.principal}/{step.key} (claim or take over first, or give generation = N)"
+            # The parser rules out a missing claim; this is a claim or takeover that did not succeed.
+            self.emit(
+                step,
+                StepOutcome.ERROR,
+                f"actor {step.actor} holds no reservation: its claim or takeover did not succeed (give generation = N)",
             )
         return held
 
@@ -648,6 +667,8 @@ class _Runner:
 
     def _complete(self, step: Step) -> None:
         reservation = self._reservation_for(step)
+        if reservation is None:
+            return
         status, headers, body = _mutation_answer(step)
         done = self.ledger.complete(reservation, status, headers, body)
         if done.stored:
@@ -665,6 +686,8 @@ class _Runner:
 
     def _release(self, step: Step) -> None:
         reservation = self._reservation_for(step)
+        if reservation is None:
+            return
         if self.ledger.release(reservation):
             self.emit(step, StepOutcome.RELEASED, f"released generation {reservation.generation}: the next retry runs again", generation=reservation.generation)
         else:
