@@ -1,0 +1,226 @@
+"""A small orders API behind idemctl's WSGI middleware.
+
+Run it under gunicorn from the repository root (several pre-forked workers
+share one ledger file):
+
+    IDEMCTL_DB=idempotency.db ORDERS_DB=orders.db \\
+        gunicorn -w 4 -b 127.0.0.1:8000 examples.flask_app:app
+
+Endpoints (every one needs an `X-Api-Key` header; the stand-in auth layer maps
+it to an account id, which is the ledger's principal):
+
+    POST   /orders                    {"sku": "...", "qty": 1} -> 201 + Location
+    GET    /orders                    the account's orders
+    GET    /orders/<id>               one order
+    DELETE /orders/<id>               cancel -> 204
+    POST   /orders/<id>/attachments   any bytes -> 201, the stored bytes echoed back
+
+Settings, all from the environment:
+
+    IDEMCTL_DB              ledger file (default idempotency.db)
+    IDEMCTL_PENDING_TTL_MS  pending TTL (default 30000)
+    IDEMCTL_REPLAYED_HEADER "1" adds `Idempotent-Replayed: true` to replays
+    ORDERS_DB               the orders database (default orders.db)
+    ORDERS_API_KEYS         "key=account,key=account" (default: two demo keys)
+    ORDERS_MAX_BODY_BYTES   request body limit (default 1 MiB)
+    ORDERS_HOLD_DIR         test hook, see `_hold`: lets a test stall one
+                            attempt of a mutation and learn which worker runs it
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import time
+
+import sqlite_utils
+from flask import Flask, Response, abort, jsonify, request
+
+from idemctl import Ledger, Policy
+from idemctl.wsgi import DEFAULT_MAX_BODY_BYTES, IdempotencyMiddleware
+
+DEMO_API_KEYS = "demo-key-A=acct_A,demo-key-B=acct_B"
+
+
+def _api_keys(spec: str) -> dict[str, str]:
+    pairs = (item.split("=", 1) for item in spec.split(",") if "=" in item)
+    return {k.strip(): v.strip() for k, v in pairs if k.strip() and v.strip()}
+
+
+API_KEYS = _api_keys(os.environ.get("ORDERS_API_KEYS", DEMO_API_KEYS))
+ORDERS_DB = os.environ.get("ORDERS_DB", "orders.db")
+HOLD_DIR = os.environ.get("ORDERS_HOLD_DIR") or None
+HOLD_LIMIT_S = 60.0
+
+
+def account_for(environ: dict) -> str | None:
+    """The stand-in auth layer: API key -> account id. A real app would look
+    the key up in its own store; the middleware only needs this callable."""
+    return API_KEYS.get(environ.get("HTTP_X_API_KEY", ""))
+
+
+def orders_db() -> sqlite_utils.Database:
+    # One connection per request: sqlite3 connections must not cross threads
+    # or forks, and gunicorn may run this module under either.
+    return sqlite_utils.Database(ORDERS_DB)
+
+
+def _create_tables() -> None:
+    db = orders_db()
+    try:
+        db.enable_wal()
+        db["orders"].create(
+            {"id": int, "account": str, "sku": str, "qty": int, "status": str, "created_at": int},
+            pk="id",
+            if_not_exists=True,
+        )
+        db["attachments"].create(
+            {"id": int, "order_id": int, "account": str, "content_type": str, "data": bytes},
+            pk="id",
+            if_not_exists=True,
+        )
+    finally:
+        db.close()
+
+
+def _hold() -> None:
+    """Test hook (off unless ORDERS_HOLD_DIR is set). A test that creates the
+    file HOLD_DIR/<idempotency-key> makes the next attempt with that key stop
+    here: the attempt renames it to <key>.<pid>.held, so the test learns the
+    worker's pid, and waits until the test deletes that file (or kills the
+    worker). The rename is atomic, so exactly one attempt is held; the retries
+    after it run straight through."""
+    if HOLD_DIR is None:
+        return
+    key = re.sub(r"[^A-Za-z0-9_.-]", "_", request.headers.get("Idempotency-Key", ""))
+    if not key:
+        return
+    held = os.path.join(HOLD_DIR, f"{key}.{os.getpid()}.held")
+    try:
+        os.rename(os.path.join(HOLD_DIR, key), held)
+    except FileNotFoundError:
+        return
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while os.path.exists(held) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def held_attempts(hold_dir: str, key: str) -> list[int]:
+    """Pids of the workers currently held on `key` (for tests)."""
+    return [int(p.rsplit(".", 2)[1]) for p in glob.glob(os.path.join(hold_dir, f"{glob.escape(key)}.*.held"))]
+
+
+def _account() -> str:
+    account = account_for(request.environ)
+    if account is None:
+        abort(Response('{"error":"unauthenticated"}', status=401, content_type="application/json"))
+    return account
+
+
+def _order_json(row: dict) -> dict:
+    return {k: row[k] for k in ("id", "account", "sku", "qty", "status")}
+
+
+app = Flask(__name__)
+
+
+@app.get("/healthz")
+def healthz() -> Response:
+    return jsonify(ok=True, pid=os.getpid())
+
+
+@app.post("/orders")
+def create_order() -> Response:
+    account = _account()
+    payload = request.get_json(silent=True)
+    if not isinstance(payload, dict) or not isinstance(payload.get("sku"), str) or not payload["sku"]:
+        return jsonify(error="invalid_order", message='Send {"sku": "...", "qty": 1}.'), 422
+    qty = payload.get("qty", 1)
+    if isinstance(qty, bool) or not isinstance(qty, int) or qty < 1:
+        return jsonify(error="invalid_order", message="qty must be a positive integer."), 422
+    _hold()
+    db = orders_db()
+    try:
+        row = {"account": account, "sku": payload["sku"], "qty": qty, "status": "open", "created_at": time.time_ns() // 1_000_000}
+        row["id"] = db["orders"].insert(row).last_pk
+    finally:
+        db.close()
+    response = jsonify(_order_json(row))
+    response.status_code = 201
+    response.headers["Location"] = f"/orders/{row['id']}"
+    return response
+
+
+@app.get("/orders")
+def list_orders() -> Response:
+    account = _account()
+    db = orders_db()
+    try:
+        rows = list(db["orders"].rows_where("account = ?", [account], order_by="id"))
+    finally:
+        db.close()
+    return jsonify(orders=[_order_json(r) for r in rows])
+
+
+def _find_order(db: sqlite_utils.Database, account: str, order_id: int) -> dict:
+    rows = list(db["orders"].rows_where("id = ? AND account = ?", [order_id, account]))
+    if not rows:
+        abort(Response('{"error":"not_found"}', status=404, content_type="application/json"))
+    return rows[0]
+
+
+@app.get("/orders/<int:order_id>")
+def get_order(order_id: int) -> Response:
+    account = _account()
+    db = orders_db()
+    try:
+        return jsonify(_order_json(_find_order(db, account, order_id)))
+    finally:
+        db.close()
+
+
+@app.delete("/orders/<int:order_id>")
+def cancel_order(order_id: int) -> Response:
+    account = _account()
+    _hold()
+    db = orders_db()
+    try:
+        _find_order(db, account, order_id)
+        db["orders"].update(order_id, {"status": "cancelled"})
+    finally:
+        db.close()
+    return Response(status=204)
+
+
+@app.post("/orders/<int:order_id>/attachments")
+def add_attachment(order_id: int) -> Response:
+    account = _account()
+    data = request.get_data(cache=False)
+    content_type = request.content_type or "application/octet-stream"
+    db = orders_db()
+    try:
+        _find_order(db, account, order_id)
+        pk = db["attachments"].insert(
+            {"order_id": order_id, "account": account, "content_type": content_type, "data": data}
+        ).last_pk
+    finally:
+        db.close()
+    response = Response(data, status=201, content_type=content_type)
+    response.headers["Location"] = f"/orders/{order_id}/attachments/{pk}"
+    return response
+
+
+_create_tables()
+ledger = Ledger.open(
+    os.environ.get("IDEMCTL_DB", "idempotency.db"),
+    policy=Policy(pending_ttl_ms=int(os.environ.get("IDEMCTL_PENDING_TTL_MS", "30000"))),
+)
+ledger.init()
+app.wsgi_app = IdempotencyMiddleware(  # type: ignore[method-assign]
+    app.wsgi_app,
+    ledger,
+    principal=account_for,
+    max_body_bytes=int(os.environ.get("ORDERS_MAX_BODY_BYTES", str(DEFAULT_MAX_BODY_BYTES))),
+    replayed_header=os.environ.get("IDEMCTL_REPLAYED_HEADER", "") == "1",
+)

@@ -1,0 +1,171 @@
+"""A real gunicorn in front of examples/flask_app.py, on 127.0.0.1 and an
+ephemeral port, started and stopped by the tests that use it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from idemctl import Ledger, Policy
+
+REPO = Path(__file__).resolve().parents[2]
+_LISTENING = re.compile(r"Listening at: http://127\.0\.0\.1:(\d+)")
+_BOOTED = re.compile(r"Booting worker with pid: (\d+)")
+
+
+def _has_option(flag: str) -> bool:
+    from gunicorn.config import KNOWN_SETTINGS
+
+    return any(flag in (getattr(s, "cli", None) or ()) for s in KNOWN_SETTINGS)
+
+
+class GunicornServer:
+    """gunicorn serving the example orders API. Everything it writes (ledger,
+    orders database, hold files, log) lives under `workdir`."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        workers: int = 4,
+        threads: int = 1,
+        preload: bool = False,
+        pending_ttl_ms: int = 30_000,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.workdir = workdir
+        self.workers = workers
+        self.threads = threads
+        self.preload = preload
+        self.pending_ttl_ms = pending_ttl_ms
+        self.ledger_path = workdir / "idempotency.db"
+        self.orders_path = workdir / "orders.db"
+        self.hold_dir = workdir / "hold"
+        self.log_path = workdir / "gunicorn.log"
+        self.extra_env = env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "GunicornServer":
+        self.hold_dir.mkdir(parents=True, exist_ok=True)
+        with Ledger.open(self.ledger_path) as ledger:
+            ledger.init()
+        env = dict(os.environ)
+        env.update(
+            IDEMCTL_DB=str(self.ledger_path),
+            ORDERS_DB=str(self.orders_path),
+            ORDERS_HOLD_DIR=str(self.hold_dir),
+            IDEMCTL_PENDING_TTL_MS=str(self.pending_ttl_ms),
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(self.extra_env)
+        cmd = [
+            sys.executable, "-m", "gunicorn",
+            "--workers", str(self.workers),
+            "--bind", "127.0.0.1:0",
+            "--chdir", str(REPO),
+            "--timeout", "60",
+            "--graceful-timeout", "3",
+            "--log-level", "info",
+            "--access-logfile", "-",
+        ]
+        if self.threads > 1:
+            cmd += ["--threads", str(self.threads)]
+        if self.preload:
+            cmd.append("--preload")
+        if _has_option("--no-control-socket"):
+            cmd.append("--no-control-socket")  # several servers may run at once
+        cmd.append("examples.flask_app:app")
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log()
+            match = _LISTENING.search(text)
+            if match and len(_BOOTED.findall(text)) >= self.workers:
+                self.port = int(match.group(1))
+                if self._healthy():
+                    return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gunicorn exited with {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"gunicorn did not come up within {timeout} s:\n{self.log()}")
+
+    def _healthy(self) -> bool:
+        try:
+            return requests.get(self.url + "/healthz", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)  # the master takes its workers down with it
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+    def __enter__(self) -> "GunicornServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- what the tests look at ------------------------------------------------------
+    def ledger(self) -> Ledger:
+        """The server's ledger, seen with the server's own policy."""
+        return Ledger.open(self.ledger_path, create=False, policy=Policy(pending_ttl_ms=self.pending_ttl_ms))
+
+    def count_orders(self, sku: str) -> int:
+        conn = sqlite3.connect(self.orders_path, timeout=10)
+        try:
+            return conn.execute("SELECT count(*) FROM orders WHERE sku = ?", (sku,)).fetchone()[0]
+        finally:
+            conn.close()
+
+    def count_attachments(self, order_id: int) -> int:
+        conn = sqlite3.connect(self.orders_path, timeout=10)
+        try:
+            return conn.execute("SELECT count(*) FROM attachments WHERE order_id = ?", (order_id,)).fetchone()[0]
+        finally:
+            conn.close()
+
+    def hold(self, key: str) -> None:
+        """The next attempt with this Idempotency-Key stalls inside the mutation."""
+        (self.hold_dir / key).touch()
+
+    def held_pid(self, key: str, timeout: float = 15.0) -> int:
+        """The pid of the worker stalled on `key`, once it is there."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = list(self.hold_dir.glob(f"{key}.*.held"))
+            if found:
+                return int(found[0].name.rsplit(".", 2)[1])
+            time.sleep(0.01)
+        raise AssertionError(f"no worker reached the mutation for {key} within {timeout} s:\n{self.log()}")
+
+    def release(self, key: str, pid: int) -> None:
+        (self.hold_dir / f"{key}.{pid}.held").unlink()
