@@ -788,3 +788,26 @@ def test_constructor_rejects_impossible_settings(ledger, orders):
         IdempotencyMiddleware(orders, ledger, principal=lambda e: "a", unavailable_retry_after_ms=0)
     with pytest.raises(TypeError, match="principal must be a callable"):
         IdempotencyMiddleware(orders, ledger, principal="REMOTE_USER")  # type: ignore[arg-type]
+
+
+def test_the_readme_wrapping_example_runs_and_replays(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"## WSGI middleware\n.*?```python\n(.*?)```", readme, re.S)
+    assert block, "README lost its WSGI example"
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(block.group(1), "README.md", "exec"), scope)
+    try:
+        first = call(validator(scope["app"]), environ(body=b'{"sku":"tea"}'))
+        retry = call(validator(scope["app"]), environ(body=b'{"sku":"tea"}'))
+        anonymous = call(validator(scope["app"]), environ(user=None))
+    finally:
+        scope["ledger"].close()
+    assert first == Reply(
+        "201 Created", [("content-type", JSON), ("location", "/orders/42"), ("Content-Length", "9")], b'{"id":42}'
+    )
+    assert retry == first and anonymous.code == 401
+    assert (tmp_path / "idempotency.db").exists()
