@@ -303,14 +303,12 @@ def _not_found(principal: str, key: str) -> NoReturn:
     raise typer.Exit(EXIT_NO)
 
 
-def _render_response(console: Console, view: RowView) -> None:
+def _response_rows(grid: Table, view: RowView) -> None:
     row = view.row
-    kind = body_kind(row)
-    grid = _grid()
     if row.status is not Status.COMPLETED:
         grid.add_row("response", "none yet: the row is pending")
-        console.print(grid)
         return
+    kind = body_kind(row)
     raw = row.body_bytes
     size = 0 if raw is None else len(raw)
     describe = {
@@ -324,7 +322,12 @@ def _render_response(console: Console, view: RowView) -> None:
     grid.add_row("response", Text(f"{row.response_status} · {describe}"))
     headers = row.headers
     grid.add_row("headers", Text("\n".join(f"{k}: {v}" for k, v in headers.items()) if headers else "(none stored)"))
-    console.print(grid)
+
+
+def _render_body(console: Console, view: RowView) -> None:
+    row = view.row
+    kind = body_kind(row) if row.status is Status.COMPLETED else "none"
+    raw = row.body_bytes
     if kind == "json":
         console.print(Text("body", style="bold"))
         console.print(JSON(str(row.response_body), highlight=console.is_terminal))
@@ -332,9 +335,8 @@ def _render_response(console: Console, view: RowView) -> None:
         console.print(Text("body", style="bold"))
         console.print(Text(str(row.response_body)))
     elif kind == "blob" and raw is not None:
-        preview = raw[:32].hex(" ")
         console.print(Text("body (hex, first 32 bytes)", style="bold"))
-        console.print(Text(preview + (" …" if len(raw) > 32 else "")))
+        console.print(Text(raw[:32].hex(" ") + (" …" if len(raw) > 32 else "")))
 
 
 def _events_table(events: list[Any], now: int, show_key: bool) -> Table:
@@ -392,9 +394,9 @@ def inspect(
     grid.add_row("fingerprint", row.fingerprint)
     grid.add_row("created", f"{iso(row.created_at)} ({ago(row.created_at, now)})")
     grid.add_row("updated", f"{iso(row.updated_at)} ({ago(row.updated_at, now)})")
+    _response_rows(grid, view)
     console.print(grid)
-    console.print()
-    _render_response(console, view)
+    _render_body(console, view)
     console.print()
     if events:
         console.print(
@@ -419,8 +421,8 @@ def pending(
     """Pending reservations, oldest first, with age and whether a retry would take over now."""
     with _ledger(ctx, db, ttl=ttl) as ledger:
         cap = _limit(limit)
-        views = list(ledger.pending(stale_only=stale, principal=principal, limit=None if cap is None else cap + 1))
         now = ledger.now()
+        views = list(ledger.pending(stale_only=stale, principal=principal, limit=None if cap is None else cap + 1, now=now))
         ttl_ms = ledger.policy.pending_ttl_ms
     truncated = cap is not None and len(views) > cap
     views = views[:cap] if cap is not None else views
@@ -646,7 +648,7 @@ def sweep(
                 _emit_json({"dry_run": True, "would_delete": backlog, "cutoff": cutoff, "retention_ms": retention_ms})
             else:
                 typer.echo(
-                    f"would delete {backlog} row(s) not written since {iso(cutoff)} (retention "
+                    f"would delete {backlog} row(s) not written since {iso(cutoff, millis=False)} (retention "
                     f"{human_duration(retention_ms)}); nothing deleted"
                 )
             return
@@ -720,7 +722,7 @@ def purge(
         view = ledger.get(principal, key)
         if view is None:
             _not_found(principal, key)
-        typer.echo(f"{principal} / {key}: {state_words(view)} (generation {view.row.generation})")
+        typer.echo(f"{principal} / {key} (generation {view.row.generation}): {state_words(view)}")
         refusal = (
             f"refused: {principal}/{key} is pending and only {human_duration(view.age_ms)} old — its owner may still be "
             f"running, and purging would let a retry run the mutation twice; wait "

@@ -20,6 +20,8 @@ def state_words(view: RowView) -> str:
 
     >>> state_words(view)  # doctest: +SKIP
     'pending, 12 s old: retries get 409 for 18 s more, then the next retry takes over as generation 3'
+    >>> state_words(completed_view)  # doctest: +SKIP
+    'completed 3 h ago: replayed until 2026-11-30T18:00:00Z (in 21 h); the sweep may delete it after that'
     """
     row, now = view.row, view.now
     age = human_duration(max(0, view.age_ms))
@@ -34,14 +36,17 @@ def state_words(view: RowView) -> str:
         )
     if view.state is State.COMPLETED:
         until = view.replay_until or view.sweep_after
-        return f"completed {age} ago: replayed until {iso(until)} ({ago(until, now)}); swept after {iso(view.sweep_after)}"
+        return (
+            f"completed {age} ago: replayed until {iso(until, millis=False)} ({ago(until, now)}); "
+            f"the sweep may delete it after that"
+        )
     # EXPIRED: past retention. The row still exists, so the request path still
     # treats it by status until a sweep deletes it.
     retention = human_duration(view.retention_ms)
     if row.status is Status.COMPLETED:
         return (
             f"completed {age} ago, past the {retention} retention: still replayed until a sweep deletes it "
-            f"(any sweep since {iso(view.sweep_after)}); after that a retry runs the mutation again"
+            f"(any sweep since {iso(view.sweep_after, millis=False)}); after that a retry runs the mutation again"
         )
     return (
         f"pending, {age} old, past the {retention} retention: the next retry takes over as generation {nxt}, "

@@ -821,6 +821,8 @@ def race_processes(target: str, step: Step, policy: Policy, now: int) -> list[Ra
     >>> [r.outcome for r in race_processes("ledger.db", builtin("race").steps[0], Policy(), now)]  # doctest: +SKIP
     [<Outcome.EXECUTED: 'executed'>, <Outcome.IN_PROGRESS: 'in_progress'>, ...]
     """
+    if target == ":memory:":
+        raise ScenarioError("race needs a database file or URL that other processes can open, not :memory:")
     # fork where the platform has it: spawn re-imports the caller's __main__,
     # which breaks when idemctl runs embedded (python -c, a REPL, a notebook).
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"

@@ -88,9 +88,12 @@ def test_a_schema_newer_than_this_idemctl_is_refused(tmp_path):
 
 def test_a_ledger_locked_past_the_busy_timeout_is_one_line(tmp_path):
     db = tmp_path / "busy.db"
+    fp = fingerprint("POST", "/x", [], b"")
+    with Ledger.open(db, clock=lambda: wall_clock_ms() - 30 * 3_600_000) as old:
+        old.init()
+        old.complete(old.claim("acct_A", "expired", fp), 201, {}, b"{}")  # the sweep has work: it needs the lock
     with Ledger.open(db) as ledger:
-        ledger.init()
-        ledger.claim("acct_A", "k", fingerprint("POST", "/x", [], b""))
+        ledger.claim("acct_A", "k", fp)
     holder = sqlite3.connect(db, isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")  # another writer holds the write lock
     try:
@@ -98,13 +101,14 @@ def test_a_ledger_locked_past_the_busy_timeout_is_one_line(tmp_path):
         assert line == f"error: database {db} is locked: another writer held it past the 100 ms busy timeout"
         result = CliRunner().invoke(app, ["--db", str(db), "--busy-timeout", "100ms", "purge", "k", "-p", "acct_A", "--yes", "--force"])
         # Reads go on under WAL (the row is shown); the delete cannot get the lock.
-        assert result.exit_code == EXIT_USAGE and result.stdout.startswith("acct_A / k: pending")
+        assert result.exit_code == EXIT_USAGE and result.stdout.startswith("acct_A / k (generation 1): pending")
         assert result.stderr == f"error: database {db} is locked: another writer held it past the 100 ms busy timeout\n"
     finally:
         holder.execute("ROLLBACK")
         holder.close()
     with Ledger.open(db, create=False) as ledger:
         assert ledger.lookup("acct_A", "k") is not None
+        assert ledger.lookup("acct_A", "expired") is not None
 
 
 def test_a_write_command_on_a_read_only_ledger_is_one_line_and_changes_nothing(tmp_path):
