@@ -181,3 +181,36 @@ def test_processes_queueing_on_one_file_claim_each_key_exactly_once(db):
     assert [p.exitcode for p in procs] == [0, 0, 0, 0]
     with Ledger.open(db) as ledger:
         assert ledger.stats().total == 150
+
+
+def test_a_sweep_with_nothing_expired_takes_no_queue_turn_and_runs_no_delete(db):
+    from idemctl import Policy
+
+    clock = [1_700_000_000_000]
+    ledger = Ledger.open(db, clock=lambda: clock[0], policy=Policy(pending_ttl_ms=1000, retention_ms=60_000))
+    ledger.handle("acct", "old", "POST", "/o", {}, b"x", ok)
+    statements: list[str] = []
+    ledger.backend._conn().set_trace_callback(statements.append)
+    lock_path = db + "-idemctl.lock"
+    held, release = fork.Event(), fork.Event()
+    holder = fork.Process(target=_hold_queue, args=(lock_path, held, release))
+    holder.start()
+    try:
+        assert held.wait(10)
+        # Nothing is past retention: answered at once although the queue is held.
+        assert ledger.sweep().keys_deleted == 0
+        assert not any(s.lstrip().startswith("DELETE") for s in statements)
+        clock[0] += 60_001
+        result = []
+        sweeper = threading.Thread(target=lambda: result.append(ledger.sweep().keys_deleted))
+        sweeper.start()
+        sweeper.join(0.3)
+        assert sweeper.is_alive() and result == []  # something to delete: it queues
+        release.set()
+        sweeper.join(10)
+        assert result == [1]
+    finally:
+        release.set()
+        holder.join(10)
+    assert ledger.lookup("acct", "old") is None
+    ledger.close()

@@ -115,6 +115,14 @@ DELETE FROM idemctl_fenced_out WHERE id IN (
 
 SQL_COUNT_EXPIRED = "SELECT count(*) FROM idempotency_keys WHERE updated_at < ?"
 
+# Read-only probes through the same indexes: when nothing is expired (the
+# steady state), the per-request sweep takes no write lock and no queue turn.
+SQL_ANY_EXPIRED = "SELECT EXISTS (SELECT 1 FROM idempotency_keys WHERE updated_at < ?)"
+SQL_ANY_EXPIRED_WITH_FENCED = (
+    "SELECT EXISTS (SELECT 1 FROM idempotency_keys WHERE updated_at < ?)"
+    " OR EXISTS (SELECT 1 FROM idemctl_fenced_out WHERE fenced_at < ?)"
+)
+
 SQL_STATS = """
 SELECT
   count(*),
@@ -404,15 +412,6 @@ class SqliteBackend:
             finally:
                 self._leave_queue(conn, fd, shortened)
 
-    def _write_run(self, sql: str, params: tuple = ()) -> int:
-        with self._errors():
-            conn = self._conn()
-            fd, shortened = self._enter_queue(conn)
-            try:
-                return conn.execute(sql, params).rowcount
-            finally:
-                self._leave_queue(conn, fd, shortened)
-
     # -- schema -----------------------------------------------------------------
     def _version_from(self, db: sqlite_utils.Database) -> int | None:
         tables = set(db.table_names())
@@ -514,8 +513,24 @@ class SqliteBackend:
         return bool(self._write_all(SQL_RELEASE, (principal, key, generation)))
 
     def sweep(self, cutoff: int, limit: int) -> SweepResult:
-        keys = self._write_run(SQL_SWEEP, (cutoff, limit))
-        fenced = self._write_run(SQL_SWEEP_FENCED, (cutoff, limit)) if self.has_fenced_log else 0
+        # Both statements in one turn of the writer queue: every request runs a
+        # sweep, and each extra turn is one more hand-over between processes.
+        with self._errors():
+            conn = self._conn()
+            # Not check-then-act: the DELETEs below still decide on their own;
+            # the probe only skips statements that would delete nothing.
+            if self.has_fenced_log:
+                probe = conn.execute(SQL_ANY_EXPIRED_WITH_FENCED, (cutoff, cutoff)).fetchone()
+            else:
+                probe = conn.execute(SQL_ANY_EXPIRED, (cutoff,)).fetchone()
+            if not probe[0]:
+                return SweepResult(0, 0, cutoff)
+            fd, shortened = self._enter_queue(conn)
+            try:
+                keys = conn.execute(SQL_SWEEP, (cutoff, limit)).rowcount
+                fenced = conn.execute(SQL_SWEEP_FENCED, (cutoff, limit)).rowcount if self.has_fenced_log else 0
+            finally:
+                self._leave_queue(conn, fd, shortened)
         return SweepResult(keys, fenced, cutoff)
 
     # -- operator side ---------------------------------------------------------------
