@@ -716,10 +716,12 @@ def test_the_sweep_runs_when_the_server_closes_the_response_not_before(ledger, o
     assert ledger.lookup("acct_A", "key-1").status is Status.COMPLETED
 
 
-def test_a_sweep_that_fails_after_the_response_is_logged_and_never_raised(tmp_path, orders, caplog):
+def test_a_sweep_that_fails_after_the_response_is_logged_and_never_raised(tmp_path, orders, caplog, clock):
     ledger_target = str(tmp_path / "ledger.db")  # SQLite locking: one backend only
-    ledger = Ledger.open(ledger_target, busy_timeout_ms=50)
+    ledger = Ledger.open(ledger_target, busy_timeout_ms=50, clock=clock)
     ledger.init()
+    assert ledger.claim("acct_old", "stale-key", "f" * 64) is not None
+    clock.advance(ledger.policy.retention_ms + 1)  # so the sweep has a row to delete
     app = wrap(orders, ledger)
     result = app(environ(), lambda status, headers, exc_info=None: None)
     assert b"".join(result) == b'{"id":1}'
@@ -731,8 +733,11 @@ def test_a_sweep_that_fails_after_the_response_is_logged_and_never_raised(tmp_pa
     finally:
         blocker.execute("ROLLBACK")
         blocker.close()
+    try:
+        assert any("post-response sweep failed" in r.getMessage() for r in caplog.records)
+        assert ledger.lookup("acct_old", "stale-key") is not None  # left for the next request's sweep
+    finally:
         ledger.close()
-    assert any("post-response sweep failed" in r.getMessage() for r in caplog.records)
 
 
 # -- threads ---------------------------------------------------------------------------------------

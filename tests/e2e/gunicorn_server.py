@@ -121,7 +121,7 @@ class GunicornServer:
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
-        proc.send_signal(signal.SIGTERM)  # the master takes its workers down with it
+        proc.send_signal(signal.SIGQUIT)  # quick shutdown; the master takes its workers down with it
         try:
             proc.wait(15)
         except subprocess.TimeoutExpired:
