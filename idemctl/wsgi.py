@@ -250,10 +250,13 @@ class _Run:
     def __call__(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
         self.started = True
         environ = dict(self.environ)
-        # The app gets the body the fingerprint covered, de-chunked, with its length.
+        # The app gets the body the fingerprint covered, de-chunked, with its
+        # exact length: plain PEP 3333 input, read by CONTENT_LENGTH. The
+        # input_terminated extension is dropped because frameworks honour it by
+        # calling read() without a size, which PEP 3333 input need not support.
         environ["wsgi.input"] = io.BytesIO(body)
         environ["CONTENT_LENGTH"] = str(len(body))
-        environ["wsgi.input_terminated"] = True
+        environ.pop("wsgi.input_terminated", None)
         environ.pop("HTTP_TRANSFER_ENCODING", None)
         captured = _Captured()
         try:

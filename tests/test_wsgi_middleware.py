@@ -547,6 +547,7 @@ def test_a_chunked_body_is_read_to_the_end_and_handed_on_with_a_content_length(l
     assert reply.body == body and orders.calls[0]["body"] == body
     inner = orders.calls[0]["environ"]
     assert inner["CONTENT_LENGTH"] == str(len(body)) and "HTTP_TRANSFER_ENCODING" not in inner
+    assert "wsgi.input_terminated" not in inner
     assert ledger.lookup("acct_A", "key-1").fingerprint == fingerprint("POST", "/echo", {"content-type": JSON}, body)
 
 
