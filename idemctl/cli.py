@@ -499,8 +499,9 @@ def fenced(
     console.print(_events_table(events, now, show_key=True))
     more = "; more exist (raise --limit, 0 for all)" if truncated else ""
     console.print(
-        f"{len(events)} event(s), newest first. Each is a late owner (generation `late`) whose answer (`status`) "
-        f"was not stored because the row had been taken over (generation `row`): its mutation may have run twice{more}"
+        f"{len(events)} event(s), newest first; late: the superseded owner's generation, row: the generation "
+        f"holding the row, status: what the late owner computed (not stored). Each means a mutation may have run "
+        f"twice{more}"
     )
 
 

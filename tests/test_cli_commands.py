@@ -287,7 +287,7 @@ def test_fenced_lists_events_newest_first_filtered_by_principal_and_since(make_l
         ("acct_B", "new-one", "1", "2", "201"),
         ("acct_A", "old-one", "1", "2", "201"),
     ]
-    assert result.stdout.splitlines()[-1].startswith("2 event(s), newest first.")
+    assert result.stdout.splitlines()[-1].startswith("2 event(s), newest first; late: the superseded owner")
 
     recent = json.loads(cli("fenced", "--since", "1h", "--json", "--db", ledger_target).stdout)
     assert [e["key"] for e in recent["events"]] == ["new-one"]

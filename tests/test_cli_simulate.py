@@ -329,3 +329,21 @@ def test_a_complete_after_a_takeover_that_found_nothing_is_a_failed_step_not_a_c
         "simulation early: step 3 (B complete) actor B holds no reservation: its claim or takeover did not succeed "
         "(give generation = N)\n"
     )
+
+
+def test_the_readme_scenario_file_example_runs_as_documented(tmp_path):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    cli_section = readme.split("\n## CLI\n", 1)[1].split("\n## ", 1)[0]
+    example = cli_section.split("```toml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "incident.toml"
+    path.write_text(example)
+    doc = timeline("--file", str(path))
+    assert outcomes(doc) == [("worker-1", "claimed"), ("clock", "advanced"), ("client", "taken_over"), ("worker-1", "fenced_out")]
+    assert doc["ok"] is True
+    path.write_text(example.replace("generation = 1", "generaton = 1"))
+    typo = simulate("--file", str(path))
+    assert typo.exit_code == 2
+    assert typo.stderr == (
+        f"error: {path}: step 4 (do = \"complete\"): unknown field 'generaton' "
+        "(allowed: actor, expect, generation, key, principal, response)\n"
+    )
