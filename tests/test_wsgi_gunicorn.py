@@ -53,8 +53,8 @@ def threaded_server(tmp_path_factory) -> GunicornServer:
 
 @pytest.fixture(scope="module")
 def short_ttl_server(tmp_path_factory) -> GunicornServer:
-    """A 1.5 s pending TTL, so takeovers happen within a test."""
-    with GunicornServer(tmp_path_factory.mktemp("gunicorn-short-ttl"), workers=3, pending_ttl_ms=1500) as srv:
+    """A 2 s pending TTL, so takeovers happen within a test."""
+    with GunicornServer(tmp_path_factory.mktemp("gunicorn-short-ttl"), workers=3, pending_ttl_ms=2000) as srv:
         yield srv
 
 
@@ -159,7 +159,7 @@ def test_a_worker_killed_mid_mutation_is_taken_over_as_generation_2_after_the_tt
 
     retry = post_order(srv, key, sku)
     assert (retry.status_code, retry.headers["Retry-After"]) == (409, "2")
-    assert retry.content == b'{"error":"idempotency_key_in_progress","retry_after_ms":1500}'
+    assert retry.content == b'{"error":"idempotency_key_in_progress","retry_after_ms":2000}'
     assert srv.count_orders(sku) == 0
 
     wait_until_stale(srv, "acct_A", key)
