@@ -379,6 +379,7 @@ def inspect(
         if view is None:
             _not_found(principal, key)
         events = list(ledger.fenced(principal=principal, key=key))
+        has_log = ledger.backend.has_fenced_log
     if json_out:
         doc = view_json(view)
         doc["fenced_out"] = [event_json(e) for e in events]
@@ -403,6 +404,8 @@ def inspect(
             Text(f"fenced-out events ({len(events)}): a late owner's answer was not stored; the mutation may have run twice", style="bold")
         )
         console.print(_events_table(events, now, show_key=False))
+    elif not has_log:
+        console.print(Text("fenced-out events: not recorded (this ledger has only the recipe's table; `idemctl init` adds the log)"))
     else:
         console.print(Text("fenced-out events: none", style="bold"))
 

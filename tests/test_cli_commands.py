@@ -122,6 +122,40 @@ def test_init_upgrades_a_recipe_only_database_and_keeps_its_rows(tmp_path):
         assert ledger.lookup("acct_A", "k1").response_body == '{"id":1}'
 
 
+def test_read_commands_work_on_a_recipe_only_database_and_write_nothing(tmp_path):
+    db = tmp_path / "recipe.db"
+    conn = sqlite3.connect(db)
+    conn.executescript(next(f.sql for f in schema_files("sqlite") if f.version == 0))
+    now = wall_clock_ms()
+    conn.executemany(
+        "INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, response_status, "
+        "response_body, response_headers, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [
+            ("acct_A", "done", FP, "completed", 2, 201, '{"id":1}', '{"content-type":"application/json"}', now - HOUR, now - HOUR),
+            ("acct_A", "stuck", FP, "pending", 1, None, None, None, now - MINUTE, now - MINUTE),
+            ("acct_A", "ancient", FP, "completed", 1, 201, "{}", "{}", now - 48 * HOUR, now - 48 * HOUR),
+        ],
+    )
+    conn.commit()
+    conn.close()
+    before = db.read_bytes()
+
+    inspect = cli("inspect", "done", "-p", "acct_A", "--db", str(db))
+    assert inspect.exit_code == 0
+    assert re.search(r"^generation\s+2 \(taken over once\)$", inspect.stdout, re.M)
+    assert inspect.stdout.rstrip().endswith(
+        "fenced-out events: not recorded (this ledger has only the recipe's table; `idemctl init` adds the log)"
+    )
+    pending = json.loads(cli("pending", "--json", "--db", str(db)).stdout)
+    assert [(r["key"], r["takes_over_now"]) for r in pending["rows"]] == [("stuck", True)]
+    stats = json.loads(cli("stats", "--json", "--db", str(db)).stdout)
+    assert (stats["total"], stats["expired"], stats["taken_over"], stats["schema_version"]) == (3, 1, 1, 0)
+    dry = json.loads(cli("sweep", "--dry-run", "--json", "--db", str(db)).stdout)
+    assert dry["would_delete"] == 1
+    assert db.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.db"]
+
+
 def test_fenced_on_a_recipe_only_database_says_nothing_records_them(tmp_path):
     db = tmp_path / "recipe.db"
     conn = sqlite3.connect(db)
