@@ -29,7 +29,6 @@ Settings, all from the environment:
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import time
@@ -104,11 +103,6 @@ def _hold() -> None:
     deadline = time.monotonic() + HOLD_LIMIT_S
     while os.path.exists(held) and time.monotonic() < deadline:
         time.sleep(0.01)
-
-
-def held_attempts(hold_dir: str, key: str) -> list[int]:
-    """Pids of the workers currently held on `key` (for tests)."""
-    return [int(p.rsplit(".", 2)[1]) for p in glob.glob(os.path.join(hold_dir, f"{glob.escape(key)}.*.held"))]
 
 
 def _account() -> str:

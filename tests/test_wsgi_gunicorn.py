@@ -13,12 +13,11 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import requests
 
-from idemctl import Ledger, State, Status
+from idemctl import State, Status
 
 from .e2e.gunicorn_server import GunicornServer
 

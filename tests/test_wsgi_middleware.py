@@ -16,7 +16,7 @@ from wsgiref.validate import validator
 
 import pytest
 
-from idemctl import Ledger, Outcome, Policy, State, Status, fingerprint, wall_clock_ms
+from idemctl import Ledger, Policy, State, Status, fingerprint, wall_clock_ms
 from idemctl.wsgi import IdempotencyMiddleware, request_target, status_line
 
 # Any PEP 3333 warning from either validator fails the test.
