@@ -147,9 +147,8 @@ def test_without_db_simulate_never_touches_the_default_or_the_env_ledger(tmp_pat
 
 
 @pytest.mark.slow
-def test_race_of_real_processes_runs_the_mutation_exactly_once(tmp_path):
-    db = tmp_path / "race.db"
-    doc = timeline("race", "--workers", "6", "--db", str(db))
+def test_race_of_real_processes_runs_the_mutation_exactly_once(ledger_target, make_ledger):
+    doc = timeline("race", "--workers", "6", "--db", ledger_target)
     workers = [e for e in doc["events"] if e["actor"].startswith("w")]
     assert len(workers) == 6
     pids = {e["pid"] for e in workers}
@@ -159,8 +158,7 @@ def test_race_of_real_processes_runs_the_mutation_exactly_once(tmp_path):
     assert all(e["outcome"] in ("in_progress", "replayed") for e in workers if e is not ran[0])
     summary = next(e for e in doc["events"] if e["actor"] == "race")
     assert summary["outcome"] == "raced" and summary["detail"].startswith("6 processes, 1 ran the mutation")
-    with Ledger.open(db, create=False) as ledger:
-        row = ledger.lookup("acct_A", "order-99")
+    row = make_ledger(init=False).lookup("acct_A", "order-99")
     assert (row.status, row.generation) == (Status.COMPLETED, 1)
     assert json.loads(row.response_body) == {"order": "order-99", "by": ran[0]["actor"]}
     assert doc["events"][-2]["outcome"] == "replayed"
@@ -347,3 +345,13 @@ def test_the_readme_scenario_file_example_runs_as_documented(tmp_path):
         f"error: {path}: step 4 (do = \"complete\"): unknown field 'generaton' "
         "(allowed: actor, expect, generation, key, principal, response)\n"
     )
+
+
+def test_a_race_worker_that_cannot_open_the_ledger_is_reported_not_hung(tmp_path):
+    from idemctl import Policy
+    from idemctl.simulate import race_processes
+
+    step = builtin("race", workers=2).steps[0]
+    results = race_processes(str(tmp_path / "gone.db"), step, Policy(), 1_700_000_000_000)
+    assert [(r.worker, r.outcome) for r in results] == [(1, None), (2, None)]
+    assert all(r.error == f"LedgerNotFoundError: no ledger at {tmp_path / 'gone.db'} — run `idemctl init`" for r in results)
