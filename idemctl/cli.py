@@ -600,7 +600,7 @@ class _SweepTally:
     batches: int = 0
 
 
-def sweep_batches(
+def _sweep_batches(
     ledger: Ledger,
     *,
     batch: int,
@@ -668,7 +668,7 @@ def sweep(
             disable=not err.is_terminal,
         ) as progress:
             task = progress.add_task("sweep", total=backlog or None)
-            tally, why = sweep_batches(
+            tally, why = _sweep_batches(
                 ledger,
                 batch=batch_size,
                 max_batches=max_batches,
@@ -969,8 +969,8 @@ def _render_timeline(timeline: Timeline) -> None:
 
 @app.command(
     epilog=(
-        "Built-in scenarios: " + ", ".join(BUILTIN_NAMES) + ". "
-        "Example: idemctl simulate takeover --db idempotency.db"
+        "Built-in scenarios: " + ", ".join(BUILTIN_NAMES) + ". A scenario file is TOML with [[step]] tables "
+        "(see the README).\n\nExample: idemctl simulate takeover --db idempotency.db"
     ),
 )
 def simulate(

@@ -55,7 +55,11 @@ def state_words(view: RowView) -> str:
 
 
 def takeovers_words(generation: int) -> str:
-    """``"2 (taken over once)"``."""
+    """The generation and what it means.
+
+    >>> takeovers_words(1), takeovers_words(2), takeovers_words(4)
+    ('1 (never taken over)', '2 (taken over once)', '4 (taken over 3 times)')
+    """
     n = generation - 1
     if n == 0:
         return f"{generation} (never taken over)"
@@ -66,12 +70,20 @@ def takeovers_words(generation: int) -> str:
 
 def is_oversize_sentinel(row: StoredRow) -> bool:
     """A completed 500 with a NULL body is what the ledger stores when the real
-    body exceeded the cap (a handler's own empty 500 is stored as "")."""
+    body exceeded the cap (a handler's own empty 500 is stored as "").
+
+    >>> is_oversize_sentinel(ledger.lookup("acct_A", "big"))  # doctest: +SKIP
+    True
+    """
     return row.status is Status.COMPLETED and row.response_body is None and row.response_status == OVERSIZE_STATUS
 
 
 def body_kind(row: StoredRow) -> str:
-    """One of ``none``, ``oversize``, ``empty``, ``json``, ``text``, ``blob``."""
+    """One of ``none`` (pending), ``oversize``, ``empty``, ``json``, ``text``, ``blob``.
+
+    >>> body_kind(ledger.lookup("acct_A", "order-42"))  # doctest: +SKIP
+    'json'
+    """
     if row.status is not Status.COMPLETED or (row.response_body is None and not is_oversize_sentinel(row)):
         return "none"
     if is_oversize_sentinel(row):
@@ -88,7 +100,11 @@ def body_kind(row: StoredRow) -> str:
 
 
 def row_json(row: StoredRow) -> dict[str, Any]:
-    """The stored columns, body decoded per its kind."""
+    """The stored columns as JSON-ready values, the body decoded per its kind.
+
+    >>> row_json(ledger.lookup("acct_A", "order-42"))["response"]["body_kind"]  # doctest: +SKIP
+    'json'
+    """
     kind = body_kind(row)
     raw = row.body_bytes
     response: dict[str, Any] | None = None
@@ -116,6 +132,11 @@ def row_json(row: StoredRow) -> dict[str, Any]:
 
 
 def view_json(view: RowView) -> dict[str, Any]:
+    """`row_json` plus the derived state (the `inspect --json` document).
+
+    >>> view_json(ledger.get("acct_A", "order-42"))["state"]  # doctest: +SKIP
+    'completed'
+    """
     doc = row_json(view.row)
     doc.update(
         {
@@ -136,6 +157,11 @@ def view_json(view: RowView) -> dict[str, Any]:
 
 
 def event_json(event: FencedEvent) -> dict[str, Any]:
+    """One fenced-out event.
+
+    >>> event_json(next(ledger.fenced()))["superseded_generation"]  # doctest: +SKIP
+    1
+    """
     return {
         "id": event.id,
         "principal": event.principal,
@@ -148,6 +174,11 @@ def event_json(event: FencedEvent) -> dict[str, Any]:
 
 
 def stats_json(stats: Stats) -> dict[str, Any]:
+    """The `Stats` counts under their `stats --json` names.
+
+    >>> stats_json(ledger.stats())["expired"]  # doctest: +SKIP
+    0
+    """
     return {
         "now": stats.now,
         "total": stats.total,

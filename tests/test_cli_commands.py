@@ -505,3 +505,15 @@ def test_env_vars_choose_the_ledger_and_policy_and_command_options_override_them
     assert not (tmp_path / "other.db").exists()
     view = ledger.get("acct_A", "k")
     assert view.state is State.PENDING_FRESH and view.row.status is Status.PENDING
+
+
+def test_the_examples_in_the_cli_helpers_docstrings_hold():
+    import doctest
+
+    import idemctl.durations
+    import idemctl.render
+    import idemctl.simulate
+
+    for module in (idemctl.durations, idemctl.render, idemctl.simulate):
+        failed, attempted = doctest.testmod(module)
+        assert failed == 0 and attempted > 0, module.__name__
