@@ -198,7 +198,7 @@ def test_inspect_pending_row_says_how_long_retries_get_409_and_who_takes_over(ma
     result = cli("inspect", "order-7", "-p", "acct_A", "--db", ledger_target)
     assert result.exit_code == 0
     assert re.search(
-        r"^state\s+pending, 12 s old: retries get 409 for 1[78] s more, then the next retry takes over as generation 2$",
+        r"^state\s+pending, 1[23] s old: retries get 409 for 1[678] s more, then the next retry takes over as generation 2$",
         result.stdout,
         re.M,
     )
@@ -207,7 +207,7 @@ def test_inspect_pending_row_says_how_long_retries_get_409_and_who_takes_over(ma
 
     stale = cli("--ttl", "10s", "inspect", "order-7", "-p", "acct_A", "--db", ledger_target)
     assert re.search(
-        r"^state\s+pending, 12 s old, past the 10 s TTL: the next retry takes over as generation 2$", stale.stdout, re.M
+        r"^state\s+pending, 1[23] s old, past the 10 s TTL: the next retry takes over as generation 2$", stale.stdout, re.M
     )
 
 
@@ -289,7 +289,7 @@ def test_pending_lists_oldest_first_with_whether_a_retry_takes_over_now(make_led
     assert [line.split()[:3] for line in lines] == [["acct_A", "old", "1"], ["acct_B", "stale", "1"], ["acct_A", "fresh", "1"]]
     assert re.fullmatch(r"\s*acct_A\s+old\s+1\s+1 h\s+takes over as generation 2", lines[0])
     assert re.fullmatch(r"\s*acct_B\s+stale\s+1\s+2 min\s+takes over as generation 2", lines[1])
-    assert re.fullmatch(r"\s*acct_A\s+fresh\s+1\s+5 s\s+409 in progress for 2[45] s more", lines[2])
+    assert re.fullmatch(r"\s*acct_A\s+fresh\s+1\s+[56] s\s+409 in progress for 2[345] s more", lines[2])
     assert result.stdout.splitlines()[-1] == "3 pending row(s), oldest first; TTL 30 s"
 
 
@@ -407,8 +407,8 @@ def test_purge_refuses_a_fresh_pending_row_unless_forced(make_ledger, ledger_tar
     refused = cli("purge", "running", "-p", "acct_A", "--yes", "--db", ledger_target)
     assert refused.exit_code == 1
     assert re.fullmatch(
-        r"refused: acct_A/running is pending and only 3 s old — its owner may still be running, and purging would let "
-        r"a retry run the mutation twice; wait 2[67] s for the TTL, or pass --force",
+        r"refused: acct_A/running is pending and only [34] s old — its owner may still be running, and purging would let "
+        r"a retry run the mutation twice; wait 2[567] s for the TTL, or pass --force",
         one_line(refused),
     )
     assert ledger.lookup("acct_A", "running") is not None
