@@ -219,3 +219,20 @@ def test_zero_busy_timeout_means_do_not_wait_not_wait_forever(make_ledger, ledge
         finally:
             timer.cancel()
         assert time.monotonic() - started < 2
+
+
+def test_without_the_driver_a_postgres_url_asks_for_the_extra() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['psycopg'] = None\n"  # as if `idemctl[postgres]` was never installed
+        "from idemctl import Ledger, StorageError\n"
+        "try:\n"
+        "    Ledger.open('postgresql://app:pw@db/payments')\n"
+        "except StorageError as exc:\n"
+        "    print(exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "PostgreSQL support needs the driver: pip install 'idemctl[postgres]' (psycopg is missing)\n"
