@@ -138,7 +138,7 @@ def test_row_lock_held_past_the_busy_timeout_is_database_locked(make_ledger, led
     reservation = ledger.claim("acct", "k", "fp")
     with psycopg.connect(ledger_target) as holder:
         holder.execute("SELECT * FROM idempotency_keys WHERE key = 'k' FOR UPDATE")
-        with pytest.raises(DatabaseLockedError, match=r"past the 200 ms lock timeout"):
+        with pytest.raises(DatabaseLockedError, match=r"is locked: another session held the row or table past the lock timeout \(200 ms unless the URL sets lock_timeout\): canceling statement due to lock timeout$"):
             ledger.complete(reservation, 201, {}, b"ok")
     # Nothing was written by the timed-out statement; once free, it completes.
     assert ledger.lookup("acct", "k").status.value == "pending"
@@ -236,3 +236,18 @@ def test_without_the_driver_a_postgres_url_asks_for_the_extra() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "PostgreSQL support needs the driver: pip install 'idemctl[postgres]' (psycopg is missing)\n"
+
+
+def test_statement_timeout_from_the_url_is_database_locked_and_says_so(ledger_target: str) -> None:
+    ledger = Ledger.open(ledger_target.replace("options=", "options=-c%20statement_timeout%3D100%20"))
+    ledger.init()
+    with psycopg.connect(ledger_target) as holder:
+        holder.execute("LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
+        timer = threading.Timer(5, holder.rollback)  # releases the lock: never hang the suite
+        timer.start()
+        try:
+            with pytest.raises(DatabaseLockedError, match=r"was cancelled or ran past statement_timeout: canceling statement due to statement timeout$"):
+                ledger.lookup("acct", "k")
+        finally:
+            timer.cancel()
+    ledger.close()

@@ -447,11 +447,15 @@ class PostgresBackend:
         diag = getattr(exc, "diag", None)
         primary = getattr(diag, "message_primary", None) if diag is not None else None
         msg = self._scrub(_one_line(primary or str(exc)))
-        if state in _LOCKED_STATES:
+        if state == "55P03":
             return DatabaseLockedError(
-                f"{where} is locked: another session held the row or table past the "
-                f"{self.busy_timeout_ms} ms lock timeout ({msg})"
+                f"{where} is locked: another session held the row or table past the lock timeout "
+                f"({self.busy_timeout_ms} ms unless the URL sets lock_timeout): {msg}"
             )
+        if state == "57014":
+            return DatabaseLockedError(f"a statement on {where} was cancelled or ran past statement_timeout: {msg}")
+        if state in _LOCKED_STATES:  # deadlock or serialisation failure: the other session won
+            return DatabaseLockedError(f"{where} is busy: this statement conflicted with another session: {msg}")
         if state == "25006":
             return ReadOnlyDatabaseError(f"{where} is read-only ({msg})")
         if state == "42P01":
