@@ -21,6 +21,7 @@ from idemctl import (  # noqa: E402
     SchemaTooNewError,
     State,
     Status,
+    StorageError,
 )
 from idemctl import Reservation, fingerprint  # noqa: E402
 from idemctl.schema import schema_files  # noqa: E402
@@ -232,3 +233,18 @@ def test_a_completed_row_written_here_has_status_completed_in_plain_sql(ledger, 
         " FROM idempotency_keys"
     ).fetchone()
     assert row == (Status.COMPLETED.value, 1, 201, "h\u00e9", '{"content-type":"text/plain"}')
+
+
+def test_a_hand_made_recipe_table_with_a_text_body_is_refused_with_the_fix(make_ledger, pg: psycopg.Connection) -> None:
+    pg.execute(schema_files("postgres")[0].sql.replace("response_body     BYTEA", "response_body     TEXT"))
+    pg.execute(
+        "INSERT INTO idempotency_keys (principal, key, fingerprint, status, response_status, response_body, created_at, updated_at)"
+        " VALUES ('acct', 'k', 'fp', 'completed', 200, 'caf\u00e9', 1, 1)"
+    )
+    ledger = make_ledger(init=False)
+    with pytest.raises(StorageError, match=r"response_body is text, .* ALTER TABLE idempotency_keys ALTER COLUMN response_body TYPE bytea USING convert_to\(response_body, 'UTF8'\)$"):
+        ledger.init()
+    assert pg_tables(pg) == {"idempotency_keys", "idempotency_keys_pkey", "idx_idempotency_keys_updated_at"}
+    pg.execute("ALTER TABLE idempotency_keys ALTER COLUMN response_body TYPE bytea USING convert_to(response_body, 'UTF8')")
+    assert ledger.init().describe() == "upgraded from 0 to 1"
+    assert ledger.lookup("acct", "k").response_body == "caf\u00e9"

@@ -534,6 +534,22 @@ class PostgresBackend:
                 raise self._translate(exc) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _check_body_column(self, conn: psycopg.Connection) -> None:
+        """A ledger table made by hand from the recipe's DDL has a TEXT body
+        column, which cannot hold every response: say how to fix it rather
+        than adopting it."""
+        row = conn.execute(
+            "SELECT format_type(atttypid, atttypmod) FROM pg_attribute"
+            " WHERE attrelid = to_regclass(%s) AND attname = 'response_body' AND NOT attisdropped",
+            (LEDGER_TABLE,),
+        ).fetchone()
+        if row is not None and row[0] != "bytea":
+            raise StorageError(
+                f"{self.describe()}: idempotency_keys.response_body is {row[0]}, and idemctl on PostgreSQL stores "
+                "response bodies as bytea; convert it first: ALTER TABLE idempotency_keys ALTER COLUMN response_body "
+                "TYPE bytea USING convert_to(response_body, 'UTF8')"
+            )
+
     def _init_once(self, now: int, dry_run: bool) -> InitResult:
         pool = self._current_pool()
         try:
@@ -548,6 +564,8 @@ class PostgresBackend:
                         raise SchemaTooNewError(
                             f"{self.describe()} has ledger schema version {before}; this idemctl knows up to {SCHEMA_VERSION}"
                         )
+                    if before == 0:
+                        self._check_body_column(conn)
                     if before == SCHEMA_VERSION:
                         action = InitAction.UP_TO_DATE
                     elif before is None:
