@@ -1,0 +1,16 @@
+"""idemctl benchmarks: the ledger's cost against the physical floor.
+
+Every figure is a ratio against a floor measured in the same run, on the same
+file system, with identically configured connections: raw sqlite3 (or raw
+psycopg) statements doing the least the contract needs. Each figure is a
+median with its min-max over several repetitions, because shared machines are
+noisy.
+
+    python -m bench            # the full suite, about 10 minutes on 2 cores
+    python -m bench --quick    # every benchmark at tiny sizes: harness check only
+    python -m bench --report   # render README's Performance section from results/latest.json
+
+One module per measurement: cycle (1), middleware (2), contention (3),
+growth (4), sweep (5, and the operator commands' memory of 6), memory (6, the
+long-running worker), postgres (7). Raw results go to results/latest.json;
+`report` renders them."""

@@ -1,0 +1,140 @@
+"""Run the benchmark suite: `python -m bench` (full, about 10 minutes on 2
+cores), `python -m bench --quick` (every benchmark at tiny sizes, well under
+a minute; checks the harness, says nothing about speed) and
+`python -m bench --report` (render README's Performance table from
+bench/results/latest.json without measuring anything)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+from . import contention, cycle, growth, memory, middleware, postgres, report, sweep
+from .common import Context, filesystem_of, machine_info
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LATEST = os.path.join(HERE, "results", "latest.json")
+README = os.path.join(os.path.dirname(HERE), "README.md")
+
+# Order matters: sweep drains the 10^6-row file that growth built.
+BENCHMARKS: dict[str, Callable[[Context], dict[str, Any]]] = {
+    "cycle": cycle.run,
+    "middleware": middleware.run,
+    "contention": contention.run,
+    "growth": growth.run,
+    "sweep": sweep.run,
+    "memory": memory.run,
+    "postgres": postgres.run,
+}
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes: checks that the harness works, nothing else")
+    p.add_argument("--report", action="store_true", help="only render README's Performance table from --out")
+    p.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
+    p.add_argument(
+        "--dir",
+        default=os.environ.get("IDEMCTL_BENCH_DIR"),
+        help="where the database files go (default: a new directory under the system temp dir); "
+        "must be the file system the ledger would live on",
+    )
+    p.add_argument("--out", default=None, help=f"results JSON (default: {os.path.relpath(LATEST)}; --quick: inside --dir)")
+    p.add_argument("--readme", default=README, help="README to update with --report")
+    p.add_argument("--conditions", default="", help="free text about the run's conditions, stored with the results")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    out_path = args.out or LATEST
+    if args.report:
+        with open(out_path, encoding="utf-8") as f:
+            results = json.load(f)
+        report.update_readme(args.readme, results)
+        print(f"rendered {os.path.relpath(out_path)} into {os.path.relpath(args.readme)}")
+        return 0
+
+    only = {n.strip() for n in args.only.split(",") if n.strip()}
+    unknown = only - set(BENCHMARKS)
+    if unknown:
+        print(f"unknown benchmark(s): {', '.join(sorted(unknown))}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    created = args.dir is None
+    workdir = tempfile.mkdtemp(prefix="idemctl-bench-") if created else args.dir
+    os.makedirs(workdir, exist_ok=True)
+    if args.quick and args.out is None:
+        out_path = os.path.join(workdir, "quick.json")
+
+    def log(msg: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
+
+    fs = filesystem_of(workdir)
+    if fs["type"] in ("tmpfs", "ramfs", "overlay") and not args.quick:
+        log(f"WARNING: {workdir} is on {fs['type']}: fsync costs nothing there, figures will not match a disk")
+    ctx = Context(workdir=workdir, quick=args.quick, log=log)
+    results: dict[str, Any] = {
+        "quick": args.quick,
+        "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(workdir),
+        "conditions": args.conditions,
+        "benchmarks": {},
+    }
+    failed = []
+    t_all = time.perf_counter()
+    for name, fn in BENCHMARKS.items():
+        if only and name not in only:
+            continue
+        t0 = time.perf_counter()
+        log(f"[{name}] start")
+        try:
+            res = fn(ctx)
+        except Exception as exc:  # one broken benchmark must not hide the others' results
+            traceback.print_exc()
+            res = {"error": f"{type(exc).__name__}: {exc}"}
+            failed.append(name)
+        res["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        results["benchmarks"][name] = res
+        log(f"[{name}] {'FAILED' if name in failed else 'done'} in {res['elapsed_s']} s")
+    results["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    results["elapsed_s"] = round(time.perf_counter() - t_all, 1)
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=1, sort_keys=False)
+        f.write("\n")
+    print(report.render(results))
+    log(f"results written to {out_path} ({results['elapsed_s']} s in all)")
+    if created and not args.quick:
+        shutil.rmtree(workdir, ignore_errors=True)
+    elif created:
+        for entry in os.listdir(workdir):
+            if entry != "quick.json":
+                with_suppress_remove(os.path.join(workdir, entry))
+    if failed:
+        log(f"FAILED: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+def with_suppress_remove(path: str) -> None:
+    try:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

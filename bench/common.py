@@ -1,0 +1,209 @@
+"""What every benchmark shares: the run context, identically configured raw
+connections for the floors, fresh files, and the statistics (medians with
+min-max over repetitions, latency percentiles)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import sqlite3
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import idemctl
+from idemctl.schema import schema_files
+
+BODY_1K = b"b" * 1024  # the request body of every measured request
+STORED_1K = b"r" * 1024  # the response body every measured request stores
+HEADERS = {"content-type": "application/json"}
+RESPONSE = (201, {"content-type": "application/json"}, STORED_1K)
+RESPONSE_HEADERS_JSON = '{"content-type":"application/json"}'
+FINGERPRINT = "f" * 64  # the raw floors never hash: they are the physical minimum
+
+
+def noop_mutation(body: bytes) -> tuple[int, dict[str, str], bytes]:
+    return RESPONSE
+
+
+# The two statements of the raw floor, as idemctl's own SQL spells them.
+RAW_CLAIM = (
+    "INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, created_at, updated_at) "
+    "VALUES (?, ?, ?, 'pending', 1, ?, ?) ON CONFLICT (principal, key) DO NOTHING RETURNING generation"
+)
+RAW_COMPLETE = (
+    "UPDATE idempotency_keys SET status = 'completed', response_status = ?, response_body = ?, "
+    "response_headers = ?, updated_at = ? WHERE principal = ? AND key = ? AND generation = ? "
+    "AND status = 'pending' RETURNING generation"
+)
+RAW_LOOKUP = (
+    "SELECT principal, key, fingerprint, status, generation, response_status, response_body, "
+    "response_headers, created_at, updated_at FROM idempotency_keys WHERE principal = ? AND key = ?"
+)
+BUSY_TIMEOUT_MS = 5000
+
+
+@dataclass
+class Context:
+    workdir: str
+    quick: bool
+    log: Callable[[str], None]
+    only: set[str] | None = None
+    notes: list[str] = field(default_factory=list)
+    shared: dict[str, Any] = field(default_factory=dict)  # hand-overs between benchmarks (e.g. the big file)
+
+    def size(self, full: int, quick: int) -> int:
+        return quick if self.quick else full
+
+    def path(self, name: str) -> str:
+        """A fresh database path in the work directory (old files removed)."""
+        p = os.path.join(self.workdir, name)
+        remove_db(p)
+        return p
+
+
+def remove_db(path: str) -> None:
+    for suffix in ("", "-wal", "-shm", "-journal", "-idemctl.lock"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path + suffix)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def raw_connect(path: str, synchronous: str = "FULL") -> sqlite3.Connection:
+    """A plain sqlite3 connection set up exactly as idemctl sets up its own:
+    auto-commit, WAL, the same synchronous level and busy timeout."""
+    conn = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False)
+    conn.execute(f"PRAGMA synchronous={synchronous}")
+    if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+        conn.execute("PRAGMA journal_mode=WAL").fetchall()
+    return conn
+
+
+def create_schema(path: str) -> None:
+    """The ledger schema without going through idemctl (for raw-only files)."""
+    conn = raw_connect(path)
+    for f in schema_files("sqlite"):
+        conn.executescript(f.sql)
+    conn.close()
+
+
+def raw_pair(conn: sqlite3.Connection, principal: str, key: str, now: int) -> None:
+    """The floor of one request: claim, then the fenced completion storing 1 KiB."""
+    (gen,) = conn.execute(RAW_CLAIM, (principal, key, FINGERPRINT, now, now)).fetchall()[0]
+    conn.execute(
+        RAW_COMPLETE, (201, STORED_1K.decode(), RESPONSE_HEADERS_JSON, now, principal, key, gen)
+    ).fetchall()
+
+
+# -- statistics -------------------------------------------------------------------
+def spread(values: Sequence[float], digits: int = 3) -> dict[str, Any]:
+    """Median with min and max, and the raw values, of one figure's repetitions."""
+    vals = [float(v) for v in values]
+    return {
+        "median": round(statistics.median(vals), digits),
+        "min": round(min(vals), digits),
+        "max": round(max(vals), digits),
+        "n": len(vals),
+        "values": [round(v, digits) for v in vals],
+    }
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted sequence."""
+    if not sorted_values:
+        return float("nan")
+    rank = max(1, min(len(sorted_values), int(-(-q * len(sorted_values) // 100))))
+    return sorted_values[rank - 1]
+
+
+def latency_summary(latencies_s: Sequence[float]) -> dict[str, Any]:
+    lat = sorted(latencies_s)
+    return {
+        "count": len(lat),
+        "p50_ms": round(percentile(lat, 50) * 1000, 3),
+        "p99_ms": round(percentile(lat, 99) * 1000, 3),
+        "max_ms": round(lat[-1] * 1000, 3) if lat else None,
+        "over_100ms": sum(1 for v in lat if v > 0.1),
+        "over_1s": sum(1 for v in lat if v > 1.0),
+    }
+
+
+def rate(count: int, seconds: float) -> float:
+    return count / seconds if seconds > 0 else float("nan")
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# -- machine --------------------------------------------------------------------------
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def filesystem_of(path: str) -> dict[str, str]:
+    """File system type and device holding `path` (longest mount-point match)."""
+    real = os.path.realpath(path)
+    best = ("", "unknown", "unknown")
+    with contextlib.suppress(OSError):
+        with open("/proc/mounts", encoding="utf-8") as f:
+            for line in f:
+                dev, mnt, fstype = line.split()[:3]
+                mnt = mnt.replace("\\040", " ")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
+                    best = (mnt, fstype, dev)
+    return {"mount": best[0], "type": best[1], "device": best[2]}
+
+
+def git_commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "idemctl"], cwd=here, capture_output=True, text=True, timeout=10
+        )
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine_info(workdir: str) -> dict[str, Any]:
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": _cpu_model(),
+        "python": platform.python_version(),
+        "sqlite": sqlite3.sqlite_version,
+        "idemctl": idemctl.__version__,
+        "commit": git_commit(),
+        "platform": platform.platform(),
+        "workdir": workdir,
+        "filesystem": filesystem_of(workdir),
+        "loadavg_start": os.getloadavg(),
+    }
+
+
+@contextlib.contextmanager
+def section(ctx: Context, name: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    ctx.log(f"[{name}] ...")
+    yield
+    ctx.log(f"[{name}] done in {time.perf_counter() - t0:.1f} s")
+
+
+def python() -> str:
+    return sys.executable

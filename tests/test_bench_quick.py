@@ -1,0 +1,57 @@
+"""The benchmark harness still runs: `python -m bench --quick` measures every
+benchmark at tiny sizes. It asserts nothing about speed (that is bench/'s
+job, as ratios in one run); only that each benchmark ran and the table came out."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.slow
+
+
+def test_quick_benchmark_run_exits_0_and_renders_every_table(tmp_path):
+    out = tmp_path / "quick.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--dir", str(tmp_path / "work"), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["quick"] is True
+    benchmarks = results["benchmarks"]
+    assert list(benchmarks) == ["cycle", "middleware", "contention", "growth", "sweep", "memory", "postgres"]
+    assert [name for name, res in benchmarks.items() if "error" in res] == []
+    # Everything built in this repository must be measured, never skipped.
+    for name in ("cycle", "middleware", "contention", "growth", "sweep", "memory"):
+        assert "missing" not in benchmarks[name], benchmarks[name]
+    assert len(benchmarks["contention"]["configs"]) == 12
+    assert all(c["error_count"] == 0 for c in benchmarks["contention"]["configs"])
+    sweep = benchmarks["sweep"]
+    assert sweep["cli"]["live_rows_after"] == sweep["live_rows"]
+    assert sweep["cli"]["deleted"] == sweep["expired_rows"]
+    assert benchmarks["memory"]["requests"] == 2000
+    table = proc.stdout
+    for heading in (
+        "| (1) request cycle |",
+        "| (2) middleware, in-process |",
+        "| (3) contention |",
+        "| (4) growth: rows already present |",
+        "| (5) sweep:",
+        "| (6) memory |",
+    ):
+        assert heading in table, heading
+    assert "quick mode: not figures" in table
+    # PostgreSQL is measured when its server answers, and otherwise shown as a gap, never silently dropped.
+    assert ("| (7) PostgreSQL |" in table) or ("_postgres: **gap**" in table)
+    # The big backlog copies are removed as soon as the sweep benchmark is done with them.
+    assert not (tmp_path / "work" / "backlog.db").exists()
