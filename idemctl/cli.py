@@ -1025,7 +1025,9 @@ def simulate(
             hint = ""
             if timeline.database and inspected:
                 last = inspected[-1]
-                hint = f"; see it with: idemctl inspect {last.key} --principal {last.principal} --db {timeline.database}"
+                # A URL is not echoed back: it may carry a password.
+                where = "<the same URL>" if target is not None and "://" in target else timeline.database
+                hint = f"; see it with: idemctl inspect {last.key} --principal {last.principal} --db {where}"
             typer.echo(f"every step went as expected{hint}")
     failures = timeline.failures()
     if failures:

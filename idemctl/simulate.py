@@ -216,7 +216,7 @@ class Event:
 @dataclass(frozen=True)
 class Timeline:
     scenario: Scenario
-    database: str | None  # None: a temporary database, deleted afterwards
+    database: str | None  # where it ran, safe to print (no password); None: a temporary database
     policy: Policy
     start: int
     end: int
@@ -957,6 +957,7 @@ def run_scenario(
         else:
             where = os.fspath(target)
         ledger = stack.enter_context(Ledger.open(where, policy=policy, clock=clock))
+        shown = ledger.backend.describe()
         ledger.init()
         reset = tuple(pk for pk in scenario.keys() if ledger.purge(*pk, force=True).row is not None)
         tap = stack.enter_context(_tap_logs())
@@ -965,7 +966,7 @@ def run_scenario(
             runner.run(step)
     return Timeline(
         scenario=scenario,
-        database=None if target is None else os.fspath(target),
+        database=None if target is None else shown,
         policy=policy,
         start=start,
         end=clock.now,

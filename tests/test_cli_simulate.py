@@ -121,8 +121,9 @@ def test_the_timeline_table_shows_time_actor_step_outcome_and_row_after(tmp_path
 def test_takeover_into_a_named_ledger_leaves_the_row_and_runs_again_the_next_time(ledger_target, make_ledger):
     first = simulate("takeover", "--db", ledger_target)
     assert first.exit_code == 0, first.stderr
+    shown = "<the same URL>" if "://" in ledger_target else ledger_target  # a URL may carry a password
     assert first.stdout.rstrip().splitlines()[-1] == (
-        f"every step went as expected; see it with: idemctl inspect order-42 --principal acct_A --db {ledger_target}"
+        f"every step went as expected; see it with: idemctl inspect order-42 --principal acct_A --db {shown}"
     )
     second = simulate("takeover", "--db", ledger_target)
     assert second.exit_code == 0, second.stderr
@@ -355,3 +356,16 @@ def test_a_race_worker_that_cannot_open_the_ledger_is_reported_not_hung(tmp_path
     results = race_processes(str(tmp_path / "gone.db"), step, Policy(), 1_700_000_000_000)
     assert [(r.worker, r.outcome) for r in results] == [(1, None), (2, None)]
     assert all(r.error == f"LedgerNotFoundError: no ledger at {tmp_path / 'gone.db'} — run `idemctl init`" for r in results)
+
+
+def test_simulate_says_where_it_ran_and_never_prints_a_password(ledger_target, backend_name):
+    target = ledger_target.replace("postgresql://postgres@", "postgresql://postgres:pw-s3cret@")
+    text = simulate("happy", "--db", target)
+    as_json = simulate("happy", "--db", target, "--json")
+    assert text.exit_code == as_json.exit_code == 0, text.stderr
+    assert "pw-s3cret" not in text.output and "pw-s3cret" not in as_json.output
+    shown = json.loads(as_json.stdout)["database"]
+    if backend_name == "sqlite":
+        assert shown == ledger_target and f"ledger {ledger_target};" in text.stdout
+    else:
+        assert shown.startswith("postgresql://postgres@127.0.0.1") and f"ledger {shown};" in text.stdout
