@@ -886,8 +886,8 @@ def _step_words(e: Event, timeline: Timeline) -> str:
     step = timeline.scenario.steps[e.step - 1]
     if e.op in (Op.REQUEST, Op.RACE):
         return f"{step.method} {step.path}"
-    if e.op is Op.COMPLETE:
-        return f"complete gen {e.generation}"
+    if e.op in (Op.COMPLETE, Op.RELEASE) and e.generation is not None:
+        return f"{e.op.value} gen {e.generation}"
     if e.op is Op.ADVANCE:
         return f"advance {human_duration(step.by_ms)}"
     if e.op is Op.SWEEP:
