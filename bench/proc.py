@@ -21,31 +21,29 @@ FORK = mp.get_context("fork")
 
 def run_measured(argv: list[str], *, timeout: float = 900) -> dict[str, Any]:
     """Run a command to completion; its wall time, exit code, stdout, stderr
-    tail and peak resident set size (ru_maxrss of that one child, in MiB)."""
+    tail and peak resident set size in MiB (its own, through bench/rss.py)."""
+    launcher = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "rss.py")]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-        deadline = t0 + timeout
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() > deadline:
-                proc.kill()
-                pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.01)
+        proc = subprocess.Popen([*launcher, *argv], stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
         elapsed = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
+        stderr = err.read().decode("utf-8", "replace")
+        body, _, last = stderr.rstrip("\n").rpartition("\n")
+        peak_kib = int(last.split("=", 1)[1]) if last.startswith("BENCH_PEAK_RSS_KIB=") else -1
         return {
             "argv": [os.path.basename(argv[0]), *argv[1:]],
-            "exit_code": proc.returncode,
+            "exit_code": code,
             "seconds": round(elapsed, 3),
-            "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),  # Linux reports KiB
+            "peak_rss_mib": round(peak_kib / 1024, 1),  # Linux reports KiB
             "stdout": out.read().decode("utf-8", "replace"),
-            "stderr_tail": err.read().decode("utf-8", "replace")[-400:],
+            "stderr_tail": body[-400:],
         }
 
 

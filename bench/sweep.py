@@ -31,6 +31,7 @@ from .common import Context, now_ms, raw_connect, remove_db, spread
 from .proc import Claimer, WalSampler, cli, run_measured
 
 MIB = 1024 * 1024
+LARGER_BATCH = 10_000
 
 
 def default_cli_batch() -> int:
@@ -57,7 +58,9 @@ def per_request_batch(ctx: Context, big: str, reps: int, calls: int) -> dict[str
     """sweep(batch=20) latency on a 10^3-row ledger and on the big backlog."""
     small = ctx.path("sweep-small.db")
     init_ledger(small)
-    add_rows(small, ctx.size(1000, 200), seed=7, updated_at=now_ms() - 2 * DAY_MS)
+    # 10^3 rows left after the last call; the calls delete reps * calls * 20 more.
+    small_rows = ctx.size(1000, 200) + reps * calls * 20
+    add_rows(small, small_rows, seed=7, updated_at=now_ms() - 2 * DAY_MS)
     ledgers = {"small": Ledger.open(small), "big": Ledger.open(big)}
     lat: dict[str, list[float]] = {"small": [], "big": []}
     for rep in range(reps):
@@ -70,7 +73,8 @@ def per_request_batch(ctx: Context, big: str, reps: int, calls: int) -> dict[str
     for ledger in ledgers.values():
         ledger.close()
     return {
-        "rows_small": count_rows(small) + reps * calls * 20,
+        "rows_small": small_rows,
+        "rows_small_after": count_rows(small),
         "small_ms": spread(lat["small"]),
         "big_ms": spread(lat["big"]),
         "ratio_big_to_small": spread([b / s for b, s in zip(lat["big"], lat["small"])]),
@@ -78,14 +82,18 @@ def per_request_batch(ctx: Context, big: str, reps: int, calls: int) -> dict[str
 
 
 def unbounded_delete(path: str, cutoff: int) -> dict[str, Any]:
+    # The checkpoint runs while the claimer still holds a connection: closing
+    # the last connection would checkpoint silently, outside the timing.
     conn = raw_connect(path)
     with Claimer(path) as claimer, WalSampler(path) as wal:
         t0 = time.perf_counter()
         deleted = conn.execute("DELETE FROM idempotency_keys WHERE updated_at < ?", (cutoff,)).rowcount
         delete_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        checkpoint_s = time.perf_counter() - t0
         time.sleep(0.2)
     conn.close()
-    checkpoint_s = _checkpoint(path)
     return {
         "deleted": deleted,
         "delete_s": round(delete_s, 3),
@@ -97,10 +105,11 @@ def unbounded_delete(path: str, cutoff: int) -> dict[str, Any]:
     }
 
 
-def cli_sweep(path: str) -> dict[str, Any]:
+def cli_sweep(path: str, batch: int | None = None) -> dict[str, Any]:
+    extra = [] if batch is None else ["--batch-size", str(batch)]
     with Claimer(path) as claimer, WalSampler(path) as wal:
-        res = run_measured(cli("sweep", "--db", path, "--json"))
-    checkpoint_s = _checkpoint(path)
+        res = run_measured(cli("sweep", "--db", path, "--json", *extra))
+        checkpoint_s = _checkpoint(path)
     if res["exit_code"] != 0:
         raise RuntimeError(f"idemctl sweep failed: {res['stderr_tail']}")
     summary = json.loads(res["stdout"])
@@ -117,9 +126,8 @@ def cli_sweep(path: str) -> dict[str, Any]:
     }
 
 
-def timed_batches(path: str, batch: int, max_batches: int) -> dict[str, Any]:
+def timed_batches(ledger: Ledger, path: str, batch: int, max_batches: int) -> dict[str, Any]:
     """The CLI's statements, one `Ledger.sweep` batch at a time, each timed."""
-    ledger = Ledger.open(path)
     times: list[float] = []
     with WalSampler(path) as wal:
         for _ in range(max_batches):
@@ -128,7 +136,6 @@ def timed_batches(path: str, batch: int, max_batches: int) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
             if n == 0:
                 break
-    ledger.close()
     ordered = sorted(times)
     return {
         "batches": len(times),
@@ -173,7 +180,7 @@ def run(ctx: Context) -> dict[str, Any]:
     expired = count_rows(big, "updated_at < ?", (cutoff,))
     live = count_rows(big, "updated_at >= ?", (cutoff,))
     out: dict[str, Any] = {"expired_rows": expired, "live_rows": live}
-    out["per_request_batch"] = per_request_batch(ctx, big, ctx.size(5, 2), ctx.size(20, 3))
+    out["per_request_batch"] = per_request_batch(ctx, big, ctx.size(5, 2), ctx.size(10, 3))
     ctx.log(f"  sweep: per-request batch {out['per_request_batch']['ratio_big_to_small']['median']}x at 10^6 vs 10^3")
     out["memory_reads"] = memory_of_reads(big)
     ctx.log(f"  memory: stats {out['memory_reads']['stats']['peak_rss_mib']} MiB, pending {out['memory_reads']['pending']['peak_rss_mib']} MiB")
@@ -182,8 +189,9 @@ def run(ctx: Context) -> dict[str, Any]:
     out["expired_rows"] = expired
     ours = ctx.path("sweep-cli.db")
     timed = ctx.path("sweep-timed.db")
-    _copy(big, ours)
-    _copy(big, timed)
+    larger = ctx.path("sweep-cli-larger.db")
+    for copy in (ours, timed, larger):
+        _copy(big, copy)
     out["floor"] = unbounded_delete(big, cutoff)
     ctx.log(f"  sweep: unbounded DELETE {out['floor']['delete_s']} s + checkpoint {out['floor']['checkpoint_s']} s")
     out["cli"] = cli_sweep(ours)
@@ -196,8 +204,18 @@ def run(ctx: Context) -> dict[str, Any]:
         raise AssertionError(f"sweep lost live rows or left expired ones: live {live}->{survivors}, left {leftover}")
     out["ratio_total"] = round(out["cli"]["total_s"] / out["floor"]["total_s"], 3)
     out["ratio_delete_only"] = round(out["cli"]["sweep_s"] / out["floor"]["delete_s"], 3)
-    max_batches = ctx.size(300, 10**6)
-    out["timed_batches"] = timed_batches(timed, default_cli_batch(), max_batches)
-    for p in (big, ours, timed):
+    # What a larger batch buys (the knob that trades transaction length for
+    # total time): the same drain with --batch-size LARGER_BATCH.
+    out["cli_larger_batch"] = cli_sweep(larger, LARGER_BATCH)
+    out["cli_larger_batch"]["expired_rows_after"] = count_rows(larger, "updated_at < ?", (cutoff,))
+    out["ratio_delete_only_larger_batch"] = round(out["cli_larger_batch"]["sweep_s"] / out["floor"]["delete_s"], 3)
+    ctx.log(f"  sweep: idemctl sweep --batch-size {LARGER_BATCH} {out['cli_larger_batch']['sweep_s']} s")
+    # Transaction lengths, timed one batch at a time on a fresh copy: the
+    # first batches of the default size, then batches of the larger size.
+    ledger = Ledger.open(timed)
+    out["timed_batches"] = timed_batches(ledger, timed, default_cli_batch(), ctx.size(150, 2))
+    out["timed_batches_larger"] = timed_batches(ledger, timed, LARGER_BATCH, ctx.size(30, 10**6))
+    ledger.close()
+    for p in (big, ours, timed, larger):
         remove_db(p)
     return out
