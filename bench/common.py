@@ -96,10 +96,15 @@ def create_schema(path: str) -> None:
 
 
 def raw_pair(conn: sqlite3.Connection, principal: str, key: str, now: int) -> None:
-    """The floor of one request: claim, then the fenced completion storing 1 KiB."""
+    """The floor of one request: claim, then the fenced completion storing 1 KiB.
+
+    The completion stamps a later time than the claim, as a real one does
+    (retention counts from completion): an unchanged updated_at would let
+    SQLite skip the index update and make the floor do less work than the
+    contract needs."""
     (gen,) = conn.execute(RAW_CLAIM, (principal, key, FINGERPRINT, now, now)).fetchall()[0]
     conn.execute(
-        RAW_COMPLETE, (201, STORED_1K.decode(), RESPONSE_HEADERS_JSON, now, principal, key, gen)
+        RAW_COMPLETE, (201, STORED_1K.decode(), RESPONSE_HEADERS_JSON, now + 1, principal, key, gen)
     ).fetchall()
 
 

@@ -60,7 +60,7 @@ def _figure(rates: list[float], floor: list[float]) -> dict[str, Any]:
 
 def request_cycle(ctx: Context, synchronous: str) -> dict[str, Any]:
     n = ctx.size(1500 if synchronous == "FULL" else 4000, 40)
-    reps = ctx.size(5, 2)
+    reps = ctx.size(7, 2)
     path = ctx.path(f"cycle-{synchronous.lower()}.db")
     ledger = Ledger.open(path, synchronous=synchronous)
     ledger.init()

@@ -63,7 +63,7 @@ def cycle(ctx: Context, base: str, admin) -> dict[str, Any]:  # type: ignore[no-
         for i in range(n):
             key = f"raw-{rep}-{i}"
             (gen,) = raw.execute(SQL_CLAIM, ("acct_bench", key, FINGERPRINT, now, now)).fetchall()[0]
-            raw.execute(SQL_COMPLETE, (201, STORED_1K, RESPONSE_HEADERS_JSON, now, "acct_bench", key, gen)).fetchall()
+            raw.execute(SQL_COMPLETE, (201, STORED_1K, RESPONSE_HEADERS_JSON, now + 1, "acct_bench", key, gen)).fetchall()
 
     def ours(rep: int) -> None:
         for i in range(n):

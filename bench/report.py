@@ -138,7 +138,7 @@ def _claimer(c: dict[str, Any]) -> str:
 
 def _sweep(res: dict[str, Any]) -> list[str]:
     fl, cl, tb, pr = res["floor"], res["cli"], res["timed_batches"], res["per_request_batch"]
-    lb, tl = res["cli_larger_batch"], res["timed_batches_larger"]
+    lb, tl, sm = res["cli_larger_batch"], res["timed_batches_larger"], res["cli_smaller_batch"]
     out = [
         f"| (5) sweep: {_n(res['expired_rows'])} expired + {_n(res['live_rows'])} live rows | `idemctl sweep` (batch {cl['batch_size']}) | one unbounded DELETE | ratio | aim | |",
         "|---|---|---|---|---|---|",
@@ -147,6 +147,7 @@ def _sweep(res: dict[str, Any]) -> list[str]:
         f"| longest single transaction | {tb['max_ms']:.0f} ms (p99 {tb['p99_ms']:.0f}, median {tb['median_ms']:.0f}; {tb['batches']} batches timed) | {fl['longest_transaction_ms']:.0f} ms | – | ≤ 500 ms | {_aim(tb['max_ms'] <= 500)} |",
         f"| with `--batch-size {lb['batch_size']}`: time to drain | {lb['sweep_s']:.1f} s | {fl['delete_s']:.1f} s | {res['ratio_delete_only_larger_batch']:.2f} | ≤ 2.5 | {_aim(res['ratio_delete_only_larger_batch'] <= 2.5)} |",
         f"| … its longest transaction, WAL, claimer | {tl['max_ms']:.0f} ms (p99 {tl['p99_ms']:.0f}, median {tl['median_ms']:.0f}; {tl['batches']} batches timed); WAL {lb['wal_max_mib']:.0f} MiB; {_claimer(lb['claimer'])} | – | – | ≤ 500 ms | {_aim(tl['max_ms'] <= 500)} |",
+        f"| with `--batch-size {sm['batch_size']}` (first {_n(sm['deleted'])} rows): rate, claimer | {_n(sm['rows_per_s'])} rows/s, drain projected {sm['projected_drain_s']:.0f} s; {_claimer(sm['claimer'])} | {fl['delete_s']:.1f} s | {res['ratio_delete_only_smaller_batch_projected']:.2f} (projected) | – | |",
         f"| WAL at its largest | {cl['wal_max_mib']:.0f} MiB | {fl['wal_max_mib']:.0f} MiB | – | bounded | {_aim(cl['wal_max_mib'] < 64)} |",
         f"| a claiming process meanwhile (1 request / 5 ms) | {_claimer(cl['claimer'])} | {_claimer(fl['claimer'])} | – | 0 errors, p99 ≤ 50 ms | {_aim(cl['claimer']['error_count'] == 0 and cl['claimer']['p99_ms'] <= 50)} |",
         f"| live rows afterwards | {_n(cl['live_rows_after'])} of {_n(res['live_rows'])} | – | – | all | {_aim(cl['live_rows_after'] == res['live_rows'])} |",
