@@ -220,11 +220,9 @@ def run(ctx: Context) -> dict[str, Any]:
     # SMALLER_BATCHES batches only: a full drain at this size takes minutes.
     out["cli_smaller_batch"] = cli_sweep(smaller, SMALLER_BATCH, ctx.size(SMALLER_BATCHES, 4))
     sm = out["cli_smaller_batch"]
-    sm["rows_per_s"] = round(sm["deleted"] / sm["sweep_elapsed_s"]) if sm["sweep_elapsed_s"] else None
-    sm["projected_drain_s"] = round(expired / sm["rows_per_s"], 1) if sm["rows_per_s"] else None
-    out["ratio_delete_only_smaller_batch_projected"] = (
-        round(sm["projected_drain_s"] / out["floor"]["delete_s"], 3) if sm["projected_drain_s"] else None
-    )
+    sm["rows_per_s"] = round(sm["deleted"] / max(sm["sweep_elapsed_s"], 0.001))
+    sm["projected_drain_s"] = round(expired / max(sm["rows_per_s"], 1), 1)
+    out["ratio_delete_only_smaller_batch_projected"] = round(sm["projected_drain_s"] / max(out["floor"]["delete_s"], 0.001), 3)
     ctx.log(f"  sweep: idemctl sweep --batch-size {SMALLER_BATCH}: {sm['rows_per_s']} rows/s, claimer p99 {sm['claimer']['p99_ms']} ms")
     # Transaction lengths, timed one batch at a time on a fresh copy: the
     # first batches of the default size, then batches of the larger size.
