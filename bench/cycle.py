@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from idemctl import Ledger, Outcome
+from idemctl.backends.sqlite import SqliteBackend
 
 from .common import (
     BODY_1K,
@@ -66,6 +67,9 @@ def request_cycle(ctx: Context, synchronous: str) -> dict[str, Any]:
     ledger.init()
     raw = raw_connect(path, synchronous)
     handle = ledger.handle
+    # The same ledger without the writer queue, on the same file: what the
+    # queue costs one process that never has to wait in it.
+    unqueued = Ledger(SqliteBackend(path, synchronous=synchronous, write_queue=False))
 
     def floor(rep: int, n: int) -> None:
         now = now_ms()
@@ -76,14 +80,23 @@ def request_cycle(ctx: Context, synchronous: str) -> dict[str, Any]:
         for i in range(n):
             handle(PRINCIPAL, f"led-{rep}-{i}", "POST", "/orders", HEADERS, BODY_1K, noop_mutation)
 
+    def ours_unqueued(rep: int, n: int) -> None:
+        for i in range(n):
+            unqueued.handle(PRINCIPAL, f"nq-{rep}-{i}", "POST", "/orders", HEADERS, BODY_1K, noop_mutation)
+
     def ours_with_sweep(rep: int, n: int) -> None:
         for i in range(n):
             ledger.after_response(handle(PRINCIPAL, f"sw-{rep}-{i}", "POST", "/orders", HEADERS, BODY_1K, noop_mutation))
 
     check = handle(PRINCIPAL, "check", "POST", "/orders", HEADERS, BODY_1K, noop_mutation)
     assert check.outcome is Outcome.EXECUTED and check.body == b"r" * 1024, check
-    rates = _paired(reps, n, {"floor": floor, "handle": ours, "handle_after_response": ours_with_sweep})
+    rates = _paired(
+        reps,
+        n,
+        {"floor": floor, "handle": ours, "handle_after_response": ours_with_sweep, "handle_no_queue": ours_unqueued},
+    )
     ledger.close()
+    unqueued.close()
     raw.close()
     return {
         "synchronous": synchronous,
@@ -91,6 +104,8 @@ def request_cycle(ctx: Context, synchronous: str) -> dict[str, Any]:
         "floor": {"ops_per_s": spread(rates["floor"], 1)},
         "handle": _figure(rates["handle"], rates["floor"]),
         "handle_after_response": _figure(rates["handle_after_response"], rates["floor"]),
+        "handle_no_queue": _figure(rates["handle_no_queue"], rates["floor"]),
+        "queue_on_vs_off": spread([a / b for a, b in zip(rates["handle"], rates["handle_no_queue"])]),
     }
 
 

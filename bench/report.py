@@ -68,6 +68,10 @@ def _cycle(res: dict[str, Any]) -> list[str]:
             f"| {_sp(c['handle']['ratio'])} | ≥ {aim} | {_aim(c['handle']['ratio']['median'] >= aim)} |"
         )
         out.append(
+            f"| `handle` without the writer queue, {label} | {_n(c['handle_no_queue']['ops_per_s']['median'])}/s "
+            f"| {_n(floor)} pairs/s | {_sp(c['handle_no_queue']['ratio'])} (queue on ÷ off: {_sp(c['queue_on_vs_off'])}) | – | |"
+        )
+        out.append(
             f"| `handle` + `after_response`, {label} | {_n(c['handle_after_response']['ops_per_s']['median'])}/s "
             f"| {_n(floor)} pairs/s | {_sp(c['handle_after_response']['ratio'])} | – | |"
         )
