@@ -512,8 +512,8 @@ def test_the_examples_in_the_cli_helpers_docstrings_hold():
 
     import idemctl.durations
     import idemctl.render
-    import idemctl.simulate
+    import idemctl.scenario
 
-    for module in (idemctl.durations, idemctl.render, idemctl.simulate):
+    for module in (idemctl.durations, idemctl.render, idemctl.scenario):
         failed, attempted = doctest.testmod(module)
         assert failed == 0 and attempted > 0, module.__name__
