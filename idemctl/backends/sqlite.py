@@ -404,16 +404,18 @@ class SqliteBackend:
 
     # Writes go through the writer queue; reads never wait in it (WAL readers
     # do not block writers, nor writers readers).
-    # (Plain try/finally rather than a context manager: this runs twice per
+    # (Plain try/except rather than context managers: this runs twice per
     # request, and the generator machinery cost more than the flock calls.)
     def _write_all(self, sql: str, params: tuple | dict = ()) -> list[tuple]:
-        with self._errors():
+        try:
             conn = self._conn()
             fd, shortened = self._enter_queue(conn)
             try:
                 return conn.execute(sql, params).fetchall()
             finally:
                 self._leave_queue(conn, fd, shortened)
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
 
     # -- schema -----------------------------------------------------------------
     def _version_from(self, db: sqlite_utils.Database) -> int | None:
