@@ -214,3 +214,23 @@ def test_a_sweep_with_nothing_expired_takes_no_queue_turn_and_runs_no_delete(db)
         holder.join(10)
     assert ledger.lookup("acct", "old") is None
     ledger.close()
+
+
+def test_a_short_turn_in_the_queue_leaves_the_busy_timeout_alone(db):
+    ledger = Ledger.open(db, busy_timeout_ms=5000)
+    statements: list[str] = []
+    ledger.backend._conn().set_trace_callback(statements.append)
+    lock_path = db + "-idemctl.lock"
+    held, release = fork.Event(), fork.Event()
+    holder = fork.Process(target=_hold_queue, args=(lock_path, held, release))
+    holder.start()
+    assert held.wait(10)
+    threading.Timer(0.05, release.set).start()
+    try:
+        assert ledger.claim("acct", "k", "fp").generation == 1  # waited ~50 ms of a 5 s budget
+    finally:
+        release.set()
+        holder.join(10)
+    assert [s for s in statements if s.startswith("PRAGMA")] == []
+    assert ledger.backend._conn().execute("PRAGMA busy_timeout").fetchone() == (5000,)
+    ledger.close()
