@@ -170,6 +170,18 @@ def memory_of_reads(path: str) -> dict[str, Any]:
     return out
 
 
+def _check_survivors(result: dict[str, Any], path: str, cutoff: int, live: int, expired: int) -> None:
+    """Every live row is still there, no expired row is left, and the
+    sweep says it deleted exactly the expired ones."""
+    result["live_rows_after"] = count_rows(path, "updated_at >= ? AND principal <> 'acct_claimer'", (cutoff,))
+    result["expired_rows_after"] = count_rows(path, "updated_at < ?", (cutoff,))
+    if result["live_rows_after"] != live or result["expired_rows_after"] != 0 or result["deleted"] != expired:
+        raise AssertionError(
+            f"sweep of {path} lost live rows or left expired ones: live {live} -> {result['live_rows_after']}, "
+            f"expired left {result['expired_rows_after']}, deleted {result['deleted']} of {expired}"
+        )
+
+
 def run(ctx: Context) -> dict[str, Any]:
     big = ctx.shared.get("backlog_path")
     if big is None:  # run on its own: build the backlog here
@@ -199,30 +211,26 @@ def run(ctx: Context) -> dict[str, Any]:
     ctx.log(f"  sweep: unbounded DELETE {out['floor']['delete_s']} s + checkpoint {out['floor']['checkpoint_s']} s")
     out["cli"] = cli_sweep(ours)
     ctx.log(f"  sweep: idemctl sweep {out['cli']['sweep_s']} s, WAL max {out['cli']['wal_max_mib']} MiB")
-    survivors = count_rows(ours, "updated_at >= ? AND principal <> 'acct_claimer'", (cutoff,))
-    leftover = count_rows(ours, "updated_at < ?", (cutoff,))
-    out["cli"]["live_rows_after"] = survivors
-    out["cli"]["expired_rows_after"] = leftover
-    if survivors != live or leftover != 0 or out["cli"]["deleted"] != expired:
-        raise AssertionError(f"sweep lost live rows or left expired ones: live {live}->{survivors}, left {leftover}")
+    _check_survivors(out["cli"], ours, cutoff, live, expired)
     out["ratio_total"] = round(out["cli"]["total_s"] / out["floor"]["total_s"], 3)
     out["ratio_delete_only"] = round(out["cli"]["sweep_s"] / out["floor"]["delete_s"], 3)
     # What a larger batch buys (the knob that trades transaction length for
     # total time): the same drain with --batch-size LARGER_BATCH.
     out["cli_larger_batch"] = cli_sweep(larger, LARGER_BATCH)
-    out["cli_larger_batch"]["expired_rows_after"] = count_rows(larger, "updated_at < ?", (cutoff,))
+    _check_survivors(out["cli_larger_batch"], larger, cutoff, live, expired)
     out["ratio_delete_only_larger_batch"] = round(out["cli_larger_batch"]["sweep_s"] / out["floor"]["delete_s"], 3)
     ctx.log(f"  sweep: idemctl sweep --batch-size {LARGER_BATCH} {out['cli_larger_batch']['sweep_s']} s")
     # ... and what a smaller one buys: the claimer's latency.
     out["cli_smaller_batch"] = cli_sweep(smaller, SMALLER_BATCH)
     sm = out["cli_smaller_batch"]
-    sm["expired_rows_after"] = count_rows(smaller, "updated_at < ?", (cutoff,))
+    _check_survivors(sm, smaller, cutoff, live, expired)
     out["ratio_delete_only_smaller_batch"] = round(sm["sweep_s"] / out["floor"]["delete_s"], 3)
     ctx.log(f"  sweep: idemctl sweep --batch-size {SMALLER_BATCH} {sm['sweep_s']} s, claimer p99 {sm['claimer']['p99_ms']} ms")
     # Transaction lengths, timed one batch at a time on a fresh copy: the
     # first batches of the default size, then batches of the larger size.
     ledger = Ledger.open(timed)
     out["timed_batches"] = timed_batches(ledger, timed, default_cli_batch(), ctx.size(150, 2))
+    out["timed_batches_smaller"] = timed_batches(ledger, timed, SMALLER_BATCH, ctx.size(150, 2))
     out["timed_batches_larger"] = timed_batches(ledger, timed, LARGER_BATCH, ctx.size(30, 10**6))
     ledger.close()
     for p in (big, ours, timed, larger, smaller):
