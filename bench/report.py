@@ -131,7 +131,8 @@ def _growth(res: dict[str, Any]) -> list[str]:
         f, n = s["full"], s["normal"]
         out.append(
             f"| {_n(s['rows'])} | {_n(f['claim_us']['median'], 1)} | {_n(f['floor_us']['median'], 1)} | {_sp(f['ratio'])} "
-            f"| {_n(n['claim_us']['median'], 1)} | {_n(n['floor_us']['median'], 1)} | {_sp(n['ratio'])} | ≤ 1.1 |"
+            f"| {_n(n['claim_us']['median'], 1)} | {_n(n['floor_us']['median'], 1)} | {_sp(n['ratio'])} "
+            f"| ≤ 1.1: FULL {_aim(round(f['ratio']['median'], 2) <= 1.1)}, NORMAL {_aim(round(n['ratio']['median'], 2) <= 1.1)} |"
         )
     return out
 
