@@ -71,16 +71,24 @@ class Ledger:
         readonly: bool = False,
         busy_timeout_ms: int = 5000,
         synchronous: str = "FULL",
+        write_queue: bool = True,
     ) -> "Ledger":
         """Open a ledger: a SQLite file path or a ``postgresql://`` URL.
 
         ``create=False`` refuses to create a missing SQLite file
-        (LedgerNotFoundError); ``readonly=True`` never writes.
+        (LedgerNotFoundError); ``readonly=True`` never writes. On SQLite,
+        ``synchronous`` is the PRAGMA of that name and ``write_queue=False``
+        turns off the fair writer queue (see README, Performance).
 
         >>> ledger = Ledger.open("idempotency.db", policy=Policy(pending_ttl_ms=60_000))  # doctest: +SKIP
         """
         backend = open_backend(
-            target, create=create, readonly=readonly, busy_timeout_ms=busy_timeout_ms, synchronous=synchronous
+            target,
+            create=create,
+            readonly=readonly,
+            busy_timeout_ms=busy_timeout_ms,
+            synchronous=synchronous,
+            write_queue=write_queue,
         )
         return cls(backend, policy=policy, clock=clock)
 

@@ -21,8 +21,10 @@ def open_backend(
     readonly: bool = False,
     busy_timeout_ms: int = 5000,
     synchronous: str = "FULL",
+    write_queue: bool = True,
 ) -> Backend:
-    """A SQLite file path (or ":memory:" in tests), or a postgresql:// URL."""
+    """A SQLite file path (or ":memory:" in tests), or a postgresql:// URL.
+    `synchronous` and `write_queue` are SQLite settings; PostgreSQL ignores them."""
     if is_postgres_url(target):
         try:
             from .postgres import PostgresBackend
@@ -36,7 +38,12 @@ def open_backend(
     from .sqlite import SqliteBackend
 
     return SqliteBackend(
-        target, create=create, readonly=readonly, busy_timeout_ms=busy_timeout_ms, synchronous=synchronous
+        target,
+        create=create,
+        readonly=readonly,
+        busy_timeout_ms=busy_timeout_ms,
+        synchronous=synchronous,
+        write_queue=write_queue,
     )
 
 
