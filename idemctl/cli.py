@@ -85,9 +85,36 @@ def _say_no(message: object) -> None:
     typer.echo(_one_line(message), err=True)
 
 
+# Typer may run on its own vendored copy of click, so the base class of its
+# usage errors is taken from the one it exports rather than imported from click.
+_CLICK_EXCEPTION: type[Exception] = next(
+    c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException"
+)
+
+
 class IdemctlGroup(TyperGroup):
     """Maps every deliberate error to one stderr line and an exit code, for
     every command at once, so no command can forget to."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        # Usage errors too are one line on stderr (Typer would draw a box of
+        # several); the hint says where the full usage is.
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except _CLICK_EXCEPTION as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # bare `idemctl`: the help is the answer
+                exc.show()  # type: ignore[attr-defined]
+            else:
+                ctx = getattr(exc, "ctx", None)
+                where = ctx.command_path if ctx is not None else "idemctl"
+                _say_error(f"{exc.format_message()} (see '{where} --help')")  # type: ignore[attr-defined]
+            sys.exit(getattr(exc, "exit_code", EXIT_USAGE))
+        except typer.Abort:
+            _say_error("aborted")
+            sys.exit(EXIT_NO)
+        sys.exit(rv if isinstance(rv, int) else EXIT_OK)
 
     def invoke(self, ctx: typer.Context) -> Any:
         try:
@@ -365,7 +392,7 @@ def _events_table(events: list[Any], now: int, show_key: bool) -> Table:
 @app.command(epilog="Example: idemctl inspect order-42 --principal acct_A")
 def inspect(
     ctx: typer.Context,
-    key: Annotated[str, typer.Argument(help="The Idempotency-Key.", show_default=False)],
+    key: Annotated[str, typer.Argument(metavar="KEY", help="The Idempotency-Key.", show_default=False)],
     principal: PrincipalOpt,
     json_out: JsonOpt = False,
     db: DbOpt = None,
@@ -713,7 +740,7 @@ def sweep(
 @app.command(epilog="Example: idemctl purge order-42 --principal acct_A --yes")
 def purge(
     ctx: typer.Context,
-    key: Annotated[str, typer.Argument(help="The Idempotency-Key.", show_default=False)],
+    key: Annotated[str, typer.Argument(metavar="KEY", help="The Idempotency-Key.", show_default=False)],
     principal: PrincipalOpt,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Also delete a fresh pending row (its owner may still be running).")] = False,
@@ -975,7 +1002,7 @@ def _render_timeline(timeline: Timeline) -> None:
 )
 def simulate(
     ctx: typer.Context,
-    scenario: Annotated[Optional[str], typer.Argument(help="A built-in scenario: " + ", ".join(BUILTIN_NAMES) + ".", show_default=False)] = None,
+    scenario: Annotated[Optional[str], typer.Argument(metavar="SCENARIO", help="A built-in scenario: " + ", ".join(BUILTIN_NAMES) + ".", show_default=False)] = None,
     file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Run an operator-written scenario.toml instead.", show_default=False)] = None,
     workers: Annotated[int, typer.Option("--workers", "-w", min=2, max=64, help="Processes for `race`.")] = 4,
     json_out: JsonOpt = False,
