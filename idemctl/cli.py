@@ -9,11 +9,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, Optional
+from typing import Annotated, Any, Generic, NoReturn, Optional, TypeVar
 
 import typer
 from rich import box
@@ -283,6 +283,64 @@ def _limit(value: int) -> int | None:
     return None if value == 0 else value
 
 
+T = TypeVar("T")
+
+# A long listing is printed as a run of tables of this many rows (the header
+# on the first only): a rich Table holds all its rows until it is printed.
+PENDING_TABLE_CHUNK = 500
+
+
+class _Capped(Generic[T]):
+    """At most `cap` items of a stream, noting whether more were there. The
+    stream is asked for cap + 1 so that one extra item reveals truncation."""
+
+    def __init__(self, items: Iterable[T], cap: int | None) -> None:
+        self._items = items
+        self._cap = cap
+        self.truncated = False
+
+    def __iter__(self) -> Iterator[T]:
+        for count, item in enumerate(self._items):
+            if self._cap is not None and count >= self._cap:
+                self.truncated = True
+                return
+            yield item
+
+
+def _chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    chunk: list[T] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _emit_json_listing(
+    head: dict[str, Any], name: str, items: Iterable[object], tail: Callable[[], dict[str, Any]]
+) -> None:
+    """Write {**head, name: [items...], **tail()} exactly as _emit_json would,
+    item by item, so a long listing is never built in memory. `tail` is
+    called after the items, when it can say whether the listing was cut."""
+    out = sys.stdout
+    out.write("{\n")
+    for k, v in head.items():
+        out.write(f"  {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)},\n")
+    out.write(f"  {json.dumps(name)}: [")
+    first = True
+    for item in items:
+        text = json.dumps(item, indent=2, ensure_ascii=False).replace("\n", "\n    ")
+        out.write(("\n    " if first else ",\n    ") + text)
+        first = False
+    out.write("]" if first else "\n  ]")
+    for k, v in tail().items():
+        out.write(f",\n  {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}")
+    out.write("\n}\n")
+    out.flush()
+
+
 def _grid() -> Table:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold", no_wrap=True)
@@ -449,40 +507,42 @@ def pending(
     ttl: TtlOpt = None,
 ) -> None:
     """Pending reservations, oldest first, with age and whether a retry would take over now."""
+    # Streamed from the ledger to stdout, so `--limit 0` on a million pending
+    # rows never holds them all in memory; hence the ledger stays open while rendering.
     with _ledger(ctx, db, ttl=ttl) as ledger:
         cap = _limit(limit)
         now = ledger.now()
-        views = list(ledger.pending(stale_only=stale, principal=principal, limit=None if cap is None else cap + 1, now=now))
         ttl_ms = ledger.policy.pending_ttl_ms
-    truncated = cap is not None and len(views) > cap
-    views = views[:cap] if cap is not None else views
-    if json_out:
-        _emit_json(
-            {
-                "now": now,
-                "pending_ttl_ms": ttl_ms,
-                "stale_only": stale,
-                "truncated": truncated,
-                "rows": [view_json(v) for v in views],
-            }
+        views = _Capped(
+            ledger.pending(stale_only=stale, principal=principal, limit=None if cap is None else cap + 1, now=now), cap
         )
-        return
-    console = _console()
-    if not views:
+        if json_out:
+            _emit_json_listing(
+                {"now": now, "pending_ttl_ms": ttl_ms, "stale_only": stale},
+                "rows",
+                (view_json(v) for v in views),
+                lambda: {"truncated": views.truncated},
+            )
+            return
+        console = _console()
+        shown = 0
+        for chunk in _chunks(views, PENDING_TABLE_CHUNK):
+            table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_header=shown == 0)
+            for name in ("principal", "key", "gen", "age", "a retry now"):
+                table.add_column(name, overflow="fold", no_wrap=name in ("gen", "age"))
+            for v in chunk:
+                if v.state is State.PENDING_FRESH:
+                    verdict = Text(f"409 in progress for {human_duration(v.takeover_in_ms or 0)} more")
+                else:
+                    verdict = Text(f"takes over as generation {v.row.generation + 1}", style="yellow")
+                table.add_row(Text(v.row.principal), Text(v.row.key), str(v.row.generation), human_duration(v.age_ms), verdict)
+            console.print(table)
+            shown += len(chunk)
+    if not shown:
         console.print("no stale pending rows" if stale else "no pending rows")
         return
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for name in ("principal", "key", "gen", "age", "a retry now"):
-        table.add_column(name, overflow="fold", no_wrap=name in ("gen", "age"))
-    for v in views:
-        if v.state is State.PENDING_FRESH:
-            verdict = Text(f"409 in progress for {human_duration(v.takeover_in_ms or 0)} more")
-        else:
-            verdict = Text(f"takes over as generation {v.row.generation + 1}", style="yellow")
-        table.add_row(Text(v.row.principal), Text(v.row.key), str(v.row.generation), human_duration(v.age_ms), verdict)
-    console.print(table)
-    more = f"; more exist (--limit {cap * 2 if cap else 0} or 0 for all)" if truncated else ""
-    console.print(f"{len(views)} pending row(s), oldest first; TTL {human_duration(ttl_ms)}{more}")
+    more = f"; more exist (--limit {cap * 2 if cap else 0} or 0 for all)" if views.truncated else ""
+    console.print(f"{shown} pending row(s), oldest first; TTL {human_duration(ttl_ms)}{more}")
 
 
 # -- fenced --------------------------------------------------------------------------------
