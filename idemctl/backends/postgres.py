@@ -39,7 +39,6 @@ from ..outcomes import (
     FencedEvent,
     InitAction,
     InitResult,
-    PurgeOutcome,
     PurgeResult,
     Stats,
     Status,
@@ -47,6 +46,7 @@ from ..outcomes import (
     SweepResult,
 )
 from ..schema import SCHEMA_VERSION, schema_files
+from .steps import SqlSteps, event_from
 
 LEDGER_TABLE = "idempotency_keys"
 FENCED_TABLE = "idemctl_fenced_out"
@@ -212,10 +212,6 @@ def _row(values: tuple) -> StoredRow:
     )
 
 
-def _event(values: tuple) -> FencedEvent:
-    return FencedEvent(*values)
-
-
 def _one_line(text: str) -> str:
     return " ".join(text.split())
 
@@ -274,7 +270,7 @@ def _secrets_of(url: str) -> list[str]:
     return out
 
 
-class PostgresBackend:
+class PostgresBackend(SqlSteps):
     """A ledger in a PostgreSQL database, shared by any number of threads,
     processes and hosts.
 
@@ -590,42 +586,28 @@ class PostgresBackend:
         return InitResult(action, before, SCHEMA_VERSION, dry_run)
 
     # -- request path ------------------------------------------------------------------------
-    def claim(self, principal: str, key: str, fingerprint: str, now: int) -> int | None:
-        rows = self._all(SQL_CLAIM, (principal, key, fingerprint, now, now))
-        return int(rows[0][0]) if rows else None
+    # claim, lookup, takeover, complete and release come from SqlSteps, each one
+    # of the statements above; every statement autocommits on its own pooled
+    # connection, reads and writes alike.
+    SQL_CLAIM = SQL_CLAIM
+    SQL_LOOKUP = SQL_LOOKUP
+    SQL_TAKEOVER = SQL_TAKEOVER
+    SQL_COMPLETE = SQL_COMPLETE
+    SQL_RECORD_FENCED = SQL_RECORD_FENCED
+    SQL_RELEASE = SQL_RELEASE
+    SQL_COUNT_EXPIRED = SQL_COUNT_EXPIRED
+    _row = staticmethod(_row)
+    # Always bytes into BYTEA (see _body_in).
+    _body_param = staticmethod(_body_in)
 
-    def lookup(self, principal: str, key: str) -> StoredRow | None:
-        rows = self._all(SQL_LOOKUP, (principal, key))
-        return _row(rows[0]) if rows else None
-
-    def takeover(self, principal: str, key: str, fingerprint: str, now: int, stale_before: int) -> int | None:
-        rows = self._all(SQL_TAKEOVER, (now, principal, key, fingerprint, stale_before))
-        return int(rows[0][0]) if rows else None
-
-    def complete(
-        self,
-        principal: str,
-        key: str,
-        generation: int,
-        status: int,
-        body: str | bytes | None,
-        headers_json: str,
-        now: int,
-    ) -> bool:
-        rows = self._all(SQL_COMPLETE, (status, _body_in(body), headers_json, now, principal, key, generation))
-        return bool(rows)
+    def _write_all(self, sql: str, params: tuple | dict = ()) -> list[tuple]:
+        return self._all(sql, params)
 
     def record_fenced(self, principal: str, key: str, generation: int, computed_status: int, now: int) -> FencedEvent | None:
         if not self._has_fenced_log:
             # Rare path: look again, an init may have run since this process looked.
             self._has_fenced_log = None
-        if not self.has_fenced_log:
-            return None
-        rows = self._all(SQL_RECORD_FENCED, (principal, key, generation, principal, key, computed_status, now))
-        return _event(rows[0]) if rows else None
-
-    def release(self, principal: str, key: str, generation: int) -> bool:
-        return bool(self._all(SQL_RELEASE, (principal, key, generation)))
+        return super().record_fenced(principal, key, generation, computed_status, now)
 
     def sweep(self, cutoff: int, limit: int) -> SweepResult:
         params = {"cutoff": cutoff, "limit": limit}
@@ -636,9 +618,6 @@ class PostgresBackend:
         return SweepResult(keys, fenced, cutoff)
 
     # -- operator side -------------------------------------------------------------------------
-    def count_expired(self, cutoff: int) -> int:
-        return int(self._all(SQL_COUNT_EXPIRED, (cutoff,))[0][0])
-
     def iter_pending(self, stale_before: int | None, principal: str | None, limit: int | None) -> Iterator[StoredRow]:
         sql = f"SELECT {_ROW_COLUMNS} FROM idempotency_keys WHERE status = 'pending'"
         params: list[object] = []
@@ -682,7 +661,7 @@ class PostgresBackend:
             sql += " LIMIT %s"
             params.append(limit)
         for values in self._all(sql, tuple(params)):
-            yield _event(values)
+            yield event_from(values)
 
     def stats(self, now: int, stale_before: int, expired_before: int) -> Stats:
         fenced_log = self.has_fenced_log
@@ -716,10 +695,5 @@ class PostgresBackend:
 
     def purge(self, principal: str, key: str, stale_before: int | None) -> PurgeResult:
         rows = self._all(SQL_PURGE, {"principal": principal, "key": key, "stale": stale_before})
-        if rows:
-            return PurgeResult(PurgeOutcome.PURGED, _row(rows[0]))
-        row = self.lookup(principal, key)
-        if row is None:
-            return PurgeResult(PurgeOutcome.NOT_FOUND, None)
-        return PurgeResult(PurgeOutcome.REFUSED_FRESH_PENDING, row)
+        return self._purge_result(principal, key, rows)
 

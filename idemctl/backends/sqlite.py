@@ -37,7 +37,6 @@ from ..outcomes import (
     FencedEvent,
     InitAction,
     InitResult,
-    PurgeOutcome,
     PurgeResult,
     Stats,
     Status,
@@ -45,6 +44,7 @@ from ..outcomes import (
     SweepResult,
 )
 from ..schema import SCHEMA_VERSION, schema_files
+from .steps import SqlSteps, event_from
 
 LEDGER_TABLE = "idempotency_keys"
 FENCED_TABLE = "idemctl_fenced_out"
@@ -164,11 +164,7 @@ def _row(values: tuple) -> StoredRow:
     )
 
 
-def _event(values: tuple) -> FencedEvent:
-    return FencedEvent(*values)
-
-
-class SqliteBackend:
+class SqliteBackend(SqlSteps):
     """One SQLite ledger file, shared safely by threads and processes.
 
     Writer queue (``write_queue=True``, the default on POSIX): every write
@@ -482,40 +478,16 @@ class SqliteBackend:
             self._refresh_schema()
         return InitResult(action, before, SCHEMA_VERSION, dry_run)
 
-    # -- request path -------------------------------------------------------------
-    def claim(self, principal: str, key: str, fingerprint: str, now: int) -> int | None:
-        rows = self._write_all(SQL_CLAIM, (principal, key, fingerprint, now, now))
-        return int(rows[0][0]) if rows else None
-
-    def lookup(self, principal: str, key: str) -> StoredRow | None:
-        rows = self._all(SQL_LOOKUP, (principal, key))
-        return _row(rows[0]) if rows else None
-
-    def takeover(self, principal: str, key: str, fingerprint: str, now: int, stale_before: int) -> int | None:
-        rows = self._write_all(SQL_TAKEOVER, (now, principal, key, fingerprint, stale_before))
-        return int(rows[0][0]) if rows else None
-
-    def complete(
-        self,
-        principal: str,
-        key: str,
-        generation: int,
-        status: int,
-        body: str | bytes | None,
-        headers_json: str,
-        now: int,
-    ) -> bool:
-        rows = self._write_all(SQL_COMPLETE, (status, body, headers_json, now, principal, key, generation))
-        return bool(rows)
-
-    def record_fenced(self, principal: str, key: str, generation: int, computed_status: int, now: int) -> FencedEvent | None:
-        if not self.has_fenced_log:
-            return None
-        rows = self._write_all(SQL_RECORD_FENCED, (principal, key, generation, principal, key, computed_status, now))
-        return _event(rows[0]) if rows else None
-
-    def release(self, principal: str, key: str, generation: int) -> bool:
-        return bool(self._write_all(SQL_RELEASE, (principal, key, generation)))
+    # -- request path: claim, lookup, takeover, complete, record_fenced and release
+    # come from SqlSteps, each one of the statements above.
+    SQL_CLAIM = SQL_CLAIM
+    SQL_LOOKUP = SQL_LOOKUP
+    SQL_TAKEOVER = SQL_TAKEOVER
+    SQL_COMPLETE = SQL_COMPLETE
+    SQL_RECORD_FENCED = SQL_RECORD_FENCED
+    SQL_RELEASE = SQL_RELEASE
+    SQL_COUNT_EXPIRED = SQL_COUNT_EXPIRED
+    _row = staticmethod(_row)
 
     def sweep(self, cutoff: int, limit: int) -> SweepResult:
         # Both statements in one turn of the writer queue: every request runs a
@@ -539,9 +511,6 @@ class SqliteBackend:
         return SweepResult(keys, fenced, cutoff)
 
     # -- operator side ---------------------------------------------------------------
-    def count_expired(self, cutoff: int) -> int:
-        return int(self._all(SQL_COUNT_EXPIRED, (cutoff,))[0][0])
-
     def iter_pending(self, stale_before: int | None, principal: str | None, limit: int | None) -> Iterator[StoredRow]:
         sql = f"SELECT {_ROW_COLUMNS} FROM idempotency_keys WHERE status = 'pending'"
         params: list[object] = []
@@ -586,7 +555,7 @@ class SqliteBackend:
             sql += " LIMIT ?"
             params.append(limit)
         for values in self._all(sql, tuple(params)):
-            yield _event(values)
+            yield event_from(values)
 
     def stats(self, now: int, stale_before: int, expired_before: int) -> Stats:
         (total, fresh, stale, completed, expired, taken, oldest_p, oldest_c, oldest) = self._all(
@@ -616,9 +585,4 @@ class SqliteBackend:
 
     def purge(self, principal: str, key: str, stale_before: int | None) -> PurgeResult:
         rows = self._write_all(SQL_PURGE, (principal, key, stale_before, stale_before))
-        if rows:
-            return PurgeResult(PurgeOutcome.PURGED, _row(rows[0]))
-        row = self.lookup(principal, key)
-        if row is None:
-            return PurgeResult(PurgeOutcome.NOT_FOUND, None)
-        return PurgeResult(PurgeOutcome.REFUSED_FRESH_PENDING, row)
+        return self._purge_result(principal, key, rows)
