@@ -46,7 +46,7 @@ from ..outcomes import (
     SweepResult,
 )
 from ..schema import SCHEMA_VERSION, schema_files
-from .steps import SqlSteps, event_from
+from .steps import SqlSteps, event_from, stats_from
 
 LEDGER_TABLE = "idempotency_keys"
 FENCED_TABLE = "idemctl_fenced_out"
@@ -668,25 +668,10 @@ class PostgresBackend(SqlSteps):
         with self._connection() as conn:
             row = conn.execute(SQL_STATS, {"stale": stale_before, "expired": expired_before}).fetchone()
             assert row is not None
-            (total, fresh, stale, completed, expired, taken, oldest_p, oldest_c, oldest) = row
             fenced = int(conn.execute(SQL_COUNT_FENCED).fetchone()[0]) if fenced_log else 0  # type: ignore[index]
             size = conn.execute(SQL_STORAGE_BYTES, ([LEDGER_TABLE, FENCED_TABLE, VERSION_TABLE],)).fetchone()
             version = self._version_on(conn)
-        return Stats(
-            now=now,
-            total=int(total),
-            pending_fresh=int(fresh),
-            pending_stale=int(stale),
-            completed=int(completed),
-            expired=int(expired),
-            taken_over=int(taken),
-            fenced_out_events=fenced,
-            oldest_pending_at=oldest_p,
-            oldest_completed_at=oldest_c,
-            oldest_row_at=oldest,
-            storage_bytes=int(size[0]) if size else None,
-            schema_version=version or 0,
-        )
+        return stats_from(now, tuple(row), fenced, int(size[0]) if size else None, version)
 
     def storage_bytes(self) -> int | None:
         """On-disk size of the ledger's tables and indexes (pg_total_relation_size)."""

@@ -44,7 +44,7 @@ from ..outcomes import (
     SweepResult,
 )
 from ..schema import SCHEMA_VERSION, schema_files
-from .steps import SqlSteps, event_from
+from .steps import SqlSteps, event_from, stats_from
 
 LEDGER_TABLE = "idempotency_keys"
 FENCED_TABLE = "idemctl_fenced_out"
@@ -558,25 +558,9 @@ class SqliteBackend(SqlSteps):
             yield event_from(values)
 
     def stats(self, now: int, stale_before: int, expired_before: int) -> Stats:
-        (total, fresh, stale, completed, expired, taken, oldest_p, oldest_c, oldest) = self._all(
-            SQL_STATS, {"stale": stale_before, "expired": expired_before}
-        )[0]
+        counts = self._all(SQL_STATS, {"stale": stale_before, "expired": expired_before})[0]
         fenced = int(self._all(SQL_COUNT_FENCED)[0][0]) if self.has_fenced_log else 0
-        return Stats(
-            now=now,
-            total=int(total),
-            pending_fresh=int(fresh),
-            pending_stale=int(stale),
-            completed=int(completed),
-            expired=int(expired),
-            taken_over=int(taken),
-            fenced_out_events=fenced,
-            oldest_pending_at=oldest_p,
-            oldest_completed_at=oldest_c,
-            oldest_row_at=oldest,
-            storage_bytes=self.storage_bytes(),
-            schema_version=self.schema_version() or 0,
-        )
+        return stats_from(now, counts, fenced, self.storage_bytes(), self.schema_version())
 
     def storage_bytes(self) -> int | None:
         if self.path == ":memory:":

@@ -8,11 +8,35 @@ protocol. Backends supply how a statement runs: `_all` for a read,
 
 from __future__ import annotations
 
-from ..outcomes import FencedEvent, PurgeOutcome, PurgeResult, StoredRow
+from ..outcomes import FencedEvent, PurgeOutcome, PurgeResult, Stats, StoredRow
 
 
 def event_from(values: tuple) -> FencedEvent:
     return FencedEvent(*values)
+
+
+def stats_from(
+    now: int, counts: tuple, fenced_out_events: int, storage_bytes: int | None, schema_version: int | None
+) -> Stats:
+    """Stats from the row of a backend's SQL_STATS: total, pending fresh,
+    pending stale, completed, expired, taken over, then the oldest pending,
+    completed and any row's created_at."""
+    (total, fresh, stale, completed, expired, taken, oldest_p, oldest_c, oldest) = counts
+    return Stats(
+        now=now,
+        total=int(total),
+        pending_fresh=int(fresh),
+        pending_stale=int(stale),
+        completed=int(completed),
+        expired=int(expired),
+        taken_over=int(taken),
+        fenced_out_events=fenced_out_events,
+        oldest_pending_at=oldest_p,
+        oldest_completed_at=oldest_c,
+        oldest_row_at=oldest,
+        storage_bytes=storage_bytes,
+        schema_version=schema_version or 0,
+    )
 
 
 class SqlSteps:
