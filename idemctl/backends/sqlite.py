@@ -394,10 +394,6 @@ class SqliteBackend(SqlSteps):
         with self._errors():
             return self._conn().execute(sql, params).fetchall()
 
-    def _run(self, sql: str, params: tuple = ()) -> int:
-        with self._errors():
-            return self._conn().execute(sql, params).rowcount
-
     # Writes go through the writer queue; reads never wait in it (WAL readers
     # do not block writers, nor writers readers).
     # (Plain try/except rather than context managers: this runs twice per
