@@ -66,19 +66,27 @@ def orders_db() -> sqlite_utils.Database:
 
 
 def _create_tables() -> None:
+    # gunicorn boots its workers at the same moment and each one imports this
+    # module. On a fresh file, two first-time creators can each hold a read
+    # lock while asking for the write lock; SQLite then fails one of them at
+    # once ("database is locked") instead of waiting, and gunicorn halts when
+    # a worker fails to boot. BEGIN IMMEDIATE asks for the write lock before
+    # reading anything, so the busy timeout applies and the creators queue.
     db = orders_db()
     try:
         db.enable_wal()
-        db["orders"].create(
-            {"id": int, "account": str, "sku": str, "qty": int, "status": str, "created_at": int},
-            pk="id",
-            if_not_exists=True,
-        )
-        db["attachments"].create(
-            {"id": int, "order_id": int, "account": str, "content_type": str, "data": bytes},
-            pk="id",
-            if_not_exists=True,
-        )
+        with db.conn:
+            db.execute("BEGIN IMMEDIATE")
+            db["orders"].create(
+                {"id": int, "account": str, "sku": str, "qty": int, "status": str, "created_at": int},
+                pk="id",
+                if_not_exists=True,
+            )
+            db["attachments"].create(
+                {"id": int, "order_id": int, "account": str, "content_type": str, "data": bytes},
+                pk="id",
+                if_not_exists=True,
+            )
     finally:
         db.close()
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
 import sqlite3
+import subprocess
+import sys
+import time
 from http import HTTPStatus
 from pathlib import Path
 from wsgiref.util import setup_testing_defaults
@@ -119,3 +123,43 @@ def test_an_invalid_order_is_stored_and_replayed_as_422(example, tmp_path):
     assert json.loads(first[2])["error"] == "invalid_order"
     assert request(example.app, "POST", "/orders", b'{"qty":1}', key="bad") == first
     assert count(tmp_path / "orders.db", "orders") == 0
+
+
+_BOOT_WORKER = """
+import os, runpy, sys, time
+import flask, sqlite_utils, idemctl.wsgi  # the slow imports happen before the start line
+go = sys.argv[2]
+while not os.path.exists(go):
+    time.sleep(0.001)
+runpy.run_path(sys.argv[1])
+"""
+
+
+def test_workers_booting_at_once_on_a_fresh_orders_file_all_come_up(tmp_path):
+    # gunicorn imports the app in every worker at the same moment; a worker
+    # that fails to boot makes gunicorn halt the whole server.
+    for attempt in range(3):
+        run = tmp_path / f"boot{attempt}"
+        run.mkdir()
+        go = run / "go"
+        env = {
+            **os.environ,
+            "IDEMCTL_DB": str(run / "idempotency.db"),
+            "ORDERS_DB": str(run / "orders.db"),
+        }
+        env.pop("ORDERS_HOLD_DIR", None)
+        workers = [
+            subprocess.Popen(
+                [sys.executable, "-c", _BOOT_WORKER, str(EXAMPLE), str(go)],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            )
+            for _ in range(6)
+        ]
+        time.sleep(1.0)  # let every worker reach the start line
+        go.touch()
+        failures = [w.communicate(timeout=60)[1].decode()[-300:] for w in workers if w.wait(60) != 0]
+        assert failures == []
+        with sqlite3.connect(run / "orders.db") as db:
+            tables = sorted(r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'"))
+            assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert tables == ["attachments", "orders"]
