@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from idemctl import InitAction, Ledger, Outcome, SchemaMissingError, SchemaTooNewError, State, Status
+from idemctl import InitAction, Ledger, Outcome, SchemaMissingError, SchemaTooNewError, State
 
 # As the recipe's Cloudflare Worker creates it (D1 / wrangler's local SQLite).
 RECIPE_DDL = """
@@ -114,7 +114,7 @@ def test_init_creates_the_recipe_table_unchanged_plus_new_tables(tmp_path):
 
 def test_recipe_database_is_readable_and_sweepable_without_init(tmp_path):
     path = tmp_path / "recipe.db"
-    rows = recipe_database(path)
+    recipe_database(path)
     ledger = Ledger.open(path, clock=lambda: NOW)
     assert ledger.schema_version() == 0
     assert ledger.get("acct_1", "done").state is State.COMPLETED

@@ -9,7 +9,6 @@ import multiprocessing as mp
 import os
 import sqlite3
 import threading
-import time
 
 import pytest
 
