@@ -31,14 +31,17 @@ from .common import Context, now_ms, raw_connect, remove_db, spread
 from .proc import Claimer, WalSampler, cli, run_measured
 
 MIB = 1024 * 1024
-LARGER_BATCH = 10_000
-SMALLER_BATCH = 250
+# What other batch sizes buy: the knob trades the claimer's wait (one batch
+# holds the write lock) against total drain time. (size, batches timed one
+# by one in a full run.)
+OTHER_BATCHES = ((1_000, 150), (10_000, 30))
 
 
 def default_cli_batch() -> int:
-    from idemctl.cli import DEFAULT_SWEEP_BATCH
+    """What `idemctl sweep` uses on SQLite when --batch-size is not given."""
+    from idemctl.backends.sqlite import SqliteBackend
 
-    return int(DEFAULT_SWEEP_BATCH)
+    return int(SqliteBackend.drain_batch)
 
 
 def _copy(src: str, dst: str) -> None:
@@ -203,36 +206,34 @@ def run(ctx: Context) -> dict[str, Any]:
     out["expired_rows"] = expired
     ours = ctx.path("sweep-cli.db")
     timed = ctx.path("sweep-timed.db")
-    larger = ctx.path("sweep-cli-larger.db")
-    smaller = ctx.path("sweep-cli-smaller.db")
-    for copy in (ours, timed, larger, smaller):
+    others = [ctx.path(f"sweep-cli-{batch}.db") for batch, _ in OTHER_BATCHES]
+    for copy in (ours, timed, *others):
         _copy(big, copy)
     out["floor"] = unbounded_delete(big, cutoff)
     ctx.log(f"  sweep: unbounded DELETE {out['floor']['delete_s']} s + checkpoint {out['floor']['checkpoint_s']} s")
     out["cli"] = cli_sweep(ours)
-    ctx.log(f"  sweep: idemctl sweep {out['cli']['sweep_s']} s, WAL max {out['cli']['wal_max_mib']} MiB")
+    ctx.log(
+        f"  sweep: idemctl sweep (batch {out['cli']['batch_size']}) {out['cli']['sweep_s']} s, "
+        f"WAL max {out['cli']['wal_max_mib']} MiB, claimer p99 {out['cli']['claimer']['p99_ms']} ms"
+    )
     _check_survivors(out["cli"], ours, cutoff, live, expired)
     out["ratio_total"] = round(out["cli"]["total_s"] / out["floor"]["total_s"], 3)
     out["ratio_delete_only"] = round(out["cli"]["sweep_s"] / out["floor"]["delete_s"], 3)
-    # What a larger batch buys (the knob that trades transaction length for
-    # total time): the same drain with --batch-size LARGER_BATCH.
-    out["cli_larger_batch"] = cli_sweep(larger, LARGER_BATCH)
-    _check_survivors(out["cli_larger_batch"], larger, cutoff, live, expired)
-    out["ratio_delete_only_larger_batch"] = round(out["cli_larger_batch"]["sweep_s"] / out["floor"]["delete_s"], 3)
-    ctx.log(f"  sweep: idemctl sweep --batch-size {LARGER_BATCH} {out['cli_larger_batch']['sweep_s']} s")
-    # ... and what a smaller one buys: the claimer's latency.
-    out["cli_smaller_batch"] = cli_sweep(smaller, SMALLER_BATCH)
-    sm = out["cli_smaller_batch"]
-    _check_survivors(sm, smaller, cutoff, live, expired)
-    out["ratio_delete_only_smaller_batch"] = round(sm["sweep_s"] / out["floor"]["delete_s"], 3)
-    ctx.log(f"  sweep: idemctl sweep --batch-size {SMALLER_BATCH} {sm['sweep_s']} s, claimer p99 {sm['claimer']['p99_ms']} ms")
+    out["cli_other_batches"] = []
+    for (batch, _), path in zip(OTHER_BATCHES, others):
+        run_ = cli_sweep(path, batch)
+        _check_survivors(run_, path, cutoff, live, expired)
+        out["cli_other_batches"].append(
+            {"cli": run_, "ratio_delete_only": round(run_["sweep_s"] / out["floor"]["delete_s"], 3)}
+        )
+        ctx.log(f"  sweep: idemctl sweep --batch-size {batch} {run_['sweep_s']} s, claimer p99 {run_['claimer']['p99_ms']} ms")
     # Transaction lengths, timed one batch at a time on a fresh copy: the
-    # first batches of the default size, then batches of the larger size.
+    # first batches of each size, the largest last (it may drain the rest).
     ledger = Ledger.open(timed)
     out["timed_batches"] = timed_batches(ledger, timed, default_cli_batch(), ctx.size(150, 2))
-    out["timed_batches_smaller"] = timed_batches(ledger, timed, SMALLER_BATCH, ctx.size(150, 2))
-    out["timed_batches_larger"] = timed_batches(ledger, timed, LARGER_BATCH, ctx.size(30, 10**6))
+    for (batch, count), other in zip(OTHER_BATCHES, out["cli_other_batches"]):
+        other["timed"] = timed_batches(ledger, timed, batch, ctx.size(count, 2 if batch < 10_000 else 10**6))
     ledger.close()
-    for p in (big, ours, timed, larger, smaller):
+    for p in (big, ours, timed, *others):
         remove_db(p)
     return out

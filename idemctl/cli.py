@@ -51,7 +51,6 @@ EXIT_USAGE = 2  # usage or database problem: bad option or key, no/unreadable/to
 EXIT_INTERRUPTED = 130  # Ctrl-C (sweep reports what it deleted first)
 
 DEFAULT_DB = "idempotency.db"
-DEFAULT_SWEEP_BATCH = 1000
 MAX_SWEEP_BATCH = 100_000
 DEFAULT_LIST_LIMIT = 50
 
@@ -719,7 +718,16 @@ def _sweep_batches(
 @app.command(epilog="Example: idemctl sweep --batch-size 500 --pause-ms 50 --max-batches 200")
 def sweep(
     ctx: typer.Context,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=MAX_SWEEP_BATCH, help="Rows per DELETE statement.")] = DEFAULT_SWEEP_BATCH,
+    batch_size: Annotated[
+        Optional[int],
+        typer.Option(
+            "--batch-size",
+            min=1,
+            max=MAX_SWEEP_BATCH,
+            help="Rows per DELETE statement (default: 250 on SQLite, 1000 on PostgreSQL).",
+            show_default=False,
+        ),
+    ] = None,
     max_batches: Annotated[Optional[int], typer.Option("--max-batches", min=1, help="Stop after N batches.", show_default=False)] = None,
     retention: RetentionOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Count what would be deleted; delete nothing.")] = False,
@@ -731,6 +739,7 @@ def sweep(
     """Delete rows past retention in bounded batches until none is left (Ctrl-C stops between batches)."""
     with _ledger(ctx, db, write=not dry_run, ttl=ttl, retention=retention) as ledger:
         retention_ms = ledger.policy.retention_ms
+        batch_size = batch_size or ledger.drain_batch
         started_at = ledger.now()
         backlog = ledger.count_expired()
         if dry_run:

@@ -329,6 +329,18 @@ class Ledger:
             raise PolicyError(f"sweep batch must be >= 1, got {batch}")
         return self.backend.sweep(now - self._retention(retention_ms), batch)
 
+    @property
+    def drain_batch(self) -> int:
+        """The batch size this storage engine drains a backlog with (the
+        CLI's `sweep` default): 250 on SQLite, where each batch holds the
+        database-wide write lock that claims wait for; 1000 on PostgreSQL,
+        where it locks only the expired rows it deletes.
+
+        >>> Ledger.open("idempotency.db").drain_batch  # doctest: +SKIP
+        250
+        """
+        return self.backend.drain_batch
+
     def _retention(self, retention_ms: int | None) -> int:
         if retention_ms is None:
             return self.policy.retention_ms

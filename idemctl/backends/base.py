@@ -12,6 +12,8 @@ from ..outcomes import FencedEvent, InitResult, PurgeResult, Stats, StoredRow, S
 
 class Backend(Protocol):
     dialect: str
+    # Rows per DELETE when an operator drains a backlog (`idemctl sweep`).
+    drain_batch: int
     # True once the idemctl tables exist; a recipe-only database has just the ledger table.
     has_fenced_log: bool
 

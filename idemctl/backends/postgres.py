@@ -285,6 +285,10 @@ class PostgresBackend(SqlSteps):
     """
 
     dialect = "postgres"
+    # Row locks: a batch blocks only claims of the very keys it deletes,
+    # which are expired, so larger batches cost the request path nothing
+    # and save round trips.
+    drain_batch = 1000
 
     def __init__(
         self,
