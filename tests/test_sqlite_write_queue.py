@@ -4,6 +4,7 @@ handler. Proven with real processes and threads on a real database file."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import multiprocessing as mp
 import os
@@ -31,6 +32,21 @@ def _hold_queue(lock_path: str, held, release) -> None:
     os.close(fd)
 
 
+@contextlib.contextmanager
+def queue_held_by_another_process(db: str):
+    """A forked process holds `db`'s writer queue from entry until the
+    yielded event is set (or the block ends)."""
+    held, release = fork.Event(), fork.Event()
+    holder = fork.Process(target=_hold_queue, args=(db + "-idemctl.lock", held, release))
+    holder.start()
+    try:
+        assert held.wait(10)
+        yield release
+    finally:
+        release.set()
+        holder.join(10)
+
+
 def _queue_is_free(lock_path: str) -> bool:
     fd = os.open(lock_path, os.O_RDWR)
     try:
@@ -55,12 +71,7 @@ def db(tmp_path):
 def test_a_request_waits_for_the_queue_held_by_another_process_while_reads_do_not(db):
     ledger = Ledger.open(db)
     ledger.handle("acct", "done", "POST", "/o", {}, b"x", ok)
-    lock_path = db + "-idemctl.lock"
-    held, release = fork.Event(), fork.Event()
-    holder = fork.Process(target=_hold_queue, args=(lock_path, held, release))
-    holder.start()
-    try:
-        assert held.wait(10)
+    with queue_held_by_another_process(db) as release:
         result: list[Outcome] = []
         writer = threading.Thread(
             target=lambda: result.append(ledger.handle("acct", "k1", "POST", "/o", {}, b"x", ok).outcome)
@@ -75,11 +86,8 @@ def test_a_request_waits_for_the_queue_held_by_another_process_while_reads_do_no
         release.set()
         writer.join(10)
         assert result == [Outcome.EXECUTED]
-    finally:
-        release.set()
-        holder.join(10)
     assert ledger.lookup("acct", "k1").response_body == "made"
-    assert _queue_is_free(lock_path)
+    assert _queue_is_free(db + "-idemctl.lock")
     ledger.close()
 
 
@@ -104,18 +112,12 @@ def test_time_spent_queueing_is_taken_from_the_busy_timeout_and_then_restored(db
     ledger = Ledger.open(db, busy_timeout_ms=200)
     statements: list[str] = []
     ledger.backend._conn().set_trace_callback(statements.append)
-    lock_path = db + "-idemctl.lock"
-    held, release = fork.Event(), fork.Event()
-    holder = fork.Process(target=_hold_queue, args=(lock_path, held, release))
-    holder.start()
-    assert held.wait(10)
-    threading.Timer(0.35, release.set).start()
     try:
-        with pytest.raises(DatabaseLockedError):
-            ledger.claim("acct", "k", "fp")
+        with queue_held_by_another_process(db) as release:
+            threading.Timer(0.35, release.set).start()
+            with pytest.raises(DatabaseLockedError):
+                ledger.claim("acct", "k", "fp")
     finally:
-        release.set()
-        holder.join(10)
         blocker.execute("ROLLBACK")
         blocker.close()
     pragmas = [s for s in statements if s.startswith("PRAGMA busy_timeout")]
@@ -190,12 +192,7 @@ def test_a_sweep_with_nothing_expired_takes_no_queue_turn_and_runs_no_delete(db)
     ledger.handle("acct", "old", "POST", "/o", {}, b"x", ok)
     statements: list[str] = []
     ledger.backend._conn().set_trace_callback(statements.append)
-    lock_path = db + "-idemctl.lock"
-    held, release = fork.Event(), fork.Event()
-    holder = fork.Process(target=_hold_queue, args=(lock_path, held, release))
-    holder.start()
-    try:
-        assert held.wait(10)
+    with queue_held_by_another_process(db) as release:
         # Nothing is past retention: answered at once although the queue is held.
         assert ledger.sweep().keys_deleted == 0
         assert not any(s.lstrip().startswith("DELETE") for s in statements)
@@ -208,9 +205,6 @@ def test_a_sweep_with_nothing_expired_takes_no_queue_turn_and_runs_no_delete(db)
         release.set()
         sweeper.join(10)
         assert result == [1]
-    finally:
-        release.set()
-        holder.join(10)
     assert ledger.lookup("acct", "old") is None
     ledger.close()
 
@@ -219,17 +213,9 @@ def test_a_short_turn_in_the_queue_leaves_the_busy_timeout_alone(db):
     ledger = Ledger.open(db, busy_timeout_ms=5000)
     statements: list[str] = []
     ledger.backend._conn().set_trace_callback(statements.append)
-    lock_path = db + "-idemctl.lock"
-    held, release = fork.Event(), fork.Event()
-    holder = fork.Process(target=_hold_queue, args=(lock_path, held, release))
-    holder.start()
-    assert held.wait(10)
-    threading.Timer(0.05, release.set).start()
-    try:
+    with queue_held_by_another_process(db) as release:
+        threading.Timer(0.05, release.set).start()
         assert ledger.claim("acct", "k", "fp").generation == 1  # waited ~50 ms of a 5 s budget
-    finally:
-        release.set()
-        holder.join(10)
     assert [s for s in statements if s.startswith("PRAGMA")] == []
     assert ledger.backend._conn().execute("PRAGMA busy_timeout").fetchone() == (5000,)
     ledger.close()
