@@ -1077,7 +1077,7 @@ def simulate(
     json_out: JsonOpt = False,
     db: Annotated[
         Optional[str],
-        typer.Option("--db", metavar="PATH|URL", help="Write into this ledger (default: a temporary one; IDEMCTL_DB is ignored).", show_default=False),
+        typer.Option("--db", metavar="PATH|URL", help="Write into this existing ledger (default: a temporary one; IDEMCTL_DB is ignored).", show_default=False),
     ] = None,
     ttl: TtlOpt = None,
     retention: RetentionOpt = None,

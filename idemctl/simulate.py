@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from .durations import human_duration
-from .errors import IdemctlError
+from .errors import IdemctlError, SchemaMissingError
 from .ledger import Ledger, wall_clock_ms
 from .outcomes import Outcome, Reservation, RowView, StoredRow
 from .policy import Policy
@@ -356,8 +356,10 @@ def run_scenario(
     policy: Policy | None = None,
     wall_clock: Callable[[], int] = wall_clock_ms,
 ) -> Timeline:
-    """Run `scenario` against the ledger at `target` (created and initialised
-    if needed), or a temporary one when `target` is None.
+    """Run `scenario` against the existing ledger at `target`, or a
+    temporary one when `target` is None. A named ledger must exist and hold
+    the schema (`idemctl init`): a mistyped path or URL is an error
+    (LedgerNotFoundError, SchemaMissingError), never a new ledger.
 
     The virtual clock starts early enough that the timeline ends at the wall
     clock's now (unless the scenario sets `start`), so rows written into a
@@ -383,11 +385,14 @@ def run_scenario(
         if target is None:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="idemctl-sim-"))
             where = os.path.join(tmp, "simulation.db")
+            ledger = stack.enter_context(Ledger.open(where, policy=policy, clock=clock))
+            ledger.init()
         else:
             where = os.fspath(target)
-        ledger = stack.enter_context(Ledger.open(where, policy=policy, clock=clock))
+            ledger = stack.enter_context(Ledger.open(where, policy=policy, clock=clock, create=False))
+            if ledger.schema_version() is None:
+                raise SchemaMissingError(f"{ledger.backend.describe()} has no idempotency ledger — run `idemctl init`")
         shown = ledger.backend.describe()
-        ledger.init()
         reset = tuple(pk for pk in scenario.keys() if ledger.purge(*pk, force=True).row is not None)
         tap = stack.enter_context(_tap_logs())
         runner = _Runner(ledger, clock, where, scenario, tap)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +120,7 @@ def test_the_timeline_table_shows_time_actor_step_outcome_and_row_after(tmp_path
 
 
 def test_takeover_into_a_named_ledger_leaves_the_row_and_runs_again_the_next_time(ledger_target, make_ledger):
+    make_ledger()
     first = simulate("takeover", "--db", ledger_target)
     assert first.exit_code == 0, first.stderr
     shown = "<the same URL>" if "://" in ledger_target else ledger_target  # a URL may carry a password
@@ -141,14 +143,39 @@ def test_without_db_simulate_never_touches_the_default_or_the_env_ledger(tmp_pat
     assert result.exit_code == 0
     assert not env_db.exists() and not (tmp_path / "idempotency.db").exists()
     assert list(tmp_path.iterdir()) == []
-    named = simulate("happy")  # the global --db given on the command line counts as naming it
+    named = simulate("happy")
     assert named.exit_code == 0
+    assert list(tmp_path.iterdir()) == []
+    # The global --db given on the command line counts as naming a ledger.
+    with Ledger.open(tmp_path / "named.db") as ledger:
+        ledger.init()
     on_command_line = CliRunner().invoke(app, ["--db", str(tmp_path / "named.db"), "simulate", "happy"])
-    assert on_command_line.exit_code == 0 and (tmp_path / "named.db").exists()
+    assert on_command_line.exit_code == 0, on_command_line.stderr
+    with Ledger.open(tmp_path / "named.db", create=False) as ledger:
+        assert ledger.lookup("acct_A", "order-1") is not None
+
+
+def test_simulate_into_a_mistyped_path_is_refused_and_creates_nothing(tmp_path):
+    missing = tmp_path / "idempotecy.db"
+    result = simulate("takeover", "--db", str(missing))
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == f"error: no ledger at {missing} — run `idemctl init`\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_simulate_into_a_database_without_the_ledger_schema_is_refused_and_writes_nothing(ledger_target):
+    if "://" not in ledger_target:
+        sqlite3.connect(ledger_target).close()  # an empty SQLite file: some other database
+    result = simulate("happy", "--db", ledger_target)
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr.startswith("error: ") and result.stderr.endswith("has no idempotency ledger — run `idemctl init`\n")
+    with Ledger.open(ledger_target, create=False) as ledger:
+        assert ledger.schema_version() is None
 
 
 @pytest.mark.slow
 def test_race_of_real_processes_runs_the_mutation_exactly_once(ledger_target, make_ledger):
+    make_ledger()
     doc = timeline("race", "--workers", "6", "--db", ledger_target)
     workers = [e for e in doc["events"] if e["actor"].startswith("w")]
     assert len(workers) == 6
@@ -358,7 +385,8 @@ def test_a_race_worker_that_cannot_open_the_ledger_is_reported_not_hung(tmp_path
     assert all(r.error == f"LedgerNotFoundError: no ledger at {tmp_path / 'gone.db'} — run `idemctl init`" for r in results)
 
 
-def test_simulate_says_where_it_ran_and_never_prints_a_password(ledger_target, backend_name):
+def test_simulate_says_where_it_ran_and_never_prints_a_password(ledger_target, backend_name, make_ledger):
+    make_ledger()
     target = ledger_target.replace("postgresql://postgres@", "postgresql://postgres:pw-s3cret@")
     text = simulate("happy", "--db", target)
     as_json = simulate("happy", "--db", target, "--json")
