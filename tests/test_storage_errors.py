@@ -112,6 +112,35 @@ def test_truly_read_only_file_gives_read_only_error_and_nothing_changes(tmp_path
     assert path.read_bytes() == before
 
 
+def test_a_ledger_in_a_directory_this_user_cannot_write_says_why_and_nothing_changes(tmp_path, clock):
+    # An operator who is not the app's user: even reading a WAL database
+    # needs the -shm file beside it, so the directory must be writable.
+    from typer.testing import CliRunner
+
+    from idemctl.cli import app
+
+    home = tmp_path / "ledgers"
+    home.mkdir()
+    path = home / "l.db"
+    with Ledger.open(path, clock=clock) as ledger:
+        ledger.init()
+        ledger.claim("acct", "k", "fp")
+    assert sorted(os.listdir(home)) == ["l.db", "l.db-idemctl.lock"]  # WAL and -shm gone with the last connection
+    before = path.read_bytes()
+    why = (
+        f"cannot open the ledger at {path}: SQLite must create its -wal/-shm files in {home}, "
+        "which this user cannot write to; run idemctl as the ledger's owner"
+    )
+    with read_only_file(home):
+        with pytest.raises(StorageError) as info:
+            Ledger.open(path, readonly=True).stats()
+        assert str(info.value) == why
+        result = CliRunner().invoke(app, ["stats", "--db", str(path)])
+        assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"error: {why}\n")
+    assert path.read_bytes() == before
+    assert sorted(os.listdir(home)) == ["l.db", "l.db-idemctl.lock"]
+
+
 def test_locked_database_times_out_with_database_locked_error(tmp_path, clock):
     path = tmp_path / "l.db"
     Ledger.open(path).init()

@@ -382,10 +382,26 @@ class SqliteBackend(SqlSteps):
         if f"no such table: {LEDGER_TABLE}" in low:
             return SchemaMissingError(f"{self.path} has no idempotency ledger — run `idemctl init`")
         if name.startswith("SQLITE_CANTOPEN") or "unable to open" in low:
-            return LedgerNotFoundError(f"cannot open the ledger at {self.path}")
+            return self._cannot_open()
         if name.startswith("SQLITE_FULL"):
             return StorageError(f"disk full while writing {self.path}")
         return StorageError(f"database error on {self.path}: {msg}")
+
+    def _cannot_open(self) -> StorageError:
+        """Say why an existing ledger cannot be opened, when we can tell."""
+        if self.path == ":memory:" or not os.path.exists(self.path):
+            return LedgerNotFoundError(f"cannot open the ledger at {self.path}")
+        if not os.access(self.path, os.R_OK):
+            return StorageError(f"cannot open the ledger at {self.path}: the file is not readable by this user")
+        directory = os.path.dirname(os.path.abspath(self.path))
+        if not os.access(directory, os.W_OK):
+            # Even a reader of a WAL database needs the -shm index beside it;
+            # the 3 a.m. case is an operator who is not the app's user.
+            return StorageError(
+                f"cannot open the ledger at {self.path}: SQLite must create its -wal/-shm files in {directory}, "
+                "which this user cannot write to; run idemctl as the ledger's owner"
+            )
+        return StorageError(f"cannot open the ledger at {self.path}")
 
     @contextlib.contextmanager
     def _errors(self) -> Iterator[None]:
