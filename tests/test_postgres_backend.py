@@ -216,6 +216,30 @@ def test_a_connection_the_server_killed_fails_one_statement_and_the_pool_replace
     ledger.close()
 
 
+def test_when_the_server_drops_every_pooled_connection_only_one_statement_fails(
+    ledger_target: str, pg: psycopg.Connection
+) -> None:
+    # A restart or failover closes all of them; without a check of the idle
+    # ones, each would fail one more request before the pool replaced it.
+    from idemctl import ConnectionFailedError
+
+    app = ledger_target.rsplit("application_name=", 1)[1]
+    ledger = Ledger.open(ledger_target + "&pool_min_size=4&pool_max_size=4")
+    ledger.init()
+    deadline = time.monotonic() + 10
+    ours = "SELECT pid FROM pg_stat_activity WHERE application_name = %s AND pid <> pg_backend_pid()"
+    while len(pg.execute(ours, (app,)).fetchall()) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pids = [r[0] for r in pg.execute(ours, (app,)).fetchall()]
+    assert len(pids) == 4
+    assert all(pg.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()[0] for pid in pids)
+    with pytest.raises(ConnectionFailedError):
+        ledger.claim("acct", "k0", "fp")
+    assert [ledger.claim("acct", f"k{i}", "fp") is not None for i in range(1, 9)] == [True] * 8
+    assert not set(pids) & {r[0] for r in pg.execute(ours, (app,)).fetchall()}
+    ledger.close()
+
+
 def test_a_forked_child_opens_its_own_pool_and_the_parent_keeps_its_connection(ledger_target: str) -> None:
     ledger = Ledger.open(ledger_target + "&pool_max_size=1")
     ledger.init()

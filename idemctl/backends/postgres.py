@@ -13,6 +13,7 @@ and never touches the parent's sockets."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import threading
@@ -47,6 +48,8 @@ from ..outcomes import (
 )
 from ..schema import SCHEMA_VERSION, schema_files
 from .steps import SqlSteps, event_from, stats_from
+
+log = logging.getLogger("idemctl")
 
 LEDGER_TABLE = "idempotency_keys"
 FENCED_TABLE = "idemctl_fenced_out"
@@ -421,9 +424,26 @@ class PostgresBackend(SqlSteps):
         pool = self._current_pool()
         try:
             with pool.connection() as conn:
-                yield conn
+                try:
+                    yield conn
+                except psycopg.Error:
+                    if conn.broken:
+                        self._drop_broken_idle(pool)
+                    raise
         except psycopg.Error as exc:
             raise self._translate(exc) from exc
+
+    @staticmethod
+    def _drop_broken_idle(pool: ConnectionPool) -> None:
+        """The server closed the connection under us. A restart or failover
+        closes every connection at once, and each idle one in the pool would
+        fail one more request before being replaced; test them now (a round
+        trip each, or an immediate error) so that only this request fails.
+        The pool takes them out of rotation while it tests them."""
+        try:
+            pool.check()
+        except Exception:  # noqa: BLE001 - best effort: the pool also replaces them one by one
+            log.debug("checking the pool's idle connections failed", exc_info=True)
 
     def close(self) -> None:
         # As on SQLite, a closed backend that is used again reconnects.
