@@ -599,10 +599,18 @@ class PostgresBackend(SqlSteps):
                         for f in schema_files(self.dialect):
                             if f.version > floor:
                                 conn.execute(f.sql)
-                        conn.execute(
-                            f"INSERT INTO {VERSION_TABLE} (version, applied_at) VALUES (%s, %s) ON CONFLICT DO NOTHING",
+                        mine = conn.execute(
+                            f"INSERT INTO {VERSION_TABLE} (version, applied_at) VALUES (%s, %s)"
+                            " ON CONFLICT DO NOTHING RETURNING version",
                             (SCHEMA_VERSION, now),
-                        )
+                        ).fetchone()
+                        if mine is None:
+                            # Without a version table there was nothing to lock,
+                            # so another init may have decided from the same
+                            # state and committed first; our IF NOT EXISTS DDL
+                            # then did nothing. Whoever inserted the version row
+                            # did the work.
+                            action, before = InitAction.UP_TO_DATE, SCHEMA_VERSION
                 if not dry_run:
                     self._refresh_schema(conn)
         except PoolTimeout as exc:
