@@ -29,6 +29,7 @@ Settings, all from the environment:
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -226,3 +227,7 @@ app.wsgi_app = IdempotencyMiddleware(  # type: ignore[method-assign]
     max_body_bytes=int(os.environ.get("ORDERS_MAX_BODY_BYTES", str(DEFAULT_MAX_BODY_BYTES))),
     replayed_header=os.environ.get("IDEMCTL_REPLAYED_HEADER", "") == "1",
 )
+# gunicorn's own logger (silent outside gunicorn): one line per worker that
+# has loaded the app, which is when it can serve; the test harness waits for
+# these rather than for "Booting worker".
+logging.getLogger("gunicorn.error").info("orders app loaded (pid %d)", os.getpid())

@@ -18,7 +18,7 @@ from idemctl import Ledger, Policy
 
 REPO = Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(r"Listening at: http://127\.0\.0\.1:(\d+)")
-_BOOTED = re.compile(r"Booting worker with pid: (\d+)")
+_LOADED = re.compile(r"orders app loaded \(pid (\d+)\)")  # logged by examples/flask_app.py
 
 
 def _has_option(flag: str) -> bool:
@@ -95,7 +95,9 @@ class GunicornServer:
         while time.monotonic() < deadline:
             text = self.log()
             match = _LISTENING.search(text)
-            if match and len(_BOOTED.findall(text)) >= self.workers:
+            # Every worker has imported the app (with --preload the master
+            # did, once): a worker that fails to boot fails here, with the log.
+            if match and len(_LOADED.findall(text)) >= (1 if self.preload else self.workers):
                 self.port = int(match.group(1))
                 if self._healthy():
                     return self
