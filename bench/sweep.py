@@ -33,8 +33,8 @@ from .proc import Claimer, WalSampler, cli, run_measured
 MIB = 1024 * 1024
 # What other batch sizes buy: the knob trades the claimer's wait (one batch
 # holds the write lock) against total drain time. (size, batches timed one
-# by one in a full run.)
-OTHER_BATCHES = ((1_000, 150), (10_000, 30))
+# by one in a full run, in a --quick run: the largest drains what is left.)
+OTHER_BATCHES = ((1_000, 150, 2), (10_000, 30, 10**6))
 
 
 def default_cli_batch() -> int:
@@ -206,7 +206,7 @@ def run(ctx: Context) -> dict[str, Any]:
     out["expired_rows"] = expired
     ours = ctx.path("sweep-cli.db")
     timed = ctx.path("sweep-timed.db")
-    others = [ctx.path(f"sweep-cli-{batch}.db") for batch, _ in OTHER_BATCHES]
+    others = [ctx.path(f"sweep-cli-{batch}.db") for batch, _, _ in OTHER_BATCHES]
     for copy in (ours, timed, *others):
         _copy(big, copy)
     out["floor"] = unbounded_delete(big, cutoff)
@@ -220,7 +220,7 @@ def run(ctx: Context) -> dict[str, Any]:
     out["ratio_total"] = round(out["cli"]["total_s"] / out["floor"]["total_s"], 3)
     out["ratio_delete_only"] = round(out["cli"]["sweep_s"] / out["floor"]["delete_s"], 3)
     out["cli_other_batches"] = []
-    for (batch, _), path in zip(OTHER_BATCHES, others):
+    for (batch, _, _), path in zip(OTHER_BATCHES, others):
         run_ = cli_sweep(path, batch)
         _check_survivors(run_, path, cutoff, live, expired)
         out["cli_other_batches"].append(
@@ -231,8 +231,8 @@ def run(ctx: Context) -> dict[str, Any]:
     # first batches of each size, the largest last (it may drain the rest).
     ledger = Ledger.open(timed)
     out["timed_batches"] = timed_batches(ledger, timed, default_cli_batch(), ctx.size(150, 2))
-    for (batch, count), other in zip(OTHER_BATCHES, out["cli_other_batches"]):
-        other["timed"] = timed_batches(ledger, timed, batch, ctx.size(count, 2 if batch < 10_000 else 10**6))
+    for (batch, full, quick), other in zip(OTHER_BATCHES, out["cli_other_batches"]):
+        other["timed"] = timed_batches(ledger, timed, batch, ctx.size(full, quick))
     ledger.close()
     for p in (big, ours, timed, *others):
         remove_db(p)
