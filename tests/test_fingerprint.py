@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 from idemctl import fingerprint, is_valid_key
 from idemctl.errors import InvalidBodyError
 
-from .conftest import SHARED
+from .conftest import VECTORS_DIR
 
-VECTORS = json.load(open(os.path.join(SHARED, "vectors", "fingerprint.json"), encoding="utf-8"))
+with open(os.path.join(VECTORS_DIR, "fingerprint.json"), encoding="utf-8") as _f:
+    VECTORS = json.load(_f)
 FINGERPRINT_CASES = VECTORS["fingerprints"]
 KEY_CASES = VECTORS["keys"]
 
