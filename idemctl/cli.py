@@ -18,7 +18,7 @@ from typing import Annotated, Any, Generic, NoReturn, Optional, TypeVar
 import typer
 from rich import box
 from rich.console import Console
-from rich.json import JSON
+from rich.highlighter import JSONHighlighter
 from rich.padding import Padding
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -39,8 +39,11 @@ from .render import (
     state_words,
     stats_json,
     takeovers_words,
+    terminal_safe_json,
     view_json,
+    visible,
 )
+from .responses import header_problem, stored_header_pairs
 from .schema import SCHEMA_VERSION
 from .simulate import BUILTIN_NAMES, Event, Op, Timeline, builtin, load_scenario_file, run_scenario
 
@@ -60,6 +63,14 @@ EXIT_CODES_HELP = (
     "2 usage or database problem (bad option or key, no ledger, not a database, schema missing or newer, "
     "database locked or read-only, bad scenario) · 130 interrupted."
 )
+# Human output's one escaping scheme (render.visible); documented next to the exit codes.
+ESCAPING_HELP = (
+    "[b]Escaped text[/b]: what clients sent and what the database holds (principals, keys, headers, bodies) "
+    "is printed with control and invisible characters escaped as in a Python string literal "
+    "(\\t \\n \\r, else \\xNN or \\uNNNN: ESC shows as \\x1b, a bidi override as \\u202e) and "
+    "never as rich markup; a body keeps its line breaks and tabs. A backslash is printed as is, so "
+    "--json, which is exact, is the way to tell an escape from a literal backslash."
+)
 
 
 class UserError(Exception):
@@ -72,7 +83,8 @@ class UserError(Exception):
 
 
 def _one_line(message: object) -> str:
-    return " ".join(str(message).split())
+    # Messages can quote stored values (a foreign row's principal): escaped.
+    return visible(" ".join(str(message).split()))
 
 
 def _say_error(message: object) -> None:
@@ -133,7 +145,7 @@ app = typer.Typer(
         "Inspect, sweep and repair an Idempotency-Key ledger (SQLite file or postgresql:// URL).\n\n"
         "Example: idemctl inspect order-42 --principal acct_A --db idempotency.db"
     ),
-    epilog=EXIT_CODES_HELP,
+    epilog=EXIT_CODES_HELP + "\n\n" + ESCAPING_HELP,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -274,8 +286,14 @@ def _console() -> Console:
     return Console(highlight=False)
 
 
+def _shown(value: object) -> Text:
+    """A value from a client or the database as a rich cell: escaped (see
+    `render.visible`), and a Text so that rich never reads it as markup."""
+    return Text(visible(value))
+
+
 def _emit_json(doc: object) -> None:
-    typer.echo(json.dumps(doc, indent=2, ensure_ascii=False))
+    typer.echo(terminal_safe_json(json.dumps(doc, indent=2, ensure_ascii=False)))
 
 
 def _limit(value: int) -> int | None:
@@ -326,16 +344,16 @@ def _emit_json_listing(
     out = sys.stdout
     out.write("{\n")
     for k, v in head.items():
-        out.write(f"  {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)},\n")
+        out.write(f"  {json.dumps(k)}: {terminal_safe_json(json.dumps(v, ensure_ascii=False))},\n")
     out.write(f"  {json.dumps(name)}: [")
     first = True
     for item in items:
-        text = json.dumps(item, indent=2, ensure_ascii=False).replace("\n", "\n    ")
+        text = terminal_safe_json(json.dumps(item, indent=2, ensure_ascii=False)).replace("\n", "\n    ")
         out.write(("\n    " if first else ",\n    ") + text)
         first = False
     out.write("]" if first else "\n  ]")
     for k, v in tail().items():
-        out.write(f",\n  {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}")
+        out.write(f",\n  {json.dumps(k)}: {terminal_safe_json(json.dumps(v, ensure_ascii=False))}")
     out.write("\n}\n")
     out.flush()
 
@@ -403,9 +421,25 @@ def _response_rows(grid: Table, view: RowView) -> None:
         "oversize": "no body: the real answer was over the body cap, so the ledger stored this 500 sentinel "
         "and every replay fails loudly (purge the key to let the client run it again)",
     }.get(kind, "no body")
-    grid.add_row("response", Text(f"{row.response_status} · {describe}"))
-    headers = row.headers
-    grid.add_row("headers", Text("\n".join(f"{k}: {v}" for k, v in headers.items()) if headers else "(none stored)"))
+    grid.add_row("response", Text(f"{visible(row.response_status)} · {describe}"))
+    grid.add_row("headers", _headers_text(row.response_headers))
+
+
+def _headers_text(headers_json: str | None) -> Text:
+    # Listed from the stored JSON itself, so a header that a replay leaves out
+    # (a foreign row's CR/LF value, a number) is shown with the reason.
+    pairs = stored_header_pairs(headers_json)
+    if not pairs:
+        return Text("(none stored)")
+    lines = []
+    for name, value in pairs:
+        shown = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        line = f"{visible(name)}: {visible(shown)}"
+        problem = header_problem(name, value)
+        if problem is not None:
+            line += f"  (not replayed: {problem})"
+        lines.append(line)
+    return Text("\n".join(lines))
 
 
 def _render_body(console: Console, view: RowView) -> None:
@@ -414,10 +448,16 @@ def _render_body(console: Console, view: RowView) -> None:
     raw = row.body_bytes
     if kind == "json":
         console.print(Text("body", style="bold"))
-        console.print(JSON(str(row.response_body), highlight=console.is_terminal))
+        # As rich's JSON renderable draws it, but escaped: JSON strings may hold
+        # DEL, C1 and bidi characters unescaped.
+        pretty = Text(visible(json.dumps(json.loads(str(row.response_body)), indent=2, ensure_ascii=False), multiline=True))
+        if console.is_terminal:
+            pretty = JSONHighlighter()(pretty)
+        pretty.no_wrap = True
+        console.print(pretty)
     elif kind == "text":
         console.print(Text("body", style="bold"))
-        console.print(Text(str(row.response_body)))
+        console.print(Text(visible(str(row.response_body), multiline=True)))
     elif kind == "blob" and raw is not None:
         console.print(Text("body (hex, first 32 bytes)", style="bold"))
         console.print(Text(raw[:32].hex(" ") + (" …" if len(raw) > 32 else "")))
@@ -442,7 +482,7 @@ def _events_table(events: list[Any], now: int, show_key: bool) -> Table:
             "gone" if e.current_generation is None else str(e.current_generation),
             str(e.computed_status),
         ]
-        table.add_row(*[Text(c) for c in cells])
+        table.add_row(*[_shown(c) for c in cells])
     return table
 
 
@@ -471,12 +511,12 @@ def inspect(
         return
     console = _console()
     row, now = view.row, view.now
-    console.print(Text(f"{row.principal} / {row.key}", style="bold"))
+    console.print(Text(f"{visible(row.principal)} / {visible(row.key)}", style="bold"))
     grid = _grid()
     grid.add_row("state", Text(state_words(view)))
-    grid.add_row("status", row.status.value)
-    grid.add_row("generation", takeovers_words(row.generation))
-    grid.add_row("fingerprint", row.fingerprint)
+    grid.add_row("status", _shown(row.status.value))
+    grid.add_row("generation", Text(takeovers_words(row.generation)))
+    grid.add_row("fingerprint", _shown(row.fingerprint))
     grid.add_row("created", f"{iso(row.created_at)} ({ago(row.created_at, now)})")
     grid.add_row("updated", f"{iso(row.updated_at)} ({ago(row.updated_at, now)})")
     _response_rows(grid, view)
@@ -534,7 +574,9 @@ def pending(
                     verdict = Text(f"409 in progress for {human_duration(v.takeover_in_ms or 0)} more")
                 else:
                     verdict = Text(f"takes over as generation {v.row.generation + 1}", style="yellow")
-                table.add_row(Text(v.row.principal), Text(v.row.key), str(v.row.generation), human_duration(v.age_ms), verdict)
+                table.add_row(
+                    _shown(v.row.principal), _shown(v.row.key), _shown(v.row.generation), human_duration(v.age_ms), verdict
+                )
             console.print(table)
             shown += len(chunk)
     if not shown:
@@ -822,9 +864,9 @@ def purge(
         view = ledger.get(principal, key)
         if view is None:
             _not_found(principal, key)
-        typer.echo(f"{principal} / {key} (generation {view.row.generation}): {state_words(view)}")
+        typer.echo(f"{visible(principal)} / {key} (generation {view.row.generation}): {state_words(view)}")
         refusal = (
-            f"refused: {principal}/{key} is pending and only {human_duration(view.age_ms)} old — its owner may still be "
+            f"refused: {visible(principal)}/{key} is pending and only {human_duration(view.age_ms)} old — its owner may still be "
             f"running, and purging would let a retry run the mutation twice; wait "
             f"{human_duration(view.takeover_in_ms or 0)} for the TTL, or pass --force"
         )
@@ -834,7 +876,7 @@ def purge(
         if not yes:
             try:
                 confirmed = typer.confirm(
-                    f"Purge {principal}/{key}? The client's next retry will run the mutation again", err=True
+                    f"Purge {visible(principal)}/{key}? The client's next retry will run the mutation again", err=True
                 )
             except typer.Abort:
                 typer.echo(err=True)  # end the prompt's line
@@ -848,7 +890,7 @@ def purge(
         result = ledger.purge(principal, key, force=force)
     if result.outcome is PurgeOutcome.PURGED and result.row is not None:
         typer.echo(
-            f"purged {principal}/{key} ({result.row.status.value}, generation {result.row.generation}): "
+            f"purged {visible(principal)}/{key} ({result.row.status.value}, generation {result.row.generation}): "
             f"the client's next retry runs the mutation again"
         )
         return
@@ -891,7 +933,7 @@ def _verdict(view: RowView | None, matches: bool | None) -> tuple[str, str]:
         return "reused", "does NOT match the stored fingerprint: this request gets 409 idempotency_key_reused"
     row = view.row
     if row.status is Status.COMPLETED:
-        return "replay", f"matches the stored fingerprint: this request is replayed ({row.response_status}, generation {row.generation})"
+        return "replay", f"matches the stored fingerprint: this request is replayed ({visible(row.response_status)}, generation {row.generation})"
     if view.state is State.PENDING_FRESH:
         return (
             "in_progress",
@@ -954,7 +996,7 @@ def fingerprint_cmd(
         if verdict is not None:
             typer.echo(verdict[1])
             if view is not None and not matches:
-                typer.echo(f"stored: {view.row.fingerprint}")
+                typer.echo(f"stored: {visible(view.row.fingerprint)}")
     if verdict is not None and verdict[0] in ("new", "reused"):
         raise typer.Exit(EXIT_NO)
 

@@ -6,7 +6,10 @@ cannot differ by a byte."""
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .fingerprint import HeadersLike, as_body_bytes, header_values
@@ -18,6 +21,17 @@ OVERSIZE_STATUS = 500
 JSON_CONTENT_TYPE = ("Content-Type", "application/json")
 
 Headers = tuple[tuple[str, str], ...]
+
+log = logging.getLogger("idemctl")
+
+# RFC 9110 §5.1 field-name (token) and §5.5 field-value characters: the same
+# sets gunicorn enforces on responses (it answers 500 for anything else), and
+# all latin-1, as PEP 3333 requires. CR, LF and NUL are the response-splitting
+# ones; the rest would only make every replay fail.
+_FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
+_FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*\Z")
+_SPLITTING = re.compile(r"[\r\n\x00]")
+_LOGGED_CHARS = 200  # a dropped value is quoted in the log up to this many characters
 
 
 def _dumps(payload: object) -> str:
@@ -36,15 +50,82 @@ class ToStore:
     oversize: bool
 
 
-def to_store(status: int, headers: HeadersLike | None, body: object, policy: Policy) -> ToStore:
-    """Apply the replayable-header allowlist and the body cap."""
+def header_problem(name: object, value: object) -> str | None:
+    """Why a header may not be stored or sent, or None when it may.
+
+    >>> header_problem("location", "/x\\r\\nSet-Cookie: admin=1")
+    'its value contains CR, LF or NUL'
+    >>> header_problem("location", "/orders/42") is None
+    True
+    """
+    if not isinstance(name, str) or not _FIELD_NAME.match(name):
+        return "its name is not a valid HTTP field name"
+    if not isinstance(value, str):
+        return f"its value is a JSON {_json_type(value)}, not a string"
+    if _SPLITTING.search(value):
+        return "its value contains CR, LF or NUL"
+    if not _FIELD_VALUE.match(value):
+        return "its value has characters HTTP does not allow in a field value"
+    return None
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _quoted(value: object) -> str:
+    # ascii() escapes every control, format and non-ASCII character, so the
+    # log line can neither split nor carry terminal escapes. A stored value
+    # that is not a string is shown as the JSON it was (5, null, [...]).
+    if not isinstance(value, str):
+        return json.dumps(value, ensure_ascii=True, default=repr)[:_LOGGED_CHARS]
+    if len(value) > _LOGGED_CHARS:
+        return ascii(value[:_LOGGED_CHARS]) + "..."
+    return ascii(value)
+
+
+def _sendable(pairs: Iterable[tuple[object, object]], action: str, row: tuple[str, str] | None) -> dict[str, str]:
+    """The pairs that may go on the wire; each one that may not is logged at ERROR."""
+    out: dict[str, str] = {}
+    for name, value in pairs:
+        problem = header_problem(name, value)
+        if problem is None:
+            out[name] = value  # type: ignore[index,assignment]  # checked by header_problem
+            continue
+        where = "" if row is None else f" for principal={_quoted(row[0])} key={_quoted(row[1])}"
+        log.error("response header %s %s%s: %s: %s", _quoted(name), action, where, problem, _quoted(value))
+    return out
+
+
+def to_store(
+    status: int,
+    headers: HeadersLike | None,
+    body: object,
+    policy: Policy,
+    *,
+    row: tuple[str, str] | None = None,
+) -> ToStore:
+    """Apply the replayable-header allowlist and the body cap. A header that
+    may not be sent (see `header_problem`) is dropped and logged at ERROR;
+    `row`, the (principal, key) being completed, only names it in that log."""
     if isinstance(body, str):
         body = body.encode("utf-8")
     raw = as_body_bytes(body, "response body")
     if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 999:
         raise ValueError(f"response status must be an integer 100-999, got {status!r}")
     values = header_values(headers, policy.replayable_headers)
-    headers_json = _dumps({n: v for n, v in values.items() if v is not None})
+    present = ((n, v) for n, v in values.items() if v is not None)
+    headers_json = _dumps(_sendable(present, "not stored", row))
     if len(raw) > policy.body_cap_bytes:
         # Never store a truncated body: replays fail loudly with a 500 instead.
         return ToStore(OVERSIZE_STATUS, None, headers_json, True)
@@ -56,14 +137,29 @@ def to_store(status: int, headers: HeadersLike | None, body: object, policy: Pol
     return ToStore(status, column, headers_json, False)
 
 
-def from_stored(status: int | None, body: str | bytes | None, headers_json: str | None) -> tuple[int, Headers, bytes]:
-    """Rebuild (status, headers, body) from the stored columns."""
-    status = OVERSIZE_STATUS if status is None else int(status)
+def stored_header_pairs(headers_json: str | None) -> list[tuple[str, object]]:
+    """The stored `response_headers` object as (name, JSON value) pairs,
+    unchecked; [] when the column is empty or not a JSON object."""
     try:
         parsed = json.loads(headers_json) if headers_json else {}
     except ValueError:
         parsed = {}
-    headers: Headers = tuple((str(k), str(v)) for k, v in parsed.items()) if isinstance(parsed, dict) else ()
+    return list(parsed.items()) if isinstance(parsed, dict) else []
+
+
+def from_stored(
+    status: int | None,
+    body: str | bytes | None,
+    headers_json: str | None,
+    *,
+    row: tuple[str, str] | None = None,
+) -> tuple[int, Headers, bytes]:
+    """Rebuild (status, headers, body) from the stored columns. Rows written
+    by other programs are not trusted: a header that may not be sent (see
+    `header_problem`) is left out and logged at ERROR, on every replay."""
+    status = OVERSIZE_STATUS if status is None else int(status)
+    kept = _sendable(stored_header_pairs(headers_json), "not replayed", row)
+    headers: Headers = tuple(kept.items())
     if status in NULL_BODY_STATUSES or body is None:
         raw = b""
     elif isinstance(body, str):

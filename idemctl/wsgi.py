@@ -416,8 +416,8 @@ class IdempotencyMiddleware:
             status,
             exc,
         )
-        stored = responses.to_store(status, headers, body, self.policy)
-        return responses.from_stored(stored.status, stored.body, stored.headers_json)
+        stored = responses.to_store(status, headers, body, self.policy, row=(principal, key))
+        return responses.from_stored(stored.status, stored.body, stored.headers_json, row=(principal, key))
 
 
 __all__ = [
