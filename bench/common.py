@@ -18,6 +18,7 @@ from typing import Any
 
 import idemctl
 from idemctl.schema import schema_files
+from idemctl.storage.store import CLAIM, COMPLETE, LOOKUP
 
 BODY_1K = b"b" * 1024  # the request body of every measured request
 STORED_1K = b"r" * 1024  # the response body every measured request stores
@@ -31,20 +32,8 @@ def noop_mutation(body: bytes) -> tuple[int, dict[str, str], bytes]:
     return RESPONSE
 
 
-# The two statements of the raw floor, as idemctl's own SQL spells them.
-RAW_CLAIM = (
-    "INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, created_at, updated_at) "
-    "VALUES (?, ?, ?, 'pending', 1, ?, ?) ON CONFLICT (principal, key) DO NOTHING RETURNING generation"
-)
-RAW_COMPLETE = (
-    "UPDATE idempotency_keys SET status = 'completed', response_status = ?, response_body = ?, "
-    "response_headers = ?, updated_at = ? WHERE principal = ? AND key = ? AND generation = ? "
-    "AND status = 'pending' RETURNING generation"
-)
-RAW_LOOKUP = (
-    "SELECT principal, key, fingerprint, status, generation, response_status, response_body, "
-    "response_headers, created_at, updated_at FROM idempotency_keys WHERE principal = ? AND key = ?"
-)
+# The statements of the raw floor, exactly as idemctl's store writes them.
+RAW_CLAIM, RAW_COMPLETE, RAW_LOOKUP = CLAIM, COMPLETE, LOOKUP
 BUSY_TIMEOUT_MS = 5000
 
 
@@ -102,10 +91,10 @@ def raw_pair(conn: sqlite3.Connection, principal: str, key: str, now: int) -> No
     (retention counts from completion): an unchanged updated_at would let
     SQLite skip the index update and make the floor do less work than the
     contract needs."""
-    (gen,) = conn.execute(RAW_CLAIM, (principal, key, FINGERPRINT, now, now)).fetchall()[0]
-    conn.execute(
-        RAW_COMPLETE, (201, STORED_1K.decode(), RESPONSE_HEADERS_JSON, now + 1, principal, key, gen)
-    ).fetchall()
+    row = {"principal": principal, "key": key, "token": now}
+    (gen,) = conn.execute(RAW_CLAIM, {**row, "fingerprint": FINGERPRINT, "now": now}).fetchall()[0]
+    done = {"generation": gen, "status": 201, "body": STORED_1K.decode(), "headers": RESPONSE_HEADERS_JSON, "now": now + 1}
+    conn.execute(RAW_COMPLETE, {**row, **done}).fetchall()
 
 
 # -- statistics -------------------------------------------------------------------

@@ -19,7 +19,6 @@ import time
 from typing import Any
 
 from idemctl import Ledger
-from idemctl.backends.sqlite import SqliteBackend
 
 from .common import BODY_1K, HEADERS, Context, latency_summary, noop_mutation, spread
 
@@ -30,7 +29,7 @@ def _worker(path: str, synchronous: str, queue: bool, index: int, start_at: floa
     if path.startswith("postgresql://"):
         ledger = Ledger.open(path)
     else:
-        ledger = Ledger(SqliteBackend(path, synchronous=synchronous, write_queue=queue))
+        ledger = Ledger.open(path, synchronous=synchronous, write_queue=queue)
     handle, after = ledger.handle, ledger.after_response
     latencies: list[float] = []
     finished: list[float] = []

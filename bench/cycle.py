@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 from idemctl import Ledger, Outcome
-from idemctl.backends.sqlite import SqliteBackend
 
 from .common import (
     BODY_1K,
@@ -69,7 +68,7 @@ def request_cycle(ctx: Context, synchronous: str) -> dict[str, Any]:
     handle = ledger.handle
     # The same ledger without the writer queue, on the same file: what the
     # queue costs one process that never has to wait in it.
-    unqueued = Ledger(SqliteBackend(path, synchronous=synchronous, write_queue=False))
+    unqueued = Ledger.open(path, synchronous=synchronous, write_queue=False)
 
     def floor(rep: int, n: int) -> None:
         now = now_ms()
@@ -126,13 +125,13 @@ def read_paths(ctx: Context) -> dict[str, Any]:
 
     def pk_select(rep: int, n: int) -> None:
         for i in range(n):
-            raw.execute(RAW_LOOKUP, (PRINCIPAL, f"done-{i % keys}")).fetchall()
+            raw.execute(RAW_LOOKUP, {"principal": PRINCIPAL, "key": f"done-{i % keys}"}).fetchall()
 
     def claim_then_select(rep: int, n: int) -> None:
         for i in range(n):
             key = f"done-{i % keys}"
-            raw.execute(RAW_CLAIM, (PRINCIPAL, key, FINGERPRINT, now, now)).fetchall()
-            raw.execute(RAW_LOOKUP, (PRINCIPAL, key)).fetchall()
+            raw.execute(RAW_CLAIM, {"principal": PRINCIPAL, "key": key, "fingerprint": FINGERPRINT, "token": 1, "now": now}).fetchall()
+            raw.execute(RAW_LOOKUP, {"principal": PRINCIPAL, "key": key}).fetchall()
 
     def run_path(prefix: str, body: bytes) -> Callable[[int, int], None]:
         def go(rep: int, n: int) -> None:

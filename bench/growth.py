@@ -13,14 +13,13 @@ import random
 from typing import Any
 
 from idemctl import Ledger
-from idemctl.backends.sqlite import SqliteBackend
 
 from .backlog import DAY_MS, add_rows, init_ledger
 from .common import FINGERPRINT, RAW_CLAIM, Context, now_ms, raw_connect, spread, timed
 
 
 def _measure(path: str, synchronous: str, reps: int, n: int, seed: int) -> dict[str, Any]:
-    ledger = Ledger(SqliteBackend(path, synchronous=synchronous))
+    ledger = Ledger.open(path, synchronous=synchronous)
     raw = raw_connect(path, synchronous)
     rnd = random.Random(seed)
     ours: list[float] = []
@@ -29,7 +28,7 @@ def _measure(path: str, synchronous: str, reps: int, n: int, seed: int) -> dict[
     # pay for reading the file back into the page cache.
     warm = now_ms()
     for _ in range(min(n, 50)):
-        raw.execute(RAW_CLAIM, ("acct_growth", "%032x" % rnd.getrandbits(128), FINGERPRINT, warm, warm)).fetchall()
+        raw.execute(RAW_CLAIM, {"principal": "acct_growth", "key": "%032x" % rnd.getrandbits(128), "fingerprint": FINGERPRINT, "token": 1, "now": warm}).fetchall()
         ledger.claim("acct_growth", "%032x" % rnd.getrandbits(128), FINGERPRINT, now=warm)
     for rep in range(reps):
         keys_a = ["%032x" % rnd.getrandbits(128) for _ in range(n)]
@@ -38,7 +37,7 @@ def _measure(path: str, synchronous: str, reps: int, n: int, seed: int) -> dict[
 
         def run_floor() -> None:
             for k in keys_a:
-                raw.execute(RAW_CLAIM, ("acct_growth", k, FINGERPRINT, now, now)).fetchall()
+                raw.execute(RAW_CLAIM, {"principal": "acct_growth", "key": k, "fingerprint": FINGERPRINT, "token": 1, "now": now}).fetchall()
 
         def run_ours() -> None:
             for k in keys_b:

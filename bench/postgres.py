@@ -48,7 +48,10 @@ def _fresh_schema(admin, name: str) -> None:  # type: ignore[no-untyped-def]
 
 
 def cycle(ctx: Context, base: str, admin) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    from idemctl.backends.postgres import SQL_CLAIM, SQL_COMPLETE, SQL_LOOKUP
+    from idemctl.storage.dialect import POSTGRES
+    from idemctl.storage.store import CLAIM, COMPLETE, LOOKUP
+
+    SQL_CLAIM, SQL_COMPLETE, SQL_LOOKUP = (POSTGRES.params(s) for s in (CLAIM, COMPLETE, LOOKUP))
 
     schema = f"idemctl_bench_cycle_{os.getpid()}"
     _fresh_schema(admin, schema)
@@ -62,8 +65,10 @@ def cycle(ctx: Context, base: str, admin) -> dict[str, Any]:  # type: ignore[no-
         now = now_ms()
         for i in range(n):
             key = f"raw-{rep}-{i}"
-            (gen,) = raw.execute(SQL_CLAIM, ("acct_bench", key, FINGERPRINT, now, now)).fetchall()[0]
-            raw.execute(SQL_COMPLETE, (201, STORED_1K, RESPONSE_HEADERS_JSON, now + 1, "acct_bench", key, gen)).fetchall()
+            row = {"principal": "acct_bench", "key": key, "token": i + 1}
+            (gen,) = raw.execute(SQL_CLAIM, {**row, "fingerprint": FINGERPRINT, "now": now}).fetchall()[0]
+            done = {"generation": gen, "status": 201, "body": STORED_1K, "headers": RESPONSE_HEADERS_JSON, "now": now + 1}
+            raw.execute(SQL_COMPLETE, {**row, **done}).fetchall()
 
     def ours(rep: int) -> None:
         for i in range(n):
@@ -71,7 +76,7 @@ def cycle(ctx: Context, base: str, admin) -> dict[str, Any]:  # type: ignore[no-
 
     def lookup(rep: int) -> None:
         for i in range(n):
-            raw.execute(SQL_LOOKUP, ("acct_bench", f"led-0-{i % 50}")).fetchall()
+            raw.execute(SQL_LOOKUP, {"principal": "acct_bench", "key": f"led-0-{i % 50}"}).fetchall()
 
     def replay(rep: int) -> None:
         for i in range(n):
@@ -205,7 +210,7 @@ def run(ctx: Context) -> dict[str, Any]:
     try:
         import psycopg  # noqa: F401
 
-        from idemctl.backends.postgres import PostgresBackend  # noqa: F401
+        from idemctl.storage.postgres import PostgresEngine  # noqa: F401
     except ImportError as exc:
         return {"missing": f"PostgreSQL backend or driver not importable ({exc})"}
     try:

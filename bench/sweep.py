@@ -39,9 +39,9 @@ OTHER_BATCHES = ((1_000, 150, 2), (10_000, 30, 10**6))
 
 def default_cli_batch() -> int:
     """What `idemctl sweep` uses on SQLite when --batch-size is not given."""
-    from idemctl.backends.sqlite import SqliteBackend
+    from idemctl.storage.dialect import SQLITE
 
-    return int(SqliteBackend.drain_batch)
+    return SQLITE.drain_batch
 
 
 def _copy(src: str, dst: str) -> None:

@@ -27,7 +27,7 @@ from typer.core import TyperGroup
 
 from . import __version__
 from .durations import ago, human_duration, iso, parse_duration
-from .errors import IdemctlError, InvalidKeyError, LedgerNotFoundError, SchemaMissingError
+from .errors import IdemctlError, InvalidKeyError, LedgerNotFoundError, SchemaMissingError, SchemaOutdatedError
 from .fingerprint import fingerprint as compute_fingerprint
 from .fingerprint import header_values, is_valid_key
 from .ledger import Ledger
@@ -131,11 +131,20 @@ class IdemctlGroup(TyperGroup):
         try:
             return super().invoke(ctx)
         except IdemctlError as exc:
-            _say_error(exc)
+            _say_error(_with_hint(exc))
             raise typer.Exit(EXIT_USAGE) from None
         except UserError as exc:
             _say_error(exc)
             raise typer.Exit(exc.code) from None
+
+
+def _with_hint(exc: IdemctlError) -> str:
+    """The library's message plus what to type about it, in the CLI's words."""
+    if isinstance(exc, SchemaOutdatedError):
+        return f"{exc} — run `idemctl init` to upgrade it"
+    if isinstance(exc, SchemaMissingError):
+        return f"{exc} — run `idemctl init`"
+    return str(exc)
 
 
 app = typer.Typer(
@@ -243,7 +252,7 @@ def _settings(ctx: typer.Context) -> Settings:
     return obj
 
 
-def _policy(s: Settings, ttl: int | None = None, retention: int | None = None) -> Policy:
+def _policy(s: Settings, ttl: int | None = None, retention: int | None = None, fenced_retention: int | None = None) -> Policy:
     kw: dict[str, int] = {}
     ttl = ttl if ttl is not None else s.ttl_ms
     retention = retention if retention is not None else s.retention_ms
@@ -251,6 +260,8 @@ def _policy(s: Settings, ttl: int | None = None, retention: int | None = None) -
         kw["pending_ttl_ms"] = ttl
     if retention is not None:
         kw["retention_ms"] = retention
+    if fenced_retention is not None:
+        kw["fenced_retention_ms"] = fenced_retention
     return Policy(**kw)
 
 
@@ -262,15 +273,16 @@ def _ledger(
     write: bool = False,
     ttl: int | None = None,
     retention: int | None = None,
+    fenced_retention: int | None = None,
 ) -> Iterator[Ledger]:
     """Open an existing ledger; never creates one (only `init` does)."""
     s = _settings(ctx)
-    policy = _policy(s, ttl, retention)
+    policy = _policy(s, ttl, retention, fenced_retention)
     target = db or s.db
     ledger = Ledger.open(target, policy=policy, create=False, readonly=not write, busy_timeout_ms=s.busy_timeout_ms)
     try:
         if ledger.schema_version() is None:
-            raise SchemaMissingError(f"{ledger.backend.describe()} has no idempotency ledger — run `idemctl init`")
+            raise SchemaMissingError(f"{ledger.describe()} has no idempotency ledger")
         yield ledger
     finally:
         ledger.close()
@@ -383,7 +395,7 @@ def init(
             return
         with ledger:
             result = ledger.init(dry_run=True)
-            where = ledger.backend.describe()
+            where = ledger.describe()
         if result.action is InitAction.UP_TO_DATE:
             typer.echo(f"{where}: {result.describe()}; nothing to do")
         elif result.action is InitAction.CREATED:
@@ -391,12 +403,12 @@ def init(
         else:
             typer.echo(
                 f"{where}: would upgrade from {result.from_version} to {result.to_version} "
-                f"(adds idemctl tables, no row touched); nothing written"
+                f"(adds idemctl tables and columns, no row touched); nothing written"
             )
         return
     with Ledger.open(target, create=True, busy_timeout_ms=s.busy_timeout_ms) as ledger:
         result = ledger.init()
-        typer.echo(f"{ledger.backend.describe()}: {result.describe()}")
+        typer.echo(f"{ledger.describe()}: {result.describe()}")
 
 
 # -- inspect -------------------------------------------------------------------------------
@@ -503,7 +515,7 @@ def inspect(
         if view is None:
             _not_found(principal, key)
         events = list(ledger.fenced(principal=principal, key=key))
-        has_log = ledger.backend.has_fenced_log
+        has_log = ledger.has_fenced_log()
     if json_out:
         doc = view_json(view)
         doc["fenced_out"] = [event_json(e) for e in events]
@@ -614,7 +626,7 @@ def fenced(
                 limit=None if cap is None else cap + 1,
             )
         )
-        has_log = ledger.backend.has_fenced_log
+        has_log = ledger.has_fenced_log()
     truncated = cap is not None and len(events) > cap
     events = events[:cap] if cap is not None else events
     if json_out:
@@ -652,7 +664,7 @@ def stats(
     with _ledger(ctx, db, ttl=ttl, retention=retention) as ledger:
         st = ledger.stats()
         policy = ledger.policy
-        where = ledger.backend.describe()
+        where = ledger.describe()
     breaches = [
         f"{value} {what} (max {limit})"
         for value, limit, what in (
@@ -734,6 +746,7 @@ def _sweep_batches(
     batch: int,
     max_batches: int | None,
     retention_ms: int | None,
+    fenced_retention_ms: int | None,
     pause_ms: int,
     stop: _StopFlag,
     on_batch: Callable[[_SweepTally], None] = lambda tally: None,
@@ -746,7 +759,7 @@ def _sweep_batches(
             return tally, "interrupted"
         if max_batches is not None and tally.batches >= max_batches:
             return tally, "max_batches"
-        result = ledger.sweep(batch=batch, retention_ms=retention_ms)
+        result = ledger.sweep(batch=batch, retention_ms=retention_ms, fenced_retention_ms=fenced_retention_ms)
         tally.batches += 1
         tally.keys += result.keys_deleted
         tally.fenced += result.fenced_deleted
@@ -772,26 +785,50 @@ def sweep(
     ] = None,
     max_batches: Annotated[Optional[int], typer.Option("--max-batches", min=1, help="Stop after N batches.", show_default=False)] = None,
     retention: RetentionOpt = None,
+    fenced_retention: Annotated[
+        Optional[int],
+        typer.Option(
+            "--fenced-retention",
+            metavar="DURATION",
+            parser=_duration_param,
+            help="How long fenced-out events are kept: the record that a mutation may have run twice (default 30d).",
+            show_default=False,
+        ),
+    ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Count what would be deleted; delete nothing.")] = False,
     pause_ms: Annotated[int, typer.Option("--pause-ms", min=0, help="Sleep between batches, to leave the lock to the request path.")] = 0,
     json_out: JsonOpt = False,
     db: DbOpt = None,
     ttl: TtlOpt = None,
 ) -> None:
-    """Delete rows past retention in bounded batches until none is left (Ctrl-C stops between batches)."""
-    with _ledger(ctx, db, write=not dry_run, ttl=ttl, retention=retention) as ledger:
+    """Delete rows past retention, and fenced-out events past theirs, in bounded batches until none is left (Ctrl-C stops between batches)."""
+    with _ledger(ctx, db, write=not dry_run, ttl=ttl, retention=retention, fenced_retention=fenced_retention) as ledger:
         retention_ms = ledger.policy.retention_ms
+        fenced_retention_ms = ledger.policy.fenced_retention_ms
         batch_size = batch_size or ledger.drain_batch
         started_at = ledger.now()
         backlog = ledger.count_expired()
         if dry_run:
             cutoff = started_at - retention_ms
+            fenced_cutoff = started_at - fenced_retention_ms
+            fenced_backlog = ledger.count_fenced_expired()
             if json_out:
-                _emit_json({"dry_run": True, "would_delete": backlog, "cutoff": cutoff, "retention_ms": retention_ms})
+                _emit_json(
+                    {
+                        "dry_run": True,
+                        "would_delete": backlog,
+                        "would_delete_fenced": fenced_backlog,
+                        "cutoff": cutoff,
+                        "fenced_cutoff": fenced_cutoff,
+                        "retention_ms": retention_ms,
+                        "fenced_retention_ms": fenced_retention_ms,
+                    }
+                )
             else:
                 typer.echo(
                     f"would delete {backlog} row(s) not written since {iso(cutoff, millis=False)} (retention "
-                    f"{human_duration(retention_ms)}); nothing deleted"
+                    f"{human_duration(retention_ms)}) and {fenced_backlog} fenced-out event(s) older than "
+                    f"{iso(fenced_cutoff, millis=False)} (retention {human_duration(fenced_retention_ms)}); nothing deleted"
                 )
             return
         err = Console(stderr=True)
@@ -811,6 +848,7 @@ def sweep(
                 batch=batch_size,
                 max_batches=max_batches,
                 retention_ms=retention_ms,
+                fenced_retention_ms=fenced_retention_ms,
                 pause_ms=pause_ms,
                 stop=stop,
                 on_batch=lambda t: progress.update(task, completed=t.keys),
@@ -829,20 +867,25 @@ def sweep(
                 "stopped": why,
                 "remaining": remaining,
                 "retention_ms": retention_ms,
+                "fenced_retention_ms": fenced_retention_ms,
             }
         )
     else:
-        fenced_note = f" and {tally.fenced} fenced-out event(s)" if tally.fenced else ""
         done = (
-            f"deleted {tally.keys} row(s){fenced_note} in {tally.batches} batch(es) of at most {batch_size}, "
+            f"deleted {tally.keys} row(s) in {tally.batches} batch(es) of at most {batch_size}, "
             f"{human_duration(elapsed_ms)}"
         )
+        # The fenced-out log is the incident record: say what happened to it
+        # every time, so a sweep can never empty it unnoticed.
+        log_note = (
+            f"fenced-out log: {tally.fenced} event(s) older than {human_duration(fenced_retention_ms)} deleted"
+        )
         if why == "drained":
-            typer.echo(f"{done}; nothing left past the {human_duration(retention_ms)} retention")
+            typer.echo(f"{done}; nothing left past the {human_duration(retention_ms)} retention; {log_note}")
         elif why == "max_batches":
-            typer.echo(f"{done}; stopped at --max-batches with {remaining} row(s) past retention left")
+            typer.echo(f"{done}; stopped at --max-batches with {remaining} row(s) past retention left; {log_note}")
         else:
-            typer.echo(f"interrupted: {done}; {remaining} row(s) past retention left")
+            typer.echo(f"interrupted: {done}; {remaining} row(s) past retention left; {log_note}")
     if why == "interrupted":
         raise typer.Exit(EXIT_INTERRUPTED)
 

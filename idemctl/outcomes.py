@@ -76,12 +76,21 @@ class State(enum.Enum):
 
 @dataclass(frozen=True)
 class Reservation:
-    """Ownership of (principal, key) at one generation: the fencing token."""
+    """Ownership of (principal, key), as returned by a claim or a takeover.
+
+    ``generation`` counts the row's owners (1, then +1 per takeover) and is
+    what operators see. ``token`` is the fencing token: a random 63-bit
+    number drawn for every claim and every takeover and stored in the row.
+    Completing or releasing needs both to match, so once a row is deleted
+    (release, purge, sweep) and claimed again at generation 1, no earlier
+    owner of that key can complete or release the new reservation.
+    """
 
     principal: str
     key: str
     generation: int
     fingerprint: str
+    token: int | None = None  # None only for a Reservation made by hand: it never matches a row
 
 
 @dataclass(frozen=True)
@@ -199,6 +208,7 @@ class SweepResult:
     keys_deleted: int
     fenced_deleted: int
     cutoff: int  # rows with updated_at < cutoff were eligible
+    fenced_cutoff: int | None = None  # fenced-out events with fenced_at < this were eligible
 
     @property
     def deleted(self) -> int:

@@ -41,9 +41,12 @@ class Policy:
     replayable_headers: tuple[str, ...] = DEFAULT_REPLAYABLE_HEADERS
     protected_methods: frozenset[str] = field(default=DEFAULT_PROTECTED_METHODS)
     reuse_status: int = 409
+    # The fenced-out log is the record that a mutation may have run twice: it
+    # outlives the rows it is about.
+    fenced_retention_ms: int = 30 * 24 * 60 * 60 * 1000
 
     def __post_init__(self) -> None:
-        for name in ("pending_ttl_ms", "retention_ms", "sweep_batch", "body_cap_bytes", "reuse_status"):
+        for name in ("pending_ttl_ms", "retention_ms", "sweep_batch", "body_cap_bytes", "reuse_status", "fenced_retention_ms"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise PolicyError(f"{name} must be an integer, got {value!r}")
@@ -53,6 +56,8 @@ class Policy:
             raise PolicyError(
                 f"retention_ms ({self.retention_ms}) must be longer than pending_ttl_ms ({self.pending_ttl_ms})"
             )
+        if self.fenced_retention_ms <= 0:
+            raise PolicyError(f"fenced_retention_ms must be > 0, got {self.fenced_retention_ms}")
         if self.sweep_batch < 1:
             raise PolicyError(f"sweep_batch must be >= 1, got {self.sweep_batch}")
         if self.body_cap_bytes < 0:

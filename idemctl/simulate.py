@@ -391,8 +391,8 @@ def run_scenario(
             where = os.fspath(target)
             ledger = stack.enter_context(Ledger.open(where, policy=policy, clock=clock, create=False))
             if ledger.schema_version() is None:
-                raise SchemaMissingError(f"{ledger.backend.describe()} has no idempotency ledger — run `idemctl init`")
-        shown = ledger.backend.describe()
+                raise SchemaMissingError(f"{ledger.describe()} has no idempotency ledger")
+        shown = ledger.describe()
         reset = tuple(pk for pk in scenario.keys() if ledger.purge(*pk, force=True).row is not None)
         tap = stack.enter_context(_tap_logs())
         runner = _Runner(ledger, clock, where, scenario, tap)

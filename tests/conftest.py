@@ -51,14 +51,15 @@ def postgres_server() -> str:
     url = os.environ.get(POSTGRES_URL_ENV, DEFAULT_POSTGRES_URL)
     reason = None
     try:
-        from idemctl.backends.postgres import PostgresBackend
+        from idemctl.storage import Store
+        from idemctl.storage.postgres import PostgresEngine
     except ImportError as exc:
         reason = f"PostgreSQL tests need the driver: pip install -e '.[postgres]' ({exc.name} is missing)"
     else:
         from idemctl import SchemaTooNewError, StorageError
 
         try:
-            probe = PostgresBackend(url, busy_timeout_ms=3000)
+            probe = Store(PostgresEngine(url, busy_timeout_ms=3000))
             try:
                 probe.schema_version()
             finally:
@@ -81,7 +82,7 @@ def postgres_test_schema(base: str, monkeypatch: pytest.MonkeyPatch) -> Iterator
     test left open in it."""
     import psycopg
 
-    from idemctl.backends import postgres
+    from idemctl.storage import postgres
 
     schema = f"t_{secrets.token_hex(6)}"
     app = f"idemctl-test-{schema}"
@@ -89,21 +90,21 @@ def postgres_test_schema(base: str, monkeypatch: pytest.MonkeyPatch) -> Iterator
     url = f"{base}{sep}options=-csearch_path%3D{schema}&application_name={app}"
     with psycopg.connect(base, autocommit=True) as admin:
         admin.execute(f"CREATE SCHEMA {schema}")
-    opened: list[postgres.PostgresBackend] = []
-    real_init = postgres.PostgresBackend.__init__
+    opened: list[postgres.PostgresEngine] = []
+    real_init = postgres.PostgresEngine.__init__
 
-    def tracking_init(self: postgres.PostgresBackend, *args: object, **kwargs: object) -> None:
+    def tracking_init(self: postgres.PostgresEngine, *args: object, **kwargs: object) -> None:
         real_init(self, *args, **kwargs)  # type: ignore[arg-type]
         opened.append(self)
 
-    monkeypatch.setattr(postgres.PostgresBackend, "__init__", tracking_init)
+    monkeypatch.setattr(postgres.PostgresEngine, "__init__", tracking_init)
     try:
         yield url
     finally:
         # Pools a test forgot to close would hold server connections for the
         # rest of the run; close them, then end whatever is still connected.
-        for backend in opened:
-            backend.close()
+        for engine in opened:
+            engine.close()
         with psycopg.connect(base, autocommit=True) as admin:
             admin.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"

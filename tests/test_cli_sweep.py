@@ -61,7 +61,8 @@ def test_sweep_drains_the_backlog_in_bounded_batches_and_keeps_fresh_rows(make_l
     assert result.exit_code == 0
     assert result.stderr == ""  # no progress bar when stderr is not a terminal
     assert re.fullmatch(
-        r"deleted 45 row\(s\) in 4 batch\(es\) of at most 20, \d+ (ms|s); nothing left past the 1 d retention\n",
+        r"deleted 45 row\(s\) in 4 batch\(es\) of at most 20, \d+ (ms|s); nothing left past the 1 d retention; "
+        r"fenced-out log: 0 event\(s\) older than 30 d deleted\n",
         result.stdout,
     )
     assert ledger.count_expired() == 0
@@ -75,11 +76,32 @@ def test_sweep_json_reports_rows_fenced_events_batches_and_why_it_stopped(make_l
     assert result.exit_code == 0 and result.stderr == ""
     doc = json.loads(result.stdout)
     assert isinstance(doc.pop("elapsed_ms"), int)
-    # 7 old rows (5 plain, 2 taken over) in batches of 4: 4, 3, then an empty batch.
+    # 7 old rows (5 plain, 2 taken over) in batches of 4: 4, 3, then an empty
+    # batch; the 30 h old fenced-out events stay for the log's 30 days.
     assert doc == {
-        "dry_run": False, "deleted": 7, "fenced_deleted": 2, "batches": 3, "batch_size": 4,
-        "stopped": "drained", "remaining": 0, "retention_ms": 86_400_000,
+        "dry_run": False, "deleted": 7, "fenced_deleted": 0, "batches": 3, "batch_size": 4,
+        "stopped": "drained", "remaining": 0, "retention_ms": 86_400_000, "fenced_retention_ms": 30 * 86_400_000,
     }
+    assert len(list(ledger.fenced())) == 2
+
+
+def test_sweep_deletes_fenced_out_events_only_past_their_own_retention_and_says_so(make_ledger, ledger_target, clock):
+    ledger = make_ledger()
+    backlog(ledger, clock, expired=0, fresh=0, fenced=2)
+    dry = sweep("--dry-run", "--fenced-retention", "1d", "--db", ledger_target)
+    assert re.fullmatch(
+        r"would delete 2 row\(s\) not written since \S+Z \(retention 1 d\) and 2 fenced-out event\(s\) older than "
+        r"\S+Z \(retention 1 d\); nothing deleted\n",
+        dry.stdout,
+    )
+    doc = json.loads(sweep("--dry-run", "--json", "--db", ledger_target).stdout)
+    assert (doc["would_delete"], doc["would_delete_fenced"], doc["fenced_retention_ms"]) == (2, 0, 30 * 86_400_000)
+    result = sweep("--fenced-retention", "1d", "--db", ledger_target)
+    assert re.fullmatch(
+        r"deleted 2 row\(s\) in 2 batch\(es\) of at most \d+, \d+ (ms|s); nothing left past the 1 d retention; "
+        r"fenced-out log: 2 event\(s\) older than 1 d deleted\n",
+        result.stdout,
+    )
     assert list(ledger.fenced()) == []
 
 
@@ -88,7 +110,11 @@ def test_sweep_dry_run_counts_and_deletes_nothing(make_ledger, ledger_target, cl
     backlog(ledger, clock, expired=12, fresh=2)
     result = sweep("--dry-run", "--db", ledger_target)
     assert result.exit_code == 0 and result.stderr == ""
-    assert re.fullmatch(r"would delete 12 row\(s\) not written since \S+Z \(retention 1 d\); nothing deleted\n", result.stdout)
+    assert re.fullmatch(
+        r"would delete 12 row\(s\) not written since \S+Z \(retention 1 d\) and 0 fenced-out event\(s\) older than "
+        r"\S+Z \(retention 30 d\); nothing deleted\n",
+        result.stdout,
+    )
     doc = json.loads(sweep("--dry-run", "--json", "--db", ledger_target).stdout)
     assert (doc["dry_run"], doc["would_delete"], doc["retention_ms"]) == (True, 12, 86_400_000)
     assert ledger.count_expired() == 12 and ledger.stats().total == 14
@@ -101,7 +127,7 @@ def test_sweep_stops_at_max_batches_and_says_how_many_are_left(make_ledger, ledg
     assert result.exit_code == 0
     assert re.fullmatch(
         r"deleted 20 row\(s\) in 2 batch\(es\) of at most 10, \d+ (ms|s); "
-        r"stopped at --max-batches with 5 row\(s\) past retention left\n",
+        r"stopped at --max-batches with 5 row\(s\) past retention left; fenced-out log: 0 event\(s\) older than 30 d deleted\n",
         result.stdout,
     )
     assert ledger.count_expired() == 5
@@ -120,7 +146,7 @@ def test_sweep_without_batch_size_drains_in_250s_on_sqlite_and_1000s_on_postgres
     backlog(ledger, clock, expired=260, fresh=1)
     doc = json.loads(sweep("--json", "--db", ledger_target).stdout)
     # SQLite: 250 + 10, then the empty batch that proves it drained; PostgreSQL: 260, then the empty one.
-    expected = {"sqlite": (250, 3), "postgres": (1000, 2)}[ledger.backend.dialect]
+    expected = {"sqlite": (250, 3), "postgres": (1000, 2)}[ledger.store.dialect.name]
     assert (doc["batch_size"], doc["batches"], doc["deleted"], doc["stopped"]) == (*expected, 260, "drained")
     assert ledger.drain_batch == expected[0]
     assert ledger.stats().total == 1
@@ -158,7 +184,8 @@ def test_ctrl_c_stops_the_sweep_between_batches_and_reports_what_was_deleted(tmp
     assert proc.returncode == 130, (out, err)
     assert err == ""
     assert re.fullmatch(
-        r"interrupted: deleted 10 row\(s\) in 1 batch\(es\) of at most 10, \d+ (ms|s); 40 row\(s\) past retention left\n",
+        r"interrupted: deleted 10 row\(s\) in 1 batch\(es\) of at most 10, \d+ (ms|s); 40 row\(s\) past retention left; "
+        r"fenced-out log: 0 event\(s\) older than 30 d deleted\n",
         out,
     )
     with Ledger.open(db, create=False) as ledger:

@@ -203,7 +203,7 @@ def test_row_vanishing_between_claim_and_lookup_is_409_retry(ledger, monkeypatch
     # The window is a few microseconds wide in production; force it by making
     # the lookup find nothing after the claim lost.
     ledger.claim("acct_A", "k-1", fingerprint("POST", "/orders", HEADERS, BODY))
-    monkeypatch.setattr(ledger.backend, "lookup", lambda principal, key: None)
+    monkeypatch.setattr(ledger.store, "lookup", lambda principal, key: None)
     run = Mutation()
     answer = post(ledger, run)
     assert answer.status == 409

@@ -17,11 +17,11 @@ def test_open_with_write_queue_off_never_creates_the_lock_file(tmp_path):
     with Ledger.open(path, write_queue=False) as ledger:
         ledger.init()
         assert ledger.handle("acct", "k", "POST", "/o", {}, b"x", ok).outcome is Outcome.EXECUTED
-        assert ledger.backend.write_queue_path is None
+        assert ledger.store.engine.write_queue_path is None
     assert not os.path.exists(path + "-idemctl.lock")
     with Ledger.open(path) as ledger:
         ledger.handle("acct", "k2", "POST", "/o", {}, b"x", ok)
-        assert ledger.backend.write_queue_path == os.path.realpath(path) + "-idemctl.lock"
+        assert ledger.store.engine.write_queue_path == os.path.realpath(path) + "-idemctl.lock"
     assert os.path.exists(path + "-idemctl.lock")
 
 
@@ -30,9 +30,9 @@ def test_open_passes_synchronous_to_every_connection(tmp_path):
     with Ledger.open(path, synchronous="NORMAL") as ledger:
         ledger.init()
         # 1 = NORMAL, 2 = FULL (https://sqlite.org/pragma.html#pragma_synchronous)
-        assert ledger.backend._conn().execute("PRAGMA synchronous").fetchone()[0] == 1
+        assert ledger.store.engine._conn().execute("PRAGMA synchronous").fetchone()[0] == 1
     with Ledger.open(path) as ledger:
-        assert ledger.backend._conn().execute("PRAGMA synchronous").fetchone()[0] == 2
+        assert ledger.store.engine._conn().execute("PRAGMA synchronous").fetchone()[0] == 2
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     conn.close()

@@ -5,7 +5,10 @@ from __future__ import annotations
 import sqlite3
 
 from idemctl import Ledger, Outcome, Policy, PolicyError
-from idemctl.backends.sqlite import SQL_SWEEP, SQL_SWEEP_FENCED
+from idemctl.storage.dialect import SQLITE
+from idemctl.storage.store import SWEEP_FENCED
+
+SQL_SWEEP, SQL_SWEEP_FENCED = SQLITE.sweep_keys, SWEEP_FENCED
 
 import pytest
 
@@ -60,7 +63,7 @@ def test_default_batch_is_the_policy_batch(make_ledger, clock):
     assert ledger.sweep().keys_deleted == 7
 
 
-def test_sweep_drains_the_fenced_out_log_on_the_same_retention(ledger, clock):
+def test_the_fenced_out_log_outlives_the_rows_it_is_about_for_its_own_retention(ledger, clock):
     owners = [ledger.claim("acct", f"f{i}", "fp") for i in range(3)]
     clock.advance(30_001)
     for i, a in enumerate(owners):
@@ -68,13 +71,29 @@ def test_sweep_drains_the_fenced_out_log_on_the_same_retention(ledger, clock):
         ledger.complete(b, 200, {}, b"B")
         assert ledger.complete(a, 200, {}, b"A").stored is False
     assert len(list(ledger.fenced())) == 3
-    clock.advance(DAY)
-    assert ledger.sweep(batch=2).fenced_deleted == 0
+    clock.advance(DAY + 1)
+    rows = ledger.sweep(batch=2)
+    assert (rows.keys_deleted, rows.fenced_deleted) == (2, 0)
+    assert (ledger.sweep(batch=2).keys_deleted, ledger.count_fenced_expired()) == (1, 0)
+    # The events stay 30 days (Policy.fenced_retention_ms), then go in bounded batches.
+    clock.advance(30 * DAY - DAY - 1)
+    assert (ledger.count_fenced_expired(), ledger.sweep(batch=2).fenced_deleted) == (0, 0)
     clock.advance(1)
+    assert ledger.count_fenced_expired() == 3
     first = ledger.sweep(batch=2)
-    assert (first.keys_deleted, first.fenced_deleted) == (2, 2)
-    second = ledger.sweep(batch=2)
-    assert (second.keys_deleted, second.fenced_deleted) == (1, 1)
+    assert (first.keys_deleted, first.fenced_deleted, first.fenced_cutoff) == (0, 2, clock.now - 30 * DAY)
+    assert ledger.sweep(batch=2).fenced_deleted == 1
+    assert list(ledger.fenced()) == []
+
+
+def test_a_shorter_fenced_out_log_retention_is_a_policy_choice(make_ledger, clock):
+    ledger = make_ledger(policy=Policy(fenced_retention_ms=DAY))
+    a = ledger.claim("acct", "k", "fp")
+    clock.advance(30_001)
+    ledger.complete(ledger.takeover("acct", "k", "fp"), 200, {}, b"B")
+    assert ledger.complete(a, 200, {}, b"A").event is not None
+    clock.advance(DAY + 1)
+    assert (ledger.sweep().keys_deleted, list(ledger.fenced())) == (1, [])
     assert list(ledger.fenced()) == []
 
 
@@ -100,10 +119,10 @@ def test_after_response_logs_and_swallows_storage_errors(ledger, clock, caplog, 
     answer = ledger.handle("acct", "k", "POST", "/", {}, b"", lambda b: (200, {}, b""))
     from idemctl import DatabaseLockedError
 
-    def locked(cutoff, limit):
+    def locked(cutoff, fenced_cutoff, limit):
         raise DatabaseLockedError("database x is locked")
 
-    monkeypatch.setattr(ledger.backend, "sweep", locked)
+    monkeypatch.setattr(ledger.store, "sweep", locked)
     assert ledger.after_response(answer) is None
     assert "post-response sweep failed: database x is locked" in caplog.text
 
@@ -126,10 +145,10 @@ def test_sweep_statements_walk_the_updated_at_index(tmp_path):
     ledger = Ledger.open(tmp_path / "plan.db")
     ledger.init()
     conn = sqlite3.connect(tmp_path / "plan.db")
-    plan = " | ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + SQL_SWEEP, (0, 20)))
+    plan = " | ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + SQL_SWEEP, {"cutoff": 0, "limit": 20}))
     assert "USING COVERING INDEX idx_idempotency_keys_updated_at (updated_at<?)" in plan
     assert "SCAN idempotency_keys" not in plan
-    plan = " | ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + SQL_SWEEP_FENCED, (0, 20)))
+    plan = " | ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + SQL_SWEEP_FENCED, {"cutoff": 0, "limit": 20}))
     assert "idx_idemctl_fenced_out_fenced_at (fenced_at<?)" in plan
     conn.close()
     ledger.close()

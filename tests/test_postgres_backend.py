@@ -16,7 +16,11 @@ import pytest
 psycopg = pytest.importorskip("psycopg")
 
 from idemctl import Ledger, LedgerUnavailableError, Outcome, Policy, Status  # noqa: E402
-from idemctl.backends.postgres import SQL_SWEEP, PostgresBackend  # noqa: E402
+from idemctl.storage.dialect import POSTGRES  # noqa: E402
+from idemctl.storage import Store  # noqa: E402
+from idemctl.storage.postgres import PostgresEngine  # noqa: E402
+
+SQL_SWEEP = POSTGRES.params(POSTGRES.sweep_keys)
 
 
 @pytest.fixture
@@ -37,7 +41,7 @@ def ok(status: int = 201, body: bytes | str = b'{"id":1}', ctype: str = "applica
 
 
 def server_pid(ledger: Ledger) -> int:
-    with ledger.backend._connection() as conn:  # type: ignore[attr-defined]
+    with ledger.store.engine._connection() as conn:  # type: ignore[attr-defined]
         return int(conn.execute("SELECT pg_backend_pid()").fetchone()[0])
 
 
@@ -68,7 +72,7 @@ def test_body_bytes_are_stored_in_bytea_exactly_and_replayed_byte_for_byte(
 
 
 def test_oversize_sentinel_is_a_500_with_a_null_bytea(ledger: Ledger, pg: psycopg.Connection) -> None:
-    small = Ledger(ledger.backend, policy=Policy(body_cap_bytes=4), clock=ledger.clock)
+    small = Ledger(ledger.store, policy=Policy(body_cap_bytes=4), clock=ledger.clock)
     answer = small.handle("acct", "big", "POST", "/b", {}, b"x", ok(body=b"12345"))
     assert (answer.status, answer.body) == (500, b"")
     assert pg.execute("SELECT response_status, response_body FROM idempotency_keys").fetchone() == (500, None)
@@ -146,11 +150,11 @@ def test_sweep_waiting_on_a_row_lock_does_not_delete_a_row_a_takeover_just_refre
 
 
 def test_pool_settings_come_from_the_url_and_never_reach_libpq(ledger_target: str) -> None:
-    backend = PostgresBackend(ledger_target + "&pool_min_size=0&pool_max_size=3&pool_timeout=0.5")
+    backend = PostgresEngine(ledger_target + "&pool_min_size=0&pool_max_size=3&pool_timeout=0.5")
     try:
         assert (backend.pool_min_size, backend.pool_max_size, backend.pool_timeout_s) == (0, 3, 0.5)
         assert "pool_" not in backend._conninfo  # libpq rejects parameters it does not know
-        ledger = Ledger(backend)
+        ledger = Ledger(Store(backend))
         assert ledger.init().action.value == "created"
         assert ledger.claim("acct", "k", "fp") is not None
     finally:
@@ -158,7 +162,7 @@ def test_pool_settings_come_from_the_url_and_never_reach_libpq(ledger_target: st
 
 
 def test_pool_timeout_defaults_to_the_busy_timeout(ledger_target: str) -> None:
-    backend = PostgresBackend(ledger_target, busy_timeout_ms=1500)
+    backend = PostgresEngine(ledger_target, busy_timeout_ms=1500)
     assert (backend.pool_min_size, backend.pool_max_size, backend.pool_timeout_s) == (1, 10, 1.5)
 
 

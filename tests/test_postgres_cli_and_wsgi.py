@@ -15,7 +15,7 @@ import pytest
 psycopg = pytest.importorskip("psycopg")
 
 from idemctl import Ledger  # noqa: E402
-from idemctl.backends.postgres import PostgresBackend  # noqa: E402
+from idemctl.storage.postgres import PostgresEngine  # noqa: E402
 
 SECRET = "s3cr3t-Pa55"
 
@@ -119,10 +119,10 @@ def test_cli_database_errors_are_one_line_exit_2_without_the_password(url: str, 
 
 
 def test_cli_init_then_inspect_against_postgres(ledger_target: str) -> None:
-    where = PostgresBackend(ledger_target).describe()
+    where = PostgresEngine(ledger_target).describe()
     done = idemctl("--db", ledger_target, "init")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == f"{where}: created (schema version 1)"
+    assert done.stdout.strip() == f"{where}: created (schema version 2)"
     ledger = Ledger.open(ledger_target)
     ledger.handle("acct_A", "order-42", "POST", "/orders", {}, b"\xff\xfe", lambda b: (201, {"content-type": "application/octet-stream"}, b"\x00\xff"))
     ledger.close()
@@ -132,7 +132,7 @@ def test_cli_init_then_inspect_against_postgres(ledger_target: str) -> None:
     assert (shown["principal"], shown["key"], shown["status"], shown["generation"]) == ("acct_A", "order-42", "completed", 1)
     assert shown["response"]["status"] == 201 and shown["response"]["body_base64"] == "AP8="  # b"\x00\xff"
     again = idemctl("--db", ledger_target, "init")
-    assert again.returncode == 0 and again.stdout.strip() == f"{where}: already up to date (schema version 1)"
+    assert again.returncode == 0 and again.stdout.strip() == f"{where}: already up to date (schema version 2)"
 
 
 def test_readme_postgres_example_runs_against_the_test_server(ledger_target: str, tmp_path) -> None:
@@ -147,6 +147,6 @@ def test_readme_postgres_example_runs_against_the_test_server(ledger_target: str
     code = example.replace(shown, ledger_target + "&")
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "created (schema version 1)\n"
+    assert done.stdout == "created (schema version 2)\n"
     again = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert again.stdout == "already up to date (schema version 1)\n"
+    assert again.stdout == "already up to date (schema version 2)\n"

@@ -18,6 +18,7 @@ from idemctl import (  # noqa: E402
     Outcome,
     ReadOnlyDatabaseError,
     SchemaMissingError,
+    SchemaOutdatedError,
     SchemaTooNewError,
     State,
     Status,
@@ -26,6 +27,9 @@ from idemctl import (  # noqa: E402
 from idemctl import Reservation, fingerprint  # noqa: E402
 from idemctl.schema import schema_files  # noqa: E402
 
+RECIPE_COLUMNS = (
+    "principal, key, fingerprint, status, generation, response_status, response_body, response_headers, created_at, updated_at"
+)
 NOW = 1_700_000_000_000
 DAY = 86_400_000
 DONE_FP = fingerprint("POST", "/orders", {}, b"{}")
@@ -65,7 +69,8 @@ def recipe_only(pg: psycopg.Connection) -> list[tuple]:
 
 
 def dump(pg: psycopg.Connection) -> list[tuple]:
-    return pg.execute("SELECT * FROM idempotency_keys ORDER BY principal, key").fetchall()
+    # The recipe's columns: what every writer of the ledger shares.
+    return pg.execute(f"SELECT {RECIPE_COLUMNS} FROM idempotency_keys ORDER BY principal, key").fetchall()
 
 
 def test_ledger_table_has_the_recipes_columns_in_order_and_its_index(ledger, pg: psycopg.Connection) -> None:
@@ -77,10 +82,11 @@ def test_ledger_table_has_the_recipes_columns_in_order_and_its_index(ledger, pg:
         "SELECT column_name, is_nullable = 'NO', column_default, data_type FROM information_schema.columns"
         " WHERE table_schema = current_schema() AND table_name = 'idempotency_keys' ORDER BY ordinal_position"
     ).fetchall()
-    # Same names, order, NOT NULLs and defaults as the recipe's table.
+    # Same names, order, NOT NULLs and defaults as the recipe's table, then
+    # the nullable fencing-token column of schema version 2.
     assert [(n, bool(nn), d) for n, nn, d, _ in pg_columns] == [
         (n, bool(nn), None if d is None else (f"{d}::text" if d.startswith("'") else d)) for n, nn, d in sqlite_columns
-    ]
+    ] + [("token", False, None)]
     types = {n: t for n, _, _, t in pg_columns}
     assert types == {
         "principal": "text",
@@ -93,6 +99,7 @@ def test_ledger_table_has_the_recipes_columns_in_order_and_its_index(ledger, pg:
         "response_headers": "text",
         "created_at": "bigint",
         "updated_at": "bigint",
+        "token": "bigint",
     }
     pk = pg.execute(
         "SELECT array_agg(a.attname ORDER BY k.ord) FROM pg_index i"
@@ -116,14 +123,15 @@ def test_init_dry_run_reports_created_and_writes_nothing(make_ledger, pg: psycop
 
 def test_request_on_an_empty_schema_is_schema_missing_until_init(make_ledger, pg: psycopg.Connection) -> None:
     ledger = make_ledger(init=False)
-    with pytest.raises(SchemaMissingError, match=r"^postgresql://postgres@.* has no idempotency ledger — run `idemctl init`$"):
+    with pytest.raises(SchemaMissingError, match=r"^postgresql://postgres@.* has no idempotency ledger$"):
         ledger.handle("acct", "k", "POST", "/o", {}, b"{}", lambda b: (201, {}, b"ok"))
     # Another process runs `idemctl init`; this ledger notices without reopening,
     # fenced-out log included.
     assert make_ledger(init=False).init().action is InitAction.CREATED
     first = ledger.claim("acct", "k", "fp")
-    assert first == Reservation("acct", "k", 1, "fp")
-    assert ledger.takeover("acct", "k", "fp", now=ledger.now() + 60_000) == Reservation("acct", "k", 2, "fp")
+    assert (first.principal, first.key, first.generation, first.fingerprint) == ("acct", "k", 1, "fp")
+    second = ledger.takeover("acct", "k", "fp", now=ledger.now() + 60_000)
+    assert (second.generation, second.fingerprint) == (2, "fp") and second.token != first.token
     fenced = ledger.complete(first, 201, {}, b"late")
     assert not fenced.stored and fenced.event is not None
     assert (fenced.event.superseded_generation, fenced.event.current_generation) == (1, 2)
@@ -155,16 +163,19 @@ def test_recipe_only_database_is_readable_then_upgraded_from_0_without_touching_
     assert list(reader.fenced()) == []
     stats = reader.stats()
     assert (stats.total, stats.completed, stats.expired, stats.fenced_out_events, stats.schema_version) == (4, 1, 1, 0, 0)
+    # Requests need the fencing token of schema version 2: refused, nothing written.
+    with pytest.raises(SchemaOutdatedError):
+        reader.handle("acct_1", "done", "POST", "/orders", {}, b"{}", lambda b: pytest.fail("ran"))
+    assert dump(pg) == sorted(rows)
+
+    result = reader.init()
+    assert (result.action, result.from_version, result.to_version) == (InitAction.UPGRADED, 0, 2)
+    assert result.describe() == "upgraded from 0 to 2"
     replay = reader.handle("acct_1", "done", "POST", "/orders", {}, b"{}", lambda b: pytest.fail("ran"))
     assert (replay.outcome, replay.status, replay.body) == (Outcome.REPLAYED, 201, b'{"id":1}')
     assert replay.header("content-type") == "application/json"
     assert dump(pg) == sorted(rows)
-
-    result = reader.init()
-    assert (result.action, result.from_version, result.to_version) == (InitAction.UPGRADED, 0, 1)
-    assert result.describe() == "upgraded from 0 to 1"
-    assert dump(pg) == sorted(rows)
-    assert pg.execute("SELECT version, applied_at FROM idemctl_schema_version").fetchall() == [(1, NOW)]
+    assert pg.execute("SELECT version, applied_at FROM idemctl_schema_version").fetchall() == [(2, NOW)]
     assert reader.init().action is InitAction.UP_TO_DATE
     assert reader.sweep().keys_deleted == 1 and reader.lookup("acct_2", "old") is None
 
@@ -174,7 +185,7 @@ def test_newer_schema_version_is_refused_by_requests_and_by_init(make_ledger, pg
     pg.execute("INSERT INTO idemctl_schema_version (version, applied_at) VALUES (7, 0)")
     newer = Ledger.open(ledger_target)
     try:
-        with pytest.raises(SchemaTooNewError, match=r"has ledger schema version 7; this idemctl knows up to 1"):
+        with pytest.raises(SchemaTooNewError, match=r"has ledger schema version 7; this idemctl knows up to 2"):
             newer.claim("acct", "k", "fp")
         with pytest.raises(SchemaTooNewError):
             newer.init()
@@ -213,7 +224,7 @@ def test_concurrent_inits_serialise_one_creates_or_upgrades_the_rest_find_it_don
     assert errors == []
     first = InitAction.CREATED if start == "empty" else InitAction.UPGRADED
     assert sorted(r.value for r in results) == sorted([first.value] + [InitAction.UP_TO_DATE.value] * 5)
-    assert pg.execute("SELECT version FROM idemctl_schema_version").fetchall() == [(1,)]
+    assert pg.execute("SELECT version FROM idemctl_schema_version").fetchall() == [(2,)]
     if start == "recipe_only":
         assert dump(pg) == sorted(rows)
 
@@ -246,5 +257,5 @@ def test_a_hand_made_recipe_table_with_a_text_body_is_refused_with_the_fix(make_
         ledger.init()
     assert pg_tables(pg) == {"idempotency_keys", "idempotency_keys_pkey", "idx_idempotency_keys_updated_at"}
     pg.execute("ALTER TABLE idempotency_keys ALTER COLUMN response_body TYPE bytea USING convert_to(response_body, 'UTF8')")
-    assert ledger.init().describe() == "upgraded from 0 to 1"
+    assert ledger.init().describe() == "upgraded from 0 to 2"
     assert ledger.lookup("acct", "k").response_body == "caf\u00e9"

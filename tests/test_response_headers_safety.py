@@ -29,7 +29,7 @@ from idemctl.wsgi import IdempotencyMiddleware
 from .e2e.gunicorn_server import GunicornServer
 
 SPLIT_LOCATION = "/x\r\nSet-Cookie: admin=1"
-SPLIT_LOG = r"response header 'location' not stored: its value contains CR, LF or NUL: '/x\r\nSet-Cookie: admin=1'"
+SPLIT_LOG = r"response header 'location' not stored for principal='acct_A' key='k1': its value contains CR, LF or NUL: '/x\r\nSet-Cookie: admin=1'"
 BODY = b'{"sku":"tea"}'
 FP = fingerprint("POST", "/orders", [("Content-Type", "application/json")], BODY)
 FIXED_DATE = "Tue, 14 Nov 2023 22:13:20 GMT"
@@ -51,14 +51,14 @@ FOREIGN_HEADERS = json.dumps(
     }
 )
 FOREIGN_LOGS = [
-    r"response header 'location' not replayed: its value contains CR, LF or NUL: '/x\r\nSet-Cookie: admin=1'",
-    r"response header 'x-nul' not replayed: its value contains CR, LF or NUL: 'a\x00b'",
-    r"response header 'x-esc' not replayed: its value has characters HTTP does not allow in a field value: '\x1b[31m'",
-    "response header 'retry-after' not replayed: its value is a JSON number, not a string: 5",
-    "response header 'x-null' not replayed: its value is a JSON null, not a string: null",
-    "response header 'x bad' not replayed: its name is not a valid HTTP field name: 'v'",
-    "response header 'x:colon' not replayed: its name is not a valid HTTP field name: 'v'",
-    r"response header 'set-cookie\r\nx-injected' not replayed: its name is not a valid HTTP field name: '1'",
+    r"response header 'location' not replayed for principal='acct_A' key='k1': its value contains CR, LF or NUL: '/x\r\nSet-Cookie: admin=1'",
+    r"response header 'x-nul' not replayed for principal='acct_A' key='k1': its value contains CR, LF or NUL: 'a\x00b'",
+    r"response header 'x-esc' not replayed for principal='acct_A' key='k1': its value has characters HTTP does not allow in a field value: '\x1b[31m'",
+    "response header 'retry-after' not replayed for principal='acct_A' key='k1': its value is a JSON number, not a string: 5",
+    "response header 'x-null' not replayed for principal='acct_A' key='k1': its value is a JSON null, not a string: null",
+    "response header 'x bad' not replayed for principal='acct_A' key='k1': its name is not a valid HTTP field name: 'v'",
+    "response header 'x:colon' not replayed for principal='acct_A' key='k1': its name is not a valid HTTP field name: 'v'",
+    r"response header 'set-cookie\r\nx-injected' not replayed for principal='acct_A' key='k1': its name is not a valid HTTP field name: '1'",
 ]
 FOREIGN_KEPT = (("content-type", "text/plain"), ("link", "</orders/7>; rel=self"))
 
@@ -134,7 +134,7 @@ def test_each_unsendable_location_value_is_dropped_and_logged_escaped(ledger, ca
 
     assert tuple(first) == tuple(replay) == (201, (("content-type", "text/plain"),), b"created")
     messages = idemctl_errors(caplog)
-    assert messages == [f"response header 'location' not stored: {logged}"]
+    assert messages == [f"response header 'location' not stored for principal='acct_A' key='k1': {logged}"]
     assert not any(c in messages[0] for c in "\r\n\x00\x1b\x7f")
 
 
@@ -143,7 +143,7 @@ def test_a_long_dropped_value_is_quoted_in_the_log_up_to_200_characters(ledger, 
     with caplog.at_level(logging.ERROR, logger="idemctl"):
         ledger.handle("acct_A", "k1", "POST", "/orders", [], BODY, run)
     assert idemctl_errors(caplog) == [
-        "response header 'location' not stored: its value contains CR, LF or NUL: '/x\\r\\n" + "a" * 196 + "'..."
+        "response header 'location' not stored for principal='acct_A' key='k1': its value contains CR, LF or NUL: '/x\\r\\n" + "a" * 196 + "'..."
     ]
 
 
@@ -171,7 +171,7 @@ def test_a_bad_header_among_several_occurrences_drops_the_joined_value(ledger, c
         first = ledger.handle("acct_A", "k1", "POST", "/orders", [], BODY, run)
     assert first.headers == ()
     assert idemctl_errors(caplog) == [
-        r"response header 'location' not stored: its value contains CR, LF or NUL: '/a, /b\nX: y'"
+        r"response header 'location' not stored for principal='acct_A' key='k1': its value contains CR, LF or NUL: '/a, /b\nX: y'"
     ]
 
 
@@ -312,7 +312,7 @@ def test_wsgiref_replays_a_foreign_row_without_its_unsendable_headers(tmp_path, 
 
     assert first == again == expected_wire(b"from elsewhere")
     assert b"set-cookie" not in first.lower()
-    replayed = r"response header 'location' not replayed: its value contains CR, LF or NUL: '/x\r\nSet-Cookie: admin=1'"
+    replayed = r"response header 'location' not replayed for principal='acct_A' key='k1': its value contains CR, LF or NUL: '/x\r\nSet-Cookie: admin=1'"
     assert idemctl_errors(caplog) == [replayed, replayed]
 
 
@@ -347,4 +347,4 @@ def test_gunicorn_replays_a_foreign_row_with_a_crlf_location_as_200_not_500(tmp_
         assert answer.headers["Content-Type"] == "text/plain"
         assert "Location" not in answer.headers and "Set-Cookie" not in answer.headers
     assert srv.count_orders("tea") == 0
-    assert log.count("response header 'location' not replayed: its value contains CR, LF or NUL") == 2
+    assert log.count("response header 'location' not replayed for principal='acct_A' key='foreign-1': its value contains CR, LF or NUL") == 2

@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from idemctl import InitAction, Ledger, Outcome, SchemaMissingError, SchemaTooNewError, State
+from idemctl import InitAction, Ledger, Outcome, SchemaMissingError, SchemaOutdatedError, SchemaTooNewError, State, Status
 
 # As the recipe's Cloudflare Worker creates it (D1 / wrangler's local SQLite).
 RECIPE_DDL = """
@@ -27,6 +27,9 @@ CREATE TABLE idempotency_keys (
 CREATE INDEX idx_idempotency_keys_updated_at ON idempotency_keys (updated_at);
 """
 
+RECIPE_COLUMNS = (
+    "principal, key, fingerprint, status, generation, response_status, response_body, response_headers, created_at, updated_at"
+)
 NOW = 1_700_000_000_000
 DAY = 86_400_000
 
@@ -49,7 +52,8 @@ def recipe_database(path) -> list[tuple]:
 def dump(path) -> list[tuple]:
     conn = sqlite3.connect(path)
     try:
-        return conn.execute("SELECT * FROM idempotency_keys ORDER BY principal, key").fetchall()
+        # The recipe's columns: what every writer of the ledger shares.
+        return conn.execute(f"SELECT {RECIPE_COLUMNS} FROM idempotency_keys ORDER BY principal, key").fetchall()
     finally:
         conn.close()
 
@@ -66,12 +70,12 @@ def test_init_creates_then_is_idempotent(ledger_target, clock):
     ledger = Ledger.open(ledger_target, clock=clock)
     assert ledger.schema_version() is None
     first = ledger.init()
-    assert (first.action, first.from_version, first.to_version) == (InitAction.CREATED, None, 1)
-    assert first.describe() == "created (schema version 1)"
+    assert (first.action, first.from_version, first.to_version) == (InitAction.CREATED, None, 2)
+    assert first.describe() == "created (schema version 2)"
     again = ledger.init()
-    assert (again.action, again.from_version) == (InitAction.UP_TO_DATE, 1)
-    assert again.describe() == "already up to date (schema version 1)"
-    assert ledger.schema_version() == 1
+    assert (again.action, again.from_version) == (InitAction.UP_TO_DATE, 2)
+    assert again.describe() == "already up to date (schema version 2)"
+    assert ledger.schema_version() == 2
     ledger.close()
 
 
@@ -107,6 +111,8 @@ def test_init_creates_the_recipe_table_unchanged_plus_new_tables(tmp_path):
         ("response_headers", "TEXT", 0, None, 0),
         ("created_at", "INTEGER", 1, None, 0),
         ("updated_at", "INTEGER", 1, None, 0),
+        # Added by schema version 2: nullable, so the recipe's INSERT still works.
+        ("token", "INTEGER", 0, None, 0),
     ]
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     conn.close()
@@ -133,13 +139,27 @@ def test_recipe_database_is_readable_and_sweepable_without_init(tmp_path):
     assert stats.fenced_out_events == 0 and stats.schema_version == 0
     assert [v.row.key for v in ledger.pending()] == ["stale", "running"]
     assert list(ledger.fenced()) == []
-    # A request whose fingerprint is not the stored one is a reuse, as in the Worker.
-    other = ledger.handle("acct_1", "done", "POST", "/", {}, b"", lambda b: (500, {}, b""))
-    assert (other.status, other.outcome) == (409, Outcome.REUSED)
     ledger.close()
 
 
-def test_recipe_rows_replay_when_fingerprints_match(tmp_path):
+def test_requests_on_a_recipe_database_are_refused_until_init_adds_the_fencing_token(tmp_path):
+    path = tmp_path / "recipe.db"
+    rows = recipe_database(path)
+    ledger = Ledger.open(path, clock=lambda: NOW)
+    ran = []
+    with pytest.raises(SchemaOutdatedError, match=r"has an older ledger schema; requests need the current one"):
+        ledger.handle("acct_1", "new", "POST", "/", {}, b"", lambda b: ran.append(b) or (201, {}, b"x"))
+    assert ran == [] and dump(path) == sorted(rows)
+    ledger.init()
+    # A request whose fingerprint is not the stored one is a reuse, as in the Worker.
+    other = ledger.handle("acct_1", "done", "POST", "/", {}, b"", lambda b: (500, {}, b""))
+    assert (other.status, other.outcome) == (409, Outcome.REUSED)
+    fresh = ledger.handle("acct_1", "new", "POST", "/", {}, b"", lambda b: ran.append(b) or (201, {}, b"x"))
+    assert (fresh.status, fresh.outcome, fresh.body, ran) == (201, Outcome.EXECUTED, b"x", [b""])
+    ledger.close()
+
+
+def test_recipe_rows_replay_after_the_upgrade_when_fingerprints_match(tmp_path):
     from idemctl import fingerprint
 
     path = tmp_path / "recipe.db"
@@ -153,6 +173,7 @@ def test_recipe_rows_replay_when_fingerprints_match(tmp_path):
     conn.commit()
     conn.close()
     ledger = Ledger.open(path, clock=lambda: NOW)
+    ledger.init()
     answer = ledger.handle("acct", "k", "POST", "/orders", {"content-type": "application/json"}, b'{"a":1}', lambda b: (500, {}, b""))
     assert (answer.outcome, answer.status, answer.headers, answer.body) == (
         Outcome.REPLAYED,
@@ -175,16 +196,22 @@ def test_recipe_database_sweep_works_without_fenced_log(tmp_path):
     ledger.close()
 
 
-def test_fenced_completion_on_recipe_database_is_logged_without_a_log_table(tmp_path, caplog):
+def test_a_recipe_reservation_cannot_be_completed_by_a_hand_made_reservation_after_the_upgrade(tmp_path, caplog):
+    # Rows the recipe wrote carry no token: no idemctl owner can complete them,
+    # only take them over once stale.
     path = tmp_path / "recipe.db"
     recipe_database(path)
     ledger = Ledger.open(path, clock=lambda: NOW)
+    ledger.init()
     late = ledger.lookup("acct_1", "stale")
     from idemctl import Reservation
 
-    done = ledger.complete(Reservation("acct_1", "stale", 1, late.fingerprint), 200, {}, b"late")
-    assert (done.stored, done.event) == (False, None)
-    assert "fenced out: principal=acct_1 key=stale generation=1" in caplog.text
+    done = ledger.complete(Reservation("acct_1", "stale", 2, late.fingerprint), 200, {}, b"late")
+    assert (done.stored, done.event.superseded_generation, done.event.current_generation) == (False, 2, 2)
+    assert "fenced out: principal=acct_1 key=stale generation=2" in caplog.text
+    assert ledger.lookup("acct_1", "stale").status is Status.PENDING
+    taken = ledger.takeover("acct_1", "stale", late.fingerprint)
+    assert (taken.generation, ledger.complete(taken, 200, {}, b"ok").stored) == (3, True)
     ledger.close()
 
 
@@ -197,12 +224,14 @@ def test_init_on_recipe_database_adds_only_new_tables_and_touches_no_row(tmp_pat
     conn.close()
     ledger = Ledger.open(path, clock=lambda: NOW)
     result = ledger.init()
-    assert (result.action, result.from_version, result.to_version) == (InitAction.UPGRADED, 0, 1)
-    assert result.describe() == "upgraded from 0 to 1"
+    assert (result.action, result.from_version, result.to_version) == (InitAction.UPGRADED, 0, 2)
+    assert result.describe() == "upgraded from 0 to 2"
     assert dump(path) == before_rows
     conn = sqlite3.connect(path)
-    assert conn.execute("SELECT sql FROM sqlite_master WHERE name = 'idempotency_keys'").fetchone()[0] == before_sql
-    assert conn.execute("SELECT version, applied_at FROM idemctl_schema_version").fetchall() == [(1, NOW)]
+    # The recipe's table as it was, plus one nullable column its statements ignore.
+    after_sql = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'idempotency_keys'").fetchone()[0]
+    assert after_sql == before_sql.replace("updated_at        INTEGER NOT NULL,", "updated_at        INTEGER NOT NULL, token INTEGER,")
+    assert conn.execute("SELECT version, applied_at FROM idemctl_schema_version").fetchall() == [(2, NOW)]
     conn.close()
     # Now fenced events are recorded.
     late = ledger.lookup("acct_1", "stale")
@@ -216,11 +245,11 @@ def test_newer_schema_is_refused_at_open_and_nothing_is_written(tmp_path):
     path = tmp_path / "future.db"
     Ledger.open(path).init()
     conn = sqlite3.connect(path)
-    conn.execute("INSERT INTO idemctl_schema_version VALUES (2, 0)")
+    conn.execute("INSERT INTO idemctl_schema_version VALUES (3, 0)")
     conn.commit()
     conn.close()
     before = dump(path)
-    with pytest.raises(SchemaTooNewError, match=r"has ledger schema version 2; this idemctl knows up to 1 — upgrade idemctl"):
+    with pytest.raises(SchemaTooNewError, match=r"has ledger schema version 3; this idemctl knows up to 2$"):
         Ledger.open(path)
     assert dump(path) == before
 
@@ -228,7 +257,7 @@ def test_newer_schema_is_refused_at_open_and_nothing_is_written(tmp_path):
 def test_request_on_database_without_schema_says_run_init(tmp_path):
     path = tmp_path / "empty.db"
     ledger = Ledger.open(path)
-    with pytest.raises(SchemaMissingError, match=r"has no idempotency ledger — run `idemctl init`"):
+    with pytest.raises(SchemaMissingError, match=r"has no idempotency ledger$"):
         ledger.handle("acct", "k", "POST", "/", {}, b"", lambda b: (200, {}, b""))
     with pytest.raises(SchemaMissingError):
         ledger.stats()

@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from idemctl import DatabaseLockedError, Ledger, Outcome
-from idemctl.backends.sqlite import SqliteBackend
+from idemctl.storage.sqlite import SqliteEngine
 
 fork = mp.get_context("fork")
 
@@ -111,7 +111,7 @@ def test_time_spent_queueing_is_taken_from_the_busy_timeout_and_then_restored(db
     blocker.execute("BEGIN IMMEDIATE")
     ledger = Ledger.open(db, busy_timeout_ms=200)
     statements: list[str] = []
-    ledger.backend._conn().set_trace_callback(statements.append)
+    ledger.store.engine._conn().set_trace_callback(statements.append)
     try:
         with queue_held_by_another_process(db) as release:
             threading.Timer(0.35, release.set).start()
@@ -124,14 +124,14 @@ def test_time_spent_queueing_is_taken_from_the_busy_timeout_and_then_restored(db
     # Queued for >= 350 ms of a 200 ms budget: SQLite gets nothing more, so a
     # queue stuck behind a foreign writer fails within one busy timeout.
     assert pragmas == ["PRAGMA busy_timeout = 0", "PRAGMA busy_timeout = 200"]
-    assert ledger.backend._conn().execute("PRAGMA busy_timeout").fetchone() == (200,)
+    assert ledger.store.engine._conn().execute("PRAGMA busy_timeout").fetchone() == (200,)
     ledger.close()
 
 
 def test_threads_of_one_process_take_turns_in_the_queue(db):
     ledger = Ledger.open(db)
     ledger.claim("acct", "warm", "fp")  # opens this thread's queue descriptor
-    fd = ledger.backend._local.queue_fd
+    fd = ledger.store.engine._slot().queue_fd
     fcntl.flock(fd, fcntl.LOCK_EX)  # as if this thread were mid-statement
     done = threading.Event()
     other = threading.Thread(target=lambda: (ledger.claim("acct", "t2", "fp"), done.set()))
@@ -148,8 +148,8 @@ def test_threads_of_one_process_take_turns_in_the_queue(db):
 
 def test_reads_and_opted_out_ledgers_never_create_the_lock_file(tmp_path):
     path = str(tmp_path / "ledger.db")
-    Ledger(SqliteBackend(path, write_queue=False)).init()
-    opted_out = Ledger(SqliteBackend(path, write_queue=False))
+    Ledger.open(path, write_queue=False).init()
+    opted_out = Ledger.open(path, write_queue=False)
     assert opted_out.handle("acct", "k", "POST", "/o", {}, b"x", ok).outcome is Outcome.EXECUTED
     assert opted_out.sweep().keys_deleted == 0
     reader = Ledger.open(path)
@@ -191,7 +191,7 @@ def test_a_sweep_with_nothing_expired_takes_no_queue_turn_and_runs_no_delete(db)
     ledger = Ledger.open(db, clock=lambda: clock[0], policy=Policy(pending_ttl_ms=1000, retention_ms=60_000))
     ledger.handle("acct", "old", "POST", "/o", {}, b"x", ok)
     statements: list[str] = []
-    ledger.backend._conn().set_trace_callback(statements.append)
+    ledger.store.engine._conn().set_trace_callback(statements.append)
     with queue_held_by_another_process(db) as release:
         # Nothing is past retention: answered at once although the queue is held.
         assert ledger.sweep().keys_deleted == 0
@@ -212,10 +212,10 @@ def test_a_sweep_with_nothing_expired_takes_no_queue_turn_and_runs_no_delete(db)
 def test_a_short_turn_in_the_queue_leaves_the_busy_timeout_alone(db):
     ledger = Ledger.open(db, busy_timeout_ms=5000)
     statements: list[str] = []
-    ledger.backend._conn().set_trace_callback(statements.append)
+    ledger.store.engine._conn().set_trace_callback(statements.append)
     with queue_held_by_another_process(db) as release:
         threading.Timer(0.05, release.set).start()
         assert ledger.claim("acct", "k", "fp").generation == 1  # waited ~50 ms of a 5 s budget
     assert [s for s in statements if s.startswith("PRAGMA")] == []
-    assert ledger.backend._conn().execute("PRAGMA busy_timeout").fetchone() == (5000,)
+    assert ledger.store.engine._conn().execute("PRAGMA busy_timeout").fetchone() == (5000,)
     ledger.close()

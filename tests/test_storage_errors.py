@@ -62,7 +62,7 @@ def test_missing_file_with_create_false_is_not_found_and_not_created(tmp_path):
     path = tmp_path / "nope.db"
     with pytest.raises(LedgerNotFoundError) as info:
         Ledger.open(path, create=False)
-    assert str(info.value) == f"no ledger at {path} — run `idemctl init`"
+    assert str(info.value) == f"no ledger at {path}"
     assert not path.exists()
     with pytest.raises(LedgerNotFoundError):
         Ledger.open(path, readonly=True)

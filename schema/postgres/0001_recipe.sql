@@ -1,6 +1,7 @@
 -- The recipe's ledger table and index, translated to PostgreSQL with the same
 -- table, column and index names, so the same queries, tools and runbooks work
--- on both engines. Never add columns here: additions go in new tables.
+-- on both engines. Never change this file: later versions add tables and
+-- nullable columns that the recipe's own statements ignore.
 --
 -- Two deliberate type choices:
 --  * times are BIGINT milliseconds since the epoch (INTEGER is 32-bit here);

@@ -1,6 +1,7 @@
 -- The recipe's ledger table and index, byte for byte as the D1 Worker creates
 -- them, so a database written by the recipe and one written by idemctl are
--- interchangeable. Never add columns here: additions go in new tables.
+-- interchangeable. Never change this file: later versions add tables and
+-- nullable columns that the recipe's own statements ignore.
 CREATE TABLE IF NOT EXISTS idempotency_keys (
   principal         TEXT NOT NULL,                   -- server-derived account/user id, never client-supplied
   key               TEXT NOT NULL,

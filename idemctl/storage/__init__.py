@@ -1,11 +1,16 @@
-"""Storage backends. `open_backend` picks one from the target's form."""
+"""Storage: one SQL core (store.py) over an engine per database.
+
+`open_engine` picks the engine from the target's form: a file path (or
+":memory:") is SQLite, a ``postgresql://`` URL is PostgreSQL."""
 
 from __future__ import annotations
 
 import os
 
 from ..errors import StorageError
-from .base import Backend
+from .engine import Engine
+from .sqlite import DEFAULT_FILE_MODE, SqliteEngine
+from .store import Store
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
@@ -14,7 +19,7 @@ def is_postgres_url(target: str | os.PathLike[str]) -> bool:
     return isinstance(target, str) and target.startswith(POSTGRES_SCHEMES)
 
 
-def open_backend(
+def open_engine(
     target: str | os.PathLike[str],
     *,
     create: bool = True,
@@ -22,29 +27,35 @@ def open_backend(
     busy_timeout_ms: int = 5000,
     synchronous: str = "FULL",
     write_queue: bool = True,
-) -> Backend:
-    """A SQLite file path (or ":memory:" in tests), or a postgresql:// URL.
-    `synchronous` and `write_queue` are SQLite settings; PostgreSQL ignores them."""
+    file_mode: int = DEFAULT_FILE_MODE,
+) -> Engine:
+    """The engine for a SQLite file path or a postgresql:// URL.
+    `synchronous`, `write_queue` and `file_mode` are SQLite settings.
+
+    >>> open_engine(":memory:").dialect.name
+    'sqlite'
+    """
+    if not isinstance(target, (str, os.PathLike)):
+        raise StorageError(f"a ledger is a file path or a postgresql:// URL, got {type(target).__name__}")
     if is_postgres_url(target):
         try:
-            from .postgres import PostgresBackend
+            from .postgres import PostgresEngine
         except ImportError as exc:  # the driver lives behind the `postgres` extra
             raise StorageError(
                 f"PostgreSQL support needs the driver: pip install 'idemctl[postgres]' ({exc.name} is missing)"
             ) from exc
-        return PostgresBackend(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
+        return PostgresEngine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
     if isinstance(target, str) and "://" in target:
         raise StorageError(f"unsupported ledger URL {target.split('://', 1)[0]}://…: use a file path or postgresql://")
-    from .sqlite import SqliteBackend
-
-    return SqliteBackend(
+    return SqliteEngine(
         target,
         create=create,
         readonly=readonly,
         busy_timeout_ms=busy_timeout_ms,
         synchronous=synchronous,
         write_queue=write_queue,
+        file_mode=file_mode,
     )
 
 
-__all__ = ["Backend", "open_backend", "is_postgres_url"]
+__all__ = ["DEFAULT_FILE_MODE", "Engine", "Store", "is_postgres_url", "open_engine"]

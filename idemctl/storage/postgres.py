@@ -1,0 +1,460 @@
+"""PostgreSQL engine: a per-process connection pool and PostgreSQL's errors.
+
+Each request-path step is a single statement on an auto-commit connection, so
+its atomicity is PostgreSQL's row-level atomicity of one statement under READ
+COMMITTED: a concurrent writer of the same row is waited for, and the WHERE
+clause is re-checked against the row version that writer committed.
+
+Connections come from a psycopg_pool.ConnectionPool that is opened on first
+use and belongs to one process: after a fork the child builds its own pool
+and never touches the parent's sockets."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+from urllib.parse import quote, unquote, urlsplit
+
+import psycopg
+from psycopg import errors as pgerrors
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
+
+from ..errors import (
+    ConnectionFailedError,
+    DatabaseLockedError,
+    LedgerNotFoundError,
+    LedgerUnavailableError,
+    ReadOnlyDatabaseError,
+    SchemaMissingError,
+    SchemaOutdatedError,
+    StorageError,
+)
+from .dialect import POSTGRES
+from .engine import Params, Rows
+
+log = logging.getLogger("idemctl")
+T = TypeVar("T")
+
+# URL query parameters that configure the pool. They are idemctl's, not
+# libpq's, so they are taken out of the URL before it reaches libpq.
+POOL_PARAMS = ("pool_min_size", "pool_max_size", "pool_timeout")
+DEFAULT_POOL_MIN_SIZE = 1
+DEFAULT_POOL_MAX_SIZE = 10
+DEFAULT_CONNECT_TIMEOUT_S = 5
+
+SQL_STORAGE_BYTES = """
+SELECT coalesce(sum(pg_total_relation_size(t)), 0)
+FROM (SELECT to_regclass(name) AS t FROM unnest(%(names)s::text[]) AS name) AS tables
+WHERE t IS NOT NULL
+"""
+
+# SQLSTATEs that mean "waited on another session past a timeout".
+_LOCKED_STATES = {"55P03", "57014", "40P01", "40001"}
+# Server going away, refusing, or out of connection slots.
+_GONE_STATES = {"57P01", "57P02", "57P03", "53300", "53400"}
+# Errors that mean two inits raced to create the same catalog objects.
+_INIT_RACE = (pgerrors.UniqueViolation, pgerrors.DuplicateTable, pgerrors.DuplicateObject)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _libpq_reason(text: str) -> str:
+    """The reason inside libpq's connection error, without the parts the
+    caller already shows (which server) or that add nothing (hint lines).
+    With several hosts in the URL, one `host:port: reason` per host."""
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("\t")]
+    if "All failures were:" in text:
+        per_host = []
+        for line in lines:
+            m = re.match(r"- host: '([^']*)', port: '([^']*)'(?:, hostaddr: '[^']*')?: (.*)", line)
+            if m:
+                per_host.append(f"{m.group(1)}:{m.group(2)}: {_libpq_reason(m.group(3))}")
+        if per_host:
+            return "; ".join(per_host)
+    reasons: list[str] = []
+    for line in lines:
+        line = line.strip().removeprefix("connection failed: ")
+        line = re.sub(r'^connection to server (?:at|on socket) "[^"]*"(?: \([^)]*\))?(?:, port \d+)? failed: ', "", line)
+        line = re.sub(r"^FATAL:\s+", "", line)
+        if line not in reasons:
+            reasons.append(line)
+    return _one_line("; ".join(reasons)) or "connection failed"
+
+
+def _split_pool_params(url: str) -> tuple[str, dict[str, str]]:
+    """Take idemctl's pool_* parameters out of the query string, leaving the
+    rest of the URL byte for byte as given."""
+    base, sep, query = url.partition("?")
+    if not sep:
+        return url, {}
+    kept: list[str] = []
+    pool: dict[str, str] = {}
+    for part in query.split("&"):
+        name, _, value = part.partition("=")
+        if name in POOL_PARAMS:
+            pool[name] = unquote(value)
+        elif part:
+            kept.append(part)
+    return (base + "?" + "&".join(kept)) if kept else base, pool
+
+
+def _secrets_of(url: str) -> list[str]:
+    """Every spelling of the password the URL carries, for scrubbing messages."""
+    found: list[str] = []
+    with contextlib.suppress(ValueError):
+        if urlsplit(url).password:
+            found.append(urlsplit(url).password or "")
+    for match in re.finditer(r"[?&]password=([^&]*)", url):
+        found.append(match.group(1))
+    out: list[str] = []
+    for s in found:
+        out.extend(v for v in (s, unquote(s)) if v and v not in out)
+    return out
+
+
+class PostgresEngine:
+    """A ledger in a PostgreSQL database, shared by any number of threads,
+    processes and hosts.
+
+    Pool settings ride on the URL as idemctl's own query parameters:
+    ``pool_min_size`` (default 1), ``pool_max_size`` (default 10) and
+    ``pool_timeout`` (seconds to wait for a free connection; default the busy
+    timeout). libpq's own parameters (``connect_timeout``, default 5 s;
+    ``options=-csearch_path=…``; ``sslmode``; ...) pass through unchanged.
+
+    Nothing connects until the first statement.
+
+    >>> PostgresEngine("postgresql://app:secret@db:5432/payments?pool_max_size=20").describe()
+    'postgresql://app@db:5432/payments'
+    """
+
+    dialect = POSTGRES
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        readonly: bool = False,
+        busy_timeout_ms: int = 5000,
+        pool_min_size: int | None = None,
+        pool_max_size: int | None = None,
+        pool_timeout_s: float | None = None,
+    ) -> None:
+        self._secrets = _secrets_of(url)
+        self.readonly = readonly
+        self.busy_timeout_ms = int(busy_timeout_ms)
+        if self.busy_timeout_ms < 0:
+            raise StorageError(f"busy timeout must be >= 0 ms, got {busy_timeout_ms}")
+        libpq_url, pool_params = _split_pool_params(url)
+        try:
+            params = conninfo_to_dict(libpq_url)
+        except psycopg.Error as exc:
+            raise StorageError(f"bad PostgreSQL URL: {self._scrub(_one_line(str(exc)))}") from exc
+        self.url_params = {k: str(v) for k, v in params.items() if k != "password"}
+        for port in str(params.get("port", "")).split(","):
+            if port and not (port.isdigit() and 0 < int(port) < 65536):
+                raise StorageError(f"bad PostgreSQL URL: port {port!r} is not a number from 1 to 65535")
+        self.pool_min_size = self._pool_int(pool_min_size, pool_params, "pool_min_size", DEFAULT_POOL_MIN_SIZE, 0)
+        self.pool_max_size = self._pool_int(pool_max_size, pool_params, "pool_max_size", DEFAULT_POOL_MAX_SIZE, 1)
+        if self.pool_max_size < self.pool_min_size:
+            raise StorageError(
+                f"bad PostgreSQL URL: pool_max_size ({self.pool_max_size}) is below pool_min_size ({self.pool_min_size})"
+            )
+        if pool_timeout_s is None:
+            raw = pool_params.get("pool_timeout")
+            try:
+                pool_timeout_s = float(raw) if raw is not None else max(self.busy_timeout_ms / 1000, 0.1)
+            except ValueError:
+                raise StorageError(f"bad PostgreSQL URL: pool_timeout={raw!r} is not a number of seconds") from None
+        if pool_timeout_s <= 0:
+            raise StorageError(f"bad PostgreSQL URL: pool_timeout must be > 0 seconds, got {pool_timeout_s}")
+        self.pool_timeout_s = float(pool_timeout_s)
+        # Session settings ride in libpq's `options`, ahead of the URL's own,
+        # so an explicit `-c lock_timeout=…` in the URL still wins.
+        # lock_timeout=0 would mean "wait forever"; a zero busy timeout means
+        # "do not wait", as on SQLite.
+        ours = [f"-c lock_timeout={max(1, self.busy_timeout_ms)}"]
+        if readonly:
+            ours.append("-c default_transaction_read_only=on")
+        options = " ".join([*ours, str(params["options"])] if params.get("options") else ours)
+        extra: dict[str, Any] = {"options": options}
+        if "connect_timeout" not in params:
+            extra["connect_timeout"] = DEFAULT_CONNECT_TIMEOUT_S
+        self._conninfo = make_conninfo(libpq_url, **extra)
+        self._lock = threading.Lock()
+        self._pool: ConnectionPool | None = None
+        self._pid = os.getpid()
+        # Pools inherited across fork stay referenced and untouched: closing
+        # one in the child would shut down sockets the parent still uses.
+        self._inherited: list[ConnectionPool] = []
+
+    @staticmethod
+    def _pool_int(given: int | None, params: dict[str, str], name: str, default: int, floor: int) -> int:
+        raw: object = given if given is not None else params.get(name, default)
+        try:
+            value = int(str(raw))
+        except ValueError:
+            raise StorageError(f"bad PostgreSQL URL: {name}={raw!r} is not a whole number") from None
+        if value < floor:
+            raise StorageError(f"bad PostgreSQL URL: {name} must be >= {floor}, got {value}")
+        return value
+
+    # -- describing without secrets -------------------------------------------------
+    def describe(self) -> str:
+        p = self.url_params
+        user = f"{quote(p['user'], safe='')}@" if p.get("user") else ""
+        hosts = (p.get("host") or p.get("hostaddr") or "").split(",")
+        ports = p["port"].split(",") if p.get("port") else []
+        # libpq: one port for every host, or one port per host.
+        netloc = ",".join(
+            quote(h, safe="") + (f":{ports[min(i, len(ports) - 1)]}" if ports else "") for i, h in enumerate(hosts)
+        )
+        return f"postgresql://{user}{netloc}/{quote(p.get('dbname', ''), safe='')}"
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    # -- connections ---------------------------------------------------------------
+    def _new_pool(self) -> ConnectionPool:
+        # A direct connection first: if the server is down or refuses us, the
+        # caller gets libpq's reason at once instead of a pool timeout.
+        try:
+            conn = psycopg.connect(self._conninfo, autocommit=True)
+        except psycopg.Error as exc:
+            raise self._translate(exc, connecting=True) from exc
+        conn.close()
+        return ConnectionPool(
+            self._conninfo,
+            kwargs={"autocommit": True},
+            min_size=self.pool_min_size,
+            max_size=self.pool_max_size,
+            timeout=self.pool_timeout_s,
+            name=f"idemctl-{os.getpid()}",
+            open=True,
+        )
+
+    def _current_pool(self) -> ConnectionPool:
+        pid = os.getpid()
+        pool = self._pool
+        if pool is not None and self._pid == pid:
+            return pool
+        with self._lock:
+            if self._pid != pid:
+                # First use after a fork: leave the parent's pool alone.
+                if self._pool is not None:
+                    self._inherited.append(self._pool)
+                self._pool, self._pid = None, pid
+            if self._pool is None:
+                self._pool = self._new_pool()
+            return self._pool
+
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[psycopg.Connection]:
+        pool = self._current_pool()
+        try:
+            with pool.connection() as conn:
+                try:
+                    yield conn
+                except psycopg.Error:
+                    if conn.broken:
+                        self._drop_broken_idle(pool)
+                    raise
+        except psycopg.Error as exc:
+            raise self._translate(exc) from exc
+
+    @staticmethod
+    def _drop_broken_idle(pool: ConnectionPool) -> None:
+        """The server closed the connection under us. A restart or failover
+        closes every connection at once, and each idle one in the pool would
+        fail one more request before being replaced; test them now (a round
+        trip each, or an immediate error) so that only this request fails.
+        The pool takes them out of rotation while it tests them."""
+        try:
+            pool.check()
+        except Exception:  # noqa: BLE001 - best effort: the pool also replaces them one by one
+            log.debug("checking the pool's idle connections failed", exc_info=True)
+
+    def close(self) -> None:
+        # As on SQLite, a closed backend that is used again reconnects.
+        with self._lock:
+            pool, self._pool = self._pool, None
+            mine = self._pid == os.getpid()
+        if pool is not None and mine:
+            pool.close()
+
+    # -- errors ----------------------------------------------------------------------
+    def _translate(self, exc: BaseException, *, connecting: bool = False) -> StorageError:
+        where = self.describe()
+        if isinstance(exc, PoolTimeout):
+            return LedgerUnavailableError(
+                f"no connection to {where} within {self.pool_timeout_s:g} s: "
+                f"the server is unreachable or all {self.pool_max_size} pooled connections are busy"
+            )
+        if isinstance(exc, PoolClosed):
+            return StorageError(f"the ledger at {where} is closed")
+        state = getattr(exc, "sqlstate", None)
+        diag = getattr(exc, "diag", None)
+        primary = getattr(diag, "message_primary", None) if diag is not None else None
+        msg = self._scrub(_one_line(primary or str(exc)))
+        if state == "55P03":
+            return DatabaseLockedError(
+                f"{where} is locked: another session held the row or table past the lock timeout "
+                f"({self.busy_timeout_ms} ms unless the URL sets lock_timeout): {msg}"
+            )
+        if state == "57014":
+            return DatabaseLockedError(f"a statement on {where} was cancelled or ran past statement_timeout: {msg}")
+        if state in _LOCKED_STATES:  # deadlock or serialisation failure: the other session won
+            return DatabaseLockedError(f"{where} is busy: this statement conflicted with another session: {msg}")
+        if state == "25006":
+            return ReadOnlyDatabaseError(f"{where} is read-only ({msg})")
+        if state == "42P01":
+            if "idempotency_keys" in msg:
+                return SchemaMissingError(f"{where} has no idempotency ledger")
+            if "idemctl_" in msg:
+                return SchemaOutdatedError(
+                    f"{where} has an older ledger schema; requests need the current one (init upgrades it in place)"
+                )
+            return StorageError(f"database error on {where}: {msg}")
+        if state == "42703" and '"token"' in msg:
+            return SchemaOutdatedError(
+                f"{where} has an older ledger schema; requests need the current one (init upgrades it in place)"
+            )
+        if state == "3F000":
+            return StorageError(f"{where}: the search_path names no existing schema to create the ledger in ({msg})")
+        if state == "42501":
+            return StorageError(f"permission denied on {where}: {msg}")
+        if state == "3D000" or (connecting and re.search(r'database "[^"]*" does not exist', msg)):
+            return LedgerNotFoundError(f"cannot open the ledger at {where}: {self._scrub(_libpq_reason(primary or str(exc)))}")
+        if (
+            connecting
+            or state in _GONE_STATES
+            or (state or "").startswith("08")
+            or (isinstance(exc, psycopg.OperationalError) and state is None)
+        ):
+            detail = self._scrub(_libpq_reason(primary or str(exc)))
+            return ConnectionFailedError(f"cannot reach PostgreSQL at {where}: {detail}")
+        if isinstance(exc, psycopg.DataError) and "NUL" in msg:
+            return StorageError(f"PostgreSQL cannot store a NUL character in a text column ({msg})")
+        return StorageError(f"database error on {where}: {msg}")
+
+    # -- statements --------------------------------------------------------------------
+    # Every statement autocommits on its own pooled connection, reads and
+    # writes alike.
+    def read(self, sql: str, params: Params) -> Rows:
+        with self._connection() as conn:
+            return conn.execute(sql, params).fetchall()
+
+    def write(self, sql: str, params: Params) -> Rows:
+        with self._connection() as conn:
+            return conn.execute(sql, params).fetchall()
+
+    def write_counts(self, probe: tuple[str, Params], statements: Sequence[tuple[str, Params]]) -> list[int] | None:
+        # The probe keeps the steady state (nothing expired) to one indexed
+        # read; the DELETEs still decide alone.
+        with self._connection() as conn:
+            row = conn.execute(*probe).fetchone()
+            if not row or not row[0]:
+                return None
+            return [conn.execute(sql, params).rowcount for sql, params in statements]
+
+    def stream(self, sql: str, params: Params) -> Iterator[tuple[Any, ...]]:
+        # A server-side cursor streams the rows in batches: a million rows
+        # never sit in memory at once. It needs a transaction (read-only
+        # work, so it holds no lock that the request path waits on).
+        with self._connection() as conn:
+            with conn.transaction():
+                with conn.cursor(name="idemctl_stream") as cur:
+                    cur.itersize = 500
+                    cur.execute(sql, params)
+                    yield from cur
+
+    def table_names(self, names: Iterable[str]) -> set[str]:
+        wanted = list(names)
+        with self._connection() as conn:
+            return _existing(conn, wanted)
+
+    def storage_bytes(self, tables: Iterable[str]) -> int | None:
+        """On-disk size of the ledger's tables and indexes (pg_total_relation_size)."""
+        row = self.read(SQL_STORAGE_BYTES, {"names": list(tables)})
+        return int(row[0][0]) if row else None
+
+    # -- schema ------------------------------------------------------------------------
+    def migrate(self, body: Callable[[_PostgresTx], T], *, write: bool) -> T:
+        # Two inits on a fresh database both create the same catalog entries;
+        # the loser fails on the catalog's unique index once the winner
+        # commits, and its retry finds the version table and waits on its lock.
+        for attempt in range(5):
+            try:
+                return self._migrate_once(body, write)
+            except psycopg.Error as exc:
+                if isinstance(exc, _INIT_RACE) and attempt < 4:
+                    continue
+                raise self._translate(exc) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _migrate_once(self, body: Callable[[_PostgresTx], T], write: bool) -> T:
+        pool = self._current_pool()
+        try:
+            with pool.connection() as conn:
+                with conn.transaction() as tx:
+                    if _existing(conn, ["idemctl_schema_version"]):
+                        # Schema administration, not the request path: readers
+                        # and the request path are unaffected by this lock.
+                        conn.execute("LOCK TABLE idemctl_schema_version IN SHARE ROW EXCLUSIVE MODE")
+                    result = body(_PostgresTx(self, conn))
+                    if not write:
+                        raise psycopg.Rollback(tx)  # leaves the block, writes nothing
+                return result
+        except PoolTimeout as exc:
+            raise self._translate(exc) from exc
+
+
+def _existing(conn: psycopg.Connection[Any], names: list[str]) -> set[str]:
+    # to_regclass resolves through the connection's search_path, exactly as
+    # the unqualified names in every statement do.
+    row = conn.execute(
+        "SELECT array_agg(name) FILTER (WHERE to_regclass(name) IS NOT NULL) FROM unnest(%s::text[]) AS name",
+        (names,),
+    ).fetchone()
+    return set(row[0] or []) if row else set()
+
+
+class _PostgresTx:
+    def __init__(self, engine: PostgresEngine, conn: psycopg.Connection[Any]) -> None:
+        self.engine = engine
+        self.conn = conn
+
+    def execute(self, sql: str, params: Params) -> Rows:
+        cur = self.conn.execute(sql, params)
+        return cur.fetchall() if cur.description is not None else []
+
+    def script(self, sql: str) -> None:
+        self.conn.execute(sql)  # type: ignore[call-overload]
+
+    def table_names(self, names: Iterable[str]) -> set[str]:
+        return _existing(self.conn, list(names))
+
+    def check_recipe_table(self) -> None:
+        """A ledger table made by hand from the recipe's DDL has a TEXT body
+        column, which cannot hold every response: say how to fix it rather
+        than adopting it."""
+        row = self.conn.execute(
+            "SELECT format_type(atttypid, atttypmod) FROM pg_attribute"
+            " WHERE attrelid = to_regclass('idempotency_keys') AND attname = 'response_body' AND NOT attisdropped",
+        ).fetchone()
+        if row is not None and row[0] != "bytea":
+            raise StorageError(
+                f"{self.engine.describe()}: idempotency_keys.response_body is {row[0]}, and idemctl on PostgreSQL stores "
+                "response bodies as bytea; convert it first: ALTER TABLE idempotency_keys ALTER COLUMN response_body "
+                "TYPE bytea USING convert_to(response_body, 'UTF8')"
+            )

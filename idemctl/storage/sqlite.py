@@ -1,0 +1,492 @@
+"""SQLite engine: per-thread connections, the writer queue, SQLite's errors.
+
+Request-path statements run on auto-commit connections (isolation_level=None):
+each is its own transaction, and RETURNING rows are fetched in full before the
+statement is finished, so nothing is left holding the write lock.
+Connections are per thread and per process: SQLite connections must not
+cross threads, and must never be used on the far side of a fork. A thread's
+connection is closed when the thread ends, so servers that start a thread
+per request do not pile up connections."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import sqlite_utils
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; SQLite's own busy handler is all there is
+    fcntl = None  # type: ignore[assignment]
+
+from ..errors import (
+    DatabaseLockedError,
+    LedgerNotFoundError,
+    NotADatabaseError,
+    ReadOnlyDatabaseError,
+    SchemaMissingError,
+    SchemaOutdatedError,
+    StorageError,
+)
+from .dialect import SQLITE
+from .engine import Params, Rows
+
+T = TypeVar("T")
+
+# The writer queue's lock file sits next to the ledger: `<db>-idemctl.lock`.
+WRITE_QUEUE_SUFFIX = "-idemctl.lock"
+# A new ledger is readable by its owner only: it holds every stored answer.
+DEFAULT_FILE_MODE = 0o600
+SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
+
+_UNOPENED = object()  # a thread's queue descriptor before its first write
+
+# Connections a forked child inherited: never closed there (closing could
+# checkpoint or unlock on behalf of the parent) and never freed, which would
+# close them too.
+_INHERITED: list[object] = []
+
+
+class _Slot:
+    """One thread's connection and writer-queue descriptor. When the thread
+    ends, its thread-local storage drops the slot and the finalizer closes
+    both."""
+
+    __slots__ = ("conn", "pid", "queue_fd", "fds", "__weakref__")
+
+    def __init__(self, conn: sqlite3.Connection, pid: int) -> None:
+        self.conn = conn
+        self.pid = pid
+        self.queue_fd: int | None | object = _UNOPENED
+        self.fds: list[int] = []  # shared with the finalizer: the queue fd once opened
+
+
+def _release(conn: sqlite3.Connection, fds: list[int], pid: int) -> None:
+    if os.getpid() != pid:
+        _INHERITED.append(conn)
+        return
+    with contextlib.suppress(sqlite3.Error):
+        conn.close()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
+
+
+def split_statements(script: str) -> list[str]:
+    """A DDL file as single statements, so that a schema change runs inside
+    the caller's transaction (executescript would commit it first)."""
+    statements, buffer = [], ""
+    for line in script.splitlines(keepends=True):
+        buffer += line
+        if sqlite3.complete_statement(buffer):
+            if buffer.strip():
+                statements.append(buffer.strip())
+            buffer = ""
+    if buffer.strip() and not all(
+        ln.strip().startswith("--") or not ln.strip() for ln in buffer.splitlines()
+    ):
+        raise StorageError("a schema file ends inside a statement")
+    return statements
+
+
+class SqliteEngine:
+    """One SQLite ledger file, shared safely by threads and processes.
+
+    Writer queue (``write_queue=True``, the default on POSIX): every write
+    statement first takes an exclusive ``flock`` on ``<db>-idemctl.lock`` and
+    waits for it in the kernel. SQLite's own busy handler polls with growing
+    sleeps and grants the lock to whoever happens to poll right after it is
+    freed, so under several writer processes one request could wait for
+    seconds while others went through; blocked ``flock`` waiters are woken
+    the moment the lock is released and take turns. Correctness never
+    depends on the queue (the SQLite lock still decides), so
+    ``write_queue=False`` opts out and any failure to open the lock file
+    falls back to SQLite alone.
+
+    Opening never creates a file: the ledger file (owner-only by default,
+    ``file_mode``) appears when the schema is first created.
+
+    >>> engine = SqliteEngine(":memory:")
+    >>> engine.read("SELECT 1 + 1", {})
+    [(2,)]
+    """
+
+    dialect = SQLITE
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        create: bool = True,
+        readonly: bool = False,
+        busy_timeout_ms: int = 5000,
+        synchronous: str = "FULL",
+        write_queue: bool = True,
+        file_mode: int = DEFAULT_FILE_MODE,
+    ) -> None:
+        if not isinstance(synchronous, str) or synchronous.upper() not in SYNCHRONOUS_LEVELS:
+            raise StorageError(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
+        if isinstance(file_mode, bool) or not isinstance(file_mode, int) or not 0 <= file_mode <= 0o777:
+            raise StorageError(f"file mode must be permission bits such as 0o600, got {file_mode!r}")
+        if file_mode & 0o600 != 0o600:
+            raise StorageError(f"file mode {file_mode:#o} must let the owner read and write the ledger")
+        self.busy_timeout_ms = int(busy_timeout_ms)
+        self.synchronous = synchronous.upper()
+        self.readonly = readonly
+        self.file_mode = file_mode
+        raw = os.fspath(path)
+        self.memory = raw == ":memory:"
+        if self.memory:
+            # Tests and examples: a shared-cache memory database so every thread sees one ledger.
+            self.path = raw
+            self._uri = f"file:idemctl-mem-{id(self)}?mode=memory&cache=shared"
+        else:
+            if not raw:
+                raise LedgerNotFoundError("no ledger path given")
+            p = Path(raw).expanduser()
+            self.path = str(p)
+            if p.is_dir():
+                raise NotADatabaseError(f"{p} is a directory, not a ledger file")
+            if not p.exists():
+                if readonly or not create:
+                    raise LedgerNotFoundError(f"no ledger at {p}")
+                if not p.parent.is_dir():
+                    raise LedgerNotFoundError(f"cannot create a ledger at {p}: directory {p.parent} does not exist")
+            self._uri = f"file:{quote(str(p.resolve()))}?mode={'ro' if readonly else 'rw'}"
+        # Memory databases and read-only opens have no writers to queue.
+        self.write_queue_path: str | None = (
+            str(Path(self.path).resolve()) + WRITE_QUEUE_SUFFIX
+            if write_queue and fcntl is not None and not self.memory and not readonly
+            else None
+        )
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._finalizers: list[weakref.finalize] = []  # type: ignore[type-arg]
+        self._keepalive: sqlite3.Connection | None = None
+        if self.memory:
+            self._keepalive = self._conn()
+        elif self.exists():
+            self._conn()  # a file that is not a database fails here, at open
+
+    def exists(self) -> bool:
+        return self.memory or os.path.exists(self.path)
+
+    # -- connections ------------------------------------------------------------
+    def _connect(self) -> sqlite3.Connection:
+        if not self.exists():
+            raise SchemaMissingError(f"{self.path} has no idempotency ledger")
+        try:
+            conn = sqlite3.connect(
+                self._uri,
+                uri=True,
+                isolation_level=None,
+                timeout=self.busy_timeout_ms / 1000,
+                check_same_thread=False,
+            )
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
+        try:
+            conn.execute(f"PRAGMA synchronous={self.synchronous}")
+            if not self.readonly and not self.memory:
+                mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+                if mode.lower() != "wal":
+                    conn.execute("PRAGMA journal_mode=WAL").fetchall()
+        except sqlite3.Error as exc:
+            conn.close()
+            raise self._translate(exc) from exc
+        return conn
+
+    def _slot(self) -> _Slot:
+        local = self._local
+        slot: _Slot | None = getattr(local, "slot", None)
+        pid = os.getpid()
+        if slot is not None and slot.pid == pid:
+            return slot
+        conn = self._connect()
+        slot = _Slot(conn, pid)
+        finalizer = weakref.finalize(slot, _release, conn, slot.fds, pid)
+        with self._lock:
+            if len(self._finalizers) > 64:
+                self._finalizers = [f for f in self._finalizers if f.alive]
+            self._finalizers.append(finalizer)
+        local.slot = slot
+        return slot
+
+    def _conn(self) -> sqlite3.Connection:
+        return self._slot().conn
+
+    def _open_queue(self, slot: _Slot) -> int | None:
+        """This thread's descriptor on the lock file, opened at its first write
+        (so read-only use never creates the file). One open file
+        description per connection: flock excludes descriptions, so threads
+        of one process queue exactly like processes do."""
+        if self.write_queue_path is None:
+            return None
+        try:
+            fd = os.open(self.write_queue_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), self._companion_mode())
+        except OSError:
+            return None  # e.g. a directory we may not create files in: SQLite's busy handler alone
+        slot.fds.append(fd)
+        return fd
+
+    def _companion_mode(self) -> int:
+        # The lock file gets the ledger's own permission bits, as SQLite gives
+        # its -wal and -shm files.
+        try:
+            return os.stat(self.path).st_mode & 0o777
+        except OSError:
+            return self.file_mode
+
+    def _enter_queue(self, slot: _Slot) -> tuple[int | None, bool]:
+        """Wait for this database's writer queue; returns (fd to unlock, shortened).
+
+        The wait in flock counts against the busy timeout: once the lock is
+        ours, SQLite gets only what is left of it, so a queue stuck behind a
+        foreign writer fails within about one busy timeout, not one per
+        waiter. Waits under a tenth of the timeout (the normal turn-taking
+        of a busy ledger) are not deducted: that keeps two PRAGMA statements
+        out of every contended turn, at the price of failing up to 10% late."""
+        fd = slot.queue_fd
+        if fd is _UNOPENED:
+            fd = slot.queue_fd = self._open_queue(slot)
+        if fd is None:
+            return None, False
+        assert isinstance(fd, int)
+        started = time.monotonic()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # e.g. ENOLCK on a file system without flock: SQLite alone decides
+            return None, False
+        waited_ms = int((time.monotonic() - started) * 1000)
+        if waited_ms <= 0 or waited_ms * 10 < self.busy_timeout_ms:
+            return fd, False
+        try:
+            slot.conn.execute(f"PRAGMA busy_timeout = {max(0, self.busy_timeout_ms - waited_ms)}")
+        except BaseException:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            raise
+        return fd, True
+
+    def _leave_queue(self, slot: _Slot, fd: int | None, shortened: bool) -> None:
+        if fd is None:
+            return
+        # Unlock first: restoring the timeout is this thread's own business
+        # and need not keep the next writer waiting.
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        if shortened:
+            slot.conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
+
+    def open_connections(self) -> int:
+        """How many of this engine's connections are open in this process."""
+        with self._lock:
+            return sum(1 for f in self._finalizers if f.alive)
+
+    def close(self) -> None:
+        with self._lock:
+            finalizers, self._finalizers = self._finalizers, []
+        keep = self._keepalive
+        for finalizer in finalizers:
+            finalizer()
+        self._local = threading.local()
+        if keep is not None:
+            self._keepalive = None  # a closed memory ledger is gone, as a file's rows would not be
+
+    def describe(self) -> str:
+        return self.path
+
+    def admin(self) -> sqlite_utils.Database:
+        """sqlite-utils view of this thread's connection, for introspection and admin."""
+        return sqlite_utils.Database(self._conn(), recursive_triggers=False, execute_plugins=False)
+
+    # -- errors -----------------------------------------------------------------
+    def _translate(self, exc: sqlite3.Error) -> StorageError:
+        name = getattr(exc, "sqlite_errorname", "") or ""
+        msg = str(exc)
+        low = msg.lower()
+        if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "database is locked" in low:
+            return DatabaseLockedError(
+                f"database {self.path} is locked: another writer held it past the {self.busy_timeout_ms} ms busy timeout"
+            )
+        if name.startswith("SQLITE_READONLY") or "readonly" in low:
+            return ReadOnlyDatabaseError(f"database {self.path} is read-only")
+        if name.startswith(("SQLITE_NOTADB", "SQLITE_CORRUPT")) or "not a database" in low or "malformed" in low:
+            return NotADatabaseError(f"{self.path} is not an SQLite database, or it is corrupt")
+        if "no such table: idempotency_keys" in low:
+            return SchemaMissingError(f"{self.path} has no idempotency ledger")
+        if "no such column: token" in low or "has no column named token" in low or "no such table: idemctl_" in low:
+            return SchemaOutdatedError(
+                f"{self.path} has an older ledger schema; requests need the current one (init upgrades it in place)"
+            )
+        if name.startswith("SQLITE_CANTOPEN") or "unable to open" in low:
+            return self._cannot_open()
+        if name.startswith("SQLITE_FULL"):
+            return StorageError(f"disk full while writing {self.path}")
+        return StorageError(f"database error on {self.path}: {msg}")
+
+    def _cannot_open(self) -> StorageError:
+        """Say why an existing ledger cannot be opened, when we can tell."""
+        if self.memory or not os.path.exists(self.path):
+            return LedgerNotFoundError(f"cannot open the ledger at {self.path}")
+        if not os.access(self.path, os.R_OK):
+            return StorageError(f"cannot open the ledger at {self.path}: the file is not readable by this user")
+        directory = os.path.dirname(os.path.abspath(self.path))
+        if not os.access(directory, os.W_OK):
+            # Even a reader of a WAL database needs the -shm index beside it;
+            # the 3 a.m. case is an operator who is not the app's user.
+            return StorageError(
+                f"cannot open the ledger at {self.path}: SQLite must create its -wal/-shm files in {directory}, "
+                "which this user cannot write to; run idemctl as the ledger's owner"
+            )
+        return StorageError(f"cannot open the ledger at {self.path}")
+
+    # -- statements ---------------------------------------------------------------
+    def read(self, sql: str, params: Params) -> Rows:
+        # fetchall() is what finishes (and so commits) a RETURNING statement on
+        # an auto-commit connection; a half-read cursor would hold the lock.
+        try:
+            return self._slot().conn.execute(sql, params).fetchall()
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
+
+    # Writes go through the writer queue; reads never wait in it (WAL readers
+    # do not block writers, nor writers readers). Plain try/except rather than
+    # context managers: this runs twice per request.
+    def write(self, sql: str, params: Params) -> Rows:
+        try:
+            slot = self._slot()
+            fd, shortened = self._enter_queue(slot)
+            try:
+                return slot.conn.execute(sql, params).fetchall()
+            finally:
+                self._leave_queue(slot, fd, shortened)
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
+
+    def write_counts(self, probe: tuple[str, Params], statements: Sequence[tuple[str, Params]]) -> list[int] | None:
+        # Every request runs a sweep: the probe keeps the steady state (nothing
+        # expired) free of write locks, and the statements share one turn of
+        # the writer queue. Not check-then-act: each DELETE still decides alone.
+        try:
+            slot = self._slot()
+            row = slot.conn.execute(*probe).fetchone()
+            if not row or not row[0]:
+                return None
+            fd, shortened = self._enter_queue(slot)
+            try:
+                return [slot.conn.execute(sql, params).rowcount for sql, params in statements]
+            finally:
+                self._leave_queue(slot, fd, shortened)
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
+
+    def stream(self, sql: str, params: Params) -> Iterator[tuple[Any, ...]]:
+        # A private connection: a million rows never sit in memory at once,
+        # and this thread's request-path connection stays free.
+        conn = self._connect()
+        try:
+            for values in conn.execute(sql, params):
+                yield values
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
+        finally:
+            conn.close()
+
+    def table_names(self, names: Iterable[str]) -> set[str]:
+        if not self.exists():
+            return set()
+        try:
+            return set(names) & set(self.admin().table_names())
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
+
+    def storage_bytes(self, tables: Iterable[str]) -> int | None:
+        if self.memory:
+            return None
+        return sum(os.path.getsize(p) for p in (self.path, self.path + "-wal") if os.path.exists(p))
+
+    # -- schema -------------------------------------------------------------------
+    def _create_file(self) -> None:
+        """Create the ledger file with its permission bits exactly as asked
+        (the umask does not widen or narrow them); SQLite then gives its
+        -wal and -shm files the same bits."""
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), self.file_mode)
+        except FileExistsError:
+            return  # another process created it first: theirs to set up
+        except OSError as exc:
+            raise StorageError(f"cannot create a ledger at {self.path}: {exc.strerror}") from exc
+        try:
+            os.fchmod(fd, self.file_mode)
+        finally:
+            os.close(fd)
+
+    def migrate(self, body: Callable[[_SqliteTx], T], *, write: bool) -> T:
+        if write and not self.readonly and not self.exists():
+            self._create_file()
+        if not self.exists():
+            return body(_AbsentTx())
+        conn = self._conn()
+        try:
+            # IMMEDIATE: two concurrent inits serialise instead of both
+            # deciding from the same stale version.
+            conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            try:
+                result = body(_SqliteTx(self, conn))
+                conn.execute("COMMIT" if write else "ROLLBACK")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
+        if write:
+            with contextlib.suppress(sqlite3.Error):
+                # A file made by another tool may still be in rollback-journal mode.
+                self.admin().enable_wal()
+        return result
+
+
+class _SqliteTx:
+    def __init__(self, engine: SqliteEngine, conn: sqlite3.Connection) -> None:
+        self.engine = engine
+        self.conn = conn
+
+    def execute(self, sql: str, params: Params) -> Rows:
+        return self.conn.execute(sql, params).fetchall()
+
+    def script(self, sql: str) -> None:
+        for statement in split_statements(sql):
+            self.conn.execute(statement)
+
+    def table_names(self, names: Iterable[str]) -> set[str]:
+        db = sqlite_utils.Database(self.conn, recursive_triggers=False, execute_plugins=False)
+        return set(names) & set(db.table_names())
+
+    def check_recipe_table(self) -> None:
+        return None
+
+
+class _AbsentTx:
+    """A dry run (or a read-only open) of a ledger file that does not exist yet."""
+
+    def execute(self, sql: str, params: Params) -> Rows:
+        raise AssertionError("no statement runs against a ledger file that does not exist")
+
+    def script(self, sql: str) -> None:
+        raise AssertionError("no statement runs against a ledger file that does not exist")
+
+    def table_names(self, names: Iterable[str]) -> set[str]:
+        return set()
+
+    def check_recipe_table(self) -> None:
+        return None

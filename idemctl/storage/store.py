@@ -1,0 +1,497 @@
+"""Every statement idemctl runs, and every decoding of what they return.
+
+The store is the one SQL core: request-path steps are one auto-committed
+statement each, operator reads and the sweep are bounded statements, and
+the schema decision of `init` is made here. An engine (storage/sqlite.py,
+storage/postgres.py) only runs statements: its connections, its locking and
+its error classes. Statements are written once with ``:name`` parameters
+and spelled for an engine by its dialect."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from ..errors import MalformedRowError, SchemaTooNewError
+from ..outcomes import (
+    FencedEvent,
+    InitAction,
+    InitResult,
+    PurgeOutcome,
+    PurgeResult,
+    State,
+    Stats,
+    Status,
+    StoredRow,
+    SweepResult,
+)
+from ..schema import SCHEMA_VERSION, schema_files
+from .engine import Engine, SchemaTx
+
+LEDGER_TABLE = "idempotency_keys"
+FENCED_TABLE = "idemctl_fenced_out"
+VERSION_TABLE = "idemctl_schema_version"
+TABLES = (LEDGER_TABLE, FENCED_TABLE, VERSION_TABLE)
+
+# The schema version whose request path this idemctl runs: the fencing token
+# column arrived in version 2.
+REQUEST_PATH_VERSION = 2
+
+ROW_COLUMNS = (
+    "principal, key, fingerprint, status, generation, response_status, "
+    "response_body, response_headers, created_at, updated_at"
+)
+EVENT_COLUMNS = "id, principal, key, superseded_generation, current_generation, computed_status, fenced_at"
+
+# -- the request path: one statement each ----------------------------------------
+
+CLAIM = """
+INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, token, created_at, updated_at)
+VALUES (:principal, :key, :fingerprint, 'pending', 1, :token, :now, :now)
+ON CONFLICT (principal, key) DO NOTHING
+RETURNING generation
+"""
+
+LOOKUP = f"SELECT {ROW_COLUMNS} FROM idempotency_keys WHERE principal = :principal AND key = :key"
+
+# Still pending, still stale, still the same request: all in the WHERE, so
+# two racers cannot both take over. The new owner draws a new token.
+TAKEOVER = """
+UPDATE idempotency_keys
+SET generation = generation + 1, token = :token, updated_at = :now
+WHERE principal = :principal AND key = :key AND status = 'pending'
+  AND fingerprint = :fingerprint AND updated_at < :stale_before
+RETURNING generation
+"""
+
+# Fenced by generation and token together: the token because generations
+# restart at 1 once a row is deleted and claimed again; the generation
+# because an older writer (the recipe's Worker) bumps it without a token.
+COMPLETE = """
+UPDATE idempotency_keys
+SET status = 'completed', response_status = :status, response_body = :body,
+    response_headers = :headers, updated_at = :now
+WHERE principal = :principal AND key = :key AND generation = :generation
+  AND token = :token AND status = 'pending'
+RETURNING generation
+"""
+
+RELEASE = """
+DELETE FROM idempotency_keys
+WHERE principal = :principal AND key = :key AND generation = :generation
+  AND token = :token AND status = 'pending'
+RETURNING generation
+"""
+
+# One statement: the event and the generation the row held then are read and
+# written together, so the log never disagrees with the row it describes.
+RECORD_FENCED = f"""
+INSERT INTO idemctl_fenced_out
+  (principal, key, superseded_generation, current_generation, computed_status, fenced_at)
+VALUES (:principal, :key, :generation,
+        (SELECT generation FROM idempotency_keys WHERE principal = :principal AND key = :key),
+        :status, :now)
+RETURNING {EVENT_COLUMNS}
+"""
+
+# -- the sweep -----------------------------------------------------------------------
+
+SWEEP_FENCED = """
+DELETE FROM idemctl_fenced_out WHERE id IN (
+  SELECT id FROM idemctl_fenced_out WHERE fenced_at < :cutoff ORDER BY fenced_at LIMIT :limit
+)
+"""
+
+# Read-only probes through the same indexes: when nothing is past retention
+# (the steady state), the per-request sweep takes no write lock at all.
+ANY_EXPIRED = "SELECT EXISTS (SELECT 1 FROM idempotency_keys WHERE updated_at < :cutoff)"
+ANY_EXPIRED_WITH_FENCED = (
+    "SELECT EXISTS (SELECT 1 FROM idempotency_keys WHERE updated_at < :cutoff)"
+    " OR EXISTS (SELECT 1 FROM idemctl_fenced_out WHERE fenced_at < :fenced_cutoff)"
+)
+
+COUNT_EXPIRED = "SELECT count(*) FROM idempotency_keys WHERE updated_at < :cutoff"
+COUNT_FENCED_EXPIRED = "SELECT count(*) FROM idemctl_fenced_out WHERE fenced_at < :cutoff"
+COUNT_FENCED = "SELECT count(*) FROM idemctl_fenced_out"
+
+# -- a row's state: the one definition ------------------------------------------------
+# `derive_state` and STATE_SQL say the same thing, in Python for one row and
+# in SQL for counting and listing; tests check that they agree row for row.
+
+STATE_SQL: Mapping[State, str] = {
+    State.EXPIRED: "updated_at < :expired_before",
+    State.COMPLETED: "status = 'completed' AND updated_at >= :expired_before",
+    State.PENDING_STALE: "status = 'pending' AND updated_at < :stale_before AND updated_at >= :expired_before",
+    State.PENDING_FRESH: "status = 'pending' AND updated_at >= :stale_before AND updated_at >= :expired_before",
+}
+
+
+def derive_state(row: StoredRow, stale_before: int, expired_before: int) -> State:
+    """A row's state at the instant whose cutoffs are given."""
+    if row.updated_at < expired_before:
+        return State.EXPIRED
+    if row.status is Status.COMPLETED:
+        return State.COMPLETED
+    if row.updated_at < stale_before:
+        return State.PENDING_STALE
+    return State.PENDING_FRESH
+
+
+def _count(state: State) -> str:
+    return f"coalesce(sum(CASE WHEN {STATE_SQL[state]} THEN 1 ELSE 0 END), 0)"
+
+
+STATS = f"""
+SELECT
+  count(*),
+  {_count(State.PENDING_FRESH)},
+  {_count(State.PENDING_STALE)},
+  {_count(State.COMPLETED)},
+  {_count(State.EXPIRED)},
+  coalesce(sum(CASE WHEN generation > 1 THEN 1 ELSE 0 END), 0),
+  min(CASE WHEN status = 'pending' THEN created_at END),
+  min(CASE WHEN status = 'completed' THEN created_at END),
+  min(created_at)
+FROM idempotency_keys
+"""
+
+# Purge refuses a fresh pending row inside the statement itself: its owner may
+# still be running, and deleting it would let a retry run the mutation twice.
+PURGE = f"""
+DELETE FROM idempotency_keys
+WHERE principal = :principal AND key = :key
+  AND (status <> 'pending' OR CAST(:stale_before AS BIGINT) IS NULL OR updated_at < :stale_before)
+RETURNING {ROW_COLUMNS}
+"""
+
+
+def new_token() -> int:
+    """A fencing token: random, positive, fits a signed 64-bit column."""
+    return secrets.randbits(63) or 1
+
+
+def _int(value: object, what: str, principal: object, key: object, *, nullable: bool = False) -> int | None:
+    if value is None and nullable:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise MalformedRowError(principal, key, f"{what} {value!r} is not an integer")
+
+
+class Store:
+    """The ledger's statements over one engine.
+
+    >>> from idemctl.storage import open_engine
+    >>> store = Store(open_engine(":memory:"))
+    >>> store.init(0, dry_run=False).action.value
+    'created'
+    >>> store.claim("acct", "k", "fp", 1, 1000)
+    1
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.dialect = engine.dialect
+        spell = engine.dialect.params
+        self._sql: dict[str, str] = {}
+        self._spell = spell
+        self._tables: frozenset[str] | None = None
+        self._checked = False
+
+    # -- plumbing -------------------------------------------------------------------
+    def sql(self, text: str) -> str:
+        """A statement as this engine spells it (cached: the hot path asks twice a request)."""
+        spelled = self._sql.get(text)
+        if spelled is None:
+            spelled = self._sql[text] = self._spell(text)
+        return spelled
+
+    def _read(self, text: str, params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        return self.engine.read(self.sql(text), params or {})
+
+    def _write(self, text: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        return self.engine.write(self.sql(text), params)
+
+    def describe(self) -> str:
+        return self.engine.describe()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    @property
+    def drain_batch(self) -> int:
+        return self.dialect.drain_batch
+
+    def decode_row(self, values: tuple[Any, ...]) -> StoredRow:
+        """A row as stored, or MalformedRowError naming what is wrong with it."""
+        principal, key, fp, status, generation, rstatus, rbody, rheaders, created, updated = values
+        if not isinstance(principal, str) or not isinstance(key, str):
+            raise MalformedRowError(principal, key, "principal and key must be text")
+        try:
+            state = Status(status)
+        except ValueError:
+            raise MalformedRowError(principal, key, f"status {status!r} is neither pending nor completed") from None
+        if not isinstance(fp, str):
+            raise MalformedRowError(principal, key, f"fingerprint {fp!r} is not text")
+        if rheaders is not None and not isinstance(rheaders, str):
+            raise MalformedRowError(principal, key, f"response_headers {rheaders!r} is not text")
+        body = self.dialect.read_body(rbody)
+        if body is not None and not isinstance(body, (str, bytes)):
+            raise MalformedRowError(principal, key, f"response_body {rbody!r} is neither text nor bytes")
+        return StoredRow(
+            principal=principal,
+            key=key,
+            fingerprint=fp,
+            status=state,
+            generation=_int(generation, "generation", principal, key) or 0,
+            response_status=_int(rstatus, "response_status", principal, key, nullable=True),
+            response_body=body,
+            response_headers=rheaders,
+            created_at=_int(created, "created_at", principal, key) or 0,
+            updated_at=_int(updated, "updated_at", principal, key) or 0,
+        )
+
+    # -- schema ---------------------------------------------------------------------
+    def tables(self) -> frozenset[str]:
+        """Which of idemctl's tables exist (looked up once, again after init)."""
+        if self._tables is None:
+            self._tables = frozenset(self.engine.table_names(TABLES))
+        return self._tables
+
+    def forget_schema(self) -> None:
+        """Look the tables up again at next use (another process may have run init)."""
+        self._tables = None
+
+    def has_fenced_log(self) -> bool:
+        return FENCED_TABLE in self.tables()
+
+    def _version_in(self, tables: frozenset[str] | set[str], read: Callable[[str], list[tuple[Any, ...]]]) -> int | None:
+        if LEDGER_TABLE not in tables:
+            return None
+        if VERSION_TABLE not in tables:
+            return 0
+        rows = read(f"SELECT max(version) FROM {VERSION_TABLE}")
+        return int(rows[0][0]) if rows and rows[0][0] is not None else 0
+
+    def schema_version(self) -> int | None:
+        """None: no ledger table; 0: the recipe's table only; N: idemctl schema N."""
+        self.forget_schema()
+        return self._version_in(self.tables(), lambda text: self._read(text))
+
+    def check_not_newer(self) -> None:
+        """Refuse a ledger written by a newer idemctl before writing to it."""
+        version = self.schema_version()
+        if version is not None and version > SCHEMA_VERSION:
+            raise SchemaTooNewError(
+                f"{self.describe()} has ledger schema version {version}; this idemctl knows up to {SCHEMA_VERSION}"
+            )
+        self._checked = version is not None
+
+    def _guard(self) -> None:
+        # Once per store (and so per process), before its first write.
+        if not self._checked:
+            self.check_not_newer()
+
+    def init(self, now: int, dry_run: bool) -> InitResult:
+        """Create or upgrade the schema in one transaction that the engine
+        serialises against other inits."""
+
+        def decide(tx: SchemaTx) -> InitResult:
+            before = self._version_in(tx.table_names(TABLES), lambda text: tx.execute(self.sql(text), {}))
+            if before is not None and before > SCHEMA_VERSION:
+                raise SchemaTooNewError(
+                    f"{self.describe()} has ledger schema version {before}; this idemctl knows up to {SCHEMA_VERSION}"
+                )
+            if before == SCHEMA_VERSION:
+                return InitResult(InitAction.UP_TO_DATE, before, SCHEMA_VERSION, dry_run)
+            action = InitAction.CREATED if before is None else InitAction.UPGRADED
+            if before == 0:
+                tx.check_recipe_table()
+            if dry_run:
+                return InitResult(action, before, SCHEMA_VERSION, dry_run)
+            floor = -1 if before is None else before
+            for f in schema_files(self.dialect.name):
+                if f.version > floor:
+                    tx.script(f.sql)
+            mine = tx.execute(
+                self.sql(
+                    f"INSERT INTO {VERSION_TABLE} (version, applied_at) VALUES (:version, :now)"
+                    " ON CONFLICT DO NOTHING RETURNING version"
+                ),
+                {"version": SCHEMA_VERSION, "now": now},
+            )
+            if not mine:
+                # Another init decided from the same state and committed first
+                # (with no version table there was nothing to lock); our
+                # IF NOT EXISTS DDL did nothing. Whoever inserted the row did the work.
+                return InitResult(InitAction.UP_TO_DATE, SCHEMA_VERSION, SCHEMA_VERSION, dry_run)
+            return InitResult(action, before, SCHEMA_VERSION, dry_run)
+
+        result = self.engine.migrate(decide, write=not dry_run)
+        self.forget_schema()
+        return result
+
+    # -- request path -----------------------------------------------------------------
+    def claim(self, principal: str, key: str, fingerprint: str, token: int, now: int) -> int | None:
+        self._guard()
+        rows = self._write(CLAIM, {"principal": principal, "key": key, "fingerprint": fingerprint, "token": token, "now": now})
+        return int(rows[0][0]) if rows else None
+
+    def lookup(self, principal: str, key: str) -> StoredRow | None:
+        rows = self._read(LOOKUP, {"principal": principal, "key": key})
+        return self.decode_row(rows[0]) if rows else None
+
+    def takeover(self, principal: str, key: str, fingerprint: str, token: int, now: int, stale_before: int) -> int | None:
+        self._guard()
+        params = {
+            "principal": principal,
+            "key": key,
+            "fingerprint": fingerprint,
+            "token": token,
+            "now": now,
+            "stale_before": stale_before,
+        }
+        rows = self._write(TAKEOVER, params)
+        return int(rows[0][0]) if rows else None
+
+    def complete(
+        self,
+        principal: str,
+        key: str,
+        generation: int,
+        token: int | None,
+        status: int,
+        body: str | bytes | None,
+        headers_json: str,
+        now: int,
+    ) -> bool:
+        self._guard()
+        params = {
+            "principal": principal,
+            "key": key,
+            "generation": generation,
+            "token": token,
+            "status": status,
+            "body": self.dialect.bind_body(body),
+            "headers": headers_json,
+            "now": now,
+        }
+        return bool(self._write(COMPLETE, params))
+
+    def release(self, principal: str, key: str, generation: int, token: int | None) -> bool:
+        self._guard()
+        params = {"principal": principal, "key": key, "generation": generation, "token": token}
+        return bool(self._write(RELEASE, params))
+
+    def record_fenced(self, principal: str, key: str, generation: int, computed_status: int, now: int) -> FencedEvent | None:
+        if not self.has_fenced_log():
+            return None
+        params = {"principal": principal, "key": key, "generation": generation, "status": computed_status, "now": now}
+        rows = self._write(RECORD_FENCED, params)
+        return FencedEvent(*rows[0]) if rows else None
+
+    # -- sweep ------------------------------------------------------------------------------
+    def sweep(self, cutoff: int, fenced_cutoff: int, limit: int) -> SweepResult:
+        """At most `limit` expired rows and `limit` expired fenced-out events,
+        in one turn of the engine's writer queue; nothing at all (not even a
+        write lock) when the probe finds nothing past retention."""
+        self._guard()
+        fenced_log = self.has_fenced_log()
+        if fenced_log:
+            probe = (self.sql(ANY_EXPIRED_WITH_FENCED), {"cutoff": cutoff, "fenced_cutoff": fenced_cutoff})
+        else:
+            probe = (self.sql(ANY_EXPIRED), {"cutoff": cutoff})
+        statements = [(self.sql(self.dialect.sweep_keys), {"cutoff": cutoff, "limit": limit})]
+        if fenced_log:
+            statements.append((self.sql(SWEEP_FENCED), {"cutoff": fenced_cutoff, "limit": limit}))
+        counts = self.engine.write_counts(probe, statements)
+        if counts is None:
+            return SweepResult(0, 0, cutoff, fenced_cutoff)
+        return SweepResult(counts[0], counts[1] if fenced_log else 0, cutoff, fenced_cutoff)
+
+    def count_expired(self, cutoff: int) -> int:
+        return int(self._read(COUNT_EXPIRED, {"cutoff": cutoff})[0][0])
+
+    def count_fenced_expired(self, cutoff: int) -> int:
+        if not self.has_fenced_log():
+            return 0
+        return int(self._read(COUNT_FENCED_EXPIRED, {"cutoff": cutoff})[0][0])
+
+    # -- operator side ----------------------------------------------------------------------------
+    def iter_pending(
+        self,
+        state: State | None,
+        stale_before: int,
+        expired_before: int,
+        principal: str | None,
+        limit: int | None,
+    ) -> Iterator[tuple[Any, ...]]:
+        """Raw pending rows, oldest first, streamed (decoding is the caller's,
+        so that one malformed row does not end the listing)."""
+        sql = f"SELECT {ROW_COLUMNS} FROM idempotency_keys WHERE status = 'pending'"
+        params: dict[str, Any] = {"stale_before": stale_before, "expired_before": expired_before}
+        if state is not None:
+            sql += f" AND {STATE_SQL[state]}"
+        if principal is not None:
+            sql += " AND principal = :principal"
+            params["principal"] = principal
+        sql += " ORDER BY updated_at, principal, key"
+        if limit is not None:
+            sql += " LIMIT :limit"
+            params["limit"] = limit
+        return self.engine.stream(self.sql(sql), params)
+
+    def iter_fenced(
+        self, principal: str | None, key: str | None, since: int | None, limit: int | None
+    ) -> Iterator[FencedEvent]:
+        if not self.has_fenced_log():
+            return
+        sql = f"SELECT {EVENT_COLUMNS} FROM idemctl_fenced_out WHERE 1 = 1"
+        params: dict[str, Any] = {}
+        for clause, name, value in (
+            ("principal = :principal", "principal", principal),
+            ("key = :key", "key", key),
+            ("fenced_at >= :since", "since", since),
+        ):
+            if value is not None:
+                sql += f" AND {clause}"
+                params[name] = value
+        sql += " ORDER BY fenced_at DESC, id DESC"
+        if limit is not None:
+            sql += " LIMIT :limit"
+            params["limit"] = limit
+        for values in self._read(sql, params):
+            yield FencedEvent(*values)
+
+    def stats(self, now: int, stale_before: int, expired_before: int) -> Stats:
+        counts = self._read(STATS, {"stale_before": stale_before, "expired_before": expired_before})[0]
+        fenced = int(self._read(COUNT_FENCED)[0][0]) if self.has_fenced_log() else 0
+        total, fresh, stale, completed, expired, taken, oldest_p, oldest_c, oldest = counts
+        return Stats(
+            now=now,
+            total=int(total),
+            pending_fresh=int(fresh),
+            pending_stale=int(stale),
+            completed=int(completed),
+            expired=int(expired),
+            taken_over=int(taken),
+            fenced_out_events=fenced,
+            oldest_pending_at=None if oldest_p is None else int(oldest_p),
+            oldest_completed_at=None if oldest_c is None else int(oldest_c),
+            oldest_row_at=None if oldest is None else int(oldest),
+            storage_bytes=self.engine.storage_bytes(TABLES),
+            schema_version=self.schema_version() or 0,
+        )
+
+    def purge(self, principal: str, key: str, stale_before: int | None) -> PurgeResult:
+        self._guard()
+        rows = self._write(PURGE, {"principal": principal, "key": key, "stale_before": stale_before})
+        if rows:
+            return PurgeResult(PurgeOutcome.PURGED, self.decode_row(rows[0]))
+        row = self.lookup(principal, key)
+        if row is None:
+            return PurgeResult(PurgeOutcome.NOT_FOUND, None)
+        return PurgeResult(PurgeOutcome.REFUSED_FRESH_PENDING, row)
