@@ -27,7 +27,14 @@ from typer.core import TyperGroup
 
 from . import __version__
 from .durations import ago, human_duration, iso, parse_duration
-from .errors import IdemctlError, InvalidKeyError, LedgerNotFoundError, SchemaMissingError, SchemaOutdatedError
+from .errors import (
+    IdemctlError,
+    InvalidKeyError,
+    LedgerNotFoundError,
+    MalformedRowError,
+    SchemaMissingError,
+    SchemaOutdatedError,
+)
 from .fingerprint import fingerprint as compute_fingerprint
 from .fingerprint import header_values, is_valid_key
 from .ledger import Ledger
@@ -382,11 +389,21 @@ def _grid() -> Table:
 def init(
     ctx: typer.Context,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be done; write nothing.")] = False,
+    file_mode: Annotated[
+        str,
+        typer.Option(
+            "--file-mode",
+            metavar="OCTAL",
+            help="Permission bits of a new SQLite ledger and its -wal, -shm and lock files "
+            "(600: owner only; 660: also the owner's group). An existing file keeps its own.",
+        ),
+    ] = "600",
     db: DbOpt = None,
 ) -> None:
     """Create or upgrade the ledger schema (idempotent; keeps every row)."""
     s = _settings(ctx)
     target = db or s.db
+    mode = _file_mode(file_mode)
     if dry_run:
         try:
             ledger = Ledger.open(target, create=False, readonly=True, busy_timeout_ms=s.busy_timeout_ms)
@@ -406,9 +423,19 @@ def init(
                 f"(adds idemctl tables and columns, no row touched); nothing written"
             )
         return
-    with Ledger.open(target, create=True, busy_timeout_ms=s.busy_timeout_ms) as ledger:
+    with Ledger.open(target, create=True, busy_timeout_ms=s.busy_timeout_ms, file_mode=mode) as ledger:
         result = ledger.init()
         typer.echo(f"{ledger.describe()}: {result.describe()}")
+
+
+def _file_mode(text: str) -> int:
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        raise UserError(f"--file-mode {text!r} is not octal permission bits such as 600 or 660") from None
+    if not 0 <= mode <= 0o777 or mode & 0o600 != 0o600:
+        raise UserError(f"--file-mode {text} must let the owner read and write, e.g. 600 or 660")
+    return mode
 
 
 # -- inspect -------------------------------------------------------------------------------
@@ -560,12 +587,26 @@ def pending(
     """Pending reservations, oldest first, with age and whether a retry would take over now."""
     # Streamed from the ledger to stdout, so `--limit 0` on a million pending
     # rows never holds them all in memory; hence the ledger stays open while rendering.
+    malformed: list[MalformedRowError] = []
+
+    def skip(exc: MalformedRowError) -> None:
+        # Another program's row that cannot be read: say which, keep listing.
+        malformed.append(exc)
+        _say_error(f"{exc}; skipped")
+
     with _ledger(ctx, db, ttl=ttl) as ledger:
         cap = _limit(limit)
         now = ledger.now()
         ttl_ms = ledger.policy.pending_ttl_ms
         views = _Capped(
-            ledger.pending(stale_only=stale, principal=principal, limit=None if cap is None else cap + 1, now=now), cap
+            ledger.pending(
+                stale_only=stale,
+                principal=principal,
+                limit=None if cap is None else cap + 1,
+                now=now,
+                on_malformed=skip,
+            ),
+            cap,
         )
         if json_out:
             _emit_json_listing(
@@ -574,6 +615,8 @@ def pending(
                 (view_json(v) for v in views),
                 lambda: {"truncated": views.truncated},
             )
+            if malformed:
+                raise typer.Exit(EXIT_USAGE)
             return
         console = _console()
         shown = 0
@@ -593,9 +636,11 @@ def pending(
             shown += len(chunk)
     if not shown:
         console.print("no stale pending rows" if stale else "no pending rows")
-        return
-    more = f"; more exist (--limit {cap * 2 if cap else 0} or 0 for all)" if views.truncated else ""
-    console.print(f"{shown} pending row(s), oldest first; TTL {human_duration(ttl_ms)}{more}")
+    else:
+        more = f"; more exist (--limit {cap * 2 if cap else 0} or 0 for all)" if views.truncated else ""
+        console.print(f"{shown} pending row(s), oldest first; TTL {human_duration(ttl_ms)}{more}")
+    if malformed:
+        raise typer.Exit(EXIT_USAGE)
 
 
 # -- fenced --------------------------------------------------------------------------------

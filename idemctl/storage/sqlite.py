@@ -232,8 +232,14 @@ class SqliteEngine:
         of one process queue exactly like processes do."""
         if self.write_queue_path is None:
             return None
+        flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(self.write_queue_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), self._companion_mode())
+            try:
+                mode = self._companion_mode()
+                fd = os.open(self.write_queue_path, flags | os.O_CREAT | os.O_EXCL, mode)
+                os.fchmod(fd, mode)  # exactly the ledger's bits, whatever the umask
+            except FileExistsError:
+                fd = os.open(self.write_queue_path, flags)
         except OSError:
             return None  # e.g. a directory we may not create files in: SQLite's busy handler alone
         slot.fds.append(fd)
