@@ -1,7 +1,9 @@
 """idemctl: the server side of the Idempotency-Key contract.
 
 >>> from idemctl import Ledger, Policy
->>> ledger = Ledger.open("idempotency.db", policy=Policy())  # doctest: +SKIP
+>>> ledger = Ledger.open(":memory:", policy=Policy(pending_ttl_ms=60_000))  # or a path, or postgresql://
+>>> ledger.init().action.value
+'created'
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from .errors import (
+    AnswerNotStoredError,
     ConnectionFailedError,
     DatabaseLockedError,
     IdemctlError,
@@ -16,6 +19,7 @@ from .errors import (
     InvalidKeyError,
     InvalidPrincipalError,
     InvalidRequestError,
+    InvalidResponseError,
     LedgerNotFoundError,
     LedgerUnavailableError,
     MalformedRowError,
@@ -32,10 +36,13 @@ from .ledger import Ledger, wall_clock_ms
 from .outcomes import (
     Answer,
     Completion,
+    Drained,
+    DrainStop,
     FencedEvent,
     InitAction,
     InitResult,
     Outcome,
+    Prediction,
     PurgeOutcome,
     PurgeResult,
     Reservation,
@@ -45,6 +52,8 @@ from .outcomes import (
     Status,
     StoredRow,
     SweepResult,
+    Ticket,
+    Verdict,
 )
 from .policy import Policy
 from .schema import SCHEMA_VERSION
@@ -55,10 +64,14 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0.0.0+source"
 
 __all__ = [
+    "SCHEMA_VERSION",
     "Answer",
+    "AnswerNotStoredError",
     "Completion",
     "ConnectionFailedError",
     "DatabaseLockedError",
+    "DrainStop",
+    "Drained",
     "FencedEvent",
     "IdemctlError",
     "InitAction",
@@ -67,6 +80,7 @@ __all__ = [
     "InvalidKeyError",
     "InvalidPrincipalError",
     "InvalidRequestError",
+    "InvalidResponseError",
     "Ledger",
     "LedgerNotFoundError",
     "LedgerUnavailableError",
@@ -75,12 +89,12 @@ __all__ = [
     "Outcome",
     "Policy",
     "PolicyError",
+    "Prediction",
     "PurgeOutcome",
     "PurgeResult",
     "ReadOnlyDatabaseError",
     "Reservation",
     "RowView",
-    "SCHEMA_VERSION",
     "SchemaMissingError",
     "SchemaOutdatedError",
     "SchemaTooNewError",
@@ -90,8 +104,10 @@ __all__ = [
     "StorageError",
     "StoredRow",
     "SweepResult",
+    "Ticket",
+    "Verdict",
+    "__version__",
     "fingerprint",
     "is_valid_key",
     "wall_clock_ms",
-    "__version__",
 ]

@@ -289,7 +289,7 @@ def _ledger(
     ledger = Ledger.open(target, policy=policy, create=False, readonly=not write, busy_timeout_ms=s.busy_timeout_ms)
     try:
         if ledger.schema_version() is None:
-            raise SchemaMissingError(f"{ledger.describe()} has no idempotency ledger")
+            raise SchemaMissingError(ledger.describe())
         yield ledger
     finally:
         ledger.close()

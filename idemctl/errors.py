@@ -4,6 +4,8 @@ exit codes or HTTP responses."""
 
 from __future__ import annotations
 
+from .outcomes import Answer
+
 
 class IdemctlError(Exception):
     """Base class of every error idemctl raises on purpose."""
@@ -21,6 +23,11 @@ class InvalidBodyError(IdemctlError, TypeError):
     """A request or response body that is not bytes."""
 
 
+class InvalidResponseError(IdemctlError, ValueError):
+    """The mutation returned an answer that cannot be stored (a status outside
+    100-999). It ran: the reservation stays pending for a takeover."""
+
+
 class InvalidPrincipalError(IdemctlError, ValueError):
     """A principal that cannot be stored exactly: empty, not valid UTF-8 (a
     lone surrogate), or holding a NUL character."""
@@ -36,11 +43,22 @@ class StorageError(IdemctlError):
 
 
 class SchemaMissingError(StorageError):
-    """The database has no ledger table yet: `Ledger.init()` creates it."""
+    """The database has no ledger table yet: `Ledger.init()` creates it.
+
+    >>> SchemaMissingError("/var/lib/app/idempotency.db").where
+    '/var/lib/app/idempotency.db'
+    """
+
+    def __init__(self, where: str, message: str | None = None) -> None:
+        self.where = where
+        super().__init__(message or f"{where} has no idempotency ledger")
 
 
 class LedgerNotFoundError(SchemaMissingError):
-    """No ledger file exists at the given path (nothing was created)."""
+    """No ledger exists at the given place (nothing was created there)."""
+
+    def __init__(self, where: str, reason: str | None = None) -> None:
+        super().__init__(where, f"no ledger at {where}" if reason is None else reason)
 
 
 class NotADatabaseError(StorageError):
@@ -50,11 +68,21 @@ class NotADatabaseError(StorageError):
 class SchemaTooNewError(StorageError):
     """The database was written by a newer idemctl; this one refuses to touch it."""
 
+    def __init__(self, where: str, version: int, known: int) -> None:
+        self.where, self.version, self.known = where, version, known
+        super().__init__(f"{where} has ledger schema version {version}; this idemctl knows up to {known}")
+
 
 class SchemaOutdatedError(StorageError):
     """The ledger's schema predates what the request path needs (a ledger
     written by the recipe's Worker or by an older idemctl): it can be read,
     and `Ledger.init()` upgrades it in place."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        super().__init__(
+            f"{where} has an older ledger schema; requests need the current one (init upgrades it in place)"
+        )
 
 
 class MalformedRowError(StorageError):
@@ -72,6 +100,17 @@ class MalformedRowError(StorageError):
         super().__init__(f"malformed ledger row principal={principal!r} key={key!r}: {problem}")
 
 
+class AnswerNotStoredError(StorageError):
+    """The mutation ran but its answer could not be stored. `answer` is what
+    the app computed, shaped exactly as a stored answer would be: send it
+    rather than invite a retry that would run the mutation again."""
+
+    def __init__(self, answer: Answer, cause: StorageError) -> None:
+        self.answer = answer
+        self.cause = cause
+        super().__init__(f"the mutation ran but its answer could not be stored: {cause}")
+
+
 class ReadOnlyDatabaseError(StorageError):
     """A write was needed but the database is read-only."""
 
@@ -86,3 +125,8 @@ class DatabaseLockedError(LedgerUnavailableError):
 
 class ConnectionFailedError(LedgerUnavailableError):
     """The database server could not be reached or refused the connection."""
+
+
+class ScenarioError(IdemctlError, ValueError):
+    """A scenario for `simulate` that cannot run: an unknown name, a malformed
+    file, a bad step."""

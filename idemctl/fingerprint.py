@@ -5,12 +5,11 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable, Mapping
-from typing import Union
 
 from .errors import InvalidBodyError
 from .policy import DEFAULT_FINGERPRINT_HEADERS
 
-HeadersLike = Union[Mapping[str, str], Iterable[tuple[str, str]]]
+HeadersLike = Mapping[str, str] | Iterable[tuple[str, str]]
 
 # \Z, not $: Python's $ also matches before a trailing newline, which would
 # let "abc\n" through where the recipe's JavaScript pattern rejects it.

@@ -10,10 +10,11 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Union
+from typing import Any
 
 from . import responses
 from .errors import (
+    AnswerNotStoredError,
     IdemctlError,
     InvalidKeyError,
     InvalidPrincipalError,
@@ -21,17 +22,18 @@ from .errors import (
     MalformedRowError,
     PolicyError,
     SchemaMissingError,
-    SchemaOutdatedError,
+    StorageError,
 )
 from .fingerprint import HeadersLike, as_body_bytes, fingerprint, header_pairs, is_valid_key
-from .storage import DEFAULT_FILE_MODE, Store, open_engine
-from .storage.store import derive_state, new_token
 from .outcomes import (
     Answer,
     Completion,
+    Drained,
+    DrainStop,
     FencedEvent,
     InitResult,
     Outcome,
+    Prediction,
     PurgeResult,
     Reservation,
     RowView,
@@ -40,13 +42,17 @@ from .outcomes import (
     Status,
     StoredRow,
     SweepResult,
+    Ticket,
+    Verdict,
 )
 from .policy import Policy
+from .storage import DEFAULT_FILE_MODE, Store, open_engine
+from .storage.store import derive_state, new_token
 
 log = logging.getLogger("idemctl")
 
 Clock = Callable[[], int]
-RunResult = tuple[int, Union[HeadersLike, None], Union[bytes, bytearray, memoryview, str]]
+RunResult = tuple[int, HeadersLike | None, bytes | bytearray | memoryview | str]
 Mutation = Callable[[bytes], RunResult]
 
 
@@ -59,10 +65,12 @@ class Ledger:
     """An idempotency ledger. Safe to share between threads; each thread (and
     each forked process) gets its own database connection.
 
-    >>> ledger = Ledger.open("idempotency.db"); ledger.init()  # doctest: +SKIP
+    >>> ledger = Ledger.open(":memory:")  # a file path or a postgresql:// URL
+    >>> ledger.init().describe()
+    'created (schema version 2)'
     >>> ledger.handle("acct_1", "key-1", "POST", "/orders", {}, b"{}",
-    ...               lambda body: (201, {"content-type": "application/json"}, b'{"id":1}'))  # doctest: +SKIP
-    Answer(status=201, ...)
+    ...               lambda body: (201, {"content-type": "application/json"}, b'{"id":1}')).status
+    201
     """
 
     def __init__(self, store: Store, *, policy: Policy | None = None, clock: Clock | None = None) -> None:
@@ -83,7 +91,7 @@ class Ledger:
         synchronous: str = "FULL",
         write_queue: bool = True,
         file_mode: int = DEFAULT_FILE_MODE,
-    ) -> "Ledger":
+    ) -> Ledger:
         """Open a ledger: a SQLite file path or a ``postgresql://`` URL.
 
         Opening never creates anything: :meth:`init` creates the schema (and
@@ -95,7 +103,8 @@ class Ledger:
         ``write_queue=False`` turns off the fair writer queue
         (docs/performance.md).
 
-        >>> ledger = Ledger.open("idempotency.db", policy=Policy(pending_ttl_ms=60_000))  # doctest: +SKIP
+        >>> Ledger.open(":memory:", policy=Policy(pending_ttl_ms=60_000)).policy.retry_after_seconds
+        60
         """
         engine = open_engine(
             target,
@@ -117,7 +126,7 @@ class Ledger:
                 raise
         return cls(store, policy=policy, clock=clock)
 
-    def __enter__(self) -> "Ledger":
+    def __enter__(self) -> Ledger:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -141,8 +150,9 @@ class Ledger:
     def init(self, *, dry_run: bool = False) -> InitResult:
         """Create or upgrade the schema; safe to run any number of times.
 
-        >>> Ledger.open("idempotency.db").init().describe()  # doctest: +SKIP
-        'created (schema version 1)'
+        >>> ledger = Ledger.open(":memory:")
+        >>> ledger.init().describe(), ledger.init().describe()
+        ('created (schema version 2)', 'already up to date (schema version 2)')
         """
         return self.store.init(self.now(), dry_run)
 
@@ -156,37 +166,38 @@ class Ledger:
         return self.store.has_fenced_log()
 
     # -- the request flow ------------------------------------------------------------
-    def handle(
+    # Two phases, so that every adapter (WSGI, ASGI, Django, functions) runs the
+    # app itself between them and the contract lives here alone: `begin`
+    # decides (one claim, and at most a lookup and a takeover), `finish`
+    # stores the answer with one fenced statement and returns what was stored.
+
+    def begin(
         self,
         principal: str | None,
         key: str | None,
         method: str,
         path_and_query: str,
         headers: HeadersLike | None,
-        body: bytes,
-        run: Mutation,
-        *,
-        release_on_error: bool = False,
-    ) -> Answer:
-        """Run one request under the Idempotency-Key contract (SPEC §1 and §4).
+        body: bytes | bytearray | memoryview,
+    ) -> Answer | Ticket:
+        """Decide one request (SPEC §1 and §4): an :class:`Answer` to send as it
+        is (a replay, 400, 401, 409), or a :class:`Ticket` that says: run the
+        mutation once with ``ticket.body``, then call :meth:`finish` (or
+        :meth:`abandon` if it raised).
 
-        `run(body)` is called at most once, only when this caller owns the
-        reservation, and returns ``(status, headers, body_bytes)``. The answer
-        is built from what was stored, so it equals every later replay. Call
-        :meth:`after_response` once the answer has been sent.
-
-        >>> answer = ledger.handle("acct_1", "k1", "POST", "/orders", {"content-type": "application/json"},
-        ...                        b'{"sku":"x"}', lambda b: (201, {"content-type": "application/json"}, b'{"id":7}'))  # doctest: +SKIP
-        >>> answer.status, answer.outcome  # doctest: +SKIP
-        (201, <Outcome.EXECUTED: 'executed'>)
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> ticket = ledger.begin("acct_1", "k1", "POST", "/orders", {}, b'{"sku":"x"}')
+        >>> ticket.outcome, ticket.reservation.generation
+        (<Outcome.EXECUTED: 'executed'>, 1)
+        >>> ledger.finish(ticket, 201, {"content-type": "application/json"}, b'{"id":7}').status
+        201
+        >>> ledger.begin("acct_1", "k1", "POST", "/orders", {}, b'{"sku":"x"}').outcome
+        <Outcome.REPLAYED: 'replayed'>
         """
         policy = self.policy
-        if not policy.protects(method):
-            status, out_headers, out_body = run(as_body_bytes(body, "request body"))
-            if isinstance(out_body, str):
-                out_body = out_body.encode("utf-8")
-            return Answer(status, tuple(header_pairs(out_headers)), as_body_bytes(out_body, "response body"), Outcome.PASSTHROUGH)
         raw = as_body_bytes(body, "request body")
+        if not policy.protects(method):
+            return Ticket(None, Outcome.PASSTHROUGH, raw, None)
         if principal is None or principal == "":
             return Answer(*responses.unauthenticated(), Outcome.UNAUTHENTICATED)
         check_principal(principal)
@@ -199,53 +210,118 @@ class Ledger:
         now = self.now()
         fp = fingerprint(method, path_and_query, headers, raw, policy.fingerprint_headers)
         store = self.store
-        outcome = Outcome.EXECUTED
         token = new_token()
         generation = store.claim(principal, key, fp, token, now)
-        if generation is None:
-            row = store.lookup(principal, key)
-            if row is None:
-                # Swept between our failed claim and the lookup: the next try wins the claim.
-                return Answer(*responses.retry(), Outcome.RETRY, None, now)
-            if row.fingerprint != fp:
-                return Answer(*responses.reused(policy), Outcome.REUSED, row.generation, now)
-            if row.status is Status.COMPLETED:
-                status, out_headers, out_body = responses.from_stored(
-                    row.response_status, row.response_body, row.response_headers, row=(principal, key)
-                )
-                return Answer(status, out_headers, out_body, Outcome.REPLAYED, row.generation, now)
-            generation = store.takeover(principal, key, fp, token, now, now - policy.pending_ttl_ms)
-            if generation is None:
-                return Answer(*responses.in_progress(policy), Outcome.IN_PROGRESS, row.generation, now)
-            outcome = Outcome.TAKEN_OVER
-            log.warning(
-                "took over stale reservation principal=%s key=%s as generation %d", principal, key, generation
+        if generation is not None:
+            return Ticket(Reservation(principal, key, generation, fp, token), Outcome.EXECUTED, raw, now)
+        row = store.lookup(principal, key)
+        if row is None:
+            # Swept between our failed claim and the lookup: the next try wins the claim.
+            return Answer(*responses.retry(), Outcome.RETRY, None, now)
+        if row.fingerprint != fp:
+            return Answer(*responses.reused(policy), Outcome.REUSED, row.generation, now)
+        if row.status is Status.COMPLETED:
+            status, out_headers, out_body = responses.from_stored(
+                row.response_status, row.response_body, row.response_headers, row=(principal, key)
             )
+            return Answer(status, out_headers, out_body, Outcome.REPLAYED, row.generation, now)
+        generation = store.takeover(principal, key, fp, token, now, now - policy.pending_ttl_ms)
+        if generation is None:
+            return Answer(*responses.in_progress(policy), Outcome.IN_PROGRESS, row.generation, now)
+        log.warning("took over stale reservation principal=%s key=%s as generation %d", principal, key, generation)
+        return Ticket(Reservation(principal, key, generation, fp, token), Outcome.TAKEN_OVER, raw, now)
 
-        reservation = Reservation(principal, key, generation, fp, token)
+    def finish(
+        self,
+        ticket: Ticket,
+        status: int,
+        headers: HeadersLike | None,
+        body: bytes | bytearray | memoryview | str,
+    ) -> Answer:
+        """Store the mutation's answer with one fenced statement and return the
+        answer built from what was stored (equal to every later replay). A
+        late owner is fenced out: it still gets the answer it computed, and
+        the event is recorded. If the store fails, AnswerNotStoredError
+        carries the answer the app computed, shaped as a stored one.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> ticket = ledger.begin("acct_1", "k2", "POST", "/orders", {}, b"{}")
+        >>> answer = ledger.finish(ticket, 201, {"location": "/orders/8"}, b"ok")
+        >>> answer.outcome, answer.header("location"), answer.body
+        (<Outcome.EXECUTED: 'executed'>, '/orders/8', b'ok')
+        """
+        reservation = ticket.reservation
+        if reservation is None:
+            raw = body.encode("utf-8") if isinstance(body, str) else as_body_bytes(body, "response body")
+            return Answer(status, tuple(header_pairs(headers)), raw, Outcome.PASSTHROUGH)
+        stored, computed = self._prepare(reservation, status, headers, body)
         try:
-            status, out_headers, out_body = run(raw)
+            done = self._store_answer(reservation, stored, computed, self.now())
+        except StorageError as exc:
+            answer = Answer(*computed, ticket.outcome, reservation.generation, ticket.started_at)
+            raise AnswerNotStoredError(answer, exc) from exc
+        outcome = ticket.outcome if done.stored else Outcome.FENCED_OUT
+        return Answer(done.status, done.headers, done.body, outcome, reservation.generation, ticket.started_at)
+
+    def abandon(self, ticket: Ticket, *, release: bool = False) -> None:
+        """The mutation raised. By default the reservation stays pending and a
+        retry takes it over after the TTL; ``release=True`` (for mutations
+        known to have rolled back) deletes it so a retry runs at once. Never
+        raises: a failed release is logged.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> ticket = ledger.begin("acct_1", "k3", "POST", "/orders", {}, b"{}")
+        >>> ledger.abandon(ticket, release=True)
+        >>> ledger.lookup("acct_1", "k3") is None
+        True
+        """
+        if release and ticket.reservation is not None:
+            self._release_quietly(ticket.reservation)
+
+    def handle(
+        self,
+        principal: str | None,
+        key: str | None,
+        method: str,
+        path_and_query: str,
+        headers: HeadersLike | None,
+        body: bytes,
+        run: Mutation,
+        *,
+        release_on_error: bool = False,
+    ) -> Answer:
+        """Run one request under the Idempotency-Key contract: :meth:`begin`,
+        then `run(body)` at most once when this caller owns the reservation,
+        then :meth:`finish`. `run` returns ``(status, headers, body)``. Call
+        :meth:`after_response` once the answer has been sent.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> order = lambda body: (201, {"content-type": "application/json"}, b'{"id":7}')
+        >>> answer = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b'{"sku":"x"}', order)
+        >>> answer.status, answer.outcome
+        (201, <Outcome.EXECUTED: 'executed'>)
+        >>> ledger.handle("acct_1", "k1", "POST", "/orders", {}, b'{"sku":"x"}', order).outcome
+        <Outcome.REPLAYED: 'replayed'>
+        """
+        decision = self.begin(principal, key, method, path_and_query, headers, body)
+        if isinstance(decision, Answer):
+            return decision
+        try:
+            status, out_headers, out_body = run(decision.body)
         except BaseException:
-            if release_on_error:
-                self._release_quietly(reservation)
+            self.abandon(decision, release=release_on_error)
             raise
-        done = self.complete(reservation, status, out_headers, out_body)
-        return Answer(
-            done.status,
-            done.headers,
-            done.body,
-            outcome if done.stored else Outcome.FENCED_OUT,
-            generation,
-            now,
-        )
+        return self.finish(decision, status, out_headers, out_body)
 
     def after_response(self, answer: Answer) -> SweepResult | None:
         """The post-response housekeeping of SPEC §4.9: one bounded sweep batch
         at the request's own `now`. Call it after the answer has been sent.
         It never raises: a failed sweep is logged and retried by the next request.
 
-        >>> ledger.after_response(answer)  # doctest: +SKIP
-        SweepResult(keys_deleted=0, fenced_deleted=0, cutoff=...)
+        >>> ledger = Ledger.open(":memory:", clock=lambda: 1_700_000_000_000); _ = ledger.init()
+        >>> answer = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b""))
+        >>> ledger.after_response(answer).deleted
+        0
         """
         if answer.started_at is None or answer.outcome not in (
             Outcome.EXECUTED,
@@ -263,8 +339,11 @@ class Ledger:
     def claim(self, principal: str, key: str, fingerprint: str, *, now: int | None = None) -> Reservation | None:
         """Atomically claim (principal, key) as generation 1; None if it exists.
 
-        >>> ledger.claim("acct_1", "k1", fingerprint("POST", "/orders", [], b""))  # doctest: +SKIP
-        Reservation(principal='acct_1', key='k1', generation=1, fingerprint='fc4d...')
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> ledger.claim("acct_1", "k1", fingerprint("POST", "/orders", [], b"")).generation
+        1
+        >>> ledger.claim("acct_1", "k1", fingerprint("POST", "/orders", [], b"")) is None
+        True
         """
         check_principal(principal)
         self._check_key(key)
@@ -276,7 +355,9 @@ class Ledger:
     def lookup(self, principal: str, key: str) -> StoredRow | None:
         """The stored row, or None.
 
-        >>> ledger.lookup("acct_1", "k1").status  # doctest: +SKIP
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> _ = ledger.claim("acct_1", "k1", "fp")
+        >>> ledger.lookup("acct_1", "k1").status
         <Status.PENDING: 'pending'>
         """
         return self.store.lookup(principal, key)
@@ -285,7 +366,12 @@ class Ledger:
         """Take over a pending row older than the TTL, as the next generation;
         None if it is fresh, completed, gone or for another request.
 
-        >>> ledger.takeover("acct_1", "k1", fp).generation  # doctest: +SKIP
+        >>> t = [0]; ledger = Ledger.open(":memory:", clock=lambda: t[0]); _ = ledger.init()
+        >>> _ = ledger.claim("acct_1", "k1", "fp")
+        >>> ledger.takeover("acct_1", "k1", "fp") is None  # still fresh
+        True
+        >>> t[0] += ledger.policy.pending_ttl_ms + 1
+        >>> ledger.takeover("acct_1", "k1", "fp").generation
         2
         """
         check_principal(principal)
@@ -308,9 +394,24 @@ class Ledger:
         When fenced out, the event is recorded and logged at ERROR, and the
         caller still gets the answer it computed.
 
-        >>> ledger.complete(reservation, 201, {"content-type": "text/plain"}, b"ok").stored  # doctest: +SKIP
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> reservation = ledger.claim("acct_1", "k1", "fp")
+        >>> ledger.complete(reservation, 201, {"content-type": "text/plain"}, b"ok").stored
         True
+        >>> ledger.complete(reservation, 201, {}, b"again").stored  # already completed
+        False
         """
+        stored, answer = self._prepare(reservation, status, headers, body)
+        return self._store_answer(reservation, stored, answer, self.now() if now is None else now)
+
+    def _prepare(
+        self,
+        reservation: Reservation,
+        status: int,
+        headers: HeadersLike | None,
+        body: bytes | bytearray | memoryview | str,
+    ) -> tuple[responses.ToStore, tuple[int, responses.Headers, bytes]]:
+        """What will be stored for this answer, and the answer built from it."""
         where = (reservation.principal, reservation.key)
         stored = responses.to_store(status, headers, body, self.policy, row=where)
         if stored.oversize:
@@ -320,8 +421,15 @@ class Ledger:
                 reservation.key,
                 self.policy.body_cap_bytes,
             )
-        answer = responses.from_stored(stored.status, stored.body, stored.headers_json, row=where)
-        stamp = self.now() if now is None else now
+        return stored, responses.from_stored(stored.status, stored.body, stored.headers_json, row=where)
+
+    def _store_answer(
+        self,
+        reservation: Reservation,
+        stored: responses.ToStore,
+        answer: tuple[int, responses.Headers, bytes],
+        stamp: int,
+    ) -> Completion:
         ok = self.store.complete(
             reservation.principal,
             reservation.key,
@@ -355,8 +463,10 @@ class Ledger:
         completion: it deletes the row only while it is still this
         reservation's (generation and token), never a newer owner's.
 
-        >>> ledger.release(reservation)  # doctest: +SKIP
-        True
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> reservation = ledger.claim("acct_1", "k1", "fp")
+        >>> ledger.release(reservation), ledger.release(reservation)
+        (True, False)
         """
         return self.store.release(reservation.principal, reservation.key, reservation.generation, reservation.token)
 
@@ -378,14 +488,58 @@ class Ledger:
         fenced-out events older than the fenced-out log's own retention: one
         bounded statement per table.
 
-        >>> ledger.sweep(batch=500).keys_deleted  # doctest: +SKIP
-        500
+        >>> t = [0]; ledger = Ledger.open(":memory:", clock=lambda: t[0]); _ = ledger.init()
+        >>> for i in range(3): _ = ledger.claim("acct_1", f"k{i}", "fp")
+        >>> t[0] += ledger.policy.retention_ms + 1
+        >>> ledger.sweep(batch=2).keys_deleted, ledger.sweep(batch=2).keys_deleted
+        (2, 1)
         """
         now = self.now() if now is None else now
         batch = self.policy.sweep_batch if batch is None else batch
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise PolicyError(f"sweep batch must be >= 1, got {batch}")
-        return self.store.sweep(now - self._retention(retention_ms), now - self._fenced_retention(fenced_retention_ms), batch)
+        cutoff = now - self._retention(retention_ms)
+        return self.store.sweep(cutoff, now - self._fenced_retention(fenced_retention_ms), batch)
+
+    def drain(
+        self,
+        *,
+        batch: int | None = None,
+        max_batches: int | None = None,
+        retention_ms: int | None = None,
+        fenced_retention_ms: int | None = None,
+        pause_ms: int = 0,
+        should_stop: Callable[[], bool] = lambda: False,
+        on_batch: Callable[[SweepResult], None] | None = None,
+    ) -> Drained:
+        """Sweep batch after batch until one deletes nothing, `max_batches`
+        have run, or `should_stop()` is true between two batches. Each batch
+        is one bounded statement per table (:meth:`sweep`); ``pause_ms``
+        leaves the write lock to the request path between them. The default
+        batch is the engine's :attr:`drain_batch`.
+
+        >>> ledger = Ledger.open(":memory:", clock=lambda: 0); _ = ledger.init()
+        >>> ledger.drain(retention_ms=60_000)
+        Drained(keys_deleted=0, fenced_deleted=0, batches=1, stopped=<DrainStop.DRAINED: 'drained'>)
+        """
+        size = self.drain_batch if batch is None else batch
+        keys = fenced = batches = 0
+        while True:
+            if should_stop():
+                return Drained(keys, fenced, batches, DrainStop.INTERRUPTED)
+            if max_batches is not None and batches >= max_batches:
+                return Drained(keys, fenced, batches, DrainStop.MAX_BATCHES)
+            result = self.sweep(batch=size, retention_ms=retention_ms, fenced_retention_ms=fenced_retention_ms)
+            batches += 1
+            keys += result.keys_deleted
+            fenced += result.fenced_deleted
+            if on_batch is not None:
+                on_batch(result)
+            if result.deleted == 0:
+                return Drained(keys, fenced, batches, DrainStop.DRAINED)
+            deadline = time.monotonic() + pause_ms / 1000
+            while pause_ms and not should_stop() and time.monotonic() < deadline:
+                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     @property
     def drain_batch(self) -> int:
@@ -394,7 +548,7 @@ class Ledger:
         database-wide write lock that claims wait for; 1000 on PostgreSQL,
         where it locks only the expired rows it deletes.
 
-        >>> Ledger.open("idempotency.db").drain_batch  # doctest: +SKIP
+        >>> Ledger.open(":memory:").drain_batch
         250
         """
         return self.store.drain_batch
@@ -427,7 +581,9 @@ class Ledger:
     def get(self, principal: str, key: str, *, now: int | None = None) -> RowView | None:
         """One row with its derived state, or None.
 
-        >>> ledger.get("acct_1", "k1").state  # doctest: +SKIP
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> _ = ledger.claim("acct_1", "k1", "fp")
+        >>> ledger.get("acct_1", "k1").state
         <State.PENDING_FRESH: 'pending_fresh'>
         """
         row = self.store.lookup(principal, key)
@@ -448,7 +604,11 @@ class Ledger:
         A row written by another program that cannot be read raises
         MalformedRowError, or goes to ``on_malformed`` and the listing goes on.
 
-        >>> [v.row.key for v in ledger.pending(stale_only=True)]  # doctest: +SKIP
+        >>> t = [0]; ledger = Ledger.open(":memory:", clock=lambda: t[0]); _ = ledger.init()
+        >>> _ = ledger.claim("acct_1", "k1", "fp"); t[0] += 60_000; _ = ledger.claim("acct_1", "k2", "fp")
+        >>> [(v.row.key, v.state.value) for v in ledger.pending()]
+        [('k1', 'pending_stale'), ('k2', 'pending_fresh')]
+        >>> [v.row.key for v in ledger.pending(stale_only=True)]
         ['k1']
         """
         now = self.now() if now is None else now
@@ -474,16 +634,57 @@ class Ledger:
     ) -> Iterator[FencedEvent]:
         """Fenced-out events, newest first.
 
-        >>> next(ledger.fenced(principal="acct_1")).superseded_generation  # doctest: +SKIP
-        1
+        >>> t = [0]; ledger = Ledger.open(":memory:", clock=lambda: t[0]); _ = ledger.init()
+        >>> late = ledger.claim("acct_1", "k1", "fp"); t[0] += 60_000
+        >>> _ = ledger.complete(ledger.takeover("acct_1", "k1", "fp"), 201, {}, b"B")
+        >>> ledger.complete(late, 201, {}, b"A").stored
+        False
+        >>> event = next(ledger.fenced(principal="acct_1"))
+        >>> event.superseded_generation, event.current_generation
+        (1, 2)
         """
         return self.store.iter_fenced(principal, key, since, limit)
+
+    def predict(self, principal: str, key: str, fingerprint: str, *, now: int | None = None) -> Prediction:
+        """What a request with this fingerprint would get now, from the
+        stored row alone (a read: nothing is claimed). For operators asking
+        why a retry keeps getting 409.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> ledger.predict("acct_1", "k1", "fp").verdict
+        <Verdict.NEW: 'new'>
+        """
+        view = self.get(principal, key, now=now)
+        if view is None:
+            return Prediction(Verdict.NEW, None)
+        if view.row.fingerprint != fingerprint:
+            return Prediction(Verdict.REUSED, view)
+        if view.row.status is Status.COMPLETED:
+            return Prediction(Verdict.REPLAY, view)
+        if view.state is State.PENDING_FRESH:
+            return Prediction(Verdict.IN_PROGRESS, view)
+        return Prediction(Verdict.TAKEOVER, view)
+
+    def require_schema(self) -> None:
+        """Raise SchemaMissingError unless the ledger's tables exist (they
+        may be the recipe's alone): for tools that must never create one.
+
+        >>> Ledger.open(":memory:").require_schema()
+        Traceback (most recent call last):
+        ...
+        idemctl.errors.SchemaMissingError: :memory: has no idempotency ledger
+        """
+        if self.schema_version() is None:
+            raise SchemaMissingError(self.describe())
 
     def stats(self, *, now: int | None = None) -> Stats:
         """Rows by derived state, takeovers, fenced-out events, sweep backlog.
 
-        >>> ledger.stats().expired  # doctest: +SKIP
-        0
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> _ = ledger.claim("acct_1", "k1", "fp")
+        >>> stats = ledger.stats()
+        >>> stats.total, stats.pending_fresh, stats.expired
+        (1, 1, 0)
         """
         now = self.now() if now is None else now
         p = self.policy
@@ -504,7 +705,9 @@ class Ledger:
         again. A fresh pending row is refused unless `force`: its owner may
         still be running.
 
-        >>> ledger.purge("acct_1", "k1").outcome  # doctest: +SKIP
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> _ = ledger.complete(ledger.claim("acct_1", "k1", "fp"), 201, {}, b"")
+        >>> ledger.purge("acct_1", "k1").outcome
         <PurgeOutcome.PURGED: 'purged'>
         """
         now = self.now() if now is None else now

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 
 class Outcome(enum.Enum):
@@ -22,6 +22,8 @@ class Outcome(enum.Enum):
     KEY_INVALID = "key_invalid"  # 400
     UNAUTHENTICATED = "unauthenticated"  # 401: no server-side principal
     PASSTHROUGH = "passthrough"  # unprotected method: ran without the ledger
+    UNAVAILABLE = "unavailable"  # 503: the ledger could not be asked; nothing ran
+    BODY_REFUSED = "body_refused"  # 400/411/413: the request body could not be read safely
 
     @property
     def ran_mutation(self) -> bool:
@@ -58,7 +60,7 @@ class Answer:
         return None
 
 
-class Status(str, enum.Enum):
+class Status(enum.StrEnum):
     """The ledger row's own `status` column."""
 
     PENDING = "pending"
@@ -91,6 +93,17 @@ class Reservation:
     generation: int
     fingerprint: str
     token: int | None = None  # None only for a Reservation made by hand: it never matches a row
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """Leave to run the mutation once, from `Ledger.begin`: run it with
+    ``body`` (the bytes the fingerprint covered), then `Ledger.finish`."""
+
+    reservation: Reservation | None  # None: the method is not protected, nothing is stored
+    outcome: Outcome  # EXECUTED, TAKEN_OVER or PASSTHROUGH
+    body: bytes
+    started_at: int | None  # the `now` of the claim; the post-response sweep uses it
 
 
 @dataclass(frozen=True)
@@ -131,8 +144,12 @@ class StoredRow:
 class RowView:
     """A row plus what it means right now, for operators.
 
-    >>> view.state is State.PENDING_FRESH and view.takeover_in_ms > 0  # doctest: +SKIP
-    True
+    >>> from idemctl import Ledger
+    >>> t = [0]; ledger = Ledger.open(":memory:", clock=lambda: t[0]); _ = ledger.init()
+    >>> _ = ledger.claim("acct_1", "k1", "fp"); t[0] += 10_000
+    >>> view = ledger.get("acct_1", "k1")
+    >>> view.state, view.age_ms, view.takeover_in_ms
+    (<State.PENDING_FRESH: 'pending_fresh'>, 10000, 20001)
     """
 
     row: StoredRow
@@ -185,7 +202,7 @@ class Completion:
     headers: tuple[tuple[str, str], ...]
     body: bytes
     oversize: bool = False  # the body exceeded the cap: the 500 sentinel was stored
-    event: "FencedEvent | None" = None
+    event: FencedEvent | None = None
 
 
 @dataclass(frozen=True)
@@ -213,6 +230,42 @@ class SweepResult:
     @property
     def deleted(self) -> int:
         return self.keys_deleted + self.fenced_deleted
+
+
+class DrainStop(enum.Enum):
+    """Why `Ledger.drain` stopped."""
+
+    DRAINED = "drained"  # a batch deleted nothing: nothing is left past retention
+    MAX_BATCHES = "max_batches"
+    INTERRUPTED = "interrupted"  # should_stop() said so, between two batches
+
+
+@dataclass(frozen=True)
+class Drained:
+    """What a whole `Ledger.drain` did."""
+
+    keys_deleted: int
+    fenced_deleted: int
+    batches: int
+    stopped: DrainStop
+
+
+class Verdict(enum.Enum):
+    """What the ledger would do with a request, decided from its stored row."""
+
+    NEW = "new"  # no row: claimed and run
+    REUSED = "reused"  # another request's key: 409 idempotency_key_reused
+    REPLAY = "replay"  # the stored answer is replayed
+    IN_PROGRESS = "in_progress"  # 409 in progress until the TTL, then a takeover
+    TAKEOVER = "takeover"  # stale reservation: taken over and run
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """`Ledger.predict`: the verdict for one fingerprint, and the row it rests on."""
+
+    verdict: Verdict
+    view: RowView | None
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from .errors import PolicyError
 
@@ -46,7 +46,14 @@ class Policy:
     fenced_retention_ms: int = 30 * 24 * 60 * 60 * 1000
 
     def __post_init__(self) -> None:
-        for name in ("pending_ttl_ms", "retention_ms", "sweep_batch", "body_cap_bytes", "reuse_status", "fenced_retention_ms"):
+        for name in (
+            "pending_ttl_ms",
+            "retention_ms",
+            "fenced_retention_ms",
+            "sweep_batch",
+            "body_cap_bytes",
+            "reuse_status",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise PolicyError(f"{name} must be an integer, got {value!r}")

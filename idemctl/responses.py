@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from .errors import InvalidResponseError
 from .fingerprint import HeadersLike, as_body_bytes, header_values
 from .policy import Policy
 
@@ -122,7 +123,7 @@ def to_store(
         body = body.encode("utf-8")
     raw = as_body_bytes(body, "response body")
     if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 999:
-        raise ValueError(f"response status must be an integer 100-999, got {status!r}")
+        raise InvalidResponseError(f"response status must be an integer 100-999, got {status!r}")
     values = header_values(headers, policy.replayable_headers)
     present = ((n, v) for n, v in values.items() if v is not None)
     headers_json = _dumps(_sendable(present, "not stored", row))

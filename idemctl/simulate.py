@@ -391,7 +391,7 @@ def run_scenario(
             where = os.fspath(target)
             ledger = stack.enter_context(Ledger.open(where, policy=policy, clock=clock, create=False))
             if ledger.schema_version() is None:
-                raise SchemaMissingError(f"{ledger.describe()} has no idempotency ledger")
+                raise SchemaMissingError(ledger.describe())
         shown = ledger.describe()
         reset = tuple(pk for pk in scenario.keys() if ledger.purge(*pk, force=True).row is not None)
         tap = stack.enter_context(_tap_logs())

@@ -6,10 +6,11 @@ generation, and sends the answer that was stored, so the first caller and
 every retry get the same bytes. The bounded sweep runs from the `close()` of
 the iterable handed to the server, after the answer has gone out.
 
+>>> from wsgiref.simple_server import demo_app
 >>> from idemctl import Ledger
 >>> from idemctl.wsgi import IdempotencyMiddleware
->>> ledger = Ledger.open("idempotency.db"); ledger.init()  # doctest: +SKIP
->>> app = IdempotencyMiddleware(app, ledger, principal=lambda environ: environ.get("REMOTE_USER"))  # doctest: +SKIP
+>>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+>>> app = IdempotencyMiddleware(demo_app, ledger, principal=lambda environ: environ.get("REMOTE_USER"))
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from http import HTTPStatus
 from types import TracebackType
-from typing import Union
 from urllib.parse import quote
 from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from . import responses
-from .errors import LedgerUnavailableError, StorageError
+from .errors import AnswerNotStoredError, LedgerUnavailableError, StorageError
 from .ledger import Ledger
 from .outcomes import Answer, Outcome
 from .policy import Policy
@@ -33,7 +33,7 @@ from .policy import Policy
 log = logging.getLogger("idemctl.wsgi")
 
 EnvironPredicate = Callable[[WSGIEnvironment], bool]
-ExcInfo = Union[tuple[type[BaseException], BaseException, TracebackType], tuple[None, None, None], None]
+ExcInfo = tuple[type[BaseException], BaseException, TracebackType] | tuple[None, None, None] | None
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 DEFAULT_UNAVAILABLE_RETRY_AFTER_MS = 1000
@@ -94,7 +94,8 @@ def _origin_form(target: str) -> str:
 def environ_headers(environ: WSGIEnvironment, names: Iterable[str]) -> list[tuple[str, str]]:
     """The named request headers (lower-case names) as the environ carries them.
 
-    >>> environ_headers({"CONTENT_TYPE": "application/json", "HTTP_X_API_VERSION": "2"}, ["content-type", "x-api-version"])
+    >>> environ = {"CONTENT_TYPE": "application/json", "HTTP_X_API_VERSION": "2"}
+    >>> environ_headers(environ, ["content-type", "x-api-version"])
     [('content-type', 'application/json'), ('x-api-version', '2')]
     """
     out = []
@@ -237,35 +238,20 @@ class _Captured:
         return int(self.status[:3]), self.headers, b"".join(self.chunks)
 
 
-class _Run:
-    """One execution of the wrapped app, as `Ledger.handle` calls it."""
-
-    def __init__(self, app: WSGIApplication, environ: WSGIEnvironment) -> None:
-        self.app = app
-        self.environ = environ
-        self.started = False
-        self.raised = False
-        self.result: tuple[int, list[tuple[str, str]], bytes] | None = None
-
-    def __call__(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
-        self.started = True
-        environ = dict(self.environ)
-        # The app gets the body the fingerprint covered, de-chunked, with its
-        # exact length: plain PEP 3333 input, read by CONTENT_LENGTH. The
-        # input_terminated extension is dropped because frameworks honour it by
-        # calling read() without a size, which PEP 3333 input need not support.
-        environ["wsgi.input"] = io.BytesIO(body)
-        environ["CONTENT_LENGTH"] = str(len(body))
-        environ.pop("wsgi.input_terminated", None)
-        environ.pop("HTTP_TRANSFER_ENCODING", None)
-        captured = _Captured()
-        try:
-            captured.consume(self.app(environ, captured.start_response))
-            self.result = captured.answer()
-        except BaseException:
-            self.raised = True
-            raise
-        return self.result
+def _run_app(app: WSGIApplication, environ: WSGIEnvironment, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+    """Run the wrapped app once, its answer collected instead of sent."""
+    environ = dict(environ)
+    # The app gets the body the fingerprint covered, de-chunked, with its
+    # exact length: plain PEP 3333 input, read by CONTENT_LENGTH. The
+    # input_terminated extension is dropped because frameworks honour it by
+    # calling read() without a size, which PEP 3333 input need not support.
+    environ["wsgi.input"] = io.BytesIO(body)
+    environ["CONTENT_LENGTH"] = str(len(body))
+    environ.pop("wsgi.input_terminated", None)
+    environ.pop("HTTP_TRANSFER_ENCODING", None)
+    captured = _Captured()
+    captured.consume(app(environ, captured.start_response))
+    return captured.answer()
 
 
 class _Body:
@@ -300,9 +286,18 @@ class IdempotencyMiddleware:
     `exempt(environ)` is true, and requests without an `Idempotency-Key`
     header for which `key_optional(environ)` is true.
 
-    >>> ledger = Ledger.open("idempotency.db"); ledger.init()  # doctest: +SKIP
-    >>> app = IdempotencyMiddleware(app, ledger, principal=lambda env: env.get("REMOTE_USER"),
-    ...                             exempt=lambda env: env["PATH_INFO"] == "/login")  # doctest: +SKIP
+    >>> import io
+    >>> def orders(environ, start_response):
+    ...     start_response("201 Created", [("Content-Type", "application/json")])
+    ...     return [b'{"id":7}']
+    >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+    >>> app = IdempotencyMiddleware(orders, ledger, principal=lambda env: env.get("REMOTE_USER"),
+    ...                             exempt=lambda env: env["PATH_INFO"] == "/login")
+    >>> environ = {"REQUEST_METHOD": "POST", "PATH_INFO": "/orders", "REMOTE_USER": "acct_1",
+    ...            "HTTP_IDEMPOTENCY_KEY": "k1", "CONTENT_LENGTH": "2", "wsgi.input": io.BytesIO(b"{}")}
+    >>> b"".join(app(environ, lambda status, headers: print(status)))
+    201 Created
+    b'{"id":7}'
     """
 
     def __init__(
@@ -322,7 +317,8 @@ class IdempotencyMiddleware:
             raise TypeError("principal must be a callable environ -> str | None")
         if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 0:
             raise ValueError(f"max_body_bytes must be an integer >= 0, got {max_body_bytes!r}")
-        if isinstance(unavailable_retry_after_ms, bool) or not isinstance(unavailable_retry_after_ms, int) or unavailable_retry_after_ms < 1:
+        retry_ms = unavailable_retry_after_ms
+        if isinstance(retry_ms, bool) or not isinstance(retry_ms, int) or retry_ms < 1:
             raise ValueError(f"unavailable_retry_after_ms must be an integer >= 1, got {unavailable_retry_after_ms!r}")
         self.app = app
         self.ledger = ledger
@@ -350,81 +346,78 @@ class IdempotencyMiddleware:
         if who is not None and not isinstance(who, str):
             raise TypeError(f"principal() must return str or None, got {type(who).__name__}")
         if not who:
-            return self._send(start_response, responses.unauthenticated())
+            return self._send(start_response, Answer(*responses.unauthenticated(), Outcome.UNAUTHENTICATED))
         try:
             body = _read_body(environ, self.max_body_bytes)
         except _Refused as refused:
-            return self._send(start_response, refused.answer)
+            return self._send(start_response, Answer(*refused.answer, Outcome.BODY_REFUSED))
 
-        inner = dict(environ)
-        inner[PRINCIPAL_ENVIRON_KEY] = who
-        run = _Run(self.app, inner)
-        release = self.release_on_error(environ) if callable(self.release_on_error) else bool(self.release_on_error)
         target = request_target(environ)
         headers = environ_headers(environ, self.policy.fingerprint_headers)
         try:
-            answer = self.ledger.handle(who, key, method, target, headers, body, run, release_on_error=release)
+            decision = self.ledger.begin(who, key, method, target, headers, body)
         except StorageError as exc:
-            if run.raised:
-                raise  # the app's own error, not the ledger's
-            if not run.started:
-                return self._unavailable(start_response, exc, method, target)
-            return self._send(start_response, self._unstored(who, key, run, exc))
-        return self._send(start_response, answer, answer)
+            return self._unavailable(start_response, exc, method, target)
+        if isinstance(decision, Answer):
+            return self._send(start_response, decision)
+
+        inner = dict(environ)
+        inner[PRINCIPAL_ENVIRON_KEY] = who
+        try:
+            status, out_headers, out_body = _run_app(self.app, inner, decision.body)
+        except BaseException:
+            release = self.release_on_error(environ) if callable(self.release_on_error) else bool(self.release_on_error)
+            self.ledger.abandon(decision, release=release)
+            raise
+        try:
+            answer = self.ledger.finish(decision, status, out_headers, out_body)
+        except AnswerNotStoredError as exc:
+            # Telling the client to retry would invite a second run once the
+            # reservation goes stale: it gets what the app computed, shaped
+            # exactly as a stored answer, and the operator an ERROR line.
+            log.error(
+                "principal=%s key=%s: the mutation ran but its answer (status %d) could not be stored: %s — "
+                "the reservation stays pending and a retry after the TTL will run it again",
+                who,
+                key,
+                status,
+                exc.cause,
+            )
+            return self._send(start_response, exc.answer, sweep=False)
+        return self._send(start_response, answer)
 
     # -- answers --------------------------------------------------------------------
-    def _send(
-        self,
-        start_response: StartResponse,
-        reply: tuple[int, tuple[tuple[str, str], ...], bytes] | Answer,
-        answer: Answer | None = None,
-    ) -> _Body:
-        status, headers, body = reply  # type: ignore[misc]
-        out = [(str(k), str(v)) for k, v in headers]
+    def _send(self, start_response: StartResponse, answer: Answer, *, sweep: bool = True) -> _Body:
+        out = [(str(k), str(v)) for k, v in answer.headers]
+        status = answer.status
         if status in _NO_LENGTH_STATUSES:
             # No content, so nothing for a Content-Type to describe (frameworks
             # add one by default; wsgiref.validate rejects it).
             out = [(k, v) for k, v in out if k.lower() != "content-type"]
-        if answer is not None and answer.outcome is Outcome.REPLAYED and self.replayed_header:
+        if answer.outcome is Outcome.REPLAYED and self.replayed_header:
             out.append((REPLAYED_HEADER, "true"))
         if status >= 200 and status not in _NO_LENGTH_STATUSES:
-            out.append(("Content-Length", str(len(body))))
+            out.append(("Content-Length", str(len(answer.body))))
         start_response(status_line(status), out)
         after = None
-        if answer is not None:
+        if sweep and answer.started_at is not None:
             ledger = self.ledger
             after = lambda: ledger.after_response(answer)  # noqa: E731
-        return _Body(body, after)
+        return _Body(answer.body, after)
 
     def _unavailable(self, start_response: StartResponse, exc: StorageError, method: str, target: str) -> _Body:
         # Fail closed: an unprotected mutation is worse than a refused one.
         level = logging.WARNING if isinstance(exc, LedgerUnavailableError) else logging.ERROR
         log.log(level, "idempotency ledger unavailable, refused %s %s with 503: %s", method, target, exc)
-        return self._send(start_response, responses.unavailable(self.unavailable_retry_after_ms))
-
-    def _unstored(self, principal: str, key: str, run: _Run, exc: StorageError) -> tuple[int, responses.Headers, bytes]:
-        # The mutation ran but its answer could not be stored. Telling the client
-        # to retry would invite a second run once the reservation goes stale, so
-        # it gets what the app computed, shaped exactly as a stored answer.
-        assert run.result is not None
-        status, headers, body = run.result
-        log.error(
-            "principal=%s key=%s: the mutation ran but its answer (status %d) could not be stored: %s — "
-            "the reservation stays pending and a retry after the TTL will run it again",
-            principal,
-            key,
-            status,
-            exc,
-        )
-        stored = responses.to_store(status, headers, body, self.policy, row=(principal, key))
-        return responses.from_stored(stored.status, stored.body, stored.headers_json, row=(principal, key))
+        unavailable = responses.unavailable(self.unavailable_retry_after_ms)
+        return self._send(start_response, Answer(*unavailable, Outcome.UNAVAILABLE))
 
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
-    "IdempotencyMiddleware",
     "PRINCIPAL_ENVIRON_KEY",
     "REPLAYED_HEADER",
+    "IdempotencyMiddleware",
     "environ_headers",
     "request_target",
     "status_line",

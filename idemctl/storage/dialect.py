@@ -22,7 +22,7 @@ def _pyformat(sql: str) -> str:
     return _NAMED.sub(r"%(\1)s", sql)
 
 
-def _body_as_is(body: str | bytes | None) -> object:
+def _body_as_is(body: object) -> object:
     return body
 
 

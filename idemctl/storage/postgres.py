@@ -62,6 +62,9 @@ _GONE_STATES = {"57P01", "57P02", "57P03", "53300", "53400"}
 _INIT_RACE = (pgerrors.UniqueViolation, pgerrors.DuplicateTable, pgerrors.DuplicateObject)
 
 
+_SERVER_PREFIX = re.compile(r'^connection to server (?:at|on socket) "[^"]*"(?: \([^)]*\))?(?:, port \d+)? failed: ')
+
+
 def _one_line(text: str) -> str:
     return " ".join(text.split())
 
@@ -82,7 +85,7 @@ def _libpq_reason(text: str) -> str:
     reasons: list[str] = []
     for line in lines:
         line = line.strip().removeprefix("connection failed: ")
-        line = re.sub(r'^connection to server (?:at|on socket) "[^"]*"(?: \([^)]*\))?(?:, port \d+)? failed: ', "", line)
+        line = _SERVER_PREFIX.sub("", line)
         line = re.sub(r"^FATAL:\s+", "", line)
         if line not in reasons:
             reasons.append(line)
@@ -166,7 +169,8 @@ class PostgresEngine:
         self.pool_max_size = self._pool_int(pool_max_size, pool_params, "pool_max_size", DEFAULT_POOL_MAX_SIZE, 1)
         if self.pool_max_size < self.pool_min_size:
             raise StorageError(
-                f"bad PostgreSQL URL: pool_max_size ({self.pool_max_size}) is below pool_min_size ({self.pool_min_size})"
+                f"bad PostgreSQL URL: pool_max_size ({self.pool_max_size}) "
+                f"is below pool_min_size ({self.pool_min_size})"
             )
         if pool_timeout_s is None:
             raw = pool_params.get("pool_timeout")
@@ -281,7 +285,7 @@ class PostgresEngine:
         The pool takes them out of rotation while it tests them."""
         try:
             pool.check()
-        except Exception:  # noqa: BLE001 - best effort: the pool also replaces them one by one
+        except Exception:
             log.debug("checking the pool's idle connections failed", exc_info=True)
 
     def close(self) -> None:
@@ -319,22 +323,19 @@ class PostgresEngine:
             return ReadOnlyDatabaseError(f"{where} is read-only ({msg})")
         if state == "42P01":
             if "idempotency_keys" in msg:
-                return SchemaMissingError(f"{where} has no idempotency ledger")
+                return SchemaMissingError(where)
             if "idemctl_" in msg:
-                return SchemaOutdatedError(
-                    f"{where} has an older ledger schema; requests need the current one (init upgrades it in place)"
-                )
+                return SchemaOutdatedError(where)
             return StorageError(f"database error on {where}: {msg}")
         if state == "42703" and '"token"' in msg:
-            return SchemaOutdatedError(
-                f"{where} has an older ledger schema; requests need the current one (init upgrades it in place)"
-            )
+            return SchemaOutdatedError(where)
         if state == "3F000":
             return StorageError(f"{where}: the search_path names no existing schema to create the ledger in ({msg})")
         if state == "42501":
             return StorageError(f"permission denied on {where}: {msg}")
         if state == "3D000" or (connecting and re.search(r'database "[^"]*" does not exist', msg)):
-            return LedgerNotFoundError(f"cannot open the ledger at {where}: {self._scrub(_libpq_reason(primary or str(exc)))}")
+            reason = self._scrub(_libpq_reason(primary or str(exc)))
+            return LedgerNotFoundError(where, f"cannot open the ledger at {where}: {reason}")
         if (
             connecting
             or state in _GONE_STATES
@@ -371,12 +372,10 @@ class PostgresEngine:
         # A server-side cursor streams the rows in batches: a million rows
         # never sit in memory at once. It needs a transaction (read-only
         # work, so it holds no lock that the request path waits on).
-        with self._connection() as conn:
-            with conn.transaction():
-                with conn.cursor(name="idemctl_stream") as cur:
-                    cur.itersize = 500
-                    cur.execute(sql, params)
-                    yield from cur
+        with self._connection() as conn, conn.transaction(), conn.cursor(name="idemctl_stream") as cur:
+            cur.itersize = 500
+            cur.execute(sql, params)
+            yield from cur
 
     def table_names(self, names: Iterable[str]) -> set[str]:
         wanted = list(names)
@@ -439,7 +438,7 @@ class _PostgresTx:
         return cur.fetchall() if cur.description is not None else []
 
     def script(self, sql: str) -> None:
-        self.conn.execute(sql)  # type: ignore[call-overload]
+        self.conn.execute(sql)
 
     def table_names(self, names: Iterable[str]) -> set[str]:
         return _existing(self.conn, list(names))
@@ -454,7 +453,8 @@ class _PostgresTx:
         ).fetchone()
         if row is not None and row[0] != "bytea":
             raise StorageError(
-                f"{self.engine.describe()}: idempotency_keys.response_body is {row[0]}, and idemctl on PostgreSQL stores "
+                f"{self.engine.describe()}: idempotency_keys.response_body is {row[0]}, "
+                "and idemctl on PostgreSQL stores "
                 "response bodies as bytea; convert it first: ALTER TABLE idempotency_keys ALTER COLUMN response_body "
                 "TYPE bytea USING convert_to(response_body, 'UTF8')"
             )

@@ -38,7 +38,7 @@ from ..errors import (
     StorageError,
 )
 from .dialect import SQLITE
-from .engine import Params, Rows
+from .engine import Params, Rows, SchemaTx
 
 T = TypeVar("T")
 
@@ -61,12 +61,12 @@ class _Slot:
     ends, its thread-local storage drops the slot and the finalizer closes
     both."""
 
-    __slots__ = ("conn", "pid", "queue_fd", "fds", "__weakref__")
+    __slots__ = ("__weakref__", "conn", "fds", "pid", "queue_fd")
 
     def __init__(self, conn: sqlite3.Connection, pid: int) -> None:
         self.conn = conn
         self.pid = pid
-        self.queue_fd: int | None | object = _UNOPENED
+        self.queue_fd: int | object | None = _UNOPENED
         self.fds: list[int] = []  # shared with the finalizer: the queue fd once opened
 
 
@@ -152,16 +152,18 @@ class SqliteEngine:
             self._uri = f"file:idemctl-mem-{id(self)}?mode=memory&cache=shared"
         else:
             if not raw:
-                raise LedgerNotFoundError("no ledger path given")
+                raise LedgerNotFoundError("", "no ledger path given")
             p = Path(raw).expanduser()
             self.path = str(p)
             if p.is_dir():
                 raise NotADatabaseError(f"{p} is a directory, not a ledger file")
             if not p.exists():
                 if readonly or not create:
-                    raise LedgerNotFoundError(f"no ledger at {p}")
+                    raise LedgerNotFoundError(str(p))
                 if not p.parent.is_dir():
-                    raise LedgerNotFoundError(f"cannot create a ledger at {p}: directory {p.parent} does not exist")
+                    raise LedgerNotFoundError(
+                        str(p), f"cannot create a ledger at {p}: directory {p.parent} does not exist"
+                    )
             self._uri = f"file:{quote(str(p.resolve()))}?mode={'ro' if readonly else 'rw'}"
         # Memory databases and read-only opens have no writers to queue.
         self.write_queue_path: str | None = (
@@ -184,7 +186,7 @@ class SqliteEngine:
     # -- connections ------------------------------------------------------------
     def _connect(self) -> sqlite3.Connection:
         if not self.exists():
-            raise SchemaMissingError(f"{self.path} has no idempotency ledger")
+            raise SchemaMissingError(self.path)
         try:
             conn = sqlite3.connect(
                 self._uri,
@@ -321,18 +323,17 @@ class SqliteEngine:
         low = msg.lower()
         if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "database is locked" in low:
             return DatabaseLockedError(
-                f"database {self.path} is locked: another writer held it past the {self.busy_timeout_ms} ms busy timeout"
+                f"database {self.path} is locked: another writer held it past the "
+                f"{self.busy_timeout_ms} ms busy timeout"
             )
         if name.startswith("SQLITE_READONLY") or "readonly" in low:
             return ReadOnlyDatabaseError(f"database {self.path} is read-only")
         if name.startswith(("SQLITE_NOTADB", "SQLITE_CORRUPT")) or "not a database" in low or "malformed" in low:
             return NotADatabaseError(f"{self.path} is not an SQLite database, or it is corrupt")
         if "no such table: idempotency_keys" in low:
-            return SchemaMissingError(f"{self.path} has no idempotency ledger")
+            return SchemaMissingError(self.path)
         if "no such column: token" in low or "has no column named token" in low or "no such table: idemctl_" in low:
-            return SchemaOutdatedError(
-                f"{self.path} has an older ledger schema; requests need the current one (init upgrades it in place)"
-            )
+            return SchemaOutdatedError(self.path)
         if name.startswith("SQLITE_CANTOPEN") or "unable to open" in low:
             return self._cannot_open()
         if name.startswith("SQLITE_FULL"):
@@ -342,7 +343,7 @@ class SqliteEngine:
     def _cannot_open(self) -> StorageError:
         """Say why an existing ledger cannot be opened, when we can tell."""
         if self.memory or not os.path.exists(self.path):
-            return LedgerNotFoundError(f"cannot open the ledger at {self.path}")
+            return LedgerNotFoundError(self.path, f"cannot open the ledger at {self.path}")
         if not os.access(self.path, os.R_OK):
             return StorageError(f"cannot open the ledger at {self.path}: the file is not readable by this user")
         directory = os.path.dirname(os.path.abspath(self.path))
@@ -400,8 +401,7 @@ class SqliteEngine:
         # and this thread's request-path connection stays free.
         conn = self._connect()
         try:
-            for values in conn.execute(sql, params):
-                yield values
+            yield from conn.execute(sql, params)
         except sqlite3.Error as exc:
             raise self._translate(exc) from exc
         finally:
@@ -436,7 +436,7 @@ class SqliteEngine:
         finally:
             os.close(fd)
 
-    def migrate(self, body: Callable[[_SqliteTx], T], *, write: bool) -> T:
+    def migrate(self, body: Callable[[SchemaTx], T], *, write: bool) -> T:
         if write and not self.readonly and not self.exists():
             self._create_file()
         if not self.exists():

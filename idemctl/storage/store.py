@@ -268,7 +268,9 @@ class Store:
     def has_fenced_log(self) -> bool:
         return FENCED_TABLE in self.tables()
 
-    def _version_in(self, tables: frozenset[str] | set[str], read: Callable[[str], list[tuple[Any, ...]]]) -> int | None:
+    def _version_in(
+        self, tables: frozenset[str] | set[str], read: Callable[[str], list[tuple[Any, ...]]]
+    ) -> int | None:
         if LEDGER_TABLE not in tables:
             return None
         if VERSION_TABLE not in tables:
@@ -285,9 +287,7 @@ class Store:
         """Refuse a ledger written by a newer idemctl before writing to it."""
         version = self.schema_version()
         if version is not None and version > SCHEMA_VERSION:
-            raise SchemaTooNewError(
-                f"{self.describe()} has ledger schema version {version}; this idemctl knows up to {SCHEMA_VERSION}"
-            )
+            raise SchemaTooNewError(self.describe(), version, SCHEMA_VERSION)
         self._checked = version is not None
 
     def _guard(self) -> None:
@@ -302,9 +302,7 @@ class Store:
         def decide(tx: SchemaTx) -> InitResult:
             before = self._version_in(tx.table_names(TABLES), lambda text: tx.execute(self.sql(text), {}))
             if before is not None and before > SCHEMA_VERSION:
-                raise SchemaTooNewError(
-                    f"{self.describe()} has ledger schema version {before}; this idemctl knows up to {SCHEMA_VERSION}"
-                )
+                raise SchemaTooNewError(self.describe(), before, SCHEMA_VERSION)
             if before == SCHEMA_VERSION:
                 return InitResult(InitAction.UP_TO_DATE, before, SCHEMA_VERSION, dry_run)
             action = InitAction.CREATED if before is None else InitAction.UPGRADED
@@ -337,14 +335,17 @@ class Store:
     # -- request path -----------------------------------------------------------------
     def claim(self, principal: str, key: str, fingerprint: str, token: int, now: int) -> int | None:
         self._guard()
-        rows = self._write(CLAIM, {"principal": principal, "key": key, "fingerprint": fingerprint, "token": token, "now": now})
+        params = {"principal": principal, "key": key, "fingerprint": fingerprint, "token": token, "now": now}
+        rows = self._write(CLAIM, params)
         return int(rows[0][0]) if rows else None
 
     def lookup(self, principal: str, key: str) -> StoredRow | None:
         rows = self._read(LOOKUP, {"principal": principal, "key": key})
         return self.decode_row(rows[0]) if rows else None
 
-    def takeover(self, principal: str, key: str, fingerprint: str, token: int, now: int, stale_before: int) -> int | None:
+    def takeover(
+        self, principal: str, key: str, fingerprint: str, token: int, now: int, stale_before: int
+    ) -> int | None:
         self._guard()
         params = {
             "principal": principal,
@@ -386,7 +387,9 @@ class Store:
         params = {"principal": principal, "key": key, "generation": generation, "token": token}
         return bool(self._write(RELEASE, params))
 
-    def record_fenced(self, principal: str, key: str, generation: int, computed_status: int, now: int) -> FencedEvent | None:
+    def record_fenced(
+        self, principal: str, key: str, generation: int, computed_status: int, now: int
+    ) -> FencedEvent | None:
         if not self.has_fenced_log():
             return None
         params = {"principal": principal, "key": key, "generation": generation, "status": computed_status, "now": now}
