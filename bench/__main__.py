@@ -1,7 +1,7 @@
 """Run the benchmark suite: `python -m bench` (full, about 10 minutes on 2
 cores), `python -m bench --quick` (every benchmark at tiny sizes, well under
 a minute; checks the harness, says nothing about speed) and
-`python -m bench --report` (render README's Performance table from
+`python -m bench --report` (write docs/performance.md from
 bench/results/latest.json without measuring anything)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .common import Context, filesystem_of, machine_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LATEST = os.path.join(HERE, "results", "latest.json")
-README = os.path.join(os.path.dirname(HERE), "README.md")
+PAGE = os.path.join(os.path.dirname(HERE), "docs", "performance.md")
 
 # Order matters: sweep drains the 10^6-row file that growth built.
 BENCHMARKS: dict[str, Callable[[Context], dict[str, Any]]] = {
@@ -40,7 +40,7 @@ BENCHMARKS: dict[str, Callable[[Context], dict[str, Any]]] = {
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that the harness works, nothing else")
-    p.add_argument("--report", action="store_true", help="only render README's Performance table from --out")
+    p.add_argument("--report", action="store_true", help="only write the performance page (--page) from --out")
     p.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
     p.add_argument(
         "--dir",
@@ -49,7 +49,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "must be the file system the ledger would live on",
     )
     p.add_argument("--out", default=None, help=f"results JSON (default: {os.path.relpath(LATEST)}; --quick: inside --dir)")
-    p.add_argument("--readme", default=README, help="README to update with --report")
+    p.add_argument("--page", default=PAGE, help=f"page that --report writes (default: {os.path.relpath(PAGE)})")
     p.add_argument("--conditions", default="", help="free text about the run's conditions, stored with the results")
     return p.parse_args(argv)
 
@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         with open(out_path, encoding="utf-8") as f:
             results = json.load(f)
-        report.update_readme(args.readme, results)
-        print(f"rendered {os.path.relpath(out_path)} into {os.path.relpath(args.readme)}")
+        report.write_page(args.page, results)
+        print(f"rendered {os.path.relpath(out_path)} into {os.path.relpath(args.page)}")
         return 0
 
     only = {n.strip() for n in args.only.split(",") if n.strip()}
