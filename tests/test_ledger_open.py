@@ -30,9 +30,9 @@ def test_open_passes_synchronous_to_every_connection(tmp_path):
     with Ledger.open(path, synchronous="NORMAL") as ledger:
         ledger.init()
         # 1 = NORMAL, 2 = FULL (https://sqlite.org/pragma.html#pragma_synchronous)
-        assert ledger.store.engine._conn().execute("PRAGMA synchronous").fetchone()[0] == 1
+        assert ledger.store.engine.read("PRAGMA synchronous", {}) == [(1,)]
     with Ledger.open(path) as ledger:
-        assert ledger.store.engine._conn().execute("PRAGMA synchronous").fetchone()[0] == 2
+        assert ledger.store.engine.read("PRAGMA synchronous", {}) == [(2,)]
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     conn.close()

@@ -41,8 +41,7 @@ def ok(status: int = 201, body: bytes | str = b'{"id":1}', ctype: str = "applica
 
 
 def server_pid(ledger: Ledger) -> int:
-    with ledger.store.engine._connection() as conn:  # type: ignore[attr-defined]
-        return int(conn.execute("SELECT pg_backend_pid()").fetchone()[0])
+    return int(ledger.store.engine.read("SELECT pg_backend_pid()", {})[0][0])
 
 
 # -- bodies -------------------------------------------------------------------------

@@ -111,7 +111,7 @@ def test_time_spent_queueing_is_taken_from_the_busy_timeout_and_then_restored(db
     blocker.execute("BEGIN IMMEDIATE")
     ledger = Ledger.open(db, busy_timeout_ms=200)
     statements: list[str] = []
-    ledger.store.engine._conn().set_trace_callback(statements.append)
+    ledger.store.engine.admin().conn.set_trace_callback(statements.append)
     try:
         with queue_held_by_another_process(db) as release:
             threading.Timer(0.35, release.set).start()
@@ -124,7 +124,7 @@ def test_time_spent_queueing_is_taken_from_the_busy_timeout_and_then_restored(db
     # Queued for >= 350 ms of a 200 ms budget: SQLite gets nothing more, so a
     # queue stuck behind a foreign writer fails within one busy timeout.
     assert pragmas == ["PRAGMA busy_timeout = 0", "PRAGMA busy_timeout = 200"]
-    assert ledger.store.engine._conn().execute("PRAGMA busy_timeout").fetchone() == (200,)
+    assert ledger.store.engine.read("PRAGMA busy_timeout", {}) == [(200,)]
     ledger.close()
 
 
@@ -191,7 +191,7 @@ def test_a_sweep_with_nothing_expired_takes_no_queue_turn_and_runs_no_delete(db)
     ledger = Ledger.open(db, clock=lambda: clock[0], policy=Policy(pending_ttl_ms=1000, retention_ms=60_000))
     ledger.handle("acct", "old", "POST", "/o", {}, b"x", ok)
     statements: list[str] = []
-    ledger.store.engine._conn().set_trace_callback(statements.append)
+    ledger.store.engine.admin().conn.set_trace_callback(statements.append)
     with queue_held_by_another_process(db) as release:
         # Nothing is past retention: answered at once although the queue is held.
         assert ledger.sweep().keys_deleted == 0
@@ -212,10 +212,10 @@ def test_a_sweep_with_nothing_expired_takes_no_queue_turn_and_runs_no_delete(db)
 def test_a_short_turn_in_the_queue_leaves_the_busy_timeout_alone(db):
     ledger = Ledger.open(db, busy_timeout_ms=5000)
     statements: list[str] = []
-    ledger.store.engine._conn().set_trace_callback(statements.append)
+    ledger.store.engine.admin().conn.set_trace_callback(statements.append)
     with queue_held_by_another_process(db) as release:
         threading.Timer(0.05, release.set).start()
         assert ledger.claim("acct", "k", "fp").generation == 1  # waited ~50 ms of a 5 s budget
     assert [s for s in statements if s.startswith("PRAGMA")] == []
-    assert ledger.store.engine._conn().execute("PRAGMA busy_timeout").fetchone() == (5000,)
+    assert ledger.store.engine.read("PRAGMA busy_timeout", {}) == [(5000,)]
     ledger.close()
