@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -32,9 +31,9 @@ class Outcome(enum.Enum):
 
 @dataclass(frozen=True)
 class Answer:
-    """The HTTP answer to send. Unpacks as `(status, headers, body)`.
+    """The HTTP answer to send; `wire` is `(status, headers, body)`.
 
-    >>> status, headers, body = Answer(200, (("content-type", "text/plain"),), b"ok", Outcome.EXECUTED)
+    >>> status, headers, body = Answer(200, (("content-type", "text/plain"),), b"ok", Outcome.EXECUTED).wire
     >>> status, body
     (200, b'ok')
     """
@@ -48,8 +47,10 @@ class Answer:
     # None when the ledger was never consulted (400, 401, passthrough).
     started_at: int | None = None
 
-    def __iter__(self) -> Iterator[object]:
-        return iter((self.status, self.headers, self.body))
+    @property
+    def wire(self) -> tuple[int, tuple[tuple[str, str], ...], bytes]:
+        """What goes on the wire: equal for a first answer and its replays."""
+        return self.status, self.headers, self.body
 
     def header(self, name: str) -> str | None:
         """The first value of a header, case-insensitively, or None."""
