@@ -134,7 +134,7 @@ def call(app, *, user: str | None, key: str = "k-1", body: bytes = b'{"sku":"x"}
 def test_wsgi_example_runs_once_replays_and_refuses_without_a_principal(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    exec(compile(python_block("WSGI"), "README.md (WSGI)", "exec"), namespace)
+    exec(compile(python_block("WSGI middleware"), "README.md (WSGI middleware)", "exec"), namespace)
     app, ledger = namespace["app"], namespace["ledger"]
     try:
         first = call(app, user="acct_W")
