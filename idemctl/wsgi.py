@@ -29,15 +29,13 @@ from .errors import AnswerNotStoredError, LedgerUnavailableError, StorageError
 from .ledger import Ledger
 from .outcomes import Answer, Outcome
 from .policy import Policy
+from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, REPLAYED_HEADER, wire_headers
 
 log = logging.getLogger("idemctl.wsgi")
 
 EnvironPredicate = Callable[[WSGIEnvironment], bool]
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType] | tuple[None, None, None] | None
 
-DEFAULT_MAX_BODY_BYTES = 1024 * 1024
-DEFAULT_UNAVAILABLE_RETRY_AFTER_MS = 1000
-REPLAYED_HEADER = "Idempotent-Replayed"
 PRINCIPAL_ENVIRON_KEY = "idemctl.principal"
 
 _READ_CHUNK = 64 * 1024
@@ -48,8 +46,6 @@ _STATUS_LINE = re.compile(r"([0-9]{3}) ")
 _PATH_SAFE = "/:@!$&'()*+,;="
 # RFC 9110 §15 status classes: the reason phrase of a code HTTPStatus does not know.
 _CLASS_PHRASES = {1: "Informational", 2: "Success", 3: "Redirection", 4: "Client Error", 5: "Server Error"}
-# Never a body: no Content-Length (RFC 9110 §8.6 forbids it on 204) and no Content-Type.
-_NO_LENGTH_STATUSES = frozenset({204, 304})
 
 
 class _Refused(Exception):
@@ -388,17 +384,7 @@ class IdempotencyMiddleware:
 
     # -- answers --------------------------------------------------------------------
     def _send(self, start_response: StartResponse, answer: Answer, *, sweep: bool = True) -> _Body:
-        out = [(str(k), str(v)) for k, v in answer.headers]
-        status = answer.status
-        if status in _NO_LENGTH_STATUSES:
-            # No content, so nothing for a Content-Type to describe (frameworks
-            # add one by default; wsgiref.validate rejects it).
-            out = [(k, v) for k, v in out if k.lower() != "content-type"]
-        if answer.outcome is Outcome.REPLAYED and self.replayed_header:
-            out.append((REPLAYED_HEADER, "true"))
-        if status >= 200 and status not in _NO_LENGTH_STATUSES:
-            out.append(("Content-Length", str(len(answer.body))))
-        start_response(status_line(status), out)
+        start_response(status_line(answer.status), wire_headers(answer, replayed_header=self.replayed_header))
         after = None
         if sweep and answer.started_at is not None:
             ledger = self.ledger

@@ -1,0 +1,359 @@
+"""The contract table of SPEC §1, run against every adapter from one table,
+so WSGI and ASGI can never drift apart: same statuses, headers and bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from idemctl import Ledger, Policy
+from idemctl.asgi import IdempotencyMiddleware as AsgiMiddleware
+from idemctl.wsgi import IdempotencyMiddleware as WsgiMiddleware
+
+ADAPTERS = ["wsgi", "asgi"]
+ORDER = b'{"sku":"tea","qty":2}'
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        values = [v for k, v in self.headers if k.lower() == name.lower()]
+        return values[0] if values else None
+
+    @property
+    def lowered(self) -> list[tuple[str, str]]:
+        return [(k.lower(), v) for k, v in self.headers]
+
+
+@dataclass
+class Orders:
+    """The app behind either adapter: counts runs, answers 201 with a Location."""
+
+    runs: list[bytes] = field(default_factory=list)
+    status: int = 201
+    gate: threading.Event | None = None
+    fail: bool = False
+
+    def answer(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+        self.runs.append(body)
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.fail:
+            raise RuntimeError("the mutation failed")
+        n = len(self.runs)
+        return self.status, [("Content-Type", "application/json"), ("Location", f"/orders/{n}"), ("X-Trace", "t")], (
+            b'{"id":%d}' % n
+        )
+
+
+class WsgiClient:
+    def __init__(self, ledger: Ledger, orders: Orders, **options: object) -> None:
+        def app(environ, start_response):  # type: ignore[no-untyped-def]
+            status, headers, body = orders.answer(environ["wsgi.input"].read(int(environ["CONTENT_LENGTH"] or 0)))
+            start_response(f"{status} X", headers)
+            return [body]
+
+        self.mw = WsgiMiddleware(app, ledger, principal=lambda env: env.get("REMOTE_USER"), **options)
+
+    def request(self, method: str, path: str, body: bytes, headers: dict[str, str], user: str | None) -> Reply:
+        env = {
+            "REQUEST_METHOD": method,
+            "PATH_INFO": path.split("?")[0],
+            "QUERY_STRING": path.split("?")[1] if "?" in path else "",
+            "SCRIPT_NAME": "",
+            "CONTENT_LENGTH": str(len(body)),
+            "wsgi.input": io.BytesIO(body),
+        }
+        if user is not None:
+            env["REMOTE_USER"] = user
+        for name, value in headers.items():
+            if name.lower() == "content-type":
+                env["CONTENT_TYPE"] = value
+            else:
+                env["HTTP_" + name.upper().replace("-", "_")] = value
+        seen: dict[str, object] = {}
+
+        def start_response(status, hdrs, exc_info=None):  # type: ignore[no-untyped-def]
+            seen["status"], seen["headers"] = status, hdrs
+
+        result = self.mw(env, start_response)
+        try:
+            out = b"".join(result)
+        finally:
+            close = getattr(result, "close", None)
+            if close is not None:
+                close()
+        return Reply(int(str(seen["status"])[:3]), list(seen["headers"]), out)  # type: ignore[arg-type]
+
+
+class AsgiClient:
+    def __init__(self, ledger: Ledger, orders: Orders, **options: object) -> None:
+        async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+            body = b""
+            while True:
+                message = await receive()
+                body += message.get("body", b"")
+                if not message.get("more_body"):
+                    break
+            status, headers, out = await asyncio.get_running_loop().run_in_executor(None, orders.answer, body)
+            await send({"type": "http.response.start", "status": status, "headers": [(k.lower().encode(), v.encode()) for k, v in headers]})
+            # Streamed in two pieces: the stored answer joins them.
+            await send({"type": "http.response.body", "body": out[:3], "more_body": True})
+            await send({"type": "http.response.body", "body": out[3:]})
+
+        async def who(scope):  # type: ignore[no-untyped-def]
+            return scope.get("user")
+
+        self.mw = AsgiMiddleware(app, ledger, principal=who, **options)
+
+    def request(self, method: str, path: str, body: bytes, headers: dict[str, str], user: str | None) -> Reply:
+        raw_path, _, query = path.partition("?")
+        scope = {
+            "type": "http",
+            "method": method,
+            "path": raw_path,
+            "raw_path": raw_path.encode(),
+            "query_string": query.encode(),
+            "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()] + [(b"content-length", str(len(body)).encode())],
+            "user": user,
+        }
+        chunks = [body[: len(body) // 2], body[len(body) // 2 :]]
+        sent: list[dict] = []
+
+        async def receive():  # type: ignore[no-untyped-def]
+            if chunks:
+                piece = chunks.pop(0)
+                return {"type": "http.request", "body": piece, "more_body": bool(chunks)}
+            await asyncio.sleep(3600)  # no disconnect while the test runs
+
+        async def send(message):  # type: ignore[no-untyped-def]
+            sent.append(message)
+
+        async def run() -> None:
+            await self.mw(scope, receive, send)
+            # Let the post-response sweep finish before the loop closes.
+            await self.mw.wait_idle()
+
+        asyncio.run(run())
+        start = sent[0]
+        return Reply(
+            start["status"],
+            [(k.decode("latin-1"), v.decode("latin-1")) for k, v in start["headers"]],
+            b"".join(m.get("body", b"") for m in sent[1:]),
+        )
+
+
+@pytest.fixture(params=ADAPTERS)
+def adapter(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def client_for(adapter: str, make_ledger: Callable[..., Ledger]):
+    def make(orders: Orders, *, policy: Policy | None = None, **options: object):
+        ledger = make_ledger(policy=policy)
+        cls = WsgiClient if adapter == "wsgi" else AsgiClient
+        return cls(ledger, orders, **options), ledger
+
+    return make
+
+
+def post(client, *, key: str | None = "k-1", body: bytes = ORDER, user: str | None = "acct_A", path: str = "/orders", ctype: str = "application/json") -> Reply:
+    headers = {"Content-Type": ctype}
+    if key is not None:
+        headers["Idempotency-Key"] = key
+    return client.request("POST", path, body, headers, user)
+
+
+def test_first_request_runs_once_and_every_retry_gets_the_same_bytes(client_for):
+    orders = Orders()
+    client, _ = client_for(orders)
+    first = post(client)
+    again = post(client)
+    assert (first.status, first.lowered, first.body) == (
+        201,
+        [("content-type", "application/json"), ("location", "/orders/1"), ("content-length", "8")],
+        b'{"id":1}',
+    )
+    assert (again.status, again.lowered, again.body) == (first.status, first.lowered, first.body)
+    assert orders.runs == [ORDER]
+
+
+def test_replayed_header_is_opt_in(client_for):
+    client, _ = client_for(Orders(), replayed_header=True)
+    assert post(client).header("Idempotent-Replayed") is None
+    assert post(client).header("Idempotent-Replayed") == "true"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "status", "body"),
+    [
+        ({"key": None}, 400, b'{"error":"idempotency_key_required"}'),
+        ({"key": ""}, 400, b'{"error":"idempotency_key_required"}'),
+        (
+            {"key": "k\u00e9"},
+            400,
+            b'{"error":"idempotency_key_invalid","message":"Idempotency-Key must be 1-255 printable ASCII characters."}',
+        ),
+        ({"key": "x" * 256}, 400, b'{"error":"idempotency_key_invalid","message":"Idempotency-Key must be 1-255 printable ASCII characters."}'),
+        ({"user": None}, 401, b'{"error":"unauthenticated","message":"No authenticated principal for this request."}'),
+    ],
+    ids=["no-key", "empty-key", "non-ascii-key", "long-key", "no-principal"],
+)
+def test_refusals_are_json_and_nothing_runs(client_for, kwargs, status, body):
+    orders = Orders()
+    client, ledger = client_for(orders)
+    reply = post(client, **kwargs)
+    assert (reply.status, reply.body) == (status, body)
+    assert reply.lowered == [("content-type", "application/json"), ("content-length", str(len(body)))]
+    assert orders.runs == [] and ledger.stats().total == 0
+
+
+def test_same_key_with_another_body_is_409_reused_and_nothing_is_replayed(client_for):
+    orders = Orders()
+    client, _ = client_for(orders)
+    post(client)
+    reply = post(client, body=b'{"sku":"coffee"}')
+    assert (reply.status, reply.body) == (409, b'{"error":"idempotency_key_reused"}')
+    assert len(orders.runs) == 1
+
+
+def test_reuse_status_422_is_a_policy_choice(client_for):
+    client, _ = client_for(Orders(), policy=Policy(reuse_status=422))
+    post(client)
+    assert post(client, body=b"{}").status == 422
+
+
+def test_a_duplicate_while_the_first_runs_is_409_in_progress_with_retry_after(client_for):
+    gate = threading.Event()
+    orders = Orders(gate=gate)
+    client, _ = client_for(orders)
+    first: list[Reply] = []
+    runner = threading.Thread(target=lambda: first.append(post(client)))
+    runner.start()
+    try:
+        for _ in range(200):
+            if orders.runs:
+                break
+            threading.Event().wait(0.01)
+        dup = post(client)
+    finally:
+        gate.set()
+        runner.join(10)
+    assert (dup.status, dup.header("Retry-After"), dup.body) == (
+        409,
+        "30",
+        b'{"error":"idempotency_key_in_progress","retry_after_ms":30000}',
+    )
+    assert first[0].status == 201 and len(orders.runs) == 1
+
+
+def test_a_stale_reservation_is_taken_over_and_runs_again(client_for, clock):
+    orders = Orders(fail=True)
+    client, ledger = client_for(orders)
+    with pytest.raises(RuntimeError):
+        post(client)
+    orders.fail = False
+    assert post(client).status == 409
+    clock.advance(30_001)
+    reply = post(client)
+    assert (reply.status, reply.body, len(orders.runs)) == (201, b'{"id":2}', 2)
+    assert ledger.lookup("acct_A", "k-1").generation == 2
+
+
+def test_release_on_error_lets_the_retry_run_at_once(client_for):
+    orders = Orders(fail=True)
+    client, ledger = client_for(orders, release_on_error=True)
+    with pytest.raises(RuntimeError):
+        post(client)
+    assert ledger.lookup("acct_A", "k-1") is None
+    orders.fail = False
+    assert post(client).status == 201
+
+
+def test_principals_never_meet(client_for):
+    orders = Orders()
+    client, _ = client_for(orders)
+    a = post(client, user="acct_A")
+    b = post(client, user="acct_B")
+    assert (a.body, b.body) == (b'{"id":1}', b'{"id":2}')
+
+
+def test_safe_methods_and_exempt_paths_pass_through_untouched(client_for):
+    orders = Orders()
+    client, ledger = client_for(orders, exempt=_path_is("/login"))
+    got = client.request("GET", "/orders", b"", {}, None)
+    assert (got.status, got.header("Location")) == (201, "/orders/1")
+    login = post(client, key=None, path="/login")
+    assert login.status == 201 and ledger.stats().total == 0
+
+
+def test_key_optional_lets_keyless_requests_through(client_for):
+    orders = Orders()
+    client, ledger = client_for(orders, key_optional=lambda request: True)
+    assert post(client, key=None).status == 201
+    assert post(client, key=None).status == 201
+    assert len(orders.runs) == 2 and ledger.stats().total == 0
+
+
+def test_a_body_over_the_limit_is_413_before_any_claim(client_for):
+    orders = Orders()
+    client, ledger = client_for(orders, max_body_bytes=4)
+    reply = post(client, body=b"12345")
+    assert (reply.status, json.loads(reply.body)["error"], json.loads(reply.body)["limit_bytes"]) == (
+        413,
+        "request_body_too_large",
+        4,
+    )
+    assert orders.runs == [] and ledger.stats().total == 0
+
+
+def test_an_unavailable_ledger_fails_closed_with_503(client_for, adapter, tmp_path):
+    orders = Orders()
+    missing = Ledger.open(tmp_path / "never-initialised.db")
+    cls = WsgiClient if adapter == "wsgi" else AsgiClient
+    client = cls(missing, orders)
+    reply = post(client)
+    assert (reply.status, reply.header("Retry-After"), reply.body) == (
+        503,
+        "1",
+        b'{"error":"idempotency_ledger_unavailable","message":"The idempotency ledger is unavailable; retry later."}',
+    )
+    assert orders.runs == []
+
+
+def test_a_query_string_is_part_of_the_fingerprint(client_for):
+    orders = Orders()
+    client, _ = client_for(orders)
+    post(client, path="/orders?a=1")
+    assert post(client, path="/orders?a=2").status == 409
+    assert post(client, path="/orders?a=1").body == b'{"id":1}'
+
+
+def test_wsgi_and_asgi_store_the_same_row_for_the_same_request(make_ledger):
+    rows = []
+    for cls in (WsgiClient, AsgiClient):
+        ledger = make_ledger()
+        post(cls(ledger, Orders()), key=f"same-{cls.__name__}")
+        row = ledger.lookup("acct_A", f"same-{cls.__name__}")
+        rows.append((row.fingerprint, row.response_status, row.response_headers, row.body_bytes))
+    assert rows[0] == rows[1]
+
+
+def _path_is(path: str):
+    def predicate(request) -> bool:  # type: ignore[no-untyped-def]
+        if isinstance(request, dict) and "type" in request:
+            return request.get("path") == path
+        return request.get("PATH_INFO") == path
+
+    return predicate
