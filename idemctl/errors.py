@@ -130,3 +130,12 @@ class ConnectionFailedError(LedgerUnavailableError):
 class ScenarioError(IdemctlError, ValueError):
     """A scenario for `simulate` that cannot run: an unknown name, a malformed
     file, a bad step."""
+
+
+class ConfigError(IdemctlError, ValueError):
+    """A setting (an environment variable) that cannot be used as given."""
+
+    def __init__(self, name: str, value: str, message: str) -> None:
+        self.name = name
+        self.value = value
+        super().__init__(message)

@@ -11,12 +11,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
+from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.testclient import TestClient
 
 from idemctl import Ledger, Policy
 from idemctl.asgi import IdempotencyMiddleware as AsgiMiddleware
+from idemctl.fastapi import idempotent_route
 from idemctl.wsgi import IdempotencyMiddleware as WsgiMiddleware
 
-ADAPTERS = ["wsgi", "asgi"]
+# The FastAPI route class takes the same contract options except the
+# middleware-only ones (exempt, key_optional): a router opts in instead.
+ADAPTERS = ["wsgi", "asgi", "fastapi"]
+MIDDLEWARE = ["wsgi", "asgi"]
 ORDER = b'{"sku":"tea","qty":2}'
 
 
@@ -153,19 +159,59 @@ class AsgiClient:
         )
 
 
+class FastApiClient:
+    def __init__(self, ledger: Ledger, orders: Orders, **options: object) -> None:
+        def account(request: Request) -> str | None:
+            return request.headers.get("x-user")
+
+        router = APIRouter(route_class=idempotent_route(ledger, principal=account, **options))  # type: ignore[arg-type]
+
+        @router.api_route("/orders", methods=["GET", "POST"])
+        async def orders_endpoint(request: Request) -> Response:
+            status, headers, body = orders.answer(await request.body())
+            return Response(content=body, status_code=status, headers=dict(headers))
+
+        app = FastAPI()
+        app.include_router(router)
+        self.client = TestClient(app, raise_server_exceptions=True)
+
+    def request(self, method: str, path: str, body: bytes, headers: dict[str, str], user: str | None) -> Reply:
+        sent = {name: value.encode("latin-1") for name, value in headers.items()}
+        if user is not None:
+            sent["X-User"] = user.encode("latin-1")
+        got = self.client.request(method, path, content=body, headers=sent)
+        return Reply(got.status_code, list(got.headers.multi_items()), got.content)
+
+
+CLIENTS = {"wsgi": WsgiClient, "asgi": AsgiClient, "fastapi": FastApiClient}
+
+
 @pytest.fixture(params=ADAPTERS)
 def adapter(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-@pytest.fixture
-def client_for(adapter: str, make_ledger: Callable[..., Ledger]):
+@pytest.fixture(params=MIDDLEWARE)
+def middleware(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _factory(kind: str, make_ledger: Callable[..., Ledger]):
     def make(orders: Orders, *, policy: Policy | None = None, **options: object):
         ledger = make_ledger(policy=policy)
-        cls = WsgiClient if adapter == "wsgi" else AsgiClient
-        return cls(ledger, orders, **options), ledger
+        return CLIENTS[kind](ledger, orders, **options), ledger
 
     return make
+
+
+@pytest.fixture
+def client_for(adapter: str, make_ledger: Callable[..., Ledger]):
+    return _factory(adapter, make_ledger)
+
+
+@pytest.fixture
+def mw_client_for(middleware: str, make_ledger: Callable[..., Ledger]):
+    return _factory(middleware, make_ledger)
 
 
 def post(client, *, key: str | None = "k-1", body: bytes = ORDER, user: str | None = "acct_A", path: str = "/orders", ctype: str = "application/json") -> Reply:
@@ -289,18 +335,18 @@ def test_principals_never_meet(client_for):
     assert (a.body, b.body) == (b'{"id":1}', b'{"id":2}')
 
 
-def test_safe_methods_and_exempt_paths_pass_through_untouched(client_for):
+def test_safe_methods_and_exempt_paths_pass_through_untouched(mw_client_for):
     orders = Orders()
-    client, ledger = client_for(orders, exempt=_path_is("/login"))
+    client, ledger = mw_client_for(orders, exempt=_path_is("/login"))
     got = client.request("GET", "/orders", b"", {}, None)
     assert (got.status, got.header("Location")) == (201, "/orders/1")
     login = post(client, key=None, path="/login")
     assert login.status == 201 and ledger.stats().total == 0
 
 
-def test_key_optional_lets_keyless_requests_through(client_for):
+def test_key_optional_lets_keyless_requests_through(mw_client_for):
     orders = Orders()
-    client, ledger = client_for(orders, key_optional=lambda request: True)
+    client, ledger = mw_client_for(orders, key_optional=lambda request: True)
     assert post(client, key=None).status == 201
     assert post(client, key=None).status == 201
     assert len(orders.runs) == 2 and ledger.stats().total == 0
@@ -318,11 +364,10 @@ def test_a_body_over_the_limit_is_413_before_any_claim(client_for):
     assert orders.runs == [] and ledger.stats().total == 0
 
 
-def test_an_unavailable_ledger_fails_closed_with_503(client_for, adapter, tmp_path):
+def test_an_unavailable_ledger_fails_closed_with_503(adapter, tmp_path):
     orders = Orders()
     missing = Ledger.open(tmp_path / "never-initialised.db")
-    cls = WsgiClient if adapter == "wsgi" else AsgiClient
-    client = cls(missing, orders)
+    client = CLIENTS[adapter](missing, orders)
     reply = post(client)
     assert (reply.status, reply.header("Retry-After"), reply.body) == (
         503,
@@ -340,14 +385,14 @@ def test_a_query_string_is_part_of_the_fingerprint(client_for):
     assert post(client, path="/orders?a=1").body == b'{"id":1}'
 
 
-def test_wsgi_and_asgi_store_the_same_row_for_the_same_request(make_ledger):
+def test_every_adapter_stores_the_same_row_for_the_same_request(make_ledger):
     rows = []
-    for cls in (WsgiClient, AsgiClient):
+    for cls in CLIENTS.values():
         ledger = make_ledger()
         post(cls(ledger, Orders()), key=f"same-{cls.__name__}")
         row = ledger.lookup("acct_A", f"same-{cls.__name__}")
         rows.append((row.fingerprint, row.response_status, row.response_headers, row.body_bytes))
-    assert rows[0] == rows[1]
+    assert rows[0] == rows[1] == rows[2]
 
 
 def _path_is(path: str):
