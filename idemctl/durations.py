@@ -6,7 +6,7 @@ these helpers parse to and format from milliseconds."""
 from __future__ import annotations
 
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
@@ -34,7 +34,7 @@ def parse_duration(text: str) -> int:
         pos = match.end()
     if pos != len(raw) or pos == 0:
         raise ValueError(f"cannot read duration {text!r}: use e.g. 500ms, 30s, 15m, 24h, 7d or 1h30m")
-    return int(round(total))
+    return round(total)
 
 
 def human_duration(ms: int) -> str:
@@ -73,7 +73,7 @@ def iso(ms: int | None, *, millis: bool = True) -> str:
     """
     if ms is None:
         return "-"
-    stamp = datetime.fromtimestamp(int(ms) // 1000, tz=timezone.utc)
+    stamp = datetime.fromtimestamp(int(ms) // 1000, tz=UTC)
     fraction = f".{int(ms) % 1000:03d}" if millis else ""
     return stamp.strftime("%Y-%m-%dT%H:%M:%S") + fraction + "Z"
 

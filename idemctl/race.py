@@ -1,9 +1,5 @@
 """`simulate race`: N fresh OS processes send the same request at once, each
-through its own Ledger and connection, to show that exactly one runs it.
-
->>> [r.outcome for r in race_processes("ledger.db", builtin("race").steps[0], Policy(), now)]  # doctest: +SKIP
-[<Outcome.EXECUTED: 'executed'>, <Outcome.IN_PROGRESS: 'in_progress'>, ...]
-"""
+through its own Ledger and connection, to show that exactly one runs it."""
 
 from __future__ import annotations
 
@@ -19,10 +15,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from .errors import ScenarioError
 from .ledger import Ledger
 from .outcomes import Outcome
 from .policy import Policy
-from .scenario import ScenarioError, Step, mutation_answer
+from .scenario import Step, mutation_answer
 
 RACE_TIMEOUT_S = 60.0
 
@@ -113,8 +110,15 @@ def race_processes(target: str, step: Step, policy: Policy, now: int) -> list[Ra
     only when all are ready does each get "go", so they hit the ledger
     together.
 
-    >>> [r.outcome for r in race_processes("ledger.db", builtin("race").steps[0], Policy(), now)]  # doctest: +SKIP
-    [<Outcome.EXECUTED: 'executed'>, <Outcome.IN_PROGRESS: 'in_progress'>, ...]
+    >>> import os, tempfile
+    >>> from idemctl.scenario import builtin
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     target = os.path.join(tmp, "race.db")
+    ...     with Ledger.open(target) as ledger:
+    ...         _ = ledger.init()
+    ...     results = race_processes(target, builtin("race", workers=3).steps[0], Policy(), 1_700_000_000_000)
+    >>> len(results), sum(r.outcome is not None and r.outcome.ran_mutation for r in results)
+    (3, 1)
     """
     if target == ":memory:":
         raise ScenarioError("race needs a database file or URL that other processes can open, not :memory:")
@@ -151,7 +155,7 @@ def race_processes(target: str, step: Step, policy: Policy, now: int) -> list[Ra
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
         results = []
-        for worker, (proc, first) in enumerate(zip(procs, firsts), start=1):
+        for worker, (proc, first) in enumerate(zip(procs, firsts, strict=True), start=1):
             try:
                 out, err = proc.communicate(timeout=RACE_TIMEOUT_S)
             except subprocess.TimeoutExpired:

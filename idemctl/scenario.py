@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .durations import parse_duration
-from .errors import IdemctlError
+from .errors import ScenarioError
 from .fingerprint import fingerprint
 from .outcomes import Outcome
 from .policy import Policy
@@ -30,10 +30,6 @@ DEFAULT_METHOD = "POST"
 DEFAULT_PATH = "/orders"
 DEFAULT_BODY = '{"sku":"book","qty":1}'
 DEFAULT_HEADERS: tuple[tuple[str, str], ...] = (("Content-Type", "application/json"),)
-
-
-class ScenarioError(IdemctlError, ValueError):
-    """A scenario that cannot run: unknown name, malformed file, bad step."""
 
 
 class Op(enum.Enum):
@@ -198,13 +194,17 @@ def _duration(value: object, what: str, where: str) -> int:
 
 def _headers(value: object, where: str) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, Mapping) or not all(isinstance(v, str) for v in value.values()):
-        raise ScenarioError(f"{where}: headers must be a table of strings, e.g. headers = {{\"Content-Type\" = \"application/json\"}}")
+        raise ScenarioError(
+            f'{where}: headers must be a table of strings, e.g. headers = {{"Content-Type" = "application/json"}}'
+        )
     return tuple((str(k), v) for k, v in value.items())
 
 
 def _response(value: object, where: str) -> Response:
     if not isinstance(value, Mapping):
-        raise ScenarioError(f"{where}: response must be a table, e.g. response = {{status = 201, body = '{{\"id\":1}}'}}")
+        raise ScenarioError(
+            f"{where}: response must be a table, e.g. response = {{status = 201, body = '{{\"id\":1}}'}}"
+        )
     unknown = set(value) - {"status", "headers", "body"}
     if unknown:
         raise ScenarioError(f"{where}: unknown response field {sorted(unknown)[0]!r} (allowed: body, headers, status)")
@@ -293,7 +293,8 @@ def parse_scenario(doc: Mapping[str, Any], source: str = "scenario") -> Scenario
     """
     unknown = sorted(set(doc) - _TOP_FIELDS)
     if unknown:
-        raise ScenarioError(f"{source}: unknown top-level field {unknown[0]!r} (allowed: {', '.join(sorted(_TOP_FIELDS))})")
+        allowed = ", ".join(sorted(_TOP_FIELDS))
+        raise ScenarioError(f"{source}: unknown top-level field {unknown[0]!r} (allowed: {allowed})")
     steps_raw = doc.get("step")
     if not isinstance(steps_raw, list) or not steps_raw:
         raise ScenarioError(f"{source}: no steps: add at least one [[step]] table with a `do` field")
@@ -339,8 +340,13 @@ def _check_holders(steps: tuple[Step, ...], source: str) -> None:
 def load_scenario_file(path: str | os.PathLike[str]) -> Scenario:
     """Read and validate a ``scenario.toml``.
 
-    >>> load_scenario_file("incident.toml").name  # doctest: +SKIP
-    'incident'
+    >>> import pathlib, tempfile
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     path = pathlib.Path(tmp, "incident.toml")
+    ...     _ = path.write_text('[[step]]\\ndo = "request"\\n')
+    ...     scenario = load_scenario_file(path)
+    >>> scenario.name, scenario.steps[0].op
+    ('incident', <Op.REQUEST: 'request'>)
     """
     p = Path(path)
     try:
