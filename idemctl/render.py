@@ -1,8 +1,9 @@
 """Words and JSON documents for what the ledger returns.
 
 Plain-text functions (no rich) so the CLI, the simulator and tests share one
-wording; `*_json` functions define the stable `--json` field names in one
-place (README "JSON field reference" documents them)."""
+wording; `*_json` functions build every `--json` document of the CLI, so its
+stable field names are defined in this one place (README "JSON field
+reference" documents them)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,17 @@ import base64
 import json
 import re
 import unicodedata
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .durations import ago, human_duration, iso
-from .outcomes import FencedEvent, RowView, State, Stats, Status, StoredRow
+from .outcomes import Drained, FencedEvent, Prediction, RowView, State, Stats, Status, StoredRow, Verdict
+from .policy import Policy
 from .responses import NULL_BODY_STATUSES, OVERSIZE_STATUS
+
+if TYPE_CHECKING:  # the simulator renders its timelines with this module
+    from .simulate import Event, Timeline
 
 # Candidates for escaping: everything but printable ASCII. Which of them are
 # escaped is then decided per character by its Unicode category, so that
@@ -95,17 +102,23 @@ def terminal_safe_json(text: str) -> str:
 def state_words(view: RowView) -> str:
     """What a row means right now, in one sentence an operator can act on.
 
-    >>> state_words(view)  # doctest: +SKIP
-    'pending, 12 s old: retries get 409 for 18 s more, then the next retry takes over as generation 3'
-    >>> state_words(completed_view)  # doctest: +SKIP
-    'completed 3 h ago: replayed until 2026-11-30T18:00:00Z (in 21 h); the sweep may delete it after that'
+    >>> from idemctl import Ledger
+    >>> t = [0]; ledger = Ledger.open(":memory:", clock=lambda: t[0]); _ = ledger.init()
+    >>> reservation = ledger.claim("acct_A", "k1", "fp"); t[0] = 12_000
+    >>> state_words(ledger.get("acct_A", "k1"))
+    'pending, 12 s old: retries get 409 for 18 s more, then the next retry takes over as generation 2'
+    >>> _ = ledger.complete(reservation, 201, {}, b"{}"); t[0] += 3 * 3_600_000
+    >>> state_words(ledger.get("acct_A", "k1"))
+    'completed 3 h ago: replayed until 1970-01-02T00:00:12Z (in 21 h); the sweep may delete it after that'
     """
     row, now = view.row, view.now
     age = human_duration(max(0, view.age_ms))
     nxt = row.generation + 1
     if view.state is State.PENDING_FRESH:
         left = human_duration(view.takeover_in_ms or 0)
-        return f"pending, {age} old: retries get 409 for {left} more, then the next retry takes over as generation {nxt}"
+        return (
+            f"pending, {age} old: retries get 409 for {left} more, then the next retry takes over as generation {nxt}"
+        )
     if view.state is State.PENDING_STALE:
         return (
             f"pending, {age} old, past the {human_duration(view.pending_ttl_ms)} TTL: "
@@ -149,7 +162,10 @@ def is_oversize_sentinel(row: StoredRow) -> bool:
     """A completed 500 with a NULL body is what the ledger stores when the real
     body exceeded the cap (a handler's own empty 500 is stored as "").
 
-    >>> is_oversize_sentinel(ledger.lookup("acct_A", "big"))  # doctest: +SKIP
+    >>> from idemctl import Ledger, Policy
+    >>> ledger = Ledger.open(":memory:", policy=Policy(body_cap_bytes=4)); _ = ledger.init()
+    >>> _ = ledger.complete(ledger.claim("acct_A", "big", "fp"), 200, {}, b"more than four bytes")
+    >>> is_oversize_sentinel(ledger.lookup("acct_A", "big"))
     True
     """
     return row.status is Status.COMPLETED and row.response_body is None and row.response_status == OVERSIZE_STATUS
@@ -158,8 +174,12 @@ def is_oversize_sentinel(row: StoredRow) -> bool:
 def body_kind(row: StoredRow) -> str:
     """One of ``none`` (pending), ``oversize``, ``empty``, ``json``, ``text``, ``blob``.
 
-    >>> body_kind(ledger.lookup("acct_A", "order-42"))  # doctest: +SKIP
-    'json'
+    >>> from idemctl import Ledger
+    >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+    >>> _ = ledger.complete(ledger.claim("acct_A", "order-42", "fp"), 201, {}, b'{"id": 42}')
+    >>> _ = ledger.complete(ledger.claim("acct_A", "raw", "fp"), 200, {}, b"\\xff\\xfe")
+    >>> body_kind(ledger.lookup("acct_A", "order-42")), body_kind(ledger.lookup("acct_A", "raw"))
+    ('json', 'blob')
     """
     if row.status is not Status.COMPLETED or (row.response_body is None and not is_oversize_sentinel(row)):
         return "none"
@@ -179,8 +199,12 @@ def body_kind(row: StoredRow) -> str:
 def row_json(row: StoredRow) -> dict[str, Any]:
     """The stored columns as JSON-ready values, the body decoded per its kind.
 
-    >>> row_json(ledger.lookup("acct_A", "order-42"))["response"]["body_kind"]  # doctest: +SKIP
-    'json'
+    >>> from idemctl import Ledger
+    >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+    >>> _ = ledger.complete(ledger.claim("acct_A", "order-42", "fp"), 201, {}, b'{"id": 42}')
+    >>> response = row_json(ledger.lookup("acct_A", "order-42"))["response"]
+    >>> response["body_kind"], response["body"], response["body_bytes"]
+    ('json', '{"id": 42}', 10)
     """
     kind = body_kind(row)
     raw = row.body_bytes
@@ -209,10 +233,14 @@ def row_json(row: StoredRow) -> dict[str, Any]:
 
 
 def view_json(view: RowView) -> dict[str, Any]:
-    """`row_json` plus the derived state (the `inspect --json` document).
+    """`row_json` plus the derived state.
 
-    >>> view_json(ledger.get("acct_A", "order-42"))["state"]  # doctest: +SKIP
-    'completed'
+    >>> from idemctl import Ledger
+    >>> ledger = Ledger.open(":memory:", clock=lambda: 0); _ = ledger.init()
+    >>> _ = ledger.complete(ledger.claim("acct_A", "order-42", "fp"), 201, {}, b"{}")
+    >>> doc = view_json(ledger.get("acct_A", "order-42"))
+    >>> doc["state"], doc["generation"], doc["replay_until"]
+    ('completed', 1, 86400000)
     """
     doc = row_json(view.row)
     doc.update(
@@ -236,8 +264,14 @@ def view_json(view: RowView) -> dict[str, Any]:
 def event_json(event: FencedEvent) -> dict[str, Any]:
     """One fenced-out event.
 
-    >>> event_json(next(ledger.fenced()))["superseded_generation"]  # doctest: +SKIP
-    1
+    >>> from idemctl import Ledger
+    >>> t = [0]; ledger = Ledger.open(":memory:", clock=lambda: t[0]); _ = ledger.init()
+    >>> late = ledger.claim("acct_A", "k1", "fp"); t[0] = 31_000
+    >>> _ = ledger.takeover("acct_A", "k1", "fp")
+    >>> _ = ledger.complete(late, 201, {}, b"{}")
+    >>> doc = event_json(next(ledger.fenced()))
+    >>> doc["superseded_generation"], doc["current_generation"], doc["fenced_at"]
+    (1, 2, 31000)
     """
     return {
         "id": event.id,
@@ -253,8 +287,11 @@ def event_json(event: FencedEvent) -> dict[str, Any]:
 def stats_json(stats: Stats) -> dict[str, Any]:
     """The `Stats` counts under their `stats --json` names.
 
-    >>> stats_json(ledger.stats())["expired"]  # doctest: +SKIP
-    0
+    >>> from idemctl import Ledger
+    >>> ledger = Ledger.open(":memory:", clock=lambda: 0); _ = ledger.init()
+    >>> doc = stats_json(ledger.stats())
+    >>> doc["total"], doc["expired"], doc["fenced_out_events"]
+    (0, 0, 0)
     """
     return {
         "now": stats.now,
@@ -270,4 +307,230 @@ def stats_json(stats: Stats) -> dict[str, Any]:
         "oldest_row_at": stats.oldest_row_at,
         "storage_bytes": stats.storage_bytes,
         "schema_version": stats.schema_version,
+    }
+
+
+def verdict_words(prediction: Prediction) -> str:
+    """What `Ledger.predict` means for the request, in one sentence.
+
+    >>> from idemctl import Ledger
+    >>> ledger = Ledger.open(":memory:", clock=lambda: 0); _ = ledger.init()
+    >>> verdict_words(ledger.predict("acct_A", "k1", "fp"))
+    'no row for this key: this request would be claimed and run'
+    >>> _ = ledger.claim("acct_A", "k1", "fp")
+    >>> verdict_words(ledger.predict("acct_A", "k1", "fp"))
+    'matches the stored fingerprint: this request gets 409 in progress for 30 s more, then takes over as generation 2'
+    """
+    view = prediction.view
+    if prediction.verdict is Verdict.NEW or view is None:
+        return "no row for this key: this request would be claimed and run"
+    if prediction.verdict is Verdict.REUSED:
+        return "does NOT match the stored fingerprint: this request gets 409 idempotency_key_reused"
+    row = view.row
+    if prediction.verdict is Verdict.REPLAY:
+        return (
+            f"matches the stored fingerprint: this request is replayed "
+            f"({visible(row.response_status)}, generation {row.generation})"
+        )
+    if prediction.verdict is Verdict.IN_PROGRESS:
+        return (
+            f"matches the stored fingerprint: this request gets 409 in progress for "
+            f"{human_duration(view.takeover_in_ms or 0)} more, then takes over as generation {row.generation + 1}"
+        )
+    return f"matches the stored fingerprint: this request takes over as generation {row.generation + 1}"
+
+
+# -- the CLI's --json documents ---------------------------------------------------------------
+def inspect_json(view: RowView, events: Iterable[FencedEvent]) -> dict[str, Any]:
+    """`inspect --json`: `view_json` plus the key's fenced-out events.
+
+    >>> from idemctl import Ledger
+    >>> ledger = Ledger.open(":memory:", clock=lambda: 0); _ = ledger.init()
+    >>> _ = ledger.claim("acct_A", "k1", "fp")
+    >>> doc = inspect_json(ledger.get("acct_A", "k1"), [])
+    >>> doc["state"], doc["fenced_out"]
+    ('pending_fresh', [])
+    """
+    doc = view_json(view)
+    doc["fenced_out"] = [event_json(e) for e in events]
+    return doc
+
+
+@dataclass(frozen=True)
+class JsonListing:
+    """A JSON object holding one array that may be too long to build in
+    memory: `head`'s fields, then `name`: [`items`...], then `tail()`'s
+    fields. `tail` is called after the items, when it can say whether the
+    listing was cut."""
+
+    head: Mapping[str, Any]
+    name: str
+    items: Iterable[Any]
+    tail: Callable[[], Mapping[str, Any]]
+
+    def document(self) -> dict[str, Any]:
+        """The whole document at once, as a writer that streams it produces.
+
+        >>> pending_json(0, 30_000, False, [], lambda: False).document()
+        {'now': 0, 'pending_ttl_ms': 30000, 'stale_only': False, 'rows': [], 'truncated': False}
+        """
+        return {**self.head, self.name: list(self.items), **self.tail()}
+
+
+def pending_json(
+    now: int, pending_ttl_ms: int, stale_only: bool, views: Iterable[RowView], truncated: Callable[[], bool]
+) -> JsonListing:
+    """`pending --json`, streamed: each row as `view_json`; `truncated()` says
+    after the rows whether more existed than the limit let through."""
+    return JsonListing(
+        {"now": now, "pending_ttl_ms": pending_ttl_ms, "stale_only": stale_only},
+        "rows",
+        (view_json(v) for v in views),
+        lambda: {"truncated": truncated()},
+    )
+
+
+def fenced_json(now: int, truncated: bool, fenced_log: bool, events: Iterable[FencedEvent]) -> dict[str, Any]:
+    """`fenced --json`. `fenced_log` is False for a ledger that does not
+    record fenced-out events (the recipe's table alone).
+
+    >>> fenced_json(0, False, True, [])
+    {'now': 0, 'truncated': False, 'fenced_log': True, 'events': []}
+    """
+    return {"now": now, "truncated": truncated, "fenced_log": fenced_log, "events": [event_json(e) for e in events]}
+
+
+def stats_report_json(database: str, policy: Policy, stats: Stats, check_failed: Sequence[str]) -> dict[str, Any]:
+    """`stats --json`: where, under which policy, the counts, and which
+    `--max-*` thresholds were exceeded.
+
+    >>> from idemctl import Ledger
+    >>> ledger = Ledger.open(":memory:", clock=lambda: 0); _ = ledger.init()
+    >>> doc = stats_report_json(ledger.describe(), ledger.policy, ledger.stats(), [])
+    >>> doc["database"], doc["total"], doc["check_failed"]
+    (':memory:', 0, [])
+    """
+    doc: dict[str, Any] = {
+        "database": database,
+        "pending_ttl_ms": policy.pending_ttl_ms,
+        "retention_ms": policy.retention_ms,
+    }
+    doc.update(stats_json(stats))
+    doc["check_failed"] = list(check_failed)
+    return doc
+
+
+def sweep_dry_run_json(now: int, policy: Policy, would_delete: int, would_delete_fenced: int) -> dict[str, Any]:
+    """`sweep --dry-run --json`: what a sweep at `now` would delete.
+
+    >>> sweep_dry_run_json(100_000_000, Policy(), 3, 0)["cutoff"]
+    13600000
+    """
+    return {
+        "dry_run": True,
+        "would_delete": would_delete,
+        "would_delete_fenced": would_delete_fenced,
+        "cutoff": now - policy.retention_ms,
+        "fenced_cutoff": now - policy.fenced_retention_ms,
+        "retention_ms": policy.retention_ms,
+        "fenced_retention_ms": policy.fenced_retention_ms,
+    }
+
+
+def sweep_json(drained: Drained, policy: Policy, *, batch_size: int, elapsed_ms: int, remaining: int) -> dict[str, Any]:
+    """`sweep --json`: what `Ledger.drain` deleted, and why it stopped.
+
+    >>> from idemctl import Ledger
+    >>> ledger = Ledger.open(":memory:", clock=lambda: 0); _ = ledger.init()
+    >>> doc = sweep_json(ledger.drain(batch=250), ledger.policy, batch_size=250, elapsed_ms=3, remaining=0)
+    >>> doc["deleted"], doc["batches"], doc["stopped"]
+    (0, 1, 'drained')
+    """
+    return {
+        "dry_run": False,
+        "deleted": drained.keys_deleted,
+        "fenced_deleted": drained.fenced_deleted,
+        "batches": drained.batches,
+        "batch_size": batch_size,
+        "elapsed_ms": elapsed_ms,
+        "stopped": drained.stopped.value,
+        "remaining": remaining,
+        "retention_ms": policy.retention_ms,
+        "fenced_retention_ms": policy.fenced_retention_ms,
+    }
+
+
+def fingerprint_json(
+    fingerprint: str,
+    method: str,
+    path_and_query: str,
+    headers: Mapping[str, str | None],
+    body_bytes: int,
+    prediction: Prediction | None,
+) -> dict[str, Any]:
+    """`fingerprint --json`: the fingerprint and the values it was computed
+    from; with a `prediction` (`--key`), the stored row and the verdict.
+
+    >>> doc = fingerprint_json("fc4d", "post", "/orders", {"content-type": None}, 0, None)
+    >>> doc["method"], doc["row"], doc["matches"], doc["verdict"]
+    ('POST', None, None, None)
+    """
+    view = None if prediction is None else prediction.view
+    matches = None if prediction is None or view is None else prediction.verdict is not Verdict.REUSED
+    return {
+        "fingerprint": fingerprint,
+        "method": method.upper(),
+        "path_and_query": path_and_query,
+        "headers": dict(headers),
+        "body_bytes": body_bytes,
+        "row": None if view is None else view_json(view),
+        "matches": matches,
+        "verdict": None if prediction is None else prediction.verdict.value,
+    }
+
+
+def timeline_event_json(event: Event, start: int) -> dict[str, Any]:
+    """One line of a simulated timeline; `t_ms` counts from the timeline's `start`."""
+    return {
+        "step": event.step,
+        "t_ms": event.at - start,
+        "at": event.at,
+        "actor": event.actor,
+        "op": event.op.value,
+        "principal": event.principal,
+        "key": event.key,
+        "outcome": event.outcome.value,
+        "http_status": event.http_status,
+        "generation": event.generation,
+        "detail": event.detail,
+        "row": None if event.row is None else {"status": event.row.status.value, "generation": event.row.generation},
+        "deleted": event.deleted,
+        "pid": event.pid,
+        "expected": event.expected,
+        "ok": event.ok,
+        "logs": list(event.logs),
+    }
+
+
+def timeline_json(timeline: Timeline) -> dict[str, Any]:
+    """`simulate --json`: the scenario, where it ran, and every event.
+
+    >>> from idemctl.scenario import builtin
+    >>> from idemctl.simulate import run_scenario
+    >>> doc = timeline_json(run_scenario(builtin("happy")))
+    >>> doc["scenario"], doc["ok"], [e["outcome"] for e in doc["events"]]
+    ('happy', True, ['executed', 'advanced', 'replayed', 'inspected'])
+    """
+    scenario = timeline.scenario
+    return {
+        "scenario": scenario.name,
+        "description": scenario.description,
+        "database": timeline.database,
+        "pending_ttl_ms": timeline.policy.pending_ttl_ms,
+        "retention_ms": timeline.policy.retention_ms,
+        "start": timeline.start,
+        "end": timeline.end,
+        "reset": [{"principal": p, "key": k} for p, k in timeline.reset],
+        "ok": timeline.ok,
+        "events": [timeline_event_json(e, timeline.start) for e in timeline.events],
     }
