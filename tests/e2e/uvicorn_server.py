@@ -1,0 +1,131 @@
+"""A real `uvicorn --workers N` serving tests/e2e/asgi_orders.py (the
+FastAPI orders example) on 127.0.0.1, started and stopped by the tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from idemctl import Ledger, Policy
+
+REPO = Path(__file__).resolve().parents[2]
+_STARTED = re.compile(r"Application startup complete")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class UvicornServer:
+    def __init__(self, workdir: Path, *, workers: int = 4, pending_ttl: str = "30s", env: dict[str, str] | None = None) -> None:
+        self.workdir = workdir
+        self.workers = workers
+        self.pending_ttl = pending_ttl
+        self.ledger_path = workdir / "idempotency.db"
+        self.orders_path = workdir / "orders.db"
+        self.hold_dir = workdir / "hold"
+        self.log_path = workdir / "uvicorn.log"
+        self.extra_env = env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 40.0) -> UvicornServer:
+        self.hold_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.update(
+            IDEMCTL_DB=str(self.ledger_path),
+            IDEMCTL_PENDING_TTL=self.pending_ttl,
+            ORDERS_DB=str(self.orders_path),
+            TEST_HOLD_DIR=str(self.hold_dir),
+            PYTHONUNBUFFERED="1",
+            PYTHONPATH=str(REPO),
+        )
+        env.update(self.extra_env)
+        cmd = [
+            sys.executable, "-m", "uvicorn", "tests.e2e.asgi_orders:app",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--workers", str(self.workers),
+            "--timeout-graceful-shutdown", "3",
+            "--log-level", "info",
+        ]
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(_STARTED.findall(self.log())) >= self.workers and self._healthy():
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"uvicorn exited with {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"uvicorn did not come up within {timeout} s:\n{self.log()}")
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/orders", headers={"X-Api-Key": "demo-key-A"}, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+    def __enter__(self) -> UvicornServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def ledger(self) -> Ledger:
+        return Ledger.open(self.ledger_path, create=False, policy=Policy())
+
+    def count_orders(self, sku: str) -> int:
+        conn = sqlite3.connect(self.orders_path, timeout=10)
+        try:
+            return int(conn.execute("SELECT count(*) FROM orders WHERE sku = ?", (sku,)).fetchone()[0])
+        finally:
+            conn.close()
+
+    def hold(self, key: str) -> None:
+        (self.hold_dir / key).touch()
+
+    def held_pid(self, key: str, timeout: float = 15.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = list(self.hold_dir.glob(f"{key}.*.held"))
+            if found:
+                return int(found[0].name.rsplit(".", 2)[1])
+            time.sleep(0.01)
+        raise AssertionError(f"no worker reached the mutation for {key} within {timeout} s:\n{self.log()}")
+
+    def release(self, key: str, pid: int) -> None:
+        (self.hold_dir / f"{key}.{pid}.held").unlink()
