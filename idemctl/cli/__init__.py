@@ -1,0 +1,24 @@
+"""`idemctl`: the operator's CLI. Each command opens the ledger, calls one
+library method and renders what it returns; every error the library raises on
+purpose becomes one line on stderr and a documented exit code.
+
+`core` holds the app, the shared options and the error mapping; `render`
+(outside this package) builds every --json document, `views` the human
+output; the other modules hold the commands, grouped by what they do."""
+
+from __future__ import annotations
+
+from .core import EXIT_INTERRUPTED, EXIT_NO, EXIT_OK, EXIT_USAGE, app, main
+from .views import PENDING_TABLE_CHUNK
+
+# Importing a command module registers its commands on `app`, and
+# `idemctl --help` lists commands in the order they were registered.
+# isort: off
+from . import schema as schema  # init
+from . import inspect as inspect  # inspect, pending, fenced, stats
+from . import sweep as sweep  # sweep, purge
+from . import fingerprint as fingerprint  # fingerprint
+from . import simulate as simulate  # simulate
+# isort: on
+
+__all__ = ["EXIT_INTERRUPTED", "EXIT_NO", "EXIT_OK", "EXIT_USAGE", "PENDING_TABLE_CHUNK", "app", "main"]

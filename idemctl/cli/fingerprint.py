@@ -1,0 +1,96 @@
+"""`idemctl fingerprint`: a request's fingerprint, and what the ledger would
+do with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..fingerprint import fingerprint as compute_fingerprint
+from ..fingerprint import header_values
+from ..outcomes import Prediction, Verdict
+from ..render import fingerprint_json, verdict_words, visible
+from .core import EXIT_NO, DbOpt, JsonOpt, TtlOpt, UserError, app, check_key, command_policy, open_ledger, settings
+from .output import emit_json
+
+
+def _read_body(body: str | None, body_file: str | None) -> bytes:
+    if body is not None and body_file is not None:
+        raise UserError("give --body or --body-file, not both")
+    if body is not None:
+        return body.encode("utf-8")
+    if body_file is None:
+        return b""
+    if body_file == "-":
+        return typer.get_binary_stream("stdin").read()
+    try:
+        return Path(body_file).read_bytes()
+    except OSError as exc:
+        raise UserError(f"cannot read --body-file {body_file}: {exc.strerror or exc}") from None
+
+
+def _parse_headers(values: list[str]) -> list[tuple[str, str]]:
+    """--header values as (name, value) pairs; the value as given, spaces included.
+
+    >>> _parse_headers(["Content-Type: application/json"])
+    [('Content-Type', ' application/json')]
+    """
+    pairs = []
+    for value in values:
+        name, sep, rest = value.partition(":")
+        if not sep or not name.strip():
+            raise UserError(f"--header {value!r} is not 'Name: value'")
+        pairs.append((name.strip(), rest))
+    return pairs
+
+
+@app.command(
+    name="fingerprint",
+    epilog=(
+        "Example: idemctl fingerprint -X POST --path /orders -H 'Content-Type: application/json' "
+        "--body '{\"sku\":\"x\"}' --key order-42 -p acct_A"
+    ),
+)
+def fingerprint_cmd(
+    ctx: typer.Context,
+    method: Annotated[str, typer.Option("--method", "-X", help="HTTP method.")],
+    path: Annotated[str, typer.Option("--path", help="Path and query exactly as received, e.g. /orders?x=1.")],
+    header: Annotated[
+        list[str] | None, typer.Option("--header", "-H", help="'Name: value'; repeat for several.")
+    ] = None,
+    body_file: Annotated[
+        str | None, typer.Option("--body-file", metavar="FILE|-", help="Raw body bytes from a file, or - for stdin.")
+    ] = None,
+    body: Annotated[str | None, typer.Option("--body", help="Body as UTF-8 text (instead of --body-file).")] = None,
+    key: Annotated[str | None, typer.Option("--key", "-k", help="Compare with this key's stored row.")] = None,
+    principal: Annotated[str | None, typer.Option("--principal", "-p", help="Principal of --key.")] = None,
+    json_out: JsonOpt = False,
+    db: DbOpt = None,
+    ttl: TtlOpt = None,
+) -> None:
+    """Print a request's fingerprint; with --key, whether it would replay or get 409 reused."""
+    if (key is None) != (principal is None):
+        raise UserError("--key and --principal go together")
+    if key is not None:
+        check_key(key)
+    raw = _read_body(body, body_file)
+    pairs = _parse_headers(header or [])
+    policy = command_policy(settings(ctx), ttl)
+    fp = compute_fingerprint(method, path, pairs, raw, policy.fingerprint_headers)
+    prediction: Prediction | None = None
+    if key is not None and principal is not None:
+        with open_ledger(ctx, db, ttl=ttl) as ledger:
+            prediction = ledger.predict(principal, key, fp)
+    if json_out:
+        headers = header_values(pairs, policy.fingerprint_headers)
+        emit_json(fingerprint_json(fp, method, path, headers, len(raw), prediction))
+    else:
+        typer.echo(fp)
+        if prediction is not None:
+            typer.echo(verdict_words(prediction))
+            if prediction.verdict is Verdict.REUSED and prediction.view is not None:
+                typer.echo(f"stored: {visible(prediction.view.row.fingerprint)}")
+    if prediction is not None and prediction.verdict in (Verdict.NEW, Verdict.REUSED):
+        raise typer.Exit(EXIT_NO)

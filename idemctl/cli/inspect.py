@@ -1,0 +1,211 @@
+"""Read-only commands: `inspect` one reservation, list `pending` rows and
+`fenced` events, and count everything for dashboards and cron (`stats`)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ..durations import human_duration
+from ..errors import MalformedRowError
+from ..render import fenced_json, inspect_json, pending_json, stats_report_json
+from .core import (
+    EXIT_NO,
+    EXIT_USAGE,
+    DbOpt,
+    JsonOpt,
+    KeyArg,
+    PrincipalOpt,
+    RetentionOpt,
+    TtlOpt,
+    app,
+    check_key,
+    duration_param,
+    list_cap,
+    not_found,
+    open_ledger,
+)
+from .output import Capped, chunks, console, emit_json, emit_json_listing, say_error, say_no
+from .views import PENDING_TABLE_CHUNK, events_table, pending_table, print_row, stats_grid
+
+DEFAULT_LIST_LIMIT = 50
+
+
+@app.command(epilog="Example: idemctl inspect order-42 --principal acct_A")
+def inspect(
+    ctx: typer.Context,
+    key: KeyArg,
+    principal: PrincipalOpt,
+    json_out: JsonOpt = False,
+    db: DbOpt = None,
+    ttl: TtlOpt = None,
+    retention: RetentionOpt = None,
+) -> None:
+    """Everything about one reservation: state in words, generation, stored response, fenced-out events."""
+    check_key(key)
+    with open_ledger(ctx, db, ttl=ttl, retention=retention) as ledger:
+        view = ledger.get(principal, key)
+        if view is None:
+            not_found(principal, key)
+        events = list(ledger.fenced(principal=principal, key=key))
+        fenced_log = ledger.has_fenced_log()
+    if json_out:
+        emit_json(inspect_json(view, events))
+    else:
+        print_row(console(), view, events, fenced_log)
+
+
+@app.command(epilog="Example: idemctl pending --stale --principal acct_A --limit 20")
+def pending(
+    ctx: typer.Context,
+    stale: Annotated[
+        bool, typer.Option("--stale", help="Only rows past the TTL (the next retry takes them over).")
+    ] = False,
+    principal: Annotated[str | None, typer.Option("--principal", "-p", help="Only this principal.")] = None,
+    limit: Annotated[
+        int, typer.Option("--limit", "-n", min=0, help="At most N rows (0: all).")
+    ] = DEFAULT_LIST_LIMIT,
+    json_out: JsonOpt = False,
+    db: DbOpt = None,
+    ttl: TtlOpt = None,
+) -> None:
+    """Pending reservations, oldest first, with age and whether a retry would take over now."""
+    # Streamed from the ledger to stdout, so `--limit 0` on a million pending
+    # rows never holds them all in memory; hence the ledger stays open while rendering.
+    malformed: list[MalformedRowError] = []
+
+    def skip(exc: MalformedRowError) -> None:
+        # Another program's row that cannot be read: say which, keep listing.
+        malformed.append(exc)
+        say_error(f"{exc}; skipped")
+
+    with open_ledger(ctx, db, ttl=ttl) as ledger:
+        cap = list_cap(limit)
+        now = ledger.now()
+        ttl_ms = ledger.policy.pending_ttl_ms
+        views = Capped(
+            ledger.pending(
+                stale_only=stale,
+                principal=principal,
+                limit=None if cap is None else cap + 1,
+                now=now,
+                on_malformed=skip,
+            ),
+            cap,
+        )
+        if json_out:
+            emit_json_listing(pending_json(now, ttl_ms, stale, views, lambda: views.truncated))
+            if malformed:
+                raise typer.Exit(EXIT_USAGE)
+            return
+        out = console()
+        listed = 0
+        for chunk in chunks(views, PENDING_TABLE_CHUNK):
+            out.print(pending_table(chunk, header=listed == 0))
+            listed += len(chunk)
+    if not listed:
+        out.print("no stale pending rows" if stale else "no pending rows")
+    else:
+        more = f"; more exist (--limit {cap * 2 if cap else 0} or 0 for all)" if views.truncated else ""
+        out.print(f"{listed} pending row(s), oldest first; TTL {human_duration(ttl_ms)}{more}")
+    if malformed:
+        raise typer.Exit(EXIT_USAGE)
+
+
+@app.command(epilog="Example: idemctl fenced --since 24h --principal acct_A")
+def fenced(
+    ctx: typer.Context,
+    principal: Annotated[str | None, typer.Option("--principal", "-p", help="Only this principal.")] = None,
+    key: Annotated[str | None, typer.Option("--key", "-k", help="Only this key.")] = None,
+    since: Annotated[
+        int | None,
+        typer.Option(
+            "--since",
+            metavar="DURATION",
+            parser=duration_param,
+            help="Only events newer than this (e.g. 24h).",
+            show_default=False,
+        ),
+    ] = None,
+    limit: Annotated[
+        int, typer.Option("--limit", "-n", min=0, help="At most N events (0: all).")
+    ] = DEFAULT_LIST_LIMIT,
+    json_out: JsonOpt = False,
+    db: DbOpt = None,
+) -> None:
+    """Fenced-out events, newest first: late completions whose answer was not stored."""
+    if key is not None:
+        check_key(key)
+    with open_ledger(ctx, db) as ledger:
+        now = ledger.now()
+        cap = list_cap(limit)
+        events = list(
+            ledger.fenced(
+                principal=principal,
+                key=key,
+                since=None if since is None else now - since,
+                limit=None if cap is None else cap + 1,
+            )
+        )
+        fenced_log = ledger.has_fenced_log()
+    truncated = cap is not None and len(events) > cap
+    events = events[:cap] if cap is not None else events
+    if json_out:
+        emit_json(fenced_json(now, truncated, fenced_log, events))
+        return
+    out = console()
+    if not fenced_log:
+        out.print("no fenced-out log: this ledger has only the recipe's table; `idemctl init` adds it")
+        return
+    if not events:
+        out.print("no fenced-out events" + (f" in the last {human_duration(since)}" if since is not None else ""))
+        return
+    out.print(events_table(events, now, show_key=True))
+    more = "; more exist (raise --limit, 0 for all)" if truncated else ""
+    out.print(
+        f"{len(events)} event(s), newest first; late: the superseded owner's generation, row: the generation "
+        f"holding the row, status: what the late owner computed (not stored). Each means a mutation may have run "
+        f"twice{more}"
+    )
+
+
+@app.command(epilog="Example (cron): idemctl stats --max-backlog 10000 --max-fenced 0 || page-oncall")
+def stats(
+    ctx: typer.Context,
+    json_out: JsonOpt = False,
+    max_backlog: Annotated[
+        int | None, typer.Option("--max-backlog", min=0, help="Exit 1 if more rows than this are past retention.")
+    ] = None,
+    max_stale: Annotated[
+        int | None, typer.Option("--max-stale", min=0, help="Exit 1 if more pending rows than this are past the TTL.")
+    ] = None,
+    max_fenced: Annotated[
+        int | None,
+        typer.Option("--max-fenced", min=0, help="Exit 1 if more fenced-out events than this are recorded."),
+    ] = None,
+    db: DbOpt = None,
+    ttl: TtlOpt = None,
+    retention: RetentionOpt = None,
+) -> None:
+    """Rows by state, takeovers, fenced-out events, sweep backlog, oldest rows, size."""
+    with open_ledger(ctx, db, ttl=ttl, retention=retention) as ledger:
+        st = ledger.stats()
+        policy = ledger.policy
+        where = ledger.describe()
+    breaches = [
+        f"{value} {what} (max {most})"
+        for value, most, what in (
+            (st.expired, max_backlog, "rows past retention"),
+            (st.pending_stale, max_stale, "stale pending rows"),
+            (st.fenced_out_events, max_fenced, "fenced-out events"),
+        )
+        if most is not None and value > most
+    ]
+    if json_out:
+        emit_json(stats_report_json(where, policy, st, breaches))
+    else:
+        console().print(stats_grid(where, st, policy))
+    if breaches:
+        say_no("check failed: " + "; ".join(breaches))
+        raise typer.Exit(EXIT_NO)

@@ -1,0 +1,244 @@
+"""Commands that delete: `sweep` what is past retention, `purge` one reservation."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..durations import human_duration, iso
+from ..outcomes import Drained, DrainStop, PurgeOutcome, RowView, State, SweepResult
+from ..policy import Policy
+from ..render import state_words, sweep_dry_run_json, sweep_json, visible
+from .core import (
+    EXIT_INTERRUPTED,
+    EXIT_NO,
+    DbOpt,
+    JsonOpt,
+    KeyArg,
+    PrincipalOpt,
+    RetentionOpt,
+    TtlOpt,
+    app,
+    check_key,
+    duration_param,
+    not_found,
+    open_ledger,
+)
+from .output import emit_json, say_no
+
+MAX_SWEEP_BATCH = 100_000
+
+
+class StopFlag:
+    """Set by SIGINT during a sweep. `Ledger.drain` asks it between batches,
+    so Ctrl-C never cuts a batch short and the sweep still reports what it
+    deleted."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def __call__(self) -> bool:
+        return self.stopped
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stopped = True
+
+
+@contextmanager
+def _stop_on_sigint() -> Iterator[StopFlag]:
+    flag = StopFlag()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag  # only the main thread can take signals
+        return
+    previous = signal.signal(signal.SIGINT, flag.on_signal)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _dry_run_words(now: int, policy: Policy, backlog: int, fenced_backlog: int) -> str:
+    return (
+        f"would delete {backlog} row(s) not written since {iso(now - policy.retention_ms, millis=False)} (retention "
+        f"{human_duration(policy.retention_ms)}) and {fenced_backlog} fenced-out event(s) older than "
+        f"{iso(now - policy.fenced_retention_ms, millis=False)} (retention "
+        f"{human_duration(policy.fenced_retention_ms)}); nothing deleted"
+    )
+
+
+def _sweep_words(drained: Drained, policy: Policy, *, batch_size: int, elapsed_ms: int, remaining: int) -> str:
+    done = (
+        f"deleted {drained.keys_deleted} row(s) in {drained.batches} batch(es) of at most {batch_size}, "
+        f"{human_duration(elapsed_ms)}"
+    )
+    # The fenced-out log is the incident record: say what happened to it
+    # every time, so a sweep can never empty it unnoticed.
+    log_note = (
+        f"fenced-out log: {drained.fenced_deleted} event(s) older than "
+        f"{human_duration(policy.fenced_retention_ms)} deleted"
+    )
+    if drained.stopped is DrainStop.DRAINED:
+        return f"{done}; nothing left past the {human_duration(policy.retention_ms)} retention; {log_note}"
+    if drained.stopped is DrainStop.MAX_BATCHES:
+        return f"{done}; stopped at --max-batches with {remaining} row(s) past retention left; {log_note}"
+    return f"interrupted: {done}; {remaining} row(s) past retention left; {log_note}"
+
+
+@app.command(epilog="Example: idemctl sweep --batch-size 500 --pause-ms 50 --max-batches 200")
+def sweep(
+    ctx: typer.Context,
+    batch_size: Annotated[
+        int | None,
+        typer.Option(
+            "--batch-size",
+            min=1,
+            max=MAX_SWEEP_BATCH,
+            help="Rows per DELETE statement (default: 250 on SQLite, 1000 on PostgreSQL).",
+            show_default=False,
+        ),
+    ] = None,
+    max_batches: Annotated[
+        int | None, typer.Option("--max-batches", min=1, help="Stop after N batches.", show_default=False)
+    ] = None,
+    retention: RetentionOpt = None,
+    fenced_retention: Annotated[
+        int | None,
+        typer.Option(
+            "--fenced-retention",
+            metavar="DURATION",
+            parser=duration_param,
+            help="How long fenced-out events are kept: the record that a mutation may have run twice (default 30d).",
+            show_default=False,
+        ),
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Count what would be deleted; delete nothing.")] = False,
+    pause_ms: Annotated[
+        int, typer.Option("--pause-ms", min=0, help="Sleep between batches, to leave the lock to the request path.")
+    ] = 0,
+    json_out: JsonOpt = False,
+    db: DbOpt = None,
+    ttl: TtlOpt = None,
+) -> None:
+    """Delete rows past retention, and fenced-out events past theirs, in bounded batches until none is left
+    (Ctrl-C stops between batches)."""
+    with open_ledger(
+        ctx, db, write=not dry_run, ttl=ttl, retention=retention, fenced_retention=fenced_retention
+    ) as ledger:
+        policy = ledger.policy
+        batch = batch_size or ledger.drain_batch
+        started_at = ledger.now()
+        backlog = ledger.count_expired()
+        if dry_run:
+            fenced_backlog = ledger.count_fenced_expired()
+            if json_out:
+                emit_json(sweep_dry_run_json(started_at, policy, backlog, fenced_backlog))
+            else:
+                typer.echo(_dry_run_words(started_at, policy, backlog, fenced_backlog))
+            return
+        err = Console(stderr=True)
+        clock = time.monotonic()
+        with _stop_on_sigint() as stop, Progress(
+            TextColumn("sweeping"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err,
+            transient=True,
+            disable=not err.is_terminal,
+        ) as progress:
+            task = progress.add_task("sweep", total=backlog or None)
+            deleted = 0
+
+            def advance(result: SweepResult) -> None:
+                nonlocal deleted
+                deleted += result.keys_deleted
+                progress.update(task, completed=deleted)
+
+            drained = ledger.drain(
+                batch=batch,
+                max_batches=max_batches,
+                retention_ms=policy.retention_ms,
+                fenced_retention_ms=policy.fenced_retention_ms,
+                pause_ms=pause_ms,
+                should_stop=stop,
+                on_batch=advance,
+            )
+        elapsed_ms = int((time.monotonic() - clock) * 1000)
+        remaining = ledger.count_expired() if drained.stopped is not DrainStop.DRAINED else 0
+    if json_out:
+        emit_json(sweep_json(drained, policy, batch_size=batch, elapsed_ms=elapsed_ms, remaining=remaining))
+    else:
+        typer.echo(_sweep_words(drained, policy, batch_size=batch, elapsed_ms=elapsed_ms, remaining=remaining))
+    if drained.stopped is DrainStop.INTERRUPTED:
+        raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def _refusal(principal: str, key: str, view: RowView) -> str:
+    return (
+        f"refused: {visible(principal)}/{key} is pending and only {human_duration(view.age_ms)} old — its owner may "
+        f"still be running, and purging would let a retry run the mutation twice; wait "
+        f"{human_duration(view.takeover_in_ms or 0)} for the TTL, or pass --force"
+    )
+
+
+def _confirmed(principal: str, key: str) -> bool:
+    try:
+        confirmed = typer.confirm(
+            f"Purge {visible(principal)}/{key}? The client's next retry will run the mutation again", err=True
+        )
+    except typer.Abort:
+        typer.echo(err=True)  # end the prompt's line
+        say_no("not purged: no confirmation (pass --yes to skip the prompt)")
+        return False
+    if not confirmed:
+        if not sys.stdin.isatty():
+            typer.echo(err=True)  # a piped answer is not echoed: end the prompt's line
+        say_no("not purged")
+    return confirmed
+
+
+@app.command(epilog="Example: idemctl purge order-42 --principal acct_A --yes")
+def purge(
+    ctx: typer.Context,
+    key: KeyArg,
+    principal: PrincipalOpt,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Also delete a fresh pending row (its owner may still be running).")
+    ] = False,
+    db: DbOpt = None,
+    ttl: TtlOpt = None,
+) -> None:
+    """Delete one reservation so that the client's next retry runs the mutation again."""
+    check_key(key)
+    with open_ledger(ctx, db, write=True, ttl=ttl) as ledger:
+        view = ledger.get(principal, key)
+        if view is None:
+            not_found(principal, key)
+        typer.echo(f"{visible(principal)} / {key} (generation {view.row.generation}): {state_words(view)}")
+        if view.state is State.PENDING_FRESH and not force:
+            say_no(_refusal(principal, key, view))
+            raise typer.Exit(EXIT_NO)
+        if not yes and not _confirmed(principal, key):
+            raise typer.Exit(EXIT_NO)
+        result = ledger.purge(principal, key, force=force)
+    if result.outcome is PurgeOutcome.PURGED and result.row is not None:
+        typer.echo(
+            f"purged {visible(principal)}/{key} ({result.row.status.value}, generation {result.row.generation}): "
+            f"the client's next retry runs the mutation again"
+        )
+        return
+    if result.outcome is PurgeOutcome.NOT_FOUND:
+        not_found(principal, key)
+    say_no(_refusal(principal, key, view))
+    raise typer.Exit(EXIT_NO)

@@ -1,0 +1,295 @@
+"""The CLI's human output: rich grids and tables of what the ledger returns,
+and the timeline of a simulation. Every value a client or the database chose
+is escaped (`render.visible`) and never read as rich markup."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from rich import box
+from rich.console import Console
+from rich.highlighter import JSONHighlighter
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
+
+from ..durations import ago, human_duration, iso
+from ..outcomes import FencedEvent, RowView, State, Stats, Status
+from ..policy import Policy
+from ..render import body_kind, state_words, takeovers_words, visible
+from ..responses import header_problem, stored_header_pairs
+from ..scenario import Op
+from ..simulate import Event, Timeline
+
+# A long listing is printed as a run of tables of this many rows (the header
+# on the first only): a rich Table holds all its rows until it is printed.
+PENDING_TABLE_CHUNK = 500
+
+
+def shown(value: object) -> Text:
+    """A value from a client or the database as a rich cell: escaped (see
+    `render.visible`), and a Text so that rich never reads it as markup.
+
+    >>> shown("[bold]acct\\x1b").plain
+    '[bold]acct\\\\x1b'
+    """
+    return Text(visible(value))
+
+
+def _grid() -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")
+    return grid
+
+
+# -- one row (inspect) ------------------------------------------------------------------------
+def _headers_text(headers_json: str | None) -> Text:
+    # Listed from the stored JSON itself, so a header that a replay leaves out
+    # (a foreign row's CR/LF value, a number) is shown with the reason.
+    pairs = stored_header_pairs(headers_json)
+    if not pairs:
+        return Text("(none stored)")
+    lines = []
+    for name, value in pairs:
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        line = f"{visible(name)}: {visible(text)}"
+        problem = header_problem(name, value)
+        if problem is not None:
+            line += f"  (not replayed: {problem})"
+        lines.append(line)
+    return Text("\n".join(lines))
+
+
+def _response_rows(grid: Table, view: RowView) -> None:
+    row = view.row
+    if row.status is not Status.COMPLETED:
+        grid.add_row("response", "none yet: the row is pending")
+        return
+    kind = body_kind(row)
+    raw = row.body_bytes
+    size = 0 if raw is None else len(raw)
+    describe = {
+        "json": f"{size} bytes, JSON",
+        "text": f"{size} bytes, text",
+        "empty": "no body",
+        "blob": f"{size} bytes, BLOB (not UTF-8): replayed byte for byte",
+        "oversize": "no body: the real answer was over the body cap, so the ledger stored this 500 sentinel "
+        "and every replay fails loudly (purge the key to let the client run it again)",
+    }.get(kind, "no body")
+    grid.add_row("response", Text(f"{visible(row.response_status)} · {describe}"))
+    grid.add_row("headers", _headers_text(row.response_headers))
+
+
+def _print_body(console: Console, view: RowView) -> None:
+    row = view.row
+    kind = body_kind(row) if row.status is Status.COMPLETED else "none"
+    raw = row.body_bytes
+    if kind == "json":
+        console.print(Text("body", style="bold"))
+        # As rich's JSON renderable draws it, but escaped: JSON strings may hold
+        # DEL, C1 and bidi characters unescaped.
+        indented = json.dumps(json.loads(str(row.response_body)), indent=2, ensure_ascii=False)
+        pretty = Text(visible(indented, multiline=True))
+        if console.is_terminal:
+            pretty = JSONHighlighter()(pretty)
+        pretty.no_wrap = True
+        console.print(pretty)
+    elif kind == "text":
+        console.print(Text("body", style="bold"))
+        console.print(Text(visible(str(row.response_body), multiline=True)))
+    elif kind == "blob" and raw is not None:
+        console.print(Text("body (hex, first 32 bytes)", style="bold"))
+        console.print(Text(raw[:32].hex(" ") + (" …" if len(raw) > 32 else "")))
+
+
+def print_row(console: Console, view: RowView, events: Sequence[FencedEvent], fenced_log: bool) -> None:
+    """Everything about one reservation (`inspect`)."""
+    row, now = view.row, view.now
+    console.print(Text(f"{visible(row.principal)} / {visible(row.key)}", style="bold"))
+    grid = _grid()
+    grid.add_row("state", Text(state_words(view)))
+    grid.add_row("status", shown(row.status.value))
+    grid.add_row("generation", Text(takeovers_words(row.generation)))
+    grid.add_row("fingerprint", shown(row.fingerprint))
+    grid.add_row("created", f"{iso(row.created_at)} ({ago(row.created_at, now)})")
+    grid.add_row("updated", f"{iso(row.updated_at)} ({ago(row.updated_at, now)})")
+    _response_rows(grid, view)
+    console.print(grid)
+    _print_body(console, view)
+    console.print()
+    if events:
+        console.print(
+            Text(
+                f"fenced-out events ({len(events)}): a late owner's answer was not stored; "
+                "the mutation may have run twice",
+                style="bold",
+            )
+        )
+        console.print(events_table(events, now, show_key=False))
+    elif not fenced_log:
+        console.print(
+            Text(
+                "fenced-out events: not recorded (this ledger has only the recipe's table; "
+                "`idemctl init` adds the log)"
+            )
+        )
+    else:
+        console.print(Text("fenced-out events: none", style="bold"))
+
+
+# -- listings -----------------------------------------------------------------------------------
+def events_table(events: Sequence[FencedEvent], now: int, show_key: bool) -> Table:
+    """Fenced-out events, with the principal and key unless they are known."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("fenced at (UTC)", no_wrap=True)
+    table.add_column("age", no_wrap=True)
+    if show_key:
+        table.add_column("principal", overflow="fold", min_width=10, ratio=1)
+        table.add_column("key", overflow="fold", min_width=10, ratio=1)
+    table.add_column("late", justify="right", no_wrap=True)
+    table.add_column("row", justify="right", no_wrap=True)
+    table.add_column("status", justify="right", no_wrap=True)
+    for e in events:
+        cells = [iso(e.fenced_at, millis=False), ago(e.fenced_at, now)]
+        if show_key:
+            cells += [e.principal, e.key]
+        cells += [
+            str(e.superseded_generation),
+            "gone" if e.current_generation is None else str(e.current_generation),
+            str(e.computed_status),
+        ]
+        table.add_row(*[shown(c) for c in cells])
+    return table
+
+
+def pending_table(views: Sequence[RowView], *, header: bool) -> Table:
+    """Pending rows and what a retry would get now; one chunk of a listing
+    (the first with the header)."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_header=header)
+    for name in ("principal", "key", "gen", "age", "a retry now"):
+        table.add_column(name, overflow="fold", no_wrap=name in ("gen", "age"))
+    for v in views:
+        if v.state is State.PENDING_FRESH:
+            verdict = Text(f"409 in progress for {human_duration(v.takeover_in_ms or 0)} more")
+        else:
+            verdict = Text(f"takes over as generation {v.row.generation + 1}", style="yellow")
+        age = human_duration(v.age_ms)
+        table.add_row(shown(v.row.principal), shown(v.row.key), shown(v.row.generation), age, verdict)
+    return table
+
+
+def stats_grid(where: str, st: Stats, policy: Policy) -> Table:
+    """`stats` for a person: each count with what it means."""
+    grid = _grid()
+    grid.add_row("ledger", Text(f"{where} (schema version {st.schema_version})"))
+    grid.add_row("rows", str(st.total))
+    grid.add_row("  pending, fresh", f"{st.pending_fresh}  (retries get 409 in progress)")
+    grid.add_row("  pending, stale", f"{st.pending_stale}  (the next retry takes over)")
+    grid.add_row("  completed", f"{st.completed}  (retries are replayed)")
+    grid.add_row("  past retention", f"{st.expired}  (sweep backlog)")
+    grid.add_row("taken over", f"{st.taken_over}  (rows with generation > 1)")
+    grid.add_row("fenced-out events", str(st.fenced_out_events))
+    for label, at in (
+        ("oldest pending", st.oldest_pending_at),
+        ("oldest completed", st.oldest_completed_at),
+    ):
+        grid.add_row(label, "-" if at is None else f"{iso(at)} ({ago(at, st.now)})")
+    grid.add_row("size", "-" if st.storage_bytes is None else f"{st.storage_bytes:,} bytes")
+    ttl, retention = human_duration(policy.pending_ttl_ms), human_duration(policy.retention_ms)
+    grid.add_row("policy", f"TTL {ttl}, retention {retention}")
+    return grid
+
+
+# -- a simulation -------------------------------------------------------------------------------
+_OUTCOME_STYLE = {
+    "executed": "green",
+    "taken_over": "yellow",
+    "fenced_out": "red",
+    "replayed": "cyan",
+    "in_progress": "magenta",
+    "reused": "magenta",
+    "race_failed": "bold red",
+    "error": "bold red",
+}
+
+# Widths of the t, actor, step, outcome and row-after columns. One fixed-width
+# grid per event with its detail on the next line: a six-column table would
+# squeeze the detail into a sliver at 80 columns.
+_TIMELINE_WIDTHS = (13, 9, 15, 17, 17)
+
+
+def _clock(ms: int) -> str:
+    """A virtual time since the start of the timeline.
+
+    >>> _clock(3_723_004)
+    '+1:02:03.004'
+    """
+    hours, rest = divmod(ms, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    return f"+{hours}:{minutes:02d}:{rest / 1000:06.3f}"
+
+
+def _step_words(e: Event, timeline: Timeline) -> str:
+    step = timeline.scenario.steps[e.step - 1]
+    name = e.op.value
+    if e.op in (Op.REQUEST, Op.RACE):
+        return f"{step.method} {step.path}"
+    if e.op in (Op.COMPLETE, Op.RELEASE) and e.generation is not None:
+        return f"{name} gen {e.generation}"
+    if e.op is Op.ADVANCE:
+        return f"advance {human_duration(step.by_ms)}"
+    if e.op is Op.SWEEP:
+        return f"sweep ≤{step.batch or timeline.policy.sweep_batch}"
+    if e.op is Op.FILL:
+        return f"fill {step.count}"
+    return name
+
+
+def _row_words(e: Event) -> str:
+    if not e.row_known:
+        return ""
+    if e.row is None:
+        return "no row"
+    return f"{e.row.status.value} · gen {e.row.generation}"
+
+
+def _timeline_line(cells: list[Text]) -> Table:
+    grid = Table.grid(padding=(0, 1))
+    for width in _TIMELINE_WIDTHS:
+        grid.add_column(width=width, overflow="fold")
+    grid.add_row(*cells)
+    return grid
+
+
+def print_timeline(console: Console, timeline: Timeline) -> None:
+    """A simulation for a person: what ran, one event a line with its detail
+    under it, then what the ledger logged."""
+    sc = timeline.scenario
+    where = timeline.database or "a temporary ledger (deleted afterwards)"
+    console.print(Text(f"scenario {sc.name}", style="bold") + Text(f": {sc.description}" if sc.description else ""))
+    console.print(
+        Text(
+            f"ledger {where}; TTL {human_duration(timeline.policy.pending_ttl_ms)}, retention "
+            f"{human_duration(timeline.policy.retention_ms)}; virtual clock from {iso(timeline.start)}"
+        )
+    )
+    if timeline.reset:
+        console.print(Text("reset first (left by an earlier run): " + ", ".join(f"{p}/{k}" for p, k in timeline.reset)))
+    console.print(_timeline_line([Text(h, style="bold") for h in ("t", "actor", "step", "outcome", "row after")]))
+    logs: list[str] = []
+    for e in timeline.events:
+        at = _clock(e.at - timeline.start)
+        outcome = Text(e.outcome.value, style=_OUTCOME_STYLE.get(e.outcome.value, ""))
+        if e.http_status is not None and e.op in (Op.REQUEST, Op.RACE):
+            outcome.append(f" {e.http_status}")
+        cells = [Text(at), Text(e.actor), Text(_step_words(e, timeline)), outcome, Text(_row_words(e))]
+        console.print(_timeline_line(cells))
+        detail = Text(e.detail, style="dim")
+        if not e.ok:
+            detail.append(f" — expected {e.expected}" if e.expected else " — failed", style="bold red")
+        console.print(Padding(detail, (0, 0, 0, _TIMELINE_WIDTHS[0] + 1)))
+        logs.extend(f"{at} {text}" for text in e.logs)
+    for text in logs:
+        console.print(Text("log " + text, style="dim"))
