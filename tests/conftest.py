@@ -3,15 +3,13 @@ so that backend-independent tests run against every one of them."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import secrets
-import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from idemctl import Ledger, Policy
+from tests.helpers import FakeClock, postgres_test_schema
 
 BACKENDS = ["sqlite", "postgres"]
 
@@ -19,20 +17,6 @@ BACKENDS = ["sqlite", "postgres"]
 # anywhere else those tests are skipped with one reason.
 POSTGRES_URL_ENV = "IDEMCTL_TEST_POSTGRES_URL"
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
-
-
-class FakeClock:
-    """A virtual clock in integer milliseconds, moved by hand."""
-
-    def __init__(self, start: int = 1_700_000_000_000) -> None:
-        self.now = start
-
-    def __call__(self) -> int:
-        return self.now
-
-    def advance(self, ms: int) -> int:
-        self.now += ms
-        return self.now
 
 
 @pytest.fixture
@@ -75,45 +59,6 @@ def postgres_server() -> str:
     return url
 
 
-def postgres_test_schema(base: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A private schema on the test server for one test, as a URL whose
-    search_path holds only that schema, so processes started by the test reach
-    the same isolated ledger by URL. Dropped afterwards with everything the
-    test left open in it."""
-    import psycopg
-
-    from idemctl.storage import postgres
-
-    schema = f"t_{secrets.token_hex(6)}"
-    app = f"idemctl-test-{schema}"
-    sep = "&" if "?" in base else "?"
-    url = f"{base}{sep}options=-csearch_path%3D{schema}&application_name={app}"
-    with psycopg.connect(base, autocommit=True) as admin:
-        admin.execute(f"CREATE SCHEMA {schema}")
-    opened: list[postgres.PostgresEngine] = []
-    real_init = postgres.PostgresEngine.__init__
-
-    def tracking_init(self: postgres.PostgresEngine, *args: object, **kwargs: object) -> None:
-        real_init(self, *args, **kwargs)  # type: ignore[arg-type]
-        opened.append(self)
-
-    monkeypatch.setattr(postgres.PostgresEngine, "__init__", tracking_init)
-    try:
-        yield url
-    finally:
-        # Pools a test forgot to close would hold server connections for the
-        # rest of the run; close them, then end whatever is still connected.
-        for engine in opened:
-            engine.close()
-        with psycopg.connect(base, autocommit=True) as admin:
-            admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                " WHERE application_name = %s AND pid <> pg_backend_pid()",
-                (app,),
-            )
-            admin.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-
-
 @pytest.fixture
 def ledger_target(backend_name: str, tmp_path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Where a fresh, empty ledger lives for this test (a path or a URL)."""
@@ -146,19 +91,3 @@ def make_ledger(ledger_target: str, clock: FakeClock) -> Iterator[Callable[..., 
 def ledger(make_ledger: Callable[..., Ledger]) -> Ledger:
     return make_ledger()
 
-
-# Test data lives inside the checkout, so a clone anywhere runs the suite.
-VECTORS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vectors")
-
-
-@contextlib.contextmanager
-def read_only_file(path: str | os.PathLike[str]) -> Iterator[None]:
-    """Make a file truly read-only for root too (chattr +i), or skip with the reason."""
-    path = os.fspath(path)
-    done = subprocess.run(["chattr", "+i", path], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot make {path} immutable here: {done.stderr.strip() or 'chattr failed'}")
-    try:
-        yield
-    finally:
-        subprocess.run(["chattr", "-i", path], check=False)

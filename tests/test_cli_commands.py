@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from idemctl import Ledger, Policy, PurgeOutcome, State, Status, fingerprint, wall_clock_ms
 from idemctl.cli import app
 from idemctl.schema import schema_files
+from tests.helpers import clean_env
 
 SECOND = 1000
 MINUTE = 60 * SECOND
@@ -24,10 +25,7 @@ JSON_HEADERS = (("Content-Type", "application/json"), ("Location", "/orders/42")
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for name in ("IDEMCTL_DB", "IDEMCTL_PENDING_TTL", "IDEMCTL_RETENTION", "IDEMCTL_BUSY_TIMEOUT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("COLUMNS", "200")  # rich wraps at the terminal width; keep lines whole
-    monkeypatch.chdir(tmp_path)
+    clean_env(monkeypatch, tmp_path, columns="200")
 
 
 class Run:

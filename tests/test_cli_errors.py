@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from idemctl import Ledger, fingerprint, wall_clock_ms
 from idemctl.cli import EXIT_USAGE, app
-from tests.conftest import read_only_file
+from tests.helpers import clean_env, read_only_file
 
 READ_COMMANDS = [
     ["inspect", "order-42", "--principal", "acct_A"],
@@ -25,9 +25,7 @@ WRITE_COMMANDS = [["sweep"], ["purge", "order-42", "--principal", "acct_A", "--y
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for name in ("IDEMCTL_DB", "IDEMCTL_PENDING_TTL", "IDEMCTL_RETENTION", "IDEMCTL_BUSY_TIMEOUT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(tmp_path)
+    clean_env(monkeypatch, tmp_path)
 
 
 def fails(args: list[str], code: int = EXIT_USAGE, input: str | None = None) -> str:

@@ -10,14 +10,14 @@ from typer.testing import CliRunner
 
 from idemctl import Ledger, wall_clock_ms
 from idemctl.cli import PENDING_TABLE_CHUNK, app
+from tests.helpers import clean_env
 
 ROWS = PENDING_TABLE_CHUNK * 2 + 1
 
 
 @pytest.fixture
 def many_pending(tmp_path, monkeypatch):
-    for var in ("IDEMCTL_DB", "IDEMCTL_PENDING_TTL", "IDEMCTL_RETENTION", "IDEMCTL_BUSY_TIMEOUT"):
-        monkeypatch.delenv(var, raising=False)
+    clean_env(monkeypatch)
     path = str(tmp_path / "ledger.db")
     now = wall_clock_ms()
     with Ledger.open(path) as ledger:

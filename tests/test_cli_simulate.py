@@ -15,7 +15,10 @@ from typer.testing import CliRunner
 
 from idemctl import Ledger, Outcome, Status
 from idemctl.cli import app
-from idemctl.simulate import ScenarioError, builtin, parse_scenario, run_scenario
+from idemctl.errors import ScenarioError
+from idemctl.scenario import builtin, parse_scenario
+from idemctl.simulate import run_scenario
+from tests.helpers import clean_env
 
 IDEMCTL = Path(sys.executable).with_name("idemctl")
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,10 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for name in ("IDEMCTL_DB", "IDEMCTL_PENDING_TTL", "IDEMCTL_RETENTION", "IDEMCTL_BUSY_TIMEOUT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("COLUMNS", "200")
-    monkeypatch.chdir(tmp_path)
+    clean_env(monkeypatch, tmp_path, columns="200")
 
 
 def simulate(*args: str, env: dict[str, str] | None = None):
@@ -378,7 +378,7 @@ def test_the_readme_scenario_file_example_runs_as_documented(tmp_path):
 
 def test_a_race_worker_that_cannot_open_the_ledger_is_reported_not_hung(tmp_path):
     from idemctl import Policy
-    from idemctl.simulate import race_processes
+    from idemctl.race import race_processes
 
     step = builtin("race", workers=2).steps[0]
     results = race_processes(str(tmp_path / "gone.db"), step, Policy(), 1_700_000_000_000)

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from idemctl import Ledger, fingerprint, wall_clock_ms
 from idemctl.cli import app
-from tests.conftest import FakeClock
+from tests.helpers import FakeClock, clean_env
 
 HOUR = 3_600_000
 FP = fingerprint("POST", "/orders", [], b"{}")
@@ -27,9 +27,7 @@ IDEMCTL = Path(sys.executable).with_name("idemctl")
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for name in ("IDEMCTL_DB", "IDEMCTL_PENDING_TTL", "IDEMCTL_RETENTION", "IDEMCTL_BUSY_TIMEOUT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(tmp_path)
+    clean_env(monkeypatch, tmp_path)
 
 
 def backlog(ledger: Ledger, clock, *, expired: int, fresh: int, fenced: int = 0) -> None:

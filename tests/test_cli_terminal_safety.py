@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from idemctl import Ledger, wall_clock_ms
 from idemctl.cli import app
 from idemctl.render import visible
+from tests.helpers import clean_env
 
 IDEMCTL = Path(sys.executable).with_name("idemctl")
 SECOND = 1000
@@ -73,8 +74,7 @@ def cli(*args: str) -> Done:
 def db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """A ledger made by `idemctl init`, then filled through the library with a
     hostile client's rows, and by raw SQL with rows another program wrote."""
-    for name in ("IDEMCTL_DB", "IDEMCTL_PENDING_TTL", "IDEMCTL_RETENTION", "IDEMCTL_BUSY_TIMEOUT"):
-        monkeypatch.delenv(name, raising=False)
+    clean_env(monkeypatch)
     path = str(tmp_path / "ledger.db")
     assert CliRunner().invoke(app, ["init", "--db", path]).exit_code == 0
     now = wall_clock_ms()

@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 
 from idemctl import fingerprint, is_valid_key
 from idemctl.errors import InvalidBodyError
-
-from .conftest import VECTORS_DIR
+from tests.helpers import VECTORS_DIR
 
 with open(os.path.join(VECTORS_DIR, "fingerprint.json"), encoding="utf-8") as _f:
     VECTORS = json.load(_f)

@@ -45,7 +45,7 @@ from hypothesis.stateful import (
 )
 
 from idemctl import Ledger, Outcome, Policy, PurgeOutcome, Reservation, State, Status, StoredRow, fingerprint
-from tests.conftest import FakeClock
+from tests.helpers import FakeClock
 
 TTL = 1_000
 RETENTION = 5_000

@@ -20,8 +20,7 @@ from idemctl import (
     ReadOnlyDatabaseError,
     StorageError,
 )
-
-from .conftest import read_only_file
+from tests.helpers import read_only_file
 
 
 def noop(body):

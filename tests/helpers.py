@@ -1,0 +1,92 @@
+"""Helpers the test modules share (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from idemctl.simulate import VirtualClock
+
+# Test data lives inside the checkout, so a clone anywhere runs the suite.
+VECTORS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vectors")
+
+# The environment variables the CLI reads its global options from.
+IDEMCTL_ENV = ("IDEMCTL_DB", "IDEMCTL_PENDING_TTL", "IDEMCTL_RETENTION", "IDEMCTL_BUSY_TIMEOUT")
+
+
+class FakeClock(VirtualClock):
+    """The simulator's virtual clock, started at a fixed instant so that every
+    run of a test sees the same times."""
+
+    def __init__(self, start: int = 1_700_000_000_000) -> None:
+        super().__init__(start)
+
+
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path | None = None, *, columns: str | None = None) -> None:
+    """Run the CLI as if on a machine with no IDEMCTL_* settings: in
+    `tmp_path` (when given), and `columns` wide (rich wraps at the terminal
+    width; a wide one keeps lines whole)."""
+    for name in IDEMCTL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    if columns is not None:
+        monkeypatch.setenv("COLUMNS", columns)
+    if tmp_path is not None:
+        monkeypatch.chdir(tmp_path)
+
+
+@contextlib.contextmanager
+def read_only_file(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Make a file truly read-only for root too (chattr +i), or skip with the reason."""
+    path = os.fspath(path)
+    done = subprocess.run(["chattr", "+i", path], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot make {path} immutable here: {done.stderr.strip() or 'chattr failed'}")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", path], check=False)
+
+
+def postgres_test_schema(base: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A private schema on the test server for one test, as a URL whose
+    search_path holds only that schema, so processes started by the test reach
+    the same isolated ledger by URL. Dropped afterwards with everything the
+    test left open in it."""
+    import psycopg
+
+    from idemctl.storage import postgres
+
+    schema = f"t_{secrets.token_hex(6)}"
+    app = f"idemctl-test-{schema}"
+    sep = "&" if "?" in base else "?"
+    url = f"{base}{sep}options=-csearch_path%3D{schema}&application_name={app}"
+    with psycopg.connect(base, autocommit=True) as admin:
+        admin.execute(f"CREATE SCHEMA {schema}")
+    opened: list[postgres.PostgresEngine] = []
+    real_init = postgres.PostgresEngine.__init__
+
+    def tracking_init(self: postgres.PostgresEngine, *args: object, **kwargs: object) -> None:
+        real_init(self, *args, **kwargs)  # type: ignore[arg-type]
+        opened.append(self)
+
+    monkeypatch.setattr(postgres.PostgresEngine, "__init__", tracking_init)
+    try:
+        yield url
+    finally:
+        # Pools a test forgot to close would hold server connections for the
+        # rest of the run; close them, then end whatever is still connected.
+        for engine in opened:
+            engine.close()
+        with psycopg.connect(base, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE application_name = %s AND pid <> pg_backend_pid()",
+                (app,),
+            )
+            admin.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
