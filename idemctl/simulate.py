@@ -5,11 +5,11 @@ Built-in scenarios are written in the same step language an operator uses in
 a ``scenario.toml`` file (one parser, one interpreter), so an incident can be
 reproduced exactly as the built-ins demonstrate the contract.
 
->>> timeline = run_scenario(builtin("takeover"))  # doctest: +SKIP
->>> [e.outcome.value for e in timeline.events][:3]  # doctest: +SKIP
+>>> from idemctl.scenario import builtin
+>>> timeline = run_scenario(builtin("takeover"))
+>>> [e.outcome.value for e in timeline.events][:3]
 ['claimed', 'advanced', 'taken_over']
 """
-
 
 from __future__ import annotations
 
@@ -18,35 +18,18 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from .durations import human_duration
-from .errors import IdemctlError, SchemaMissingError
+from .errors import IdemctlError, ScenarioError
 from .ledger import Ledger, wall_clock_ms
-from .outcomes import Outcome, Reservation, RowView, StoredRow
+from .outcomes import Outcome, Reservation, RowView, StoredRow, SweepResult
 from .policy import Policy
-from .race import RaceResult, race_processes
+from .race import race_processes
 from .render import state_words
-from .scenario import (
-    BUILTIN_NAMES,
-    DEFAULT_BODY,
-    DEFAULT_HEADERS,
-    DEFAULT_METHOD,
-    DEFAULT_PATH,
-    DEFAULT_PRINCIPAL,
-    Op,
-    Response,
-    Scenario,
-    ScenarioError,
-    Step,
-    StepOutcome,
-    builtin,
-    load_scenario_file,
-    mutation_answer,
-    parse_scenario,
-)
+from .scenario import Op, Scenario, Step, StepOutcome, mutation_answer
 
 MAX_SWEEP_BATCHES = 10_000
 
@@ -99,7 +82,13 @@ class Timeline:
 
 
 class VirtualClock:
-    """Milliseconds that only move when a step says so."""
+    """Milliseconds that only move when told to: by a scenario's steps, or by
+    a test (set `now`, or `advance`).
+
+    >>> clock = VirtualClock(1_000)
+    >>> clock.advance(500), clock()
+    (1500, 1500)
+    """
 
     def __init__(self, start: int) -> None:
         self.now = start
@@ -107,8 +96,9 @@ class VirtualClock:
     def __call__(self) -> int:
         return self.now
 
-    def advance(self, ms: int) -> None:
+    def advance(self, ms: int) -> int:
         self.now += ms
+        return self.now
 
 
 # -- running -------------------------------------------------------------------------------
@@ -149,7 +139,10 @@ def _request_detail(outcome: Outcome, status: int, generation: int | None, body:
     if outcome is Outcome.EXECUTED:
         return f"claimed generation {generation}, ran the mutation, stored {status} {_short(body)}"
     if outcome is Outcome.TAKEN_OVER:
-        return f"took over the stale reservation as generation {generation}, ran the mutation, stored {status} {_short(body)}"
+        return (
+            f"took over the stale reservation as generation {generation}, ran the mutation, "
+            f"stored {status} {_short(body)}"
+        )
     if outcome is Outcome.FENCED_OUT:
         return f"ran as generation {generation} but was fenced out: answered {status}, nothing stored"
     if outcome is Outcome.REPLAYED:
@@ -217,7 +210,8 @@ class _Runner:
             step.principal, step.key, step.method, step.path, step.headers, step.body,
             lambda _body: (status, headers, body),
         )
-        detail = _request_detail(answer.outcome, answer.status, answer.generation, answer.body, answer.header("Retry-After"))
+        retry_after = answer.header("Retry-After")
+        detail = _request_detail(answer.outcome, answer.status, answer.generation, answer.body, retry_after)
         self.emit(step, answer.outcome, detail, http_status=answer.status, generation=answer.generation)
 
     def _claim(self, step: Step) -> None:
@@ -226,12 +220,14 @@ class _Runner:
             self.emit(step, StepOutcome.NOT_CLAIMED, "the key already exists: no reservation")
             return
         self.reservations[(step.actor, step.principal, step.key)] = got
-        self.emit(step, StepOutcome.CLAIMED, f"claimed generation {got.generation}; the mutation starts and stalls", generation=got.generation)
+        detail = f"claimed generation {got.generation}; the mutation starts and stalls"
+        self.emit(step, StepOutcome.CLAIMED, detail, generation=got.generation)
 
     def _takeover(self, step: Step) -> None:
         got = self.ledger.takeover(step.principal, step.key, step.fingerprint(self.ledger.policy))
         if got is None:
-            self.emit(step, StepOutcome.NOT_TAKEN_OVER, "not taken over: the row is fresh, completed, gone or for another request")
+            detail = "not taken over: the row is fresh, completed, gone or for another request"
+            self.emit(step, StepOutcome.NOT_TAKEN_OVER, detail)
             return
         self.reservations[(step.actor, step.principal, step.key)] = got
         self.emit(step, StepOutcome.TAKEN_OVER, f"took over as generation {got.generation}", generation=got.generation)
@@ -259,10 +255,13 @@ class _Runner:
         reservation = self._reservation_for(step)
         if reservation is None:
             return
+        generation = reservation.generation
         if self.ledger.release(reservation):
-            self.emit(step, StepOutcome.RELEASED, f"released generation {reservation.generation}: the next retry runs again", generation=reservation.generation)
+            detail = f"released generation {generation}: the next retry runs again"
+            self.emit(step, StepOutcome.RELEASED, detail, generation=generation)
         else:
-            self.emit(step, StepOutcome.NOT_RELEASED, f"nothing released: generation {reservation.generation} no longer holds a pending row", generation=reservation.generation)
+            detail = f"nothing released: generation {generation} no longer holds a pending row"
+            self.emit(step, StepOutcome.NOT_RELEASED, detail, generation=generation)
 
     def _advance(self, step: Step) -> None:
         self.clock.advance(step.by_ms)
@@ -270,8 +269,13 @@ class _Runner:
 
     def _sweep(self, step: Step) -> None:
         batch = step.batch or self.ledger.policy.sweep_batch
-        for number in range(1, MAX_SWEEP_BATCHES + 1):
-            result = self.ledger.sweep(batch=batch, retention_ms=step.retention_ms)
+        number = 0
+
+        def emit_batch(result: SweepResult) -> None:
+            # One timeline line per batch; the step's expectation is checked
+            # on its last batch only.
+            nonlocal number
+            number += 1
             drained = result.deleted == 0
             extra = f" and {result.fenced_deleted} fenced-out events" if result.fenced_deleted else ""
             detail = (
@@ -287,25 +291,35 @@ class _Runner:
                 deleted=result.deleted,
                 expected=step.expect if last else None,
             )
-            if last:
-                return
+
+        self.ledger.drain(
+            batch=batch,
+            max_batches=MAX_SWEEP_BATCHES if step.until_empty else 1,
+            retention_ms=step.retention_ms,
+            on_batch=emit_batch,
+        )
 
     def _inspect(self, step: Step) -> None:
         view = self.ledger.get(step.principal, step.key)
         if view is None:
-            self.emit(step, StepOutcome.NOT_FOUND, "no row: the next request with this key runs the mutation", row=None)
+            detail = "no row: the next request with this key runs the mutation"
+            self.emit(step, StepOutcome.NOT_FOUND, detail, row=None)
             return
         fenced = list(self.ledger.fenced(principal=step.principal, key=step.key))
         extra = f"; {len(fenced)} fenced-out event(s) for this key" if fenced else ""
-        self.emit(step, StepOutcome.INSPECTED, state_words(view) + extra, row=view.row, view=view, generation=view.row.generation)
+        detail = state_words(view) + extra
+        self.emit(step, StepOutcome.INSPECTED, detail, row=view.row, view=view, generation=view.row.generation)
 
     def _purge(self, step: Step) -> None:
         result = self.ledger.purge(step.principal, step.key, force=step.force)
-        outcome = {"purged": StepOutcome.PURGED, "not_found": StepOutcome.NOT_FOUND}.get(result.outcome.value, StepOutcome.REFUSED)
+        outcomes = {"purged": StepOutcome.PURGED, "not_found": StepOutcome.NOT_FOUND}
+        outcome = outcomes.get(result.outcome.value, StepOutcome.REFUSED)
         detail = {
             StepOutcome.PURGED: "deleted: the client's next retry runs the mutation again",
             StepOutcome.NOT_FOUND: "no row to purge",
-            StepOutcome.REFUSED: "refused: the row is pending and fresh, its owner may still be running (force = true overrides)",
+            StepOutcome.REFUSED: (
+                "refused: the row is pending and fresh, its owner may still be running (force = true overrides)"
+            ),
         }[outcome]
         self.emit(step, outcome, detail)
 
@@ -316,7 +330,8 @@ class _Runner:
         for key in step.fill_keys():
             got = self.ledger.claim(step.principal, key, fp)
             if got is not None:
-                self.ledger.complete(got, 201, (("Content-Type", "application/json"),), json.dumps({"order": key}).encode())
+                body = json.dumps({"order": key}).encode()
+                self.ledger.complete(got, 201, (("Content-Type", "application/json"),), body)
                 made += 1
         first, last = step.fill_keys()[0], step.fill_keys()[-1]
         self.emit(
@@ -332,7 +347,8 @@ class _Runner:
         ran = [r for r in results if r.outcome is not None and r.outcome.ran_mutation]
         for r in results:
             if r.outcome is None:
-                self.emit(step, StepOutcome.ERROR, f"pid {r.pid}: {r.error}", actor=f"w{r.worker}", pid=r.pid, expected=None)
+                detail = f"pid {r.pid}: {r.error}"
+                self.emit(step, StepOutcome.ERROR, detail, actor=f"w{r.worker}", pid=r.pid, expected=None)
                 continue
             detail = _request_detail(r.outcome, r.status or 0, r.generation, r.body, r.retry_after)
             self.emit(
@@ -367,7 +383,8 @@ def run_scenario(
     scenario writes are purged first (forced), so running it again replays
     the same story instead of finding last run's rows.
 
-    >>> run_scenario(builtin("happy")).ok  # doctest: +SKIP
+    >>> from idemctl.scenario import builtin
+    >>> run_scenario(builtin("happy")).ok
     True
     """
     base = policy or Policy()
@@ -390,10 +407,10 @@ def run_scenario(
         else:
             where = os.fspath(target)
             ledger = stack.enter_context(Ledger.open(where, policy=policy, clock=clock, create=False))
-            if ledger.schema_version() is None:
-                raise SchemaMissingError(ledger.describe())
+            ledger.require_schema()
         shown = ledger.describe()
-        reset = tuple(pk for pk in scenario.keys() if ledger.purge(*pk, force=True).row is not None)
+        written = scenario.keys()
+        reset = tuple(pk for pk in written if ledger.purge(*pk, force=True).row is not None)
         tap = stack.enter_context(_tap_logs())
         runner = _Runner(ledger, clock, where, scenario, tap)
         for step in scenario.steps:
@@ -408,30 +425,3 @@ def run_scenario(
         events=tuple(runner.events),
     )
 
-
-# The scenario language and the race live in their own modules; these names
-# stay importable from here, where the CLI and scripts have always found them.
-__all__ = [
-    "BUILTIN_NAMES",
-    "DEFAULT_BODY",
-    "DEFAULT_HEADERS",
-    "DEFAULT_METHOD",
-    "DEFAULT_PATH",
-    "DEFAULT_PRINCIPAL",
-    "Event",
-    "MAX_SWEEP_BATCHES",
-    "Op",
-    "RaceResult",
-    "Response",
-    "Scenario",
-    "ScenarioError",
-    "Step",
-    "StepOutcome",
-    "Timeline",
-    "VirtualClock",
-    "builtin",
-    "load_scenario_file",
-    "parse_scenario",
-    "race_processes",
-    "run_scenario",
-]
