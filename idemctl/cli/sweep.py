@@ -129,8 +129,8 @@ def sweep(
     db: DbOpt = None,
     ttl: TtlOpt = None,
 ) -> None:
-    """Delete rows past retention, and fenced-out events past theirs, in bounded batches until none is left
-    (Ctrl-C stops between batches)."""
+    # One line: a line break would show in the command list of the plain-text help.
+    """Delete rows past retention, and fenced-out events past theirs, in bounded batches until none is left (Ctrl-C stops between batches)."""  # noqa: E501
     with open_ledger(
         ctx, db, write=not dry_run, ttl=ttl, retention=retention, fenced_retention=fenced_retention
     ) as ledger:
