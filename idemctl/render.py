@@ -181,16 +181,17 @@ def body_kind(row: StoredRow) -> str:
     >>> body_kind(ledger.lookup("acct_A", "order-42")), body_kind(ledger.lookup("acct_A", "raw"))
     ('json', 'blob')
     """
-    if row.status is not Status.COMPLETED or (row.response_body is None and not is_oversize_sentinel(row)):
+    body = row.response_body
+    if row.status is not Status.COMPLETED:
         return "none"
-    if is_oversize_sentinel(row):
-        return "oversize"
-    if isinstance(row.response_body, (bytes, bytearray, memoryview)):
+    if body is None:
+        return "oversize" if is_oversize_sentinel(row) else "none"
+    if isinstance(body, (bytes, bytearray, memoryview)):
         return "blob"
-    if row.response_body == "" or row.response_status in NULL_BODY_STATUSES:
+    if body == "" or row.response_status in NULL_BODY_STATUSES:
         return "empty"
     try:
-        json.loads(row.response_body)  # type: ignore[arg-type]
+        json.loads(body)
     except ValueError:
         return "text"
     return "json"
