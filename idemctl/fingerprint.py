@@ -6,7 +6,7 @@ import hashlib
 import re
 from collections.abc import Iterable, Mapping
 
-from .errors import InvalidBodyError
+from .errors import InvalidBodyError, InvalidKeyError
 from .policy import DEFAULT_FINGERPRINT_HEADERS
 
 HeadersLike = Mapping[str, str] | Iterable[tuple[str, str]]
@@ -27,6 +27,19 @@ def is_valid_key(key: object) -> bool:
     (True, False)
     """
     return isinstance(key, str) and _KEY_PATTERN.match(key) is not None
+
+
+def check_key(key: object) -> None:
+    """Raise InvalidKeyError unless `key` is a valid Idempotency-Key.
+
+    >>> check_key("order-42")
+    >>> check_key("order 42\\n")
+    Traceback (most recent call last):
+    ...
+    idemctl.errors.InvalidKeyError: invalid Idempotency-Key 'order 42\\n': must be 1-255 printable ASCII characters
+    """
+    if not is_valid_key(key):
+        raise InvalidKeyError(f"invalid Idempotency-Key {key!r}: must be 1-255 printable ASCII characters")
 
 
 def header_pairs(headers: HeadersLike | None) -> list[tuple[str, str]]:

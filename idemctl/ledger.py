@@ -10,13 +10,11 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from . import responses
 from .errors import (
     AnswerNotStoredError,
     IdemctlError,
-    InvalidKeyError,
     InvalidPrincipalError,
     InvalidRequestError,
     MalformedRowError,
@@ -24,7 +22,7 @@ from .errors import (
     SchemaMissingError,
     StorageError,
 )
-from .fingerprint import HeadersLike, as_body_bytes, fingerprint, header_pairs, is_valid_key
+from .fingerprint import HeadersLike, as_body_bytes, check_key, fingerprint, header_pairs, is_valid_key
 from .outcomes import (
     Answer,
     Completion,
@@ -346,7 +344,7 @@ class Ledger:
         True
         """
         check_principal(principal)
-        self._check_key(key)
+        check_key(key)
         now = self.now() if now is None else now
         token = new_token()
         generation = self.store.claim(principal, key, fingerprint, token, now)
@@ -375,7 +373,7 @@ class Ledger:
         2
         """
         check_principal(principal)
-        self._check_key(key)
+        check_key(key)
         now = self.now() if now is None else now
         token = new_token()
         generation = self.store.takeover(principal, key, fingerprint, token, now, now - self.policy.pending_ttl_ms)
@@ -712,11 +710,6 @@ class Ledger:
         """
         now = self.now() if now is None else now
         return self.store.purge(principal, key, None if force else now - self.policy.pending_ttl_ms)
-
-    @staticmethod
-    def _check_key(key: Any) -> None:
-        if not is_valid_key(key):
-            raise InvalidKeyError(f"invalid Idempotency-Key {key!r}: must be 1-255 printable ASCII characters")
 
 
 def is_remote(target: object) -> bool:

@@ -189,7 +189,7 @@ def test_a_foreign_row_with_unsendable_headers_replays_without_them_every_time(t
     assert calls == []
     for answer in answers:
         assert answer.outcome is Outcome.REPLAYED
-        assert tuple(answer) == (201, FOREIGN_KEPT, b"from elsewhere")
+        assert answer.wire == (201, FOREIGN_KEPT, b"from elsewhere")
     # The row itself is left as it is, so every replay drops and logs again.
     assert idemctl_errors(caplog) == FOREIGN_LOGS * 2
 

@@ -15,8 +15,7 @@ from typer.core import TyperGroup
 
 from .. import __version__
 from ..durations import parse_duration
-from ..errors import IdemctlError, InvalidKeyError, SchemaMissingError, SchemaOutdatedError
-from ..fingerprint import is_valid_key
+from ..errors import IdemctlError, SchemaMissingError, SchemaOutdatedError
 from ..ledger import Ledger
 from ..policy import Policy
 from .output import say_error, say_no
@@ -316,19 +315,6 @@ def open_ledger(
     ) as ledger:
         ledger.require_schema()
         yield ledger
-
-
-def check_key(key: str) -> None:
-    """Refuse a KEY argument that no request could have stored.
-
-    >>> check_key("order-42")
-    >>> check_key("order 42\\n")
-    Traceback (most recent call last):
-    ...
-    idemctl.errors.InvalidKeyError: invalid Idempotency-Key 'order 42\\n': must be 1-255 printable ASCII characters
-    """
-    if not is_valid_key(key):
-        raise InvalidKeyError(f"invalid Idempotency-Key {key!r}: must be 1-255 printable ASCII characters")
 
 
 def list_cap(limit: int) -> int | None:

@@ -8,11 +8,11 @@ from typing import Annotated
 
 import typer
 
+from ..fingerprint import check_key, header_values
 from ..fingerprint import fingerprint as compute_fingerprint
-from ..fingerprint import header_values
 from ..outcomes import Prediction, Verdict
 from ..render import fingerprint_json, verdict_words, visible
-from .core import EXIT_NO, DbOpt, JsonOpt, TtlOpt, UserError, app, check_key, command_policy, open_ledger, settings
+from .core import EXIT_NO, DbOpt, JsonOpt, TtlOpt, UserError, app, command_policy, open_ledger, settings
 from .output import emit_json
 
 

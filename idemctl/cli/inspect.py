@@ -9,6 +9,7 @@ import typer
 
 from ..durations import human_duration
 from ..errors import MalformedRowError
+from ..fingerprint import check_key
 from ..render import fenced_json, inspect_json, pending_json, stats_report_json
 from .core import (
     EXIT_NO,
@@ -20,7 +21,6 @@ from .core import (
     RetentionOpt,
     TtlOpt,
     app,
-    check_key,
     duration_param,
     list_cap,
     not_found,

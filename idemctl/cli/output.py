@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from ..render import JsonListing, terminal_safe_json, visible
+from ..text import single_line
 
 T = TypeVar("T")
 
@@ -23,7 +24,7 @@ def one_line(message: object) -> str:
     >>> one_line("no row for\\n  principal 'a\\x1b'")
     "no row for principal 'a\\\\x1b'"
     """
-    return visible(" ".join(str(message).split()))
+    return visible(single_line(message))
 
 
 def say_error(message: object) -> None:

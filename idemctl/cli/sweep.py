@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..durations import human_duration, iso
+from ..fingerprint import check_key
 from ..outcomes import Drained, DrainStop, PurgeOutcome, RowView, State, SweepResult
 from ..policy import Policy
 from ..render import state_words, sweep_dry_run_json, sweep_json, visible
@@ -29,7 +30,6 @@ from .core import (
     RetentionOpt,
     TtlOpt,
     app,
-    check_key,
     duration_param,
     not_found,
     open_ledger,

@@ -35,6 +35,7 @@ from ..errors import (
     SchemaOutdatedError,
     StorageError,
 )
+from ..text import single_line
 from .dialect import POSTGRES
 from .engine import Params, Rows
 
@@ -65,10 +66,6 @@ _INIT_RACE = (pgerrors.UniqueViolation, pgerrors.DuplicateTable, pgerrors.Duplic
 _SERVER_PREFIX = re.compile(r'^connection to server (?:at|on socket) "[^"]*"(?: \([^)]*\))?(?:, port \d+)? failed: ')
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
 def _libpq_reason(text: str) -> str:
     """The reason inside libpq's connection error, without the parts the
     caller already shows (which server) or that add nothing (hint lines).
@@ -89,7 +86,7 @@ def _libpq_reason(text: str) -> str:
         line = re.sub(r"^FATAL:\s+", "", line)
         if line not in reasons:
             reasons.append(line)
-    return _one_line("; ".join(reasons)) or "connection failed"
+    return single_line("; ".join(reasons)) or "connection failed"
 
 
 def _split_pool_params(url: str) -> tuple[str, dict[str, str]]:
@@ -160,7 +157,7 @@ class PostgresEngine:
         try:
             params = conninfo_to_dict(libpq_url)
         except psycopg.Error as exc:
-            raise StorageError(f"bad PostgreSQL URL: {self._scrub(_one_line(str(exc)))}") from exc
+            raise StorageError(f"bad PostgreSQL URL: {self._scrub(single_line(str(exc)))}") from exc
         self.url_params = {k: str(v) for k, v in params.items() if k != "password"}
         for port in str(params.get("port", "")).split(","):
             if port and not (port.isdigit() and 0 < int(port) < 65536):
@@ -309,7 +306,7 @@ class PostgresEngine:
         state = getattr(exc, "sqlstate", None)
         diag = getattr(exc, "diag", None)
         primary = getattr(diag, "message_primary", None) if diag is not None else None
-        msg = self._scrub(_one_line(primary or str(exc)))
+        msg = self._scrub(single_line(primary or str(exc)))
         if state == "55P03":
             return DatabaseLockedError(
                 f"{where} is locked: another session held the row or table past the lock timeout "
