@@ -15,7 +15,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from . import contention, cycle, growth, memory, middleware, postgres, report, sweep
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(workdir=workdir, quick=args.quick, log=log)
     results: dict[str, Any] = {
         "quick": args.quick,
-        "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_info(workdir),
         "conditions": args.conditions,
         "benchmarks": {},
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         res["elapsed_s"] = round(time.perf_counter() - t0, 1)
         results["benchmarks"][name] = res
         log(f"[{name}] {'FAILED' if name in failed else 'done'} in {res['elapsed_s']} s")
-    results["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    results["finished_utc"] = datetime.now(UTC).isoformat(timespec="seconds")
     results["elapsed_s"] = round(time.perf_counter() - t_all, 1)
     results["machine"]["loadavg_end"] = os.getloadavg()
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)

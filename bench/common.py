@@ -142,11 +142,10 @@ def timed(fn: Callable[[], object]) -> float:
 
 # -- machine --------------------------------------------------------------------------
 def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or "unknown"
 
 
@@ -154,13 +153,12 @@ def filesystem_of(path: str) -> dict[str, str]:
     """File system type and device holding `path` (longest mount-point match)."""
     real = os.path.realpath(path)
     best = ("", "unknown", "unknown")
-    with contextlib.suppress(OSError):
-        with open("/proc/mounts", encoding="utf-8") as f:
-            for line in f:
-                dev, mnt, fstype = line.split()[:3]
-                mnt = mnt.replace("\\040", " ")
-                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
-                    best = (mnt, fstype, dev)
+    with contextlib.suppress(OSError), open("/proc/mounts", encoding="utf-8") as f:
+        for line in f:
+            dev, mnt, fstype = line.split()[:3]
+            mnt = mnt.replace("\\040", " ")
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
+                best = (mnt, fstype, dev)
     return {"mount": best[0], "type": best[1], "device": best[2]}
 
 

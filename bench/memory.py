@@ -11,7 +11,7 @@ from typing import Any
 
 from idemctl import Ledger
 
-from .common import Context, HEADERS
+from .common import HEADERS, Context
 from .proc import FORK
 
 BODY_16K = bytes(range(256)) * 64  # 16 KiB, not valid UTF-8: stored as a BLOB

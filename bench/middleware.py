@@ -108,7 +108,7 @@ def _cycle(ctx: Context, synchronous: str) -> dict[str, Any]:
         "floor_ops_per_s": spread(rates["floor"], 1),
         "library_ops_per_s": spread(rates["library"], 1),
         "middleware_ops_per_s": spread(rates["middleware"], 1),
-        "ratio_to_library": spread([m / l for m, l in zip(rates["middleware"], rates["library"])]),
+        "ratio_to_library": spread([m / lib for m, lib in zip(rates["middleware"], rates["library"])]),
         "ratio_to_floor": spread([m / f for m, f in zip(rates["middleware"], rates["floor"])]),
     }
 

@@ -69,7 +69,7 @@ class WalSampler:
                 pass
             self._stop.wait(self.every_s)
 
-    def __enter__(self) -> "WalSampler":
+    def __enter__(self) -> WalSampler:
         self._thread.start()
         return self
 
@@ -116,7 +116,7 @@ class Claimer:
         self._proc = FORK.Process(target=_claimer, args=(target, interval_s, self._stop, self._out))
         self.result: dict[str, Any] = {}
 
-    def __enter__(self) -> "Claimer":
+    def __enter__(self) -> Claimer:
         self._proc.start()
         time.sleep(0.3)  # let it open its connection and settle
         return self

@@ -145,7 +145,8 @@ def create_order() -> Response:
     _hold()
     db = orders_db()
     try:
-        row = {"account": account, "sku": payload["sku"], "qty": qty, "status": "open", "created_at": time.time_ns() // 1_000_000}
+        now_ms = time.time_ns() // 1_000_000
+        row = {"account": account, "sku": payload["sku"], "qty": qty, "status": "open", "created_at": now_ms}
         row["id"] = db["orders"].insert(row).last_pk
     finally:
         db.close()

@@ -193,7 +193,7 @@ def _ignore(fn):  # type: ignore[no-untyped-def]
 
 
 def test_the_example_serves_a_postgresql_ledger_across_workers(tmp_path, postgres_server, monkeypatch):
-    from tests.conftest import postgres_test_schema
+    from tests.helpers import postgres_test_schema
 
     for url in postgres_test_schema(postgres_server, monkeypatch):
         with UvicornServer(tmp_path, workers=2, env={"IDEMCTL_DB": url}) as srv:

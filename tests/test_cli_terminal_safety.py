@@ -144,7 +144,7 @@ def test_inspect_json_body_escapes_del_c1_and_bidi_inside_strings(db):
 
 def test_inspect_json_writes_del_c1_and_bidi_as_json_escapes_and_round_trips(db):
     done = cli("inspect", "order-3", "--principal", BIDI, "--db", db, "--json")
-    assert rf'"principal": "acct\u202e\u2066\u200e\u200f\u007f\u0085\u2028",' in done.stdout
+    assert r'"principal": "acct\u202e\u2066\u200e\u200f\u007f\u0085\u2028",' in done.stdout
     doc = json.loads(done.stdout)
     assert doc["principal"] == BIDI
     assert doc["response"]["body"] == JSON_BODY
@@ -276,7 +276,7 @@ def test_with_colours_forced_only_rich_styles_reach_the_terminal_never_stored_se
     for out in (done, as_json):  # a text body, then a highlighted JSON body
         assert out.returncode == 0, out.stderr
         assert b"\x1b[1m" in out.stdout  # the colour path really ran
-        for forbidden in (b"\x1b[2J", b"\x1b]0;", b"\x07", b"\r", "\x9b".encode(), "\u202e".encode(), "\x7f".encode()):
+        for forbidden in (b"\x1b[2J", b"\x1b]0;", b"\x07", b"\r", "\x9b".encode(), "\u202e".encode(), b"\x7f"):
             assert forbidden not in out.stdout
     assert rb"evil\x1b[2J\x1b[31m\x07 / order-1" in done.stdout
     assert rb"\u202e\x7f\x9b" in as_json.stdout

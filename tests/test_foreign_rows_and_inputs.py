@@ -14,7 +14,6 @@ from idemctl import (
     InvalidRequestError,
     Ledger,
     MalformedRowError,
-    Outcome,
     Policy,
     State,
     fingerprint,

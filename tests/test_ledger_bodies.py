@@ -25,7 +25,7 @@ def test_non_utf8_response_is_stored_as_blob_and_replayed_byte_for_byte(ledger):
 
 
 def test_valid_utf8_response_is_stored_as_text(ledger):
-    payload = "naïve café ✓".encode("utf-8")
+    payload = "naïve café ✓".encode()
     post(ledger, lambda b: (200, {}, payload))
     row = ledger.lookup("acct_A", "k-1")
     assert row.response_body == "naïve café ✓"
@@ -68,4 +68,4 @@ def test_response_with_no_replayable_headers_stores_empty_object(ledger):
 
 def test_str_response_body_is_encoded_as_utf8(ledger):
     answer = post(ledger, lambda b: (200, {}, "plain ✓"))
-    assert answer.body == "plain ✓".encode("utf-8")
+    assert answer.body == "plain ✓".encode()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import sqlite3
 
+import pytest
+
 from idemctl import Ledger, Outcome, Policy, PolicyError
 from idemctl.storage.dialect import SQLITE
 from idemctl.storage.store import SWEEP_FENCED
 
 SQL_SWEEP, SQL_SWEEP_FENCED = SQLITE.sweep_keys, SWEEP_FENCED
-
-import pytest
 
 DAY = 86_400_000
 

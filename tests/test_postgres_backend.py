@@ -16,8 +16,8 @@ import pytest
 psycopg = pytest.importorskip("psycopg")
 
 from idemctl import Ledger, LedgerUnavailableError, Outcome, Policy, Status  # noqa: E402
-from idemctl.storage.dialect import POSTGRES  # noqa: E402
 from idemctl.storage import Store  # noqa: E402
+from idemctl.storage.dialect import POSTGRES  # noqa: E402
 from idemctl.storage.postgres import PostgresEngine  # noqa: E402
 
 SQL_SWEEP = POSTGRES.params(POSTGRES.sweep_keys)

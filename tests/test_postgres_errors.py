@@ -14,11 +14,11 @@ psycopg = pytest.importorskip("psycopg")
 from idemctl import (  # noqa: E402
     ConnectionFailedError,
     DatabaseLockedError,
+    InvalidPrincipalError,
     Ledger,
     LedgerNotFoundError,
     LedgerUnavailableError,
     ReadOnlyDatabaseError,
-    InvalidPrincipalError,
     StorageError,
 )
 from idemctl.storage import Store  # noqa: E402

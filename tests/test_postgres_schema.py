@@ -12,7 +12,7 @@ import pytest
 
 psycopg = pytest.importorskip("psycopg")
 
-from idemctl import (  # noqa: E402
+from idemctl import (  # noqa: E402  # noqa: E402
     InitAction,
     Ledger,
     Outcome,
@@ -23,8 +23,8 @@ from idemctl import (  # noqa: E402
     State,
     Status,
     StorageError,
+    fingerprint,
 )
-from idemctl import Reservation, fingerprint  # noqa: E402
 from idemctl.schema import schema_files  # noqa: E402
 
 RECIPE_COLUMNS = (
@@ -211,7 +211,7 @@ def test_concurrent_inits_serialise_one_creates_or_upgrades_the_rest_find_it_don
         barrier.wait()
         try:
             results.append(ledger.init().action)
-        except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(ledger,)) for ledger in ledgers]

@@ -6,7 +6,16 @@ import sqlite3
 
 import pytest
 
-from idemctl import InitAction, Ledger, Outcome, SchemaMissingError, SchemaOutdatedError, SchemaTooNewError, State, Status
+from idemctl import (
+    InitAction,
+    Ledger,
+    Outcome,
+    SchemaMissingError,
+    SchemaOutdatedError,
+    SchemaTooNewError,
+    State,
+    Status,
+)
 
 # As the recipe's Cloudflare Worker creates it (D1 / wrangler's local SQLite).
 RECIPE_DDL = """

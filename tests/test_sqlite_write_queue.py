@@ -14,7 +14,6 @@ import threading
 import pytest
 
 from idemctl import DatabaseLockedError, Ledger, Outcome
-from idemctl.storage.sqlite import SqliteEngine
 
 fork = mp.get_context("fork")
 

@@ -58,7 +58,7 @@ class GunicornServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "GunicornServer":
+    def start(self, timeout: float = 30.0) -> GunicornServer:
         self.hold_dir.mkdir(parents=True, exist_ok=True)
         with Ledger.open(self.ledger_path) as ledger:
             ledger.init()
@@ -130,7 +130,7 @@ class GunicornServer:
             proc.kill()
             proc.wait(5)
 
-    def __enter__(self) -> "GunicornServer":
+    def __enter__(self) -> GunicornServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
