@@ -19,7 +19,9 @@ from .policy import Policy
 NULL_BODY_STATUSES = frozenset({204, 205, 304})
 OVERSIZE_STATUS = 500
 
-JSON_CONTENT_TYPE = ("Content-Type", "application/json")
+# Every header name idemctl itself emits is lower-case, as stored answers'
+# names are (the allowlist is matched and stored lower-case).
+JSON_CONTENT_TYPE = ("content-type", "application/json")
 
 Headers = tuple[tuple[str, str], ...]
 
@@ -197,7 +199,7 @@ def in_progress(policy: Policy) -> tuple[int, Headers, bytes]:
     return json_error(
         409,
         {"error": "idempotency_key_in_progress", "retry_after_ms": policy.pending_ttl_ms},
-        (("Retry-After", str(policy.retry_after_seconds)),),
+        (("retry-after", str(policy.retry_after_seconds)),),
     )
 
 
@@ -209,7 +211,7 @@ def unavailable(retry_after_ms: int) -> tuple[int, Headers, bytes]:
     return json_error(
         503,
         {"error": "idempotency_ledger_unavailable", "message": "The idempotency ledger is unavailable; retry later."},
-        (("Retry-After", str(max(1, math.ceil(retry_after_ms / 1000)))),),
+        (("retry-after", str(max(1, math.ceil(retry_after_ms / 1000)))),),
     )
 
 

@@ -10,7 +10,7 @@ from .outcomes import Answer, Outcome
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 DEFAULT_UNAVAILABLE_RETRY_AFTER_MS = 1000
-REPLAYED_HEADER = "Idempotent-Replayed"
+REPLAYED_HEADER = "idempotent-replayed"  # lower-case, like every header idemctl emits
 # Never a body: no Content-Length (RFC 9110 §8.6 forbids it on 204) and no Content-Type.
 NO_LENGTH_STATUSES = frozenset({204, 304})
 
@@ -20,7 +20,7 @@ def wire_headers(answer: Answer, *, replayed_header: bool = False) -> list[tuple
     (opt-in, replays only) and Content-Length.
 
     >>> wire_headers(Answer(201, (("content-type", "text/plain"),), b"ok", Outcome.REPLAYED), replayed_header=True)
-    [('content-type', 'text/plain'), ('Idempotent-Replayed', 'true'), ('Content-Length', '2')]
+    [('content-type', 'text/plain'), ('idempotent-replayed', 'true'), ('content-length', '2')]
     """
     out = [(str(k), str(v)) for k, v in answer.headers]
     if answer.status in NO_LENGTH_STATUSES:
@@ -30,5 +30,5 @@ def wire_headers(answer: Answer, *, replayed_header: bool = False) -> list[tuple
     if answer.outcome is Outcome.REPLAYED and replayed_header:
         out.append((REPLAYED_HEADER, "true"))
     if answer.status >= 200 and answer.status not in NO_LENGTH_STATUSES:
-        out.append(("Content-Length", str(len(answer.body))))
+        out.append(("content-length", str(len(answer.body))))
     return out

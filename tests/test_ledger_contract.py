@@ -9,7 +9,7 @@ import pytest
 
 from idemctl import InvalidBodyError, Outcome, Policy, State, Status, fingerprint
 
-JSON = ("Content-Type", "application/json")
+JSON = ("content-type", "application/json")
 HEADERS = {"Content-Type": "application/json"}
 BODY = b'{"sku":"widget","qty":1}'
 
@@ -163,7 +163,7 @@ def test_retry_while_pending_is_409_in_progress_with_retry_after(ledger, clock):
     clock.advance(1_000)
     answer = post(ledger, run)
     assert answer.status == 409
-    assert answer.headers == (JSON, ("Retry-After", "30"))
+    assert answer.headers == (JSON, ("retry-after", "30"))
     assert answer.body == b'{"error":"idempotency_key_in_progress","retry_after_ms":30000}'
     assert answer.outcome is Outcome.IN_PROGRESS
     assert run.calls == []
@@ -174,7 +174,7 @@ def test_in_progress_retry_after_follows_the_policy_ttl(make_ledger):
     ledger = make_ledger(policy=Policy(pending_ttl_ms=1_500))
     ledger.claim("acct_A", "k-1", fingerprint("POST", "/orders", HEADERS, BODY))
     answer = post(ledger, Mutation())
-    assert answer.headers == (JSON, ("Retry-After", "2"))
+    assert answer.headers == (JSON, ("retry-after", "2"))
     assert answer.body == b'{"error":"idempotency_key_in_progress","retry_after_ms":1500}'
 
 

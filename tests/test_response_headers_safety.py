@@ -272,7 +272,7 @@ def expected_wire(body: bytes) -> bytes:
         b"Date: " + FIXED_DATE.encode() + b"\r\n"
         b"Server: " + software_version.encode() + b"\r\n"
         b"content-type: text/plain\r\n"
-        b"Content-Length: " + str(len(body)).encode() + b"\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n"
         b"\r\n" + body
     )
 

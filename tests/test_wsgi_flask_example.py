@@ -82,7 +82,7 @@ def test_an_order_is_created_once_and_the_retry_replays_it(example, tmp_path):
     expected = b'{"account":"acct_A","id":1,"qty":2,"sku":"tea","status":"open"}\n'
     assert first == (
         "201 Created",
-        [("content-type", "application/json"), ("location", "/orders/1"), ("Content-Length", str(len(expected)))],
+        [("content-type", "application/json"), ("location", "/orders/1"), ("content-length", str(len(expected)))],
         expected,
     )
     assert retry == first

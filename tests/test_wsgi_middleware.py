@@ -205,7 +205,7 @@ def test_first_post_runs_once_and_the_retry_gets_the_byte_identical_stored_answe
     first = call(app, environ())
     retry = call(app, environ())
     assert len(orders.calls) == 1
-    expected_headers = [("content-type", JSON), ("location", "/orders/1"), ("Content-Length", "8")]
+    expected_headers = [("content-type", JSON), ("location", "/orders/1"), ("content-length", "8")]
     # The first answer is the stored one: standard reason phrase, allowlisted
     # headers only (X-Request-Id is not replayable, so the first caller does not get it either).
     assert first == Reply("201 Created", expected_headers, b'{"id":1}')
@@ -230,8 +230,8 @@ def test_replayed_header_option_marks_replays_and_nothing_else(ledger, orders):
     assert retry.headers == [
         ("content-type", JSON),
         ("location", "/orders/1"),
-        ("Idempotent-Replayed", "true"),
-        ("Content-Length", "8"),
+        ("idempotent-replayed", "true"),
+        ("content-length", "8"),
     ]
     assert retry.body == first.body
     assert reused.code == 409 and reused.header("Idempotent-Replayed") is None
@@ -257,7 +257,7 @@ def test_unprotected_methods_pass_through_untouched(ledger, orders, method):
 def test_missing_key_is_400_key_required_and_the_app_never_runs(ledger, orders):
     reply = call(wrap(orders, ledger), environ(key=None))
     body = b'{"error":"idempotency_key_required"}'
-    assert reply == Reply("400 Bad Request", [("Content-Type", JSON), ("Content-Length", str(len(body)))], body)
+    assert reply == Reply("400 Bad Request", [("content-type", JSON), ("content-length", str(len(body)))], body)
     assert orders.calls == [] and ledger.stats().total == 0
 
 
@@ -313,7 +313,7 @@ def test_same_key_with_a_different_body_is_409_reused_and_nothing_is_replayed(le
     call(app, environ())
     reply = call(app, environ(body=b'{"sku":"tea","qty":3}'))
     assert reply == Reply(
-        "409 Conflict", [("Content-Type", JSON), ("Content-Length", "34")], b'{"error":"idempotency_key_reused"}'
+        "409 Conflict", [("content-type", JSON), ("content-length", "34")], b'{"error":"idempotency_key_reused"}'
     )
     assert len(orders.calls) == 1
 
@@ -362,7 +362,7 @@ def test_in_progress_is_409_with_retry_after_from_the_pending_ttl(make_ledger, o
     reply = call(app, environ(path="/boom"))
     body = b'{"error":"idempotency_key_in_progress","retry_after_ms":2500}'
     assert reply == Reply(
-        "409 Conflict", [("Content-Type", JSON), ("Retry-After", "3"), ("Content-Length", str(len(body)))], body
+        "409 Conflict", [("content-type", JSON), ("retry-after", "3"), ("content-length", str(len(body)))], body
     )
     assert len(orders.calls) == 1
 
@@ -373,7 +373,7 @@ def test_in_progress_is_409_with_retry_after_from_the_pending_ttl(make_ledger, o
 def test_the_write_callable_output_is_captured_stored_and_replayed(ledger, orders):
     app = wrap(orders, ledger)
     first = call(app, environ(path="/write"))
-    assert first == Reply("202 Accepted", [("content-type", "text/plain"), ("Content-Length", "12")], b"queued job-1")
+    assert first == Reply("202 Accepted", [("content-type", "text/plain"), ("content-length", "12")], b"queued job-1")
     assert call(app, environ(path="/write")) == first
     assert ledger.lookup("acct_A", "key-1").body_bytes == b"queued job-1"
 
@@ -472,7 +472,7 @@ def test_binary_request_and_response_bodies_round_trip_byte_for_byte(ledger, ord
 def test_a_response_over_the_body_cap_is_the_500_sentinel_for_the_first_caller_too(ledger, orders):
     app = wrap(orders, ledger)
     first = call(app, environ(path="/big"))
-    assert first == Reply("500 Internal Server Error", [("content-type", "text/plain"), ("Content-Length", "0")], b"")
+    assert first == Reply("500 Internal Server Error", [("content-type", "text/plain"), ("content-length", "0")], b"")
     assert call(app, environ(path="/big")) == first
 
 
@@ -639,7 +639,7 @@ def test_a_ledger_locked_past_the_busy_timeout_is_503_with_retry_after_and_the_a
         ledger.close()
     body = b'{"error":"idempotency_ledger_unavailable","message":"The idempotency ledger is unavailable; retry later."}'
     assert reply == Reply(
-        "503 Service Unavailable", [("Content-Type", JSON), ("Retry-After", "3"), ("Content-Length", str(len(body)))], body
+        "503 Service Unavailable", [("content-type", JSON), ("retry-after", "3"), ("content-length", str(len(body)))], body
     )
     assert orders.calls == []
     assert any("refused POST /orders with 503" in r.getMessage() and "locked" in r.getMessage() for r in caplog.records)
@@ -683,7 +683,7 @@ def test_when_the_answer_cannot_be_stored_the_client_still_gets_what_the_app_com
         orders.lock.execute("ROLLBACK")
         orders.lock.close()
     try:
-        assert reply == Reply("201 Created", [("content-type", JSON), ("Content-Length", "16")], b'{"charged":true}')
+        assert reply == Reply("201 Created", [("content-type", JSON), ("content-length", "16")], b'{"charged":true}')
         assert ledger.lookup("acct_A", "key-1").status is Status.PENDING
         assert any("the mutation ran but its answer (status 201) could not be stored" in r.getMessage() for r in caplog.records)
     finally:
@@ -813,7 +813,7 @@ def test_the_readme_wrapping_example_runs_and_replays(tmp_path, monkeypatch):
     finally:
         scope["ledger"].close()
     assert first == Reply(
-        "201 Created", [("content-type", JSON), ("location", "/orders/42"), ("Content-Length", "9")], b'{"id":42}'
+        "201 Created", [("content-type", JSON), ("location", "/orders/42"), ("content-length", "9")], b'{"id":42}'
     )
     assert retry == first and anonymous.code == 401
     assert (tmp_path / "idempotency.db").exists()
