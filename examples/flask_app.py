@@ -17,27 +17,22 @@ it to an account id, which is the ledger's principal):
 
 Settings, all from the environment:
 
-    IDEMCTL_DB              ledger file (default idempotency.db)
-    IDEMCTL_PENDING_TTL_MS  pending TTL (default 30000)
+    IDEMCTL_DB, IDEMCTL_PENDING_TTL, ...  the ledger and its policy (idemctl.config)
     IDEMCTL_REPLAYED_HEADER "1" adds `Idempotent-Replayed: true` to replays
     ORDERS_DB               the orders database (default orders.db)
     ORDERS_API_KEYS         "key=account,key=account" (default: two demo keys)
     ORDERS_MAX_BODY_BYTES   request body limit (default 1 MiB)
-    ORDERS_HOLD_DIR         test hook, see `_hold`: lets a test stall one
-                            attempt of a mutation and learn which worker runs it
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import re
 import time
 
 import sqlite_utils
 from flask import Flask, Response, abort, jsonify, request
 
-from idemctl import Ledger, Policy
+from idemctl.config import Settings
 from idemctl.wsgi import DEFAULT_MAX_BODY_BYTES, IdempotencyMiddleware
 
 DEMO_API_KEYS = "demo-key-A=acct_A,demo-key-B=acct_B"
@@ -50,8 +45,6 @@ def _api_keys(spec: str) -> dict[str, str]:
 
 API_KEYS = _api_keys(os.environ.get("ORDERS_API_KEYS", DEMO_API_KEYS))
 ORDERS_DB = os.environ.get("ORDERS_DB", "orders.db")
-HOLD_DIR = os.environ.get("ORDERS_HOLD_DIR") or None
-HOLD_LIMIT_S = 60.0
 
 
 def account_for(environ: dict) -> str | None:
@@ -92,28 +85,6 @@ def _create_tables() -> None:
         db.close()
 
 
-def _hold() -> None:
-    """Test hook (off unless ORDERS_HOLD_DIR is set). A test that creates the
-    file HOLD_DIR/<idempotency-key> makes the next attempt with that key stop
-    here: the attempt renames it to <key>.<pid>.held, so the test learns the
-    worker's pid, and waits until the test deletes that file (or kills the
-    worker). The rename is atomic, so exactly one attempt is held; the retries
-    after it run straight through."""
-    if HOLD_DIR is None:
-        return
-    key = re.sub(r"[^A-Za-z0-9_.-]", "_", request.headers.get("Idempotency-Key", ""))
-    if not key:
-        return
-    held = os.path.join(HOLD_DIR, f"{key}.{os.getpid()}.held")
-    try:
-        os.rename(os.path.join(HOLD_DIR, key), held)
-    except FileNotFoundError:
-        return
-    deadline = time.monotonic() + HOLD_LIMIT_S
-    while os.path.exists(held) and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
 def _account() -> str:
     account = account_for(request.environ)
     if account is None:
@@ -142,7 +113,6 @@ def create_order() -> Response:
     qty = payload.get("qty", 1)
     if isinstance(qty, bool) or not isinstance(qty, int) or qty < 1:
         return jsonify(error="invalid_order", message="qty must be a positive integer."), 422
-    _hold()
     db = orders_db()
     try:
         now_ms = time.time_ns() // 1_000_000
@@ -187,7 +157,6 @@ def get_order(order_id: int) -> Response:
 @app.delete("/orders/<int:order_id>")
 def cancel_order(order_id: int) -> Response:
     account = _account()
-    _hold()
     db = orders_db()
     try:
         _find_order(db, account, order_id)
@@ -216,10 +185,7 @@ def add_attachment(order_id: int) -> Response:
 
 
 _create_tables()
-ledger = Ledger.open(
-    os.environ.get("IDEMCTL_DB", "idempotency.db"),
-    policy=Policy(pending_ttl_ms=int(os.environ.get("IDEMCTL_PENDING_TTL_MS", "30000"))),
-)
+ledger = Settings.from_env().open_ledger()  # IDEMCTL_DB, IDEMCTL_PENDING_TTL, ...
 ledger.init()
 app.wsgi_app = IdempotencyMiddleware(  # type: ignore[method-assign]
     app.wsgi_app,
@@ -228,7 +194,3 @@ app.wsgi_app = IdempotencyMiddleware(  # type: ignore[method-assign]
     max_body_bytes=int(os.environ.get("ORDERS_MAX_BODY_BYTES", str(DEFAULT_MAX_BODY_BYTES))),
     replayed_header=os.environ.get("IDEMCTL_REPLAYED_HEADER", "") == "1",
 )
-# gunicorn's own logger (silent outside gunicorn): one line per worker that
-# has loaded the app, which is when it can serve; the test harness waits for
-# these rather than for "Booting worker".
-logging.getLogger("gunicorn.error").info("orders app loaded (pid %d)", os.getpid())

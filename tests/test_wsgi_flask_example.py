@@ -29,8 +29,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "flask_app.py"
 def example(tmp_path, monkeypatch):
     monkeypatch.setenv("IDEMCTL_DB", str(tmp_path / "idempotency.db"))
     monkeypatch.setenv("ORDERS_DB", str(tmp_path / "orders.db"))
-    monkeypatch.setenv("IDEMCTL_PENDING_TTL_MS", "5000")
-    monkeypatch.delenv("ORDERS_HOLD_DIR", raising=False)
+    monkeypatch.setenv("IDEMCTL_PENDING_TTL", "5s")
     spec = importlib.util.spec_from_file_location("flask_app_under_test", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -147,7 +146,6 @@ def test_workers_booting_at_once_on_a_fresh_orders_file_all_come_up(tmp_path):
             "IDEMCTL_DB": str(run / "idempotency.db"),
             "ORDERS_DB": str(run / "orders.db"),
         }
-        env.pop("ORDERS_HOLD_DIR", None)
         workers = [
             subprocess.Popen(
                 [sys.executable, "-c", _BOOT_WORKER, str(EXAMPLE), str(go)],

@@ -1,4 +1,5 @@
-"""A real gunicorn in front of examples/flask_app.py, on 127.0.0.1 and an
+"""A real gunicorn in front of examples/flask_app.py (as tests/e2e/flask_orders.py
+serves it), on 127.0.0.1 and an
 ephemeral port, started and stopped by the tests that use it."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from idemctl import Ledger, Policy
 
 REPO = Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(r"Listening at: http://127\.0\.0\.1:(\d+)")
-_LOADED = re.compile(r"orders app loaded \(pid (\d+)\)")  # logged by examples/flask_app.py
+_LOADED = re.compile(r"orders app loaded \(pid (\d+)\)")  # logged by tests/e2e/flask_orders.py
 
 
 def _has_option(flag: str) -> bool:
@@ -66,8 +67,8 @@ class GunicornServer:
         env.update(
             IDEMCTL_DB=str(self.ledger_path),
             ORDERS_DB=str(self.orders_path),
-            ORDERS_HOLD_DIR=str(self.hold_dir),
-            IDEMCTL_PENDING_TTL_MS=str(self.pending_ttl_ms),
+            TEST_HOLD_DIR=str(self.hold_dir),
+            IDEMCTL_PENDING_TTL=f"{self.pending_ttl_ms}ms",
             PYTHONUNBUFFERED="1",
         )
         env.update(self.extra_env)
@@ -87,7 +88,7 @@ class GunicornServer:
             cmd.append("--preload")
         if _has_option("--no-control-socket"):
             cmd.append("--no-control-socket")  # several servers may run at once
-        cmd.append("examples.flask_app:app")
+        cmd.append("tests.e2e.flask_orders:app")
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir)
         log.close()

@@ -1,0 +1,54 @@
+"""examples/flask_app.py as the gunicorn end-to-end tests serve it, plus the
+test scaffolding the example itself must not carry:
+
+- a hold: when the file $TEST_HOLD_DIR/<Idempotency-Key> exists, the next
+  attempt with that key stops inside the mutation (before the orders
+  database is touched), renames the file to <key>.<pid>.held so the test
+  learns the worker, and waits until the test deletes it (or kills the
+  worker); the rename is atomic, so exactly one attempt is held;
+- one log line per process that has loaded the app ("orders app loaded"),
+  which is when a gunicorn worker can serve: the harness waits for these.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+
+import sqlite_utils
+from flask import request
+
+import examples.flask_app as example
+
+HOLD_DIR = os.environ.get("TEST_HOLD_DIR") or None
+HOLD_LIMIT_S = 60.0
+_orders_db = example.orders_db
+
+
+def _hold() -> None:
+    if HOLD_DIR is None:
+        return
+    key = re.sub(r"[^A-Za-z0-9_.-]", "_", request.headers.get("Idempotency-Key", ""))
+    if not key:
+        return
+    held = os.path.join(HOLD_DIR, f"{key}.{os.getpid()}.held")
+    try:
+        os.rename(os.path.join(HOLD_DIR, key), held)
+    except FileNotFoundError:
+        return
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while os.path.exists(held) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def held_orders_db() -> sqlite_utils.Database:
+    _hold()
+    return _orders_db()
+
+
+example.orders_db = held_orders_db  # the views look it up at call time
+app = example.app
+# gunicorn's own logger (silent outside gunicorn).
+logging.getLogger("gunicorn.error").info("orders app loaded (pid %d)", os.getpid())
