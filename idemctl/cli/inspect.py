@@ -27,7 +27,7 @@ from .core import (
     open_ledger,
 )
 from .output import Capped, chunks, console, emit_json, emit_json_listing, say_error, say_no
-from .views import PENDING_TABLE_CHUNK, events_table, pending_table, print_row, stats_grid
+from .views import PENDING_COLUMNS, PENDING_TABLE_CHUNK, Records, pending_cells, print_events, print_row, stats_grid
 
 DEFAULT_LIST_LIMIT = 50
 
@@ -100,9 +100,10 @@ def pending(
                 raise typer.Exit(EXIT_USAGE)
             return
         out = console()
+        records = Records(out, PENDING_COLUMNS)
         listed = 0
         for chunk in chunks(views, PENDING_TABLE_CHUNK):
-            out.print(pending_table(chunk, header=listed == 0))
+            records.print([pending_cells(v) for v in chunk])
             listed += len(chunk)
     if not listed:
         out.print("no stale pending rows" if stale else "no pending rows")
@@ -161,7 +162,7 @@ def fenced(
     if not events:
         out.print("no fenced-out events" + (f" in the last {human_duration(since)}" if since is not None else ""))
         return
-    out.print(events_table(events, now, show_key=True))
+    print_events(out, events, now, show_key=True)
     more = "; more exist (raise --limit, 0 for all)" if truncated else ""
     out.print(
         f"{len(events)} event(s), newest first; late: the superseded owner's generation, row: the generation "

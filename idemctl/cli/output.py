@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterable, Iterator
-from typing import Generic, TypeVar
+from typing import IO, Generic, TextIO, TypeVar, cast
 
 import typer
 from rich.console import Console
@@ -37,9 +37,57 @@ def say_no(message: object) -> None:
     typer.echo(one_line(message), err=True)
 
 
+# The width of piped output: wider than any line it holds, so that no line is
+# wrapped to a terminal's width (a grep for a key finds the whole record).
+PIPE_WIDTH = 1 << 20
+
+
+class TrimmedLines:
+    """A text stream that drops the blanks at the end of every line: rich pads
+    table cells to their column's width, which piped output should not carry.
+
+    >>> import io
+    >>> out = io.StringIO(); trimmed = TrimmedLines(out)
+    >>> _ = trimmed.write("key  k1   \\nstatus  "); _ = trimmed.write("201  \\n")
+    >>> out.getvalue()
+    'key  k1\\nstatus  201\\n'
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._held = ""  # blanks at the end of the last write: kept until the line goes on
+        self.encoding = getattr(stream, "encoding", None) or "utf-8"  # rich picks its box characters by it
+
+    def write(self, text: str) -> int:
+        whole = self._held + text
+        kept = whole.rstrip(" ")
+        self._held = whole[len(kept) :]
+        self._stream.write("\n".join(line.rstrip(" ") for line in kept.split("\n")))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
 def console() -> Console:
+    """The console for human output. On a terminal, rich as usual (tables fit
+    its width). Anywhere else (a pipe, a file), lines as long as their content
+    and without trailing blanks, so that grep, cut and diff see each record
+    whole, on one line."""
     # Made per command so it writes to whatever sys.stdout is now (CliRunner swaps it).
-    return Console(highlight=False)
+    terminal = Console(highlight=False)
+    if terminal.is_terminal:
+        return terminal
+    return Console(
+        file=cast(IO[str], TrimmedLines(sys.stdout)),  # rich only writes, flushes and asks the encoding
+        width=PIPE_WIDTH,
+        force_terminal=False,
+        color_system=None,
+        highlight=False,
+    )
 
 
 def emit_json(doc: object) -> None:

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console
 from rich.highlighter import JSONHighlighter
+from rich.measure import Measurement
 from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
@@ -21,6 +24,7 @@ from ..render import body_kind, state_words, takeovers_words, visible
 from ..responses import header_problem, stored_header_pairs
 from ..scenario import Op
 from ..simulate import Event, Timeline
+from .output import PIPE_WIDTH
 
 # A long listing is printed as a run of tables of this many rows (the header
 # on the first only): a rich Table holds all its rows until it is printed.
@@ -94,11 +98,11 @@ def _print_body(console: Console, view: RowView) -> None:
         pretty = Text(visible(indented, multiline=True))
         if console.is_terminal:
             pretty = JSONHighlighter()(pretty)
-        pretty.no_wrap = True
-        console.print(pretty)
+        # soft_wrap: a line wider than the terminal is neither cut nor broken by rich.
+        console.print(pretty, soft_wrap=True)
     elif kind == "text":
         console.print(Text("body", style="bold"))
-        console.print(Text(visible(str(row.response_body), multiline=True)))
+        console.print(Text(visible(str(row.response_body), multiline=True)), soft_wrap=True)
     elif kind == "blob" and raw is not None:
         console.print(Text("body (hex, first 32 bytes)", style="bold"))
         console.print(Text(raw[:32].hex(" ") + (" …" if len(raw) > 32 else "")))
@@ -107,7 +111,7 @@ def _print_body(console: Console, view: RowView) -> None:
 def print_row(console: Console, view: RowView, events: Sequence[FencedEvent], fenced_log: bool) -> None:
     """Everything about one reservation (`inspect`)."""
     row, now = view.row, view.now
-    console.print(Text(f"{visible(row.principal)} / {visible(row.key)}", style="bold"))
+    console.print(Text(f"{visible(row.principal)} / {visible(row.key)}", style="bold"), soft_wrap=True)
     grid = _grid()
     grid.add_row("state", Text(state_words(view)))
     grid.add_row("status", shown(row.status.value))
@@ -127,7 +131,7 @@ def print_row(console: Console, view: RowView, events: Sequence[FencedEvent], fe
                 style="bold",
             )
         )
-        console.print(events_table(events, now, show_key=False))
+        print_events(console, events, now, show_key=False)
     elif not fenced_log:
         console.print(
             Text(
@@ -140,17 +144,86 @@ def print_row(console: Console, view: RowView, events: Sequence[FencedEvent], fe
 
 
 # -- listings -----------------------------------------------------------------------------------
-def events_table(events: Sequence[FencedEvent], now: int, show_key: bool) -> Table:
-    """Fenced-out events, with the principal and key unless they are known."""
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("fenced at (UTC)", no_wrap=True)
-    table.add_column("age", no_wrap=True)
+@dataclass(frozen=True)
+class Column:
+    """A column of a listing. A `whole` column holds values an operator
+    copies or greps for (a principal, a key, a status): they are never
+    wrapped or cut; the others may fold onto further lines."""
+
+    name: str
+    whole: bool = True
+    right: bool = False
+
+
+def _longest_word(text: Text) -> int:
+    return max((cell_len(word) for word in text.plain.split()), default=0)
+
+
+class Records:
+    """A listing, printed a run of rows at a time. Piped, and on a terminal
+    wide enough, it is a table (the header on the first run only); on a
+    terminal too narrow for the whole columns at full width, each row becomes
+    a block of "column  value" lines, so that no column vanishes and no key is
+    broken. Once a listing has gone to blocks it stays so."""
+
+    def __init__(self, console: Console, columns: Sequence[Column]) -> None:
+        self._console = console
+        self._columns = columns
+        self._blocks = False
+        self._printed = False
+        self._blank_last = False  # whether the last line written was blank
+
+    def _table(self, rows: Sequence[Sequence[Text]], header: bool) -> Table:
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_header=header)
+        for c in self._columns:
+            table.add_column(c.name, no_wrap=c.whole, overflow="fold", justify="right" if c.right else "left")
+        for row in rows:
+            table.add_row(*row)
+        return table
+
+    def _fits(self, table: Table, rows: Sequence[Sequence[Text]]) -> bool:
+        """Whether the table fits the terminal with its whole columns at full
+        width and its other columns folded at most down to their longest word."""
+        natural = Measurement.get(self._console, self._console.options.update_width(PIPE_WIDTH), table).maximum
+        slack = 0
+        for i, c in enumerate(self._columns):
+            if not c.whole:
+                cells = [Text(c.name), *(row[i] for row in rows)]
+                slack += max(cell.cell_len for cell in cells) - max(_longest_word(cell) for cell in cells)
+        return natural - slack <= self._console.width
+
+    def print(self, rows: Sequence[Sequence[Text]]) -> None:
+        if not rows:
+            return
+        table = self._table(rows, header=not self._printed)
+        if not self._blocks and (not self._console.is_terminal or self._fits(table, rows)):
+            self._console.print(table)  # its box begins and ends with a blank line
+        else:
+            self._blocks = True
+            width = max(cell_len(c.name) for c in self._columns)
+            for row in rows:
+                if not self._blank_last:
+                    self._console.print()
+                for c, cell in zip(self._columns, row, strict=True):
+                    # soft_wrap: rich inserts no line break; a value longer than
+                    # the terminal is wrapped by the terminal alone, and copies whole.
+                    self._console.print(Text(c.name.ljust(width) + "  ", style="bold") + cell, soft_wrap=True)
+                self._blank_last = False
+            self._console.print()
+        self._blank_last = True
+        self._printed = True
+
+
+def _event_columns(show_key: bool) -> list[Column]:
+    columns = [Column("fenced at (UTC)"), Column("age")]
     if show_key:
-        table.add_column("principal", overflow="fold", min_width=10, ratio=1)
-        table.add_column("key", overflow="fold", min_width=10, ratio=1)
-    table.add_column("late", justify="right", no_wrap=True)
-    table.add_column("row", justify="right", no_wrap=True)
-    table.add_column("status", justify="right", no_wrap=True)
+        columns += [Column("principal"), Column("key")]
+    return [*columns, Column("late", right=True), Column("row", right=True), Column("status", right=True)]
+
+
+def print_events(console: Console, events: Sequence[FencedEvent], now: int, show_key: bool) -> None:
+    """Fenced-out events, with the principal and key unless they are known."""
+    rows = []
     for e in events:
         cells = [iso(e.fenced_at, millis=False), ago(e.fenced_at, now)]
         if show_key:
@@ -160,24 +233,26 @@ def events_table(events: Sequence[FencedEvent], now: int, show_key: bool) -> Tab
             "gone" if e.current_generation is None else str(e.current_generation),
             str(e.computed_status),
         ]
-        table.add_row(*[shown(c) for c in cells])
-    return table
+        rows.append([shown(c) for c in cells])
+    Records(console, _event_columns(show_key)).print(rows)
 
 
-def pending_table(views: Sequence[RowView], *, header: bool) -> Table:
-    """Pending rows and what a retry would get now; one chunk of a listing
-    (the first with the header)."""
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_header=header)
-    for name in ("principal", "key", "gen", "age", "a retry now"):
-        table.add_column(name, overflow="fold", no_wrap=name in ("gen", "age"))
-    for v in views:
-        if v.state is State.PENDING_FRESH:
-            verdict = Text(f"409 in progress for {human_duration(v.takeover_in_ms or 0)} more")
-        else:
-            verdict = Text(f"takes over as generation {v.row.generation + 1}", style="yellow")
-        age = human_duration(v.age_ms)
-        table.add_row(shown(v.row.principal), shown(v.row.key), shown(v.row.generation), age, verdict)
-    return table
+PENDING_COLUMNS = (
+    Column("principal"),
+    Column("key"),
+    Column("gen"),
+    Column("age"),
+    Column("a retry now", whole=False),
+)
+
+
+def pending_cells(v: RowView) -> list[Text]:
+    """One pending row of the listing (see PENDING_COLUMNS)."""
+    if v.state is State.PENDING_FRESH:
+        verdict = Text(f"409 in progress for {human_duration(v.takeover_in_ms or 0)} more")
+    else:
+        verdict = Text(f"takes over as generation {v.row.generation + 1}", style="yellow")
+    return [shown(v.row.principal), shown(v.row.key), shown(v.row.generation), Text(human_duration(v.age_ms)), verdict]
 
 
 def stats_grid(where: str, st: Stats, policy: Policy) -> Table:
@@ -255,10 +330,13 @@ def _row_words(e: Event) -> str:
     return f"{e.row.status.value} · gen {e.row.generation}"
 
 
-def _timeline_line(cells: list[Text]) -> Table:
+def _timeline_line(cells: list[Text], terminal: bool) -> Table:
     grid = Table.grid(padding=(0, 1))
     for width in _TIMELINE_WIDTHS:
-        grid.add_column(width=width, overflow="fold")
+        if terminal:
+            grid.add_column(width=width, overflow="fold")
+        else:  # piped: a longer cell pushes the rest of its line on, never onto another line
+            grid.add_column(min_width=width, no_wrap=True)
     grid.add_row(*cells)
     return grid
 
@@ -277,7 +355,9 @@ def print_timeline(console: Console, timeline: Timeline) -> None:
     )
     if timeline.reset:
         console.print(Text("reset first (left by an earlier run): " + ", ".join(f"{p}/{k}" for p, k in timeline.reset)))
-    console.print(_timeline_line([Text(h, style="bold") for h in ("t", "actor", "step", "outcome", "row after")]))
+    terminal = console.is_terminal
+    heads = [Text(h, style="bold") for h in ("t", "actor", "step", "outcome", "row after")]
+    console.print(_timeline_line(heads, terminal))
     logs: list[str] = []
     for e in timeline.events:
         at = _clock(e.at - timeline.start)
@@ -285,11 +365,11 @@ def print_timeline(console: Console, timeline: Timeline) -> None:
         if e.http_status is not None and e.op in (Op.REQUEST, Op.RACE):
             outcome.append(f" {e.http_status}")
         cells = [Text(at), Text(e.actor), Text(_step_words(e, timeline)), outcome, Text(_row_words(e))]
-        console.print(_timeline_line(cells))
+        console.print(_timeline_line(cells, terminal))
         detail = Text(e.detail, style="dim")
         if not e.ok:
             detail.append(f" — expected {e.expected}" if e.expected else " — failed", style="bold red")
-        console.print(Padding(detail, (0, 0, 0, _TIMELINE_WIDTHS[0] + 1)))
+        console.print(Padding(detail, (0, 0, 0, _TIMELINE_WIDTHS[0] + 1), expand=False))
         logs.extend(f"{at} {text}" for text in e.logs)
     for text in logs:
         console.print(Text("log " + text, style="dim"))
