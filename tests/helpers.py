@@ -16,8 +16,17 @@ from idemctl.simulate import VirtualClock
 # Test data lives inside the checkout, so a clone anywhere runs the suite.
 VECTORS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vectors")
 
-# The environment variables the CLI reads its global options from.
-IDEMCTL_ENV = ("IDEMCTL_DB", "IDEMCTL_PENDING_TTL", "IDEMCTL_RETENTION", "IDEMCTL_BUSY_TIMEOUT")
+# The environment variables idemctl.config reads (the CLI's defaults), and the
+# retired names it refuses.
+IDEMCTL_ENV = (
+    "IDEMCTL_DB",
+    "IDEMCTL_PENDING_TTL",
+    "IDEMCTL_RETENTION",
+    "IDEMCTL_FENCED_RETENTION",
+    "IDEMCTL_BUSY_TIMEOUT",
+    "IDEMCTL_PENDING_TTL_MS",
+    "IDEMCTL_RETENTION_MS",
+)
 
 
 class FakeClock(VirtualClock):
@@ -30,8 +39,8 @@ class FakeClock(VirtualClock):
 
 def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path | None = None, *, columns: str | None = None) -> None:
     """Run the CLI as if on a machine with no IDEMCTL_* settings: in
-    `tmp_path` (when given), and `columns` wide (rich wraps at the terminal
-    width; a wide one keeps lines whole)."""
+    `tmp_path` (when given), and `columns` wide (the width `--help` is
+    wrapped to)."""
     for name in IDEMCTL_ENV:
         monkeypatch.delenv(name, raising=False)
     if columns is not None:

@@ -154,7 +154,15 @@ def test_an_unknown_scenario_names_the_built_in_ones():
         (["fingerprint", "-X", "POST", "--path", "/", "-H", "no colon"], "error: --header 'no colon' is not 'Name: value'"),
         (["fingerprint", "-X", "POST", "--path", "/", "--body", "a", "--body-file", "-"], "error: give --body or --body-file, not both"),
         (["fingerprint", "-X", "POST", "--path", "/", "--body-file", "missing.bin"], "error: cannot read --body-file missing.bin: No such file or directory"),
-        (["--ttl", "2d", "stats"], "error: retention_ms (86400000) must be longer than pending_ttl_ms (172800000)"),
+        (["--ttl", "2d", "stats"], "error: --retention (1 d) must be longer than --ttl (2 d)"),
+        (["--ttl", "0s", "stats"], "error: --ttl must be longer than 0 s, got 0s"),
+        (["stats", "--ttl", "0ms"], "error: --ttl must be longer than 0 s, got 0ms"),
+        (["--retention", "10ms", "stats"], "error: --retention (10 ms) must be longer than --ttl (30 s)"),
+        (["sweep", "--fenced-retention", "0s"], "error: --fenced-retention must be longer than 0 s, got 0s"),
+        (["--db", "", "stats"], "error: --db is empty: give a ledger file path or a postgresql:// URL"),
+        (["stats", "--db", " "], "error: --db is empty: give a ledger file path or a postgresql:// URL"),
+        (["init", "--db", ""], "error: --db is empty: give a ledger file path or a postgresql:// URL"),
+        (["simulate", "happy", "--db", ""], "error: --db is empty: give a ledger file path or a postgresql:// URL"),
         (["--db", "mysql://x/y", "stats"], "error: unsupported ledger URL mysql://…: use a file path or postgresql://"),
     ],
     ids=lambda v: v if isinstance(v, str) else " ".join(v[:2]),
@@ -165,7 +173,7 @@ def test_operator_mistakes_are_one_line(args, line):
 
 def test_sweep_retention_not_longer_than_the_ttl_is_refused(tmp_path):
     Ledger.open(tmp_path / "idempotency.db").init()
-    assert fails(["sweep", "--retention", "10s"]) == "error: retention_ms (10000) must be longer than pending_ttl_ms (30000)"
+    assert fails(["sweep", "--retention", "10s"]) == "error: --retention (10 s) must be longer than --ttl (30 s)"
 
 
 def test_an_unreachable_postgres_server_is_one_line_without_the_password():

@@ -4,17 +4,18 @@ the mapping of every deliberate error to one line on stderr and an exit code."""
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any, NoReturn, Protocol, TypedDict, cast
+from typing import Annotated, Any, NoReturn, Protocol, cast
 
 import typer
 from typer.core import TyperGroup
 
-from .. import __version__
-from ..durations import parse_duration
+from .. import __version__, config
+from ..durations import human_duration, parse_duration
 from ..errors import IdemctlError, SchemaMissingError, SchemaOutdatedError
 from ..ledger import Ledger
 from ..policy import Policy
@@ -25,9 +26,6 @@ EXIT_OK = 0
 EXIT_NO = 1  # the answer is "no": not found, refused, declined, mismatch, check or expectation failed
 EXIT_USAGE = 2  # usage or database problem: bad option or key, no/unreadable/too-new ledger, locked, read-only
 EXIT_INTERRUPTED = 130  # Ctrl-C (sweep reports what it deleted first)
-
-DEFAULT_DB = "idempotency.db"
-DEFAULT_BUSY_TIMEOUT_MS = 5000
 
 EXIT_CODES_HELP = (
     "[b]Exit codes[/b]: 0 done · 1 the answer is no (row not found, purge refused or declined, "
@@ -159,13 +157,50 @@ def duration_param(value: str) -> int:
 
 
 @dataclass(frozen=True)
+class Given:
+    """A duration setting as the operator gave it: milliseconds, the text
+    as written and where (an option or an environment variable), so that a
+    message can speak of it in the operator's own words."""
+
+    ms: int
+    text: str
+    source: str
+
+
+def given_param(value: str) -> Given:
+    """Typer parser of a DURATION option that sets the policy or the busy
+    timeout; the option's name is filled in by `settings`."""
+    return Given(parse_duration(value), value.strip(), "")
+
+
+def env_help(name: str, default: str | None = None) -> str:
+    # Written into the help by hand: the environment is read by idemctl.config,
+    # not by Typer (whose envvar= would bypass its checks). Escaped: rich markup
+    # would take the brackets for a tag; each a paragraph: Typer starts a new
+    # line only there.
+    return f"\n\n\\[env var: {name}]" + (f"\n\n\\[default: {default}]" if default else "")
+
+
+@dataclass(frozen=True)
+class GlobalOptions:
+    """The global options as given on the command line (None: not given)."""
+
+    db: str | None = None
+    ttl: Given | None = None
+    retention: Given | None = None
+    busy_timeout: Given | None = None
+
+
+@dataclass(frozen=True)
 class Settings:
-    """The global options, as every command sees them."""
+    """What a command works with: its own options, else the global ones,
+    else the environment (read by `idemctl.config`), else the defaults."""
 
     db: str
     db_on_command_line: bool
-    ttl_ms: int | None
-    retention_ms: int | None
+    ttl: Given | None
+    retention: Given | None
+    fenced_retention: Given | None
     busy_timeout_ms: int
 
 
@@ -174,29 +209,31 @@ DbOpt = Annotated[
     typer.Option("--db", metavar="PATH|URL", help="Ledger to use; overrides the global --db.", show_default=False),
 ]
 JsonOpt = Annotated[
-    bool, typer.Option("--json", help="One JSON document on stdout (stable field names), nothing else.")
+    bool, typer.Option("--json", metavar="", help="One JSON document on stdout (stable field names), nothing else.")
 ]
 TtlOpt = Annotated[
-    int | None,
+    Given | None,
     typer.Option(
         "--ttl",
         metavar="DURATION",
-        parser=duration_param,
+        parser=given_param,
         help="Pending TTL (e.g. 30s); overrides the global --ttl.",
         show_default=False,
     ),
 ]
 RetentionOpt = Annotated[
-    int | None,
+    Given | None,
     typer.Option(
         "--retention",
         metavar="DURATION",
-        parser=duration_param,
+        parser=given_param,
         help="Retention (e.g. 24h); overrides the global --retention.",
         show_default=False,
     ),
 ]
-PrincipalOpt = Annotated[str, typer.Option("--principal", "-p", help="The principal (account) the key belongs to.")]
+PrincipalOpt = Annotated[
+    str, typer.Option("--principal", "-p", metavar="PRINCIPAL", help="The principal (account) the key belongs to.")
+]
 KeyArg = Annotated[str, typer.Argument(metavar="KEY", help="The Idempotency-Key.", show_default=False)]
 
 
@@ -210,91 +247,140 @@ def _version(value: bool) -> None:
 def _global(
     ctx: typer.Context,
     db: Annotated[
-        str,
+        str | None,
         typer.Option(
-            "--db", envvar="IDEMCTL_DB", metavar="PATH|URL", help="Ledger: a SQLite file or a postgresql:// URL."
+            "--db",
+            metavar="PATH|URL",
+            help="Ledger: a SQLite file or a postgresql:// URL." + env_help(config.ENV_DB, config.DEFAULT_DB),
+            show_default=False,
         ),
-    ] = DEFAULT_DB,
+    ] = None,
     ttl: Annotated[
-        int | None,
+        Given | None,
         typer.Option(
             "--ttl",
-            envvar="IDEMCTL_PENDING_TTL",
             metavar="DURATION",
-            parser=duration_param,
-            help="Pending TTL the application uses, e.g. 30s (default: the Policy's 30 s).",
+            parser=given_param,
+            help="Pending TTL the application uses, e.g. 30s (default: the Policy's 30 s)."
+            + env_help(config.ENV_PENDING_TTL),
             show_default=False,
         ),
     ] = None,
     retention: Annotated[
-        int | None,
+        Given | None,
         typer.Option(
             "--retention",
-            envvar="IDEMCTL_RETENTION",
             metavar="DURATION",
-            parser=duration_param,
-            help="Retention the application uses, e.g. 24h (default: the Policy's 24 h).",
+            parser=given_param,
+            help="Retention the application uses, e.g. 24h (default: the Policy's 24 h)."
+            + env_help(config.ENV_RETENTION),
             show_default=False,
         ),
     ] = None,
-    # Declared the older way: the default is the text "5s", which the parser
-    # turns into the int the function receives (help shows "default: 5s").
-    busy_timeout: int = typer.Option(
-        "5s",
-        "--busy-timeout",
-        envvar="IDEMCTL_BUSY_TIMEOUT",
-        metavar="DURATION",
-        parser=duration_param,
-        help="How long to wait for a locked database before giving up.",
-    ),
+    busy_timeout: Annotated[
+        Given | None,
+        typer.Option(
+            "--busy-timeout",
+            metavar="DURATION",
+            parser=given_param,
+            help="How long to wait for a locked database before giving up."
+            + env_help(config.ENV_BUSY_TIMEOUT, human_duration(config.DEFAULT_BUSY_TIMEOUT_MS).replace(" ", "")),
+            show_default=False,
+        ),
+    ] = None,
     version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+        bool,
+        typer.Option("--version", metavar="", callback=_version, is_eager=True, help="Print the version and exit."),
     ] = False,
 ) -> None:
-    ctx.obj = Settings(
-        db=db,
-        db_on_command_line=from_command_line(ctx, "db"),
-        ttl_ms=ttl,
-        retention_ms=retention,
-        busy_timeout_ms=busy_timeout,
-    )
+    # Only what the command line says: the environment is read when a
+    # command needs its settings, so that `--help` works whatever it holds.
+    ctx.obj = GlobalOptions(db, ttl, retention, busy_timeout)
 
 
 def from_command_line(ctx: typer.Context, name: str) -> bool:
-    """Whether the parameter `name` was given on the command line (not by an
-    environment variable or its default)."""
+    """Whether the parameter `name` was given on the command line (not by its default)."""
     source = ctx.get_parameter_source(name)
     return source is not None and source.name == "COMMANDLINE"
 
 
-def settings(ctx: typer.Context) -> Settings:
-    obj = ctx.find_object(Settings)
-    if obj is None:  # a command invoked without the group (never from the console script)
-        return Settings(DEFAULT_DB, False, None, None, DEFAULT_BUSY_TIMEOUT_MS)
-    return obj
+def _db(value: str | None) -> str | None:
+    if value is not None and not value.strip():
+        raise UserError("--db is empty: give a ledger file path or a postgresql:// URL")
+    return value
 
 
-class _PolicyKnobs(TypedDict, total=False):
-    pending_ttl_ms: int
-    retention_ms: int
-    fenced_retention_ms: int
+def _named(value: Given | None, option: str) -> Given | None:
+    return None if value is None else Given(value.ms, value.text, option)
 
 
-def command_policy(
-    s: Settings, ttl: int | None = None, retention: int | None = None, fenced_retention: int | None = None
-) -> Policy:
-    """The Policy a command works under: its own options, else the global
-    ones, else the Policy's defaults."""
-    knobs: _PolicyKnobs = {}
-    ttl = ttl if ttl is not None else s.ttl_ms
-    retention = retention if retention is not None else s.retention_ms
-    if ttl is not None:
-        knobs["pending_ttl_ms"] = ttl
-    if retention is not None:
-        knobs["retention_ms"] = retention
-    if fenced_retention is not None:
-        knobs["fenced_retention_ms"] = fenced_retention
-    return Policy(**knobs)
+def _from_env(value: int | None, name: str, environ: Mapping[str, str]) -> Given | None:
+    return None if value is None else Given(value, environ[name].strip(), name)
+
+
+def settings(
+    ctx: typer.Context,
+    *,
+    db: str | None = None,
+    ttl: Given | None = None,
+    retention: Given | None = None,
+    fenced_retention: Given | None = None,
+) -> Settings:
+    """The settings of a command, given its own options: each is taken from
+    the command's option, else the global one, else its environment variable
+    (through `idemctl.config`, as applications read them), else the default.
+    A variable whose option was given is not read at all, so an option can
+    stand in for a variable that cannot be used."""
+    g = ctx.find_object(GlobalOptions) or GlobalOptions()
+    db = _db(db) or _db(g.db)
+    ttl = _named(ttl, "--ttl") or _named(g.ttl, "--ttl")
+    retention = _named(retention, "--retention") or _named(g.retention, "--retention")
+    fenced_retention = _named(fenced_retention, "--fenced-retention")
+    busy = _named(g.busy_timeout, "--busy-timeout")
+    overridden = {
+        name
+        for name, value in (
+            (config.ENV_DB, db),
+            (config.ENV_PENDING_TTL, ttl),
+            (config.ENV_RETENTION, retention),
+            (config.ENV_FENCED_RETENTION, fenced_retention),
+            (config.ENV_BUSY_TIMEOUT, busy),
+        )
+        if value is not None
+    }
+    environ = {
+        k: v for k, v in os.environ.items() if k not in overridden and config.RETIRED.get(k) not in overridden
+    }
+    env = config.Settings.from_env(environ)
+    return Settings(
+        db=db or env.db,
+        db_on_command_line=g.db is not None,
+        ttl=ttl or _from_env(env.pending_ttl_ms, config.ENV_PENDING_TTL, environ),
+        retention=retention or _from_env(env.retention_ms, config.ENV_RETENTION, environ),
+        fenced_retention=fenced_retention or _from_env(env.fenced_retention_ms, config.ENV_FENCED_RETENTION, environ),
+        busy_timeout_ms=env.busy_timeout_ms if busy is None else busy.ms,
+    )
+
+
+_DEFAULT_POLICY = Policy()
+
+
+def command_policy(s: Settings) -> Policy:
+    """The Policy a command works under, its durations checked first so that
+    a mistake is told in the CLI's words (`--ttl`, `IDEMCTL_RETENTION`, with
+    units) rather than in the Policy's field names."""
+    for value in (s.ttl, s.fenced_retention):
+        if value is not None and value.ms <= 0:
+            raise UserError(f"{value.source} must be longer than 0 s, got {value.text}")
+    ttl = s.ttl or Given(_DEFAULT_POLICY.pending_ttl_ms, "", "--ttl")
+    retention = s.retention or Given(_DEFAULT_POLICY.retention_ms, "", "--retention")
+    if retention.ms <= ttl.ms:
+        long, short = human_duration(retention.ms), human_duration(ttl.ms)
+        if long == short and retention.ms != ttl.ms:  # 30 s against 30.4 s: the readings must differ too
+            long, short = f"{retention.ms} ms", f"{ttl.ms} ms"
+        raise UserError(f"{retention.source} ({long}) must be longer than {ttl.source} ({short})")
+    fenced = _DEFAULT_POLICY.fenced_retention_ms if s.fenced_retention is None else s.fenced_retention.ms
+    return Policy(pending_ttl_ms=ttl.ms, retention_ms=retention.ms, fenced_retention_ms=fenced)
 
 
 @contextmanager
@@ -303,15 +389,15 @@ def open_ledger(
     db: str | None,
     *,
     write: bool = False,
-    ttl: int | None = None,
-    retention: int | None = None,
-    fenced_retention: int | None = None,
+    ttl: Given | None = None,
+    retention: Given | None = None,
+    fenced_retention: Given | None = None,
 ) -> Iterator[Ledger]:
     """Open an existing ledger; never creates one (only `init` does)."""
-    s = settings(ctx)
-    policy = command_policy(s, ttl, retention, fenced_retention)
+    s = settings(ctx, db=db, ttl=ttl, retention=retention, fenced_retention=fenced_retention)
+    policy = command_policy(s)
     with Ledger.open(
-        db or s.db, policy=policy, create=False, readonly=not write, busy_timeout_ms=s.busy_timeout_ms
+        s.db, policy=policy, create=False, readonly=not write, busy_timeout_ms=s.busy_timeout_ms
     ) as ledger:
         ledger.require_schema()
         yield ledger

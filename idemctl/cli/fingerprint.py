@@ -77,7 +77,7 @@ def fingerprint_cmd(
         check_key(key)
     raw = _read_body(body, body_file)
     pairs = _parse_headers(header or [])
-    policy = command_policy(settings(ctx), ttl)
+    policy = command_policy(settings(ctx, ttl=ttl))
     fp = compute_fingerprint(method, path, pairs, raw, policy.fingerprint_headers)
     prediction: Prediction | None = None
     if key is not None and principal is not None:

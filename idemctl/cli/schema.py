@@ -56,8 +56,8 @@ def init(
     db: DbOpt = None,
 ) -> None:
     """Create or upgrade the ledger schema (idempotent; keeps every row)."""
-    s = settings(ctx)
-    target = db or s.db
+    s = settings(ctx, db=db)
+    target = s.db
     mode = _file_mode(file_mode)
     if dry_run:
         try:

@@ -59,12 +59,12 @@ def simulate(
     retention: RetentionOpt = None,
 ) -> None:
     """Replay claim/takeover/complete sequences on a virtual clock and print the timeline."""
-    s = settings(ctx)
     if scenario is not None and file is not None:
         raise UserError("give a scenario name or --file, not both")
     if from_command_line(ctx, "workers") and scenario != "race":
         raise UserError("--workers only applies to `idemctl simulate race`")
-    policy = command_policy(s, ttl, retention)
+    s = settings(ctx, db=db, ttl=ttl, retention=retention)
+    policy = command_policy(s)
     if file is not None:
         sc = load_scenario_file(file)
     elif scenario is not None:

@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ..config import ENV_FENCED_RETENTION
 from ..durations import human_duration, iso
 from ..fingerprint import check_key
 from ..outcomes import Drained, DrainStop, PurgeOutcome, RowView, State, SweepResult
@@ -24,13 +25,15 @@ from .core import (
     EXIT_INTERRUPTED,
     EXIT_NO,
     DbOpt,
+    Given,
     JsonOpt,
     KeyArg,
     PrincipalOpt,
     RetentionOpt,
     TtlOpt,
     app,
-    duration_param,
+    env_help,
+    given_param,
     not_found,
     open_ledger,
 )
@@ -112,12 +115,13 @@ def sweep(
     ] = None,
     retention: RetentionOpt = None,
     fenced_retention: Annotated[
-        int | None,
+        Given | None,
         typer.Option(
             "--fenced-retention",
             metavar="DURATION",
-            parser=duration_param,
-            help="How long fenced-out events are kept: the record that a mutation may have run twice (default 30d).",
+            parser=given_param,
+            help="How long fenced-out events are kept: the record that a mutation may have run twice (default 30d)."
+            + env_help(ENV_FENCED_RETENTION),
             show_default=False,
         ),
     ] = None,
