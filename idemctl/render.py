@@ -343,18 +343,26 @@ def verdict_words(prediction: Prediction) -> str:
 
 # -- the CLI's --json documents ---------------------------------------------------------------
 def inspect_json(view: RowView, events: Iterable[FencedEvent]) -> dict[str, Any]:
-    """`inspect --json`: `view_json` plus the key's fenced-out events.
+    """`inspect --json` of a row: `found`, `view_json`, and the key's fenced-out events.
 
     >>> from idemctl import Ledger
     >>> ledger = Ledger.open(":memory:", clock=lambda: 0); _ = ledger.init()
     >>> _ = ledger.claim("acct_A", "k1", "fp")
     >>> doc = inspect_json(ledger.get("acct_A", "k1"), [])
-    >>> doc["state"], doc["fenced_out"]
-    ('pending_fresh', [])
+    >>> doc["found"], doc["state"], doc["fenced_out"]
+    (True, 'pending_fresh', [])
     """
-    doc = view_json(view)
-    doc["fenced_out"] = [event_json(e) for e in events]
-    return doc
+    return {"found": True, **view_json(view), "fenced_out": [event_json(e) for e in events]}
+
+
+def inspect_not_found_json(principal: str, key: str) -> dict[str, Any]:
+    """`inspect --json` when the ledger has no row for the key: a document
+    still, so that a script reads an answer rather than an empty stdout.
+
+    >>> inspect_not_found_json("acct_A", "order-42")
+    {'found': False, 'principal': 'acct_A', 'key': 'order-42'}
+    """
+    return {"found": False, "principal": principal, "key": key}
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -217,12 +219,12 @@ def test_inspect_json_has_the_documented_fields(make_ledger, ledger_target, at):
     doc = json.loads(result.stdout)
     assert sorted(doc) == sorted(
         [
-            "principal", "key", "status", "generation", "takeovers", "fingerprint", "created_at", "updated_at",
+            "found", "principal", "key", "status", "generation", "takeovers", "fingerprint", "created_at", "updated_at",
             "response", "state", "state_text", "now", "age_ms", "pending_ttl_ms", "retention_ms", "takeover_at",
             "takeover_in_ms", "takes_over_now", "replay_until", "sweep_after", "fenced_out",
         ]
     )
-    assert (doc["status"], doc["state"], doc["generation"], doc["takeovers"]) == ("completed", "completed", 2, 1)
+    assert (doc["found"], doc["status"], doc["state"], doc["generation"], doc["takeovers"]) == (True, "completed", "completed", 2, 1)
     assert doc["response"] == {
         "status": 201,
         "headers": {"content-type": "application/json", "location": "/orders/42"},
@@ -267,6 +269,19 @@ def test_inspect_a_missing_row_exits_1_with_one_line(make_ledger, ledger_target)
     assert result.exit_code == 1
     assert result.stdout == ""
     assert one_line(result) == "no row for principal 'acct_A' key 'nope': the next request with this key runs the mutation"
+
+
+def test_inspect_json_of_a_missing_row_is_a_document_saying_not_found_and_exits_1(make_ledger, ledger_target):
+    make_ledger()
+    result = cli("inspect", "nope", "--principal", "acct_A", "--json", "--db", ledger_target)
+    assert result.exit_code == 1
+    assert result.stdout == '{\n  "found": false,\n  "principal": "acct_A",\n  "key": "nope"\n}\n'
+    assert one_line(result) == "no row for principal 'acct_A' key 'nope': the next request with this key runs the mutation"
+    installed = subprocess.run(
+        [str(Path(sys.executable).with_name("idemctl")), "inspect", "nope", "-p", "acct_A", "--json", "--db", ledger_target],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert (installed.returncode, json.loads(installed.stdout)) == (1, {"found": False, "principal": "acct_A", "key": "nope"})
 
 
 # -- pending ----------------------------------------------------------------------------------

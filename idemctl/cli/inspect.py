@@ -10,7 +10,7 @@ import typer
 from ..durations import human_duration
 from ..errors import MalformedRowError
 from ..fingerprint import check_key
-from ..render import fenced_json, inspect_json, pending_json, stats_report_json
+from ..render import fenced_json, inspect_json, inspect_not_found_json, pending_json, stats_report_json
 from .core import (
     EXIT_NO,
     EXIT_USAGE,
@@ -47,6 +47,8 @@ def inspect(
     with open_ledger(ctx, db, ttl=ttl, retention=retention) as ledger:
         view = ledger.get(principal, key)
         if view is None:
+            if json_out:
+                emit_json(inspect_not_found_json(principal, key))
             not_found(principal, key)
         events = list(ledger.fenced(principal=principal, key=key))
         fenced_log = ledger.has_fenced_log()
