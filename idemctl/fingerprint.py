@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Iterable, Mapping
 
@@ -94,3 +95,49 @@ def fingerprint(
     digest = hashlib.sha256("\n".join(lines).encode("utf-8") + b"\n")
     digest.update(raw)
     return digest.hexdigest()
+
+
+_JSON_TYPE = re.compile(r"^\s*application/(?:[\w.+-]+\+)?json\s*(?:;|$)", re.IGNORECASE)
+
+
+def fingerprint_body(
+    body: bytes, headers: HeadersLike | None, mode: str = "raw", ignore: Iterable[str] = ()
+) -> tuple[bytes, str]:
+    """The bytes a request's fingerprint covers, and which form was used.
+
+    "raw" (the recipe's rule) is the body as received. "json" fingerprints a
+    JSON body (by its Content-Type) in canonical form, so key order and
+    whitespace do not matter, leaving out the `ignore` fields (dotted paths
+    into nested objects); a body that is not JSON stays raw.
+
+    >>> fingerprint_body(b'{"b": 1, "a": {"ts": 9, "x": 2}}', {"content-type": "application/json"}, "json", ["a.ts"])
+    (b'{"a":{"x":2},"b":1}', 'json')
+    >>> fingerprint_body(b"not json", {"content-type": "application/json"}, "json")
+    (b'not json', 'raw (not valid JSON)')
+    """
+    if mode != "json":
+        return body, "raw"
+    content_type = header_values(headers, ["content-type"])["content-type"] or ""
+    if not _JSON_TYPE.match(content_type):
+        return body, "raw (not a JSON content type)"
+    try:
+        value = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return body, "raw (not valid JSON)"
+    for path in ignore:
+        _drop(value, path.split("."))
+    try:
+        canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError:  # NaN or Infinity: not JSON a client could mean exactly
+        return body, "raw (not valid JSON)"
+    return canonical.encode("utf-8"), "json"
+
+
+def _drop(value: object, path: list[str]) -> None:
+    if not isinstance(value, dict) or not path:
+        return
+    head, rest = path[0], path[1:]
+    if not rest:
+        value.pop(head, None)
+    else:
+        _drop(value.get(head), rest)

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
+from email.utils import formatdate
 
 from . import responses
 from .errors import (
@@ -22,12 +25,21 @@ from .errors import (
     SchemaMissingError,
     StorageError,
 )
-from .fingerprint import HeadersLike, as_body_bytes, check_key, fingerprint, header_pairs, is_valid_key
+from .fingerprint import (
+    HeadersLike,
+    as_body_bytes,
+    check_key,
+    fingerprint,
+    fingerprint_body,
+    header_pairs,
+    is_valid_key,
+)
 from .outcomes import (
     Answer,
     Completion,
     Drained,
     DrainStop,
+    Event,
     FencedEvent,
     InitResult,
     Outcome,
@@ -48,6 +60,9 @@ from .storage import DEFAULT_FILE_MODE, Store, open_engine
 from .storage.store import derive_state, new_token
 
 log = logging.getLogger("idemctl")
+# One structured line per non-trivial decision; the fields ride in `extra`
+# (idemctl_outcome, idemctl_principal, ...) for JSON log formatters.
+events_log = logging.getLogger("idemctl.events")
 
 Clock = Callable[[], int]
 RunResult = tuple[int, HeadersLike | None, bytes | bytearray | memoryview | str]
@@ -71,10 +86,66 @@ class Ledger:
     201
     """
 
-    def __init__(self, store: Store, *, policy: Policy | None = None, clock: Clock | None = None) -> None:
+    def __init__(self, store: Store, *, policy: Policy | None = None, clock: Clock | str | None = None) -> None:
         self.store = store
         self.policy = policy if policy is not None else Policy()
-        self.clock: Clock = clock if clock is not None else wall_clock_ms
+        if clock == "database":
+            # Every host sharing the ledger asks the database what time it is,
+            # so skewed host clocks still agree on TTL, takeover and sweep.
+            self.clock: Clock = store.database_now
+        elif isinstance(clock, str):
+            raise PolicyError(f"clock must be a callable or 'database', got {clock!r}")
+        else:
+            self.clock = clock if clock is not None else wall_clock_ms
+        self._listeners: tuple[Callable[[Event], object], ...] = ()
+        self._listeners_lock = threading.Lock()
+
+    # -- events -------------------------------------------------------------------------
+    def subscribe(self, listener: Callable[[Event], object]) -> Callable[[], None]:
+        """Call `listener(event)` for every decision; returns the function that
+        unsubscribes it. A listener that raises is logged and never fails a
+        request. Listeners run in the request's thread: keep them quick.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> seen = []
+        >>> stop = ledger.subscribe(seen.append)
+        >>> _ = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b""))
+        >>> _ = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b""))
+        >>> [e.outcome.value for e in seen]
+        ['executed', 'replayed']
+        >>> stop()
+        """
+        with self._listeners_lock:
+            self._listeners = (*self._listeners, listener)
+
+        def unsubscribe() -> None:
+            with self._listeners_lock:
+                self._listeners = tuple(x for x in self._listeners if x is not listener)
+
+        return unsubscribe
+
+    def _emit(self, event: Event) -> None:
+        if event.outcome not in _QUIET and events_log.isEnabledFor(logging.INFO):
+            level = logging.ERROR if event.outcome in _LOUD else logging.INFO
+            events_log.log(
+                level,
+                "%s %s %s principal=%s key=%s generation=%s status=%s ledger=%.1fms app=%s",
+                event.outcome.value,
+                event.method,
+                event.path,
+                event.principal,
+                event.key,
+                event.generation,
+                event.status,
+                event.ledger_ms,
+                "-" if event.app_ms is None else f"{event.app_ms:.1f}ms",
+                extra={f"idemctl_{name}": value for name, value in _event_fields(event).items()},
+            )
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:  # a listener must never fail the request it observes
+                log.exception("an idemctl event listener failed on %s", event.outcome.value)
 
     @classmethod
     def open(
@@ -82,7 +153,7 @@ class Ledger:
         target: str | os.PathLike[str],
         *,
         policy: Policy | None = None,
-        clock: Clock | None = None,
+        clock: Clock | str | None = None,
         create: bool = True,
         readonly: bool = False,
         busy_timeout_ms: int = 5000,
@@ -195,39 +266,105 @@ class Ledger:
         policy = self.policy
         raw = as_body_bytes(body, "request body")
         if not policy.protects(method):
-            return Ticket(None, Outcome.PASSTHROUGH, raw, None)
+            return Ticket(None, Outcome.PASSTHROUGH, raw, None, method, path_and_query, 0.0, time.perf_counter())
         if principal is None or principal == "":
-            return Answer(*responses.unauthenticated(), Outcome.UNAUTHENTICATED)
+            refusal = Answer(*responses.unauthenticated(), Outcome.UNAUTHENTICATED)
+            return self._decided(refusal, None, key, method, path_and_query, 0.0)
         check_principal(principal)
         if key is None or key == "":
-            return Answer(*responses.key_required(), Outcome.KEY_REQUIRED)
+            refusal = Answer(*responses.key_required(), Outcome.KEY_REQUIRED)
+            return self._decided(refusal, principal, None, method, path_and_query, 0.0)
         if not is_valid_key(key):
-            return Answer(*responses.key_invalid(), Outcome.KEY_INVALID)
+            refusal = Answer(*responses.key_invalid(), Outcome.KEY_INVALID)
+            return self._decided(refusal, principal, None, method, path_and_query, 0.0)
         check_request_line(method, path_and_query)
 
+        fp_body, _ = fingerprint_body(raw, headers, policy.fingerprint_body, policy.fingerprint_ignore_fields)
+        fp = fingerprint(method, path_and_query, headers, fp_body, policy.fingerprint_headers)
+        spent = 0.0
+        mark = time.perf_counter()
         now = self.now()
-        fp = fingerprint(method, path_and_query, headers, raw, policy.fingerprint_headers)
-        store = self.store
+        try:
+            decision = self._decide(principal, key, fp, raw, now, method, path_and_query)
+        except StorageError:
+            spent += time.perf_counter() - mark
+            ms = spent * 1000
+            self._emit(Event(Outcome.UNAVAILABLE, principal, key, None, method, path_and_query, 503, ms, None, now))
+            raise
+        spent += time.perf_counter() - mark
+        if isinstance(decision, Answer):
+            return self._decided(decision, principal, key, method, path_and_query, spent * 1000)
+        return replace(decision, ledger_ms=spent * 1000, issued=time.perf_counter())
+
+    def _decide(
+        self, principal: str, key: str, fp: str, raw: bytes, now: int, method: str, path: str
+    ) -> Answer | Ticket:
+        """Claim, or look up and branch: each step one statement. With
+        `in_progress_wait_ms`, a duplicate polls the row (reads only, no
+        lock held between them) and decides again once it changes."""
+        policy, store = self.policy, self.store
         token = new_token()
-        generation = store.claim(principal, key, fp, token, now)
-        if generation is not None:
-            return Ticket(Reservation(principal, key, generation, fp, token), Outcome.EXECUTED, raw, now)
-        row = store.lookup(principal, key)
-        if row is None:
-            # Swept between our failed claim and the lookup: the next try wins the claim.
-            return Answer(*responses.retry(), Outcome.RETRY, None, now)
-        if row.fingerprint != fp:
-            return Answer(*responses.reused(policy), Outcome.REUSED, row.generation, now)
-        if row.status is Status.COMPLETED:
-            status, out_headers, out_body = responses.from_stored(
-                row.response_status, row.response_body, row.response_headers, row=(principal, key)
-            )
-            return Answer(status, out_headers, out_body, Outcome.REPLAYED, row.generation, now)
-        generation = store.takeover(principal, key, fp, token, now, now - policy.pending_ttl_ms)
-        if generation is None:
-            return Answer(*responses.in_progress(policy), Outcome.IN_PROGRESS, row.generation, now)
-        log.warning("took over stale reservation principal=%s key=%s as generation %d", principal, key, generation)
-        return Ticket(Reservation(principal, key, generation, fp, token), Outcome.TAKEN_OVER, raw, now)
+        deadline: float | None = None
+        pause = 0.005
+        while True:
+            generation = store.claim(principal, key, fp, token, now)
+            if generation is not None:
+                reservation = Reservation(principal, key, generation, fp, token)
+                return Ticket(reservation, Outcome.EXECUTED, raw, now, method, path)
+            row = store.lookup(principal, key)
+            if row is None:
+                # Swept between our failed claim and the lookup: the next try wins the claim.
+                return Answer(*responses.retry(), Outcome.RETRY, None, now)
+            if row.fingerprint != fp:
+                return Answer(*responses.reused(policy), Outcome.REUSED, row.generation, now)
+            if row.status is Status.COMPLETED:
+                status, out_headers, out_body = responses.from_stored(
+                    row.response_status, row.response_body, row.response_headers, row=(principal, key)
+                )
+                out_headers = self._with_expiry(out_headers, row.updated_at)
+                return Answer(status, out_headers, out_body, Outcome.REPLAYED, row.generation, now)
+            generation = store.takeover(principal, key, fp, token, now, now - policy.pending_ttl_ms)
+            if generation is not None:
+                log.warning(
+                    "took over stale reservation principal=%s key=%s as generation %d", principal, key, generation
+                )
+                reservation = Reservation(principal, key, generation, fp, token)
+                return Ticket(reservation, Outcome.TAKEN_OVER, raw, now, method, path)
+            if deadline is None:
+                deadline = time.monotonic() + policy.in_progress_wait_ms / 1000
+            if not self._wait_for_change(principal, key, row.generation, deadline, pause):
+                left_ms = max(0, row.updated_at + policy.pending_ttl_ms + 1 - now)
+                retry_ms = left_ms if policy.retry_after_from_row else policy.pending_ttl_ms
+                return Answer(*responses.in_progress(policy, retry_ms), Outcome.IN_PROGRESS, row.generation, now)
+            now = self.now()
+
+    def _wait_for_change(self, principal: str, key: str, generation: int, deadline: float, pause: float) -> bool:
+        """Poll until the in-progress row completes, goes or changes owner;
+        False once the deadline passes first."""
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.1)
+            row = self.store.lookup(principal, key)
+            if row is None or row.status is not Status.PENDING or row.generation != generation:
+                return True
+            if row.updated_at < self.now() - self.policy.pending_ttl_ms:
+                return True  # stale now: deciding again takes it over
+        return False
+
+    def _with_expiry(self, headers: tuple[tuple[str, str], ...], updated_at: int) -> tuple[tuple[str, str], ...]:
+        name = self.policy.expires_header
+        if name is None:
+            return headers
+        until = (updated_at + self.policy.retention_ms) / 1000
+        return (*headers, (name, formatdate(until, usegmt=True)))
+
+    def _decided(
+        self, answer: Answer, principal: str | None, key: str | None, method: str, path: str, ledger_ms: float
+    ) -> Answer:
+        at = answer.started_at if answer.started_at is not None else self.now()
+        status, generation = answer.status, answer.generation
+        self._emit(Event(answer.outcome, principal, key, generation, method, path, status, ledger_ms, None, at))
+        return answer
 
     def finish(
         self,
@@ -252,14 +389,48 @@ class Ledger:
         if reservation is None:
             raw = body.encode("utf-8") if isinstance(body, str) else as_body_bytes(body, "response body")
             return Answer(status, tuple(header_pairs(headers)), raw, Outcome.PASSTHROUGH)
+        app_ms = (time.perf_counter() - ticket.issued) * 1000 if ticket.issued else None
+        mark = time.perf_counter()
         stored, computed = self._prepare(reservation, status, headers, body)
+        keep = self.policy.keep_answer
+        if keep is not None and not keep(stored.status, computed[1]):
+            # Not an answer to keep (say a 503): release, so the retry runs again.
+            self._release_quietly(reservation)
+            answer = Answer(*computed, Outcome.NOT_KEPT, reservation.generation, ticket.started_at)
+            self._finished(ticket, answer.outcome, answer.status, mark, app_ms)
+            return answer
+        stamp = self.now()
         try:
-            done = self._store_answer(reservation, stored, computed, self.now())
+            done = self._store_answer(reservation, stored, computed, stamp)
         except StorageError as exc:
             answer = Answer(*computed, ticket.outcome, reservation.generation, ticket.started_at)
+            self._finished(ticket, Outcome.NOT_STORED, answer.status, mark, app_ms)
             raise AnswerNotStoredError(answer, exc) from exc
         outcome = ticket.outcome if done.stored else Outcome.FENCED_OUT
-        return Answer(done.status, done.headers, done.body, outcome, reservation.generation, ticket.started_at)
+        out_headers = self._with_expiry(done.headers, stamp) if done.stored else done.headers
+        answer = Answer(done.status, out_headers, done.body, outcome, reservation.generation, ticket.started_at)
+        self._finished(ticket, outcome, answer.status, mark, app_ms)
+        return answer
+
+    def _finished(
+        self, ticket: Ticket, outcome: Outcome, status: int | None, mark: float, app_ms: float | None
+    ) -> None:
+        reservation = ticket.reservation
+        ledger_ms = ticket.ledger_ms + (time.perf_counter() - mark) * 1000
+        self._emit(
+            Event(
+                outcome,
+                reservation.principal if reservation else None,
+                reservation.key if reservation else None,
+                reservation.generation if reservation else None,
+                ticket.method,
+                ticket.path,
+                status,
+                ledger_ms,
+                app_ms,
+                ticket.started_at if ticket.started_at is not None else self.now(),
+            )
+        )
 
     def abandon(self, ticket: Ticket, *, release: bool = False) -> None:
         """The mutation raised. By default the reservation stays pending and a
@@ -273,8 +444,14 @@ class Ledger:
         >>> ledger.lookup("acct_1", "k3") is None
         True
         """
-        if release and ticket.reservation is not None:
-            self._release_quietly(ticket.reservation)
+        reservation = ticket.reservation
+        if reservation is None:
+            return
+        app_ms = (time.perf_counter() - ticket.issued) * 1000 if ticket.issued else None
+        mark = time.perf_counter()
+        if release:
+            self._release_quietly(reservation)
+        self._finished(ticket, Outcome.FAILED, None, mark, app_ms)
 
     def handle(
         self,
@@ -710,6 +887,26 @@ class Ledger:
         """
         now = self.now() if now is None else now
         return self.store.purge(principal, key, None if force else now - self.policy.pending_ttl_ms)
+
+
+# Routine decisions are counted (listeners, metrics), not logged line by line.
+_QUIET = frozenset({Outcome.EXECUTED, Outcome.REPLAYED, Outcome.PASSTHROUGH})
+_LOUD = frozenset({Outcome.FENCED_OUT, Outcome.NOT_STORED, Outcome.UNAVAILABLE})
+
+
+def _event_fields(event: Event) -> dict[str, object]:
+    return {
+        "outcome": event.outcome.value,
+        "principal": event.principal,
+        "key": event.key,
+        "generation": event.generation,
+        "method": event.method,
+        "path": event.path,
+        "status": event.status,
+        "ledger_ms": round(event.ledger_ms, 3),
+        "app_ms": None if event.app_ms is None else round(event.app_ms, 3),
+        "at": event.at,
+    }
 
 
 def is_remote(target: object) -> bool:

@@ -23,10 +23,21 @@ class Outcome(enum.Enum):
     PASSTHROUGH = "passthrough"  # unprotected method: ran without the ledger
     UNAVAILABLE = "unavailable"  # 503: the ledger could not be asked; nothing ran
     BODY_REFUSED = "body_refused"  # 400/411/413: the request body could not be read safely
+    FAILED = "failed"  # the mutation raised: the reservation waits for a takeover (or was released)
+    NOT_KEPT = "not_kept"  # ran; Policy.keep_answer declined to store it, the reservation was released
+    NOT_STORED = "not_stored"  # ran; storing its answer failed (AnswerNotStoredError)
 
     @property
     def ran_mutation(self) -> bool:
-        return self in (Outcome.EXECUTED, Outcome.TAKEN_OVER, Outcome.FENCED_OUT, Outcome.PASSTHROUGH)
+        return self in (
+            Outcome.EXECUTED,
+            Outcome.TAKEN_OVER,
+            Outcome.FENCED_OUT,
+            Outcome.PASSTHROUGH,
+            Outcome.FAILED,
+            Outcome.NOT_KEPT,
+            Outcome.NOT_STORED,
+        )
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,32 @@ class Ticket:
     outcome: Outcome  # EXECUTED, TAKEN_OVER or PASSTHROUGH
     body: bytes
     started_at: int | None  # the `now` of the claim; the post-response sweep uses it
+    method: str = ""
+    path: str = ""
+    ledger_ms: float = 0.0  # time begin spent in ledger statements
+    issued: float = 0.0  # time.perf_counter() when begin returned: the app's time starts here
+
+
+@dataclass(frozen=True)
+class Event:
+    """One decision of the ledger, as listeners (`Ledger.subscribe`), the
+    `idemctl.events` log and the Prometheus metrics see it.
+
+    `ledger_ms` is the time spent in the ledger's own statements for this
+    request (begin and finish together); `app_ms` the time between them,
+    the mutation's, or None when nothing ran.
+    """
+
+    outcome: Outcome
+    principal: str | None
+    key: str | None
+    generation: int | None
+    method: str
+    path: str
+    status: int | None
+    ledger_ms: float
+    app_ms: float | None
+    at: int  # the decision's `now`, ms since the epoch
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .errors import PolicyError
@@ -44,6 +44,23 @@ class Policy:
     # The fenced-out log is the record that a mutation may have run twice: it
     # outlives the rows it is about.
     fenced_retention_ms: int = 30 * 24 * 60 * 60 * 1000
+    # Opt-in contract options; the defaults are the recipe's behaviour.
+    # A duplicate that finds the key in progress waits up to this long for the
+    # first answer (polling reads, no lock held) before answering 409.
+    in_progress_wait_ms: int = 0
+    # 409 in progress says how long until a takeover, not the whole TTL.
+    retry_after_from_row: bool = False
+    # Answers (first and replayed) carry this header with the instant until
+    # which the key's answer is replayed (HTTP-date), e.g. "idempotency-expires".
+    expires_header: str | None = None
+    # keep_answer(status, headers) -> False: the answer is not stored and the
+    # reservation is released, so a retry runs again (e.g. do not keep 5xx).
+    keep_answer: Callable[[int, tuple[tuple[str, str], ...]], bool] | None = None
+    # "raw": the recipe's byte-exact body. "json": a JSON body is fingerprinted
+    # in canonical form (key order and whitespace do not matter), without the
+    # fields named in fingerprint_ignore_fields (dotted paths: "meta.sent_at").
+    fingerprint_body: str = "raw"
+    fingerprint_ignore_fields: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in (
@@ -53,6 +70,7 @@ class Policy:
             "sweep_batch",
             "body_cap_bytes",
             "reuse_status",
+            "in_progress_wait_ms",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -71,6 +89,28 @@ class Policy:
             raise PolicyError(f"body_cap_bytes must be >= 0, got {self.body_cap_bytes}")
         if self.reuse_status not in (409, 422):
             raise PolicyError(f"reuse_status must be 409 or 422, got {self.reuse_status}")
+        if self.in_progress_wait_ms < 0:
+            raise PolicyError(f"in_progress_wait_ms must be >= 0, got {self.in_progress_wait_ms}")
+        if self.in_progress_wait_ms >= self.pending_ttl_ms:
+            # Waiting past the TTL would outlive the reservation it waits for.
+            raise PolicyError(
+                f"in_progress_wait_ms ({self.in_progress_wait_ms}) must be shorter than pending_ttl_ms "
+                f"({self.pending_ttl_ms})"
+            )
+        if self.keep_answer is not None and not callable(self.keep_answer):
+            raise PolicyError("keep_answer must be a callable (status, headers) -> bool")
+        if self.fingerprint_body not in ("raw", "json"):
+            raise PolicyError(f"fingerprint_body must be 'raw' or 'json', got {self.fingerprint_body!r}")
+        if isinstance(self.fingerprint_ignore_fields, str):
+            raise PolicyError("fingerprint_ignore_fields must be a list of field names, not one string")
+        object.__setattr__(self, "fingerprint_ignore_fields", tuple(self.fingerprint_ignore_fields))
+        if self.fingerprint_ignore_fields and self.fingerprint_body != "json":
+            raise PolicyError("fingerprint_ignore_fields needs fingerprint_body='json'")
+        if self.expires_header is not None:
+            name = str(self.expires_header).strip().lower()
+            if not name or not all(c.isalnum() or c in "-_" for c in name):
+                raise PolicyError(f"expires_header must be a header name, got {self.expires_header!r}")
+            object.__setattr__(self, "expires_header", name)
         # Normalise so that comparisons elsewhere never worry about case.
         object.__setattr__(self, "fingerprint_headers", _lower_names(self.fingerprint_headers, "fingerprint_headers"))
         object.__setattr__(self, "replayable_headers", _lower_names(self.replayable_headers, "replayable_headers"))

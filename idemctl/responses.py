@@ -195,11 +195,14 @@ def reused(policy: Policy) -> tuple[int, Headers, bytes]:
     return json_error(policy.reuse_status, {"error": "idempotency_key_reused"})
 
 
-def in_progress(policy: Policy) -> tuple[int, Headers, bytes]:
+def in_progress(policy: Policy, retry_after_ms: int | None = None) -> tuple[int, Headers, bytes]:
+    """409 in progress; by default the client is told to come back after a
+    whole TTL (the recipe's answer), or after `retry_after_ms`."""
+    ms = policy.pending_ttl_ms if retry_after_ms is None else retry_after_ms
     return json_error(
         409,
-        {"error": "idempotency_key_in_progress", "retry_after_ms": policy.pending_ttl_ms},
-        (("retry-after", str(policy.retry_after_seconds)),),
+        {"error": "idempotency_key_in_progress", "retry_after_ms": ms},
+        (("retry-after", str(max(1, math.ceil(ms / 1000)))),),
     )
 
 

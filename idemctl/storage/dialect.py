@@ -78,6 +78,8 @@ class Dialect:
     read_body: Callable[[object], object]
     # Rows per DELETE when an operator drains a backlog (`idemctl sweep`).
     drain_batch: int
+    # The database's own clock, in ms since the epoch.
+    now_sql: str
 
 
 SQLITE = Dialect(
@@ -90,6 +92,7 @@ SQLITE = Dialect(
     # for: 250 rows keep a concurrent claimer's p99 low on a large backlog
     # (docs/performance.md, sweep table) at no cost in drain time.
     drain_batch=250,
+    now_sql="SELECT CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)",
 )
 
 POSTGRES = Dialect(
@@ -100,4 +103,5 @@ POSTGRES = Dialect(
     read_body=_body_text_or_bytes,
     # Row locks: a batch blocks only claims of the expired keys it deletes.
     drain_batch=1000,
+    now_sql="SELECT CAST(floor(extract(epoch FROM clock_timestamp()) * 1000) AS BIGINT)",
 )

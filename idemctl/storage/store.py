@@ -225,6 +225,10 @@ class Store:
     def drain_batch(self) -> int:
         return self.dialect.drain_batch
 
+    def database_now(self) -> int:
+        """The database server's clock in ms since the epoch (one round trip)."""
+        return int(self._read(self.dialect.now_sql)[0][0])
+
     def decode_row(self, values: tuple[Any, ...]) -> StoredRow:
         """A row as stored, or MalformedRowError naming what is wrong with it."""
         principal, key, fp, status, generation, rstatus, rbody, rheaders, created, updated = values
