@@ -50,5 +50,20 @@ def held_orders_db() -> sqlite_utils.Database:
 
 example.orders_db = held_orders_db  # the views look it up at call time
 app = example.app
+
+if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    # As docs/observability.md shows a user: count the ledger's decisions in
+    # every worker, serve all workers' values from any one of them.
+    from flask import Response
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    from idemctl.prometheus import instrument, multiprocess_registry
+
+    instrument(example.ledger)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(multiprocess_registry()), content_type=CONTENT_TYPE_LATEST)
+
 # gunicorn's own logger (silent outside gunicorn).
 logging.getLogger("gunicorn.error").info("orders app loaded (pid %d)", os.getpid())

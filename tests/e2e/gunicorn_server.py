@@ -41,6 +41,7 @@ class GunicornServer:
         preload: bool = False,
         pending_ttl_ms: int = 30_000,
         env: dict[str, str] | None = None,
+        metrics: bool = False,
     ) -> None:
         self.workdir = workdir
         self.workers = workers
@@ -52,6 +53,7 @@ class GunicornServer:
         self.hold_dir = workdir / "hold"
         self.log_path = workdir / "gunicorn.log"
         self.extra_env = env or {}
+        self.metrics_dir = workdir / "prometheus" if metrics else None
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
 
@@ -72,6 +74,9 @@ class GunicornServer:
             PYTHONUNBUFFERED="1",
         )
         env.update(self.extra_env)
+        if self.metrics_dir is not None:
+            self.metrics_dir.mkdir(parents=True, exist_ok=True)
+            env["PROMETHEUS_MULTIPROC_DIR"] = str(self.metrics_dir)
         cmd = [
             sys.executable, "-m", "gunicorn",
             "--workers", str(self.workers),
@@ -86,6 +91,8 @@ class GunicornServer:
             cmd += ["--threads", str(self.threads)]
         if self.preload:
             cmd.append("--preload")
+        if self.metrics_dir is not None:
+            cmd += ["--config", str(REPO / "tests" / "e2e" / "gunicorn_metrics_conf.py")]
         if _has_option("--no-control-socket"):
             cmd.append("--no-control-socket")  # several servers may run at once
         cmd.append("tests.e2e.flask_orders:app")
