@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any, NoReturn, Protocol, cast
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from .. import __version__, config
 from ..durations import human_duration, parse_duration
@@ -80,9 +80,42 @@ class _ClickError(Protocol):
     def format_message(self) -> str: ...
 
 
+# (ctx: Any below: Typer's context class lives in its private copy of click.)
+class _NamedArgument(TyperArgument):
+    """An argument whose metavar already names it (KEY): Typer would print
+    its Python type (<str>) beside it in the help."""
+
+    def display_type_rich(self, ctx: Any) -> str | None:
+        return None
+
+
+def _plain_help_option(option: Any) -> Any:
+    # A flag takes no value: no metavar (Typer would show <bool>).
+    if option is not None:
+        option.metavar = ""
+    return option
+
+
+class IdemctlCommand(TyperCommand):
+    """Every command's class: its help shows real metavars (KEY, N,
+    DURATION) and none for flags."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if type(param) is TyperArgument:
+                param.__class__ = _NamedArgument
+
+    def get_help_option(self, ctx: Any) -> Any:
+        return _plain_help_option(super().get_help_option(ctx))
+
+
 class IdemctlGroup(TyperGroup):
     """Maps every deliberate error to one stderr line and an exit code, for
     every command at once, so no command can forget to."""
+
+    def get_help_option(self, ctx: Any) -> Any:
+        return _plain_help_option(super().get_help_option(ctx))
 
     def main(
         self,
@@ -151,6 +184,23 @@ def main() -> None:
 
 
 # -- options shared by commands -----------------------------------------------------------
+def in_range(low: int, high: int | None = None) -> Callable[..., int | None]:
+    """The callback of an integer option that checks its bounds, in Typer's
+    own words. (Given as min=/max=, the bounds would show in the help as
+    "N [x>=0]"; the help text says them instead.)"""
+
+    def check(ctx: typer.Context, param: typer.CallbackParam, value: int | None) -> int | None:
+        # The parameter is Typer's own option object, which BadParameter names in its message.
+        option = cast(Any, param)
+        if value is not None and value < low:
+            raise typer.BadParameter(f"Input should be greater than or equal to {low}", ctx=ctx, param=option)
+        if value is not None and high is not None and value > high:
+            raise typer.BadParameter(f"Input should be less than or equal to {high}", ctx=ctx, param=option)
+        return value
+
+    return check
+
+
 def duration_param(value: str) -> int:
     """Typer parser of a DURATION option; its ValueError becomes a usage error."""
     return parse_duration(value)

@@ -12,7 +12,18 @@ from ..fingerprint import check_key, header_values
 from ..fingerprint import fingerprint as compute_fingerprint
 from ..outcomes import Prediction, Verdict
 from ..render import fingerprint_json, verdict_words, visible
-from .core import EXIT_NO, DbOpt, JsonOpt, TtlOpt, UserError, app, command_policy, open_ledger, settings
+from .core import (
+    EXIT_NO,
+    DbOpt,
+    IdemctlCommand,
+    JsonOpt,
+    TtlOpt,
+    UserError,
+    app,
+    command_policy,
+    open_ledger,
+    settings,
+)
 from .output import emit_json
 
 
@@ -47,6 +58,7 @@ def _parse_headers(values: list[str]) -> list[tuple[str, str]]:
 
 
 @app.command(
+    cls=IdemctlCommand,
     name="fingerprint",
     epilog=(
         "Example: idemctl fingerprint -X POST --path /orders -H 'Content-Type: application/json' "
@@ -55,17 +67,26 @@ def _parse_headers(values: list[str]) -> list[tuple[str, str]]:
 )
 def fingerprint_cmd(
     ctx: typer.Context,
-    method: Annotated[str, typer.Option("--method", "-X", help="HTTP method.")],
-    path: Annotated[str, typer.Option("--path", help="Path and query exactly as received, e.g. /orders?x=1.")],
+    method: Annotated[str, typer.Option("--method", "-X", metavar="METHOD", help="HTTP method.")],
+    path: Annotated[
+        str, typer.Option("--path", metavar="PATH", help="Path and query exactly as received, e.g. /orders?x=1.")
+    ],
     header: Annotated[
-        list[str] | None, typer.Option("--header", "-H", help="'Name: value'; repeat for several.")
+        list[str] | None,
+        typer.Option("--header", "-H", metavar="'NAME: VALUE'", help="A request header; repeat for several."),
     ] = None,
     body_file: Annotated[
         str | None, typer.Option("--body-file", metavar="FILE|-", help="Raw body bytes from a file, or - for stdin.")
     ] = None,
-    body: Annotated[str | None, typer.Option("--body", help="Body as UTF-8 text (instead of --body-file).")] = None,
-    key: Annotated[str | None, typer.Option("--key", "-k", help="Compare with this key's stored row.")] = None,
-    principal: Annotated[str | None, typer.Option("--principal", "-p", help="Principal of --key.")] = None,
+    body: Annotated[
+        str | None, typer.Option("--body", metavar="TEXT", help="Body as UTF-8 text (instead of --body-file).")
+    ] = None,
+    key: Annotated[
+        str | None, typer.Option("--key", "-k", metavar="KEY", help="Compare with this key's stored row.")
+    ] = None,
+    principal: Annotated[
+        str | None, typer.Option("--principal", "-p", metavar="PRINCIPAL", help="Principal of --key.")
+    ] = None,
     json_out: JsonOpt = False,
     db: DbOpt = None,
     ttl: TtlOpt = None,

@@ -15,6 +15,7 @@ from .core import (
     EXIT_NO,
     EXIT_USAGE,
     DbOpt,
+    IdemctlCommand,
     JsonOpt,
     KeyArg,
     PrincipalOpt,
@@ -22,6 +23,7 @@ from .core import (
     TtlOpt,
     app,
     duration_param,
+    in_range,
     list_cap,
     not_found,
     open_ledger,
@@ -32,7 +34,7 @@ from .views import PENDING_COLUMNS, PENDING_TABLE_CHUNK, Records, pending_cells,
 DEFAULT_LIST_LIMIT = 50
 
 
-@app.command(epilog="Example: idemctl inspect order-42 --principal acct_A")
+@app.command(cls=IdemctlCommand, epilog="Example: idemctl inspect order-42 --principal acct_A")
 def inspect(
     ctx: typer.Context,
     key: KeyArg,
@@ -58,15 +60,17 @@ def inspect(
         print_row(console(), view, events, fenced_log)
 
 
-@app.command(epilog="Example: idemctl pending --stale --principal acct_A --limit 20")
+@app.command(cls=IdemctlCommand, epilog="Example: idemctl pending --stale --principal acct_A --limit 20")
 def pending(
     ctx: typer.Context,
     stale: Annotated[
-        bool, typer.Option("--stale", help="Only rows past the TTL (the next retry takes them over).")
+        bool, typer.Option("--stale", metavar="", help="Only rows past the TTL (the next retry takes them over).")
     ] = False,
-    principal: Annotated[str | None, typer.Option("--principal", "-p", help="Only this principal.")] = None,
+    principal: Annotated[
+        str | None, typer.Option("--principal", "-p", metavar="PRINCIPAL", help="Only this principal.")
+    ] = None,
     limit: Annotated[
-        int, typer.Option("--limit", "-n", min=0, help="At most N rows (0: all).")
+        int, typer.Option("--limit", "-n", metavar="N", callback=in_range(0), help="At most N rows (0: all).")
     ] = DEFAULT_LIST_LIMIT,
     json_out: JsonOpt = False,
     db: DbOpt = None,
@@ -116,11 +120,13 @@ def pending(
         raise typer.Exit(EXIT_USAGE)
 
 
-@app.command(epilog="Example: idemctl fenced --since 24h --principal acct_A")
+@app.command(cls=IdemctlCommand, epilog="Example: idemctl fenced --since 24h --principal acct_A")
 def fenced(
     ctx: typer.Context,
-    principal: Annotated[str | None, typer.Option("--principal", "-p", help="Only this principal.")] = None,
-    key: Annotated[str | None, typer.Option("--key", "-k", help="Only this key.")] = None,
+    principal: Annotated[
+        str | None, typer.Option("--principal", "-p", metavar="PRINCIPAL", help="Only this principal.")
+    ] = None,
+    key: Annotated[str | None, typer.Option("--key", "-k", metavar="KEY", help="Only this key.")] = None,
     since: Annotated[
         int | None,
         typer.Option(
@@ -132,7 +138,7 @@ def fenced(
         ),
     ] = None,
     limit: Annotated[
-        int, typer.Option("--limit", "-n", min=0, help="At most N events (0: all).")
+        int, typer.Option("--limit", "-n", metavar="N", callback=in_range(0), help="At most N events (0: all).")
     ] = DEFAULT_LIST_LIMIT,
     json_out: JsonOpt = False,
     db: DbOpt = None,
@@ -173,19 +179,35 @@ def fenced(
     )
 
 
-@app.command(epilog="Example (cron): idemctl stats --max-backlog 10000 --max-fenced 0 || page-oncall")
+@app.command(
+    cls=IdemctlCommand, epilog="Example (cron): idemctl stats --max-backlog 10000 --max-fenced 0 || page-oncall"
+)
 def stats(
     ctx: typer.Context,
     json_out: JsonOpt = False,
     max_backlog: Annotated[
-        int | None, typer.Option("--max-backlog", min=0, help="Exit 1 if more rows than this are past retention.")
+        int | None,
+        typer.Option(
+            "--max-backlog", metavar="N", callback=in_range(0), help="Exit 1 if more than N rows are past retention."
+        ),
     ] = None,
     max_stale: Annotated[
-        int | None, typer.Option("--max-stale", min=0, help="Exit 1 if more pending rows than this are past the TTL.")
+        int | None,
+        typer.Option(
+            "--max-stale",
+            metavar="N",
+            callback=in_range(0),
+            help="Exit 1 if more than N pending rows are past the TTL.",
+        ),
     ] = None,
     max_fenced: Annotated[
         int | None,
-        typer.Option("--max-fenced", min=0, help="Exit 1 if more fenced-out events than this are recorded."),
+        typer.Option(
+            "--max-fenced",
+            metavar="N",
+            callback=in_range(0),
+            help="Exit 1 if more than N fenced-out events are recorded.",
+        ),
     ] = None,
     db: DbOpt = None,
     ttl: TtlOpt = None,

@@ -10,7 +10,7 @@ from ..errors import LedgerNotFoundError
 from ..ledger import Ledger
 from ..outcomes import InitAction, InitResult
 from ..schema import SCHEMA_VERSION
-from .core import DbOpt, UserError, app, settings
+from .core import DbOpt, IdemctlCommand, UserError, app, settings
 
 
 def _file_mode(text: str) -> int:
@@ -40,10 +40,12 @@ def _would(where: str, result: InitResult) -> str:
     )
 
 
-@app.command(epilog="Example: idemctl init --db /var/lib/app/idempotency.db")
+@app.command(cls=IdemctlCommand, epilog="Example: idemctl init --db /var/lib/app/idempotency.db")
 def init(
     ctx: typer.Context,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be done; write nothing.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", metavar="", help="Say what would be done; write nothing.")
+    ] = False,
     file_mode: Annotated[
         str,
         typer.Option(

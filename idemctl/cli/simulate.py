@@ -10,7 +10,19 @@ import typer
 from ..render import timeline_json
 from ..scenario import BUILTIN_NAMES, Op, builtin, load_scenario_file
 from ..simulate import Timeline, run_scenario
-from .core import EXIT_NO, JsonOpt, RetentionOpt, TtlOpt, UserError, app, command_policy, from_command_line, settings
+from .core import (
+    EXIT_NO,
+    IdemctlCommand,
+    JsonOpt,
+    RetentionOpt,
+    TtlOpt,
+    UserError,
+    app,
+    command_policy,
+    from_command_line,
+    in_range,
+    settings,
+)
 from .output import console, emit_json, say_no
 from .views import print_timeline
 
@@ -27,9 +39,10 @@ def _inspect_hint(timeline: Timeline, target: str | None) -> str:
 
 
 @app.command(
+    cls=IdemctlCommand,
     epilog=(
-        "Built-in scenarios: " + ", ".join(BUILTIN_NAMES) + ". A scenario file is TOML with [[step]] tables "
-        "(see the README).\n\nExample: idemctl simulate takeover --db idempotency.db"
+        "Built-in scenarios: " + ", ".join(BUILTIN_NAMES) + ". A scenario file is TOML with \\[\\[step]] tables "
+        "(see docs/cli.md).\n\nExample: idemctl simulate takeover --db idempotency.db"
     ),
 )
 def simulate(
@@ -42,9 +55,14 @@ def simulate(
     ] = None,
     file: Annotated[
         Path | None,
-        typer.Option("--file", "-f", help="Run an operator-written scenario.toml instead.", show_default=False),
+        typer.Option(
+            "--file", "-f", metavar="FILE", help="Run an operator-written scenario.toml instead.", show_default=False
+        ),
     ] = None,
-    workers: Annotated[int, typer.Option("--workers", "-w", min=2, max=64, help="Processes for `race`.")] = 4,
+    workers: Annotated[
+        int,
+        typer.Option("--workers", "-w", metavar="N", callback=in_range(2, 64), help="Processes for `race`, 2 to 64."),
+    ] = 4,
     json_out: JsonOpt = False,
     db: Annotated[
         str | None,

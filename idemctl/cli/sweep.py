@@ -26,6 +26,7 @@ from .core import (
     EXIT_NO,
     DbOpt,
     Given,
+    IdemctlCommand,
     JsonOpt,
     KeyArg,
     PrincipalOpt,
@@ -34,6 +35,7 @@ from .core import (
     app,
     env_help,
     given_param,
+    in_range,
     not_found,
     open_ledger,
 )
@@ -97,21 +99,24 @@ def _sweep_words(drained: Drained, policy: Policy, *, batch_size: int, elapsed_m
     return f"interrupted: {done}; {remaining} row(s) past retention left; {log_note}"
 
 
-@app.command(epilog="Example: idemctl sweep --batch-size 500 --pause-ms 50 --max-batches 200")
+@app.command(cls=IdemctlCommand, epilog="Example: idemctl sweep --batch-size 500 --pause-ms 50 --max-batches 200")
 def sweep(
     ctx: typer.Context,
     batch_size: Annotated[
         int | None,
         typer.Option(
             "--batch-size",
-            min=1,
-            max=MAX_SWEEP_BATCH,
-            help="Rows per DELETE statement (default: 250 on SQLite, 1000 on PostgreSQL).",
+            metavar="N",
+            callback=in_range(1, MAX_SWEEP_BATCH),
+            help=f"Rows per DELETE statement, 1 to {MAX_SWEEP_BATCH} (default: 250 on SQLite, 1000 on PostgreSQL).",
             show_default=False,
         ),
     ] = None,
     max_batches: Annotated[
-        int | None, typer.Option("--max-batches", min=1, help="Stop after N batches.", show_default=False)
+        int | None,
+        typer.Option(
+            "--max-batches", metavar="N", callback=in_range(1), help="Stop after N batches.", show_default=False
+        ),
     ] = None,
     retention: RetentionOpt = None,
     fenced_retention: Annotated[
@@ -125,9 +130,17 @@ def sweep(
             show_default=False,
         ),
     ] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Count what would be deleted; delete nothing.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", metavar="", help="Count what would be deleted; delete nothing.")
+    ] = False,
     pause_ms: Annotated[
-        int, typer.Option("--pause-ms", min=0, help="Sleep between batches, to leave the lock to the request path.")
+        int,
+        typer.Option(
+            "--pause-ms",
+            metavar="MS",
+            callback=in_range(0),
+            help="Milliseconds to sleep between batches, to leave the lock to the request path.",
+        ),
     ] = 0,
     json_out: JsonOpt = False,
     db: DbOpt = None,
@@ -211,14 +224,15 @@ def _confirmed(principal: str, key: str) -> bool:
     return confirmed
 
 
-@app.command(epilog="Example: idemctl purge order-42 --principal acct_A --yes")
+@app.command(cls=IdemctlCommand, epilog="Example: idemctl purge order-42 --principal acct_A --yes")
 def purge(
     ctx: typer.Context,
     key: KeyArg,
     principal: PrincipalOpt,
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", metavar="", help="Do not ask for confirmation.")] = False,
     force: Annotated[
-        bool, typer.Option("--force", help="Also delete a fresh pending row (its owner may still be running).")
+        bool,
+        typer.Option("--force", metavar="", help="Also delete a fresh pending row (its owner may still be running)."),
     ] = False,
     db: DbOpt = None,
     ttl: TtlOpt = None,
