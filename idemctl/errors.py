@@ -139,3 +139,104 @@ class ConfigError(IdemctlError, ValueError):
         self.name = name
         self.value = value
         super().__init__(message)
+
+
+class KeyReusedError(IdemctlError):
+    """An idempotent function was called again with a key it already ran
+    under, but with other arguments: the 409 "reused" of functions. Nothing
+    ran and nothing is replayed.
+
+    >>> KeyReusedError("billing", "pay_1").key
+    'pay_1'
+    """
+
+    def __init__(self, principal: str, key: str) -> None:
+        self.principal = principal
+        self.key = key
+        super().__init__(
+            f"key {key!r} of principal {principal!r} was used for a call with other arguments; "
+            "a repeat must pass the same arguments, a new call needs a new key"
+        )
+
+
+class CallInProgressError(IdemctlError):
+    """Another call with this key and these arguments holds the reservation
+    and is younger than the pending TTL: try again in `retry_after` seconds,
+    when a reservation whose owner died can be taken over.
+
+    >>> CallInProgressError("billing", "pay_1", 1, 2500).retry_after
+    2.5
+    """
+
+    def __init__(self, principal: str, key: str, generation: int, retry_after_ms: int) -> None:
+        self.principal = principal
+        self.key = key
+        self.generation = generation
+        self.retry_after_ms = retry_after_ms
+        super().__init__(
+            f"key {key!r} of principal {principal!r} is in progress (generation {generation}); "
+            f"retry in {retry_after_ms} ms"
+        )
+
+    @property
+    def retry_after(self) -> float:
+        """`retry_after_ms` in seconds, for time.sleep or asyncio.sleep."""
+        return self.retry_after_ms / 1000
+
+
+class UnserializableArgumentsError(IdemctlError, TypeError):
+    """The arguments that identify a call are not JSON (a dataclass, a
+    Decimal, a dict with non-str keys, NaN), so they have no stable
+    fingerprint. Nothing was claimed and nothing ran.
+
+    >>> UnserializableArgumentsError("arguments['amount']", "a Decimal").path
+    "arguments['amount']"
+    """
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(
+            f"cannot fingerprint the call: {path} is {problem}, not JSON; choose the arguments that "
+            "identify the call with args=[names], or map them to JSON with args=lambda ...: {...}"
+        )
+
+
+class ResultNotStoredError(IdemctlError):
+    """An idempotent function ran, but its return value could not be stored.
+    The call is complete (it never runs again under this key): its first
+    caller and every repeat get this error instead of a value."""
+
+    def __init__(self, principal: str, key: str, reason: str) -> None:
+        self.principal = principal
+        self.key = key
+        self.reason = reason
+        super().__init__(f"key {key!r} of principal {principal!r} ran once, but its result was not stored: {reason}")
+
+
+class ResultTooLargeError(ResultNotStoredError):
+    """The serialized return value exceeded the policy's body cap: it is not
+    stored (never a truncated value). `size` is None on a repeat.
+
+    >>> ResultTooLargeError("billing", "pay_1", 20_000, 16_384).reason
+    'it is 20000 bytes serialized, over the cap of 16384 bytes'
+    """
+
+    def __init__(self, principal: str, key: str, size: int | None, cap: int) -> None:
+        self.size = size
+        self.cap = cap
+        what = "it was" if size is None else f"it is {size} bytes"
+        super().__init__(principal, key, f"{what} serialized, over the cap of {cap} bytes")
+
+
+class ResultNotSerializableError(ResultNotStoredError, TypeError):
+    """The serializer could not turn the return value into bytes.
+
+    >>> ResultNotSerializableError("billing", "pay_1", "Receipt").type_name
+    'Receipt'
+    """
+
+    def __init__(self, principal: str, key: str, type_name: str, detail: str | None = None) -> None:
+        self.type_name = type_name
+        reason = f"the serializer cannot write a {type_name}" + (f" ({detail})" if detail else "")
+        super().__init__(principal, key, reason)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from email.utils import formatdate
 
-from . import responses
+from . import functions, responses
 from .errors import (
     AnswerNotStoredError,
     IdemctlError,
@@ -887,6 +887,84 @@ class Ledger:
         """
         now = self.now() if now is None else now
         return self.store.purge(principal, key, None if force else now - self.policy.pending_ttl_ms)
+
+    # -- functions: the contract for calls in workers, consumers and scripts ---------
+    def idempotent(
+        self,
+        *,
+        key: functions.KeySource,
+        principal: functions.PrincipalSource,
+        args: functions.ArgsSelector | None = None,
+        name: str | None = None,
+        serializer: functions.Serializer | None = None,
+        release_on_error: functions.ReleasePolicy = False,
+    ) -> functions.IdempotentDecorator:
+        """Decorator: run a function (plain or ``async def``) once per
+        (principal, key) and store its return value (JSON by default). A
+        repeat with the same arguments gets the stored value without running;
+        other arguments raise KeyReusedError; a duplicate while the first
+        runs raises CallInProgressError (``retry_after``). `key` and
+        `principal` are strings or callables of the function's arguments;
+        `args` chooses the arguments the fingerprint covers (all by default).
+        See docs/workers.md.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> runs = []
+        >>> @ledger.idempotent(key=lambda payment: payment["id"], principal="billing")
+        ... def charge(payment):
+        ...     runs.append(payment["id"])
+        ...     return {"charged": payment["amount"]}
+        >>> charge({"id": "pay_1", "amount": 500}), charge({"id": "pay_1", "amount": 500}), runs
+        ({'charged': 500}, {'charged': 500}, ['pay_1'])
+        >>> charge({"id": "pay_1", "amount": 900})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        idemctl.errors.KeyReusedError: key 'pay_1' of principal 'billing' was used for a call with other arguments; ...
+        """
+        return functions.IdempotentDecorator(
+            self,
+            key=key,
+            principal=principal,
+            args=args,
+            name=name,
+            serializer=serializer,
+            release_on_error=release_on_error,
+        )
+
+    def idempotent_call(
+        self,
+        *,
+        principal: str,
+        key: str,
+        args: object,
+        name: str | None = None,
+        serializer: functions.Serializer | None = None,
+        release_on_error: functions.ReleasePolicy = False,
+    ) -> functions.IdempotentCall:
+        """One idempotent call as a context manager (``with`` or ``async
+        with``), for code that is not one function: `args` is the JSON value
+        the fingerprint covers. Skip the work when ``call.replayed``; hand the
+        result to ``call.store()``; after the block ``call.value`` is what
+        every repeat returns.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> for attempt in (1, 2):
+        ...     with ledger.idempotent_call(principal="billing", key="pay_1", args={"amount": 500}) as call:
+        ...         if not call.replayed:
+        ...             call.store({"charged": 500})
+        ...     print(attempt, call.outcome.value, call.value)
+        1 executed {'charged': 500}
+        2 replayed {'charged': 500}
+        """
+        return functions.IdempotentCall(
+            self,
+            principal=principal,
+            key=key,
+            args=args,
+            name=name,
+            serializer=serializer,
+            release_on_error=release_on_error,
+        )
 
 
 # Routine decisions are counted (listeners, metrics), not logged line by line.

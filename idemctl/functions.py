@@ -1,0 +1,525 @@
+"""Idempotent functions: the Idempotency-Key contract for calls made by
+workers, queue consumers and scripts (docs/workers.md).
+
+A call is identified, like a request, by a principal and a key. Its
+fingerprint is the sha256 of the canonical JSON of the arguments that
+identify it, so that a repeat with the same arguments gets the stored
+return value without running, and a repeat with other arguments is refused.
+Each step is the ledger's own single statement (claim, lookup, takeover,
+fenced completion, release), so calls and HTTP requests share one ledger,
+one fencing rule and one set of operator views (`idemctl pending`,
+`idemctl fenced`).
+
+>>> from idemctl import Ledger
+>>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+>>> @ledger.idempotent(key=lambda payment: payment["id"], principal="billing")
+... def charge(payment):
+...     return {"charged": payment["amount"]}
+>>> charge({"id": "pay_1", "amount": 500})
+{'charged': 500}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import inspect
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, cast
+
+from .errors import (
+    CallInProgressError,
+    IdemctlError,
+    KeyReusedError,
+    LedgerUnavailableError,
+    MalformedRowError,
+    ResultNotSerializableError,
+    ResultNotStoredError,
+    ResultTooLargeError,
+    UnserializableArgumentsError,
+)
+from .fingerprint import check_key
+from .outcomes import Completion, FencedEvent, Outcome, Reservation, Status, StoredRow
+
+if TYPE_CHECKING:
+    from .ledger import Ledger
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+KeySource = str | Callable[..., str]
+PrincipalSource = str | Callable[..., str]
+ArgsSelector = str | Sequence[str] | Callable[..., object]
+ReleasePolicy = bool | Callable[[BaseException], bool]
+
+log = logging.getLogger("idemctl")
+
+# A completed call's row holds its serialized value under status 200; status
+# 500 says the function ran but its value was not stored (over the body cap:
+# NULL body, as for HTTP answers; not serializable: a JSON note saying so).
+STORED_STATUS = 200
+NOT_STORED_STATUS = 500
+_NOT_SERIALIZABLE = "result_not_serializable"
+# How often a row may vanish (released, purged) between a failed claim and
+# its lookup before the call gives up.
+_CLAIM_ATTEMPTS = 3
+
+
+class Serializer(Protocol):
+    """How return values are stored: `dumps(value) -> bytes`, `loads(bytes) -> value`."""
+
+    def dumps(self, value: Any) -> bytes: ...
+
+    def loads(self, data: bytes) -> Any: ...
+
+
+class JsonSerializer:
+    """The default serializer: compact UTF-8 JSON, readable in `idemctl inspect`.
+
+    >>> JSON.dumps({"id": 7, "note": "thé"})
+    b'{"id":7,"note":"th\\xc3\\xa9"}'
+    >>> JSON.loads(b'[1,2]')
+    [1, 2]
+    """
+
+    def dumps(self, value: Any) -> bytes:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+    def loads(self, data: bytes) -> Any:
+        return json.loads(data.decode("utf-8"))
+
+
+JSON = JsonSerializer()
+
+
+def canonical_json(value: object, *, what: str = "args") -> bytes:
+    """The one byte string a JSON value has: sorted keys, no whitespace,
+    non-ASCII as UTF-8, floats as Python's shortest round-trip form (the
+    same on every Python 3 since 3.1). Anything JSON cannot carry exactly
+    raises UnserializableArgumentsError naming where it is; `what` names the
+    value in that message.
+
+    >>> canonical_json({"b": [1, 2.5, None], "a": "é"})
+    b'{"a":"\\xc3\\xa9","b":[1,2.5,null]}'
+    >>> canonical_json({"when": float("nan")})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    idemctl.errors.UnserializableArgumentsError: cannot fingerprint the call: args['when'] is nan, not JSON; ...
+    """
+    _check_json(value, what, set())
+    try:
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError as exc:  # an int beyond Python's int-to-str digit limit
+        raise UnserializableArgumentsError(what, f"not writable as JSON ({exc})") from None
+    return text.encode("utf-8")
+
+
+def _check_json(value: object, path: str, open_containers: set[int]) -> None:
+    """Refuse what json.dumps would write lossily or not at all: non-str keys
+    ({1: x} would collide with {"1": x}), NaN and infinities, lone
+    surrogates, cycles, and every type that is not JSON."""
+    if value is None or isinstance(value, (bool, int)):
+        return
+    if isinstance(value, str):
+        _check_text(value, path)
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise UnserializableArgumentsError(path, repr(value))
+        return
+    if not isinstance(value, (list, tuple, dict)):
+        raise UnserializableArgumentsError(path, f"a {type(value).__qualname__}")
+    if id(value) in open_containers:
+        raise UnserializableArgumentsError(path, "a container that holds itself")
+    open_containers.add(id(value))
+    if isinstance(value, dict):
+        for name, item in value.items():
+            if not isinstance(name, str):
+                raise UnserializableArgumentsError(path, f"a dict with the {type(name).__qualname__} key {name!r}")
+            _check_text(name, path)
+            _check_json(item, f"{path}[{name!r}]", open_containers)
+    else:
+        for index, item in enumerate(value):
+            _check_json(item, f"{path}[{index}]", open_containers)
+    open_containers.discard(id(value))
+
+
+def _check_text(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UnserializableArgumentsError(path, "a str holding a lone surrogate") from None
+
+
+def call_fingerprint(args: object, *, name: str | None = None) -> str:
+    """The fingerprint of a call: sha256 (hex) of the canonical JSON of
+    ``{"args": args, "function": name}``. The same arguments give the same
+    fingerprint in every process and on every Python version, whatever the
+    order their dicts were built in.
+
+    >>> call_fingerprint({"amount": 500, "currency": "EUR"}, name="charge")
+    '6dd2bf33cc6445a039c8a61d943e034895fd289c3565338984cc01f3a0b81569'
+    >>> call_fingerprint({"currency": "EUR", "amount": 500}, name="charge")
+    '6dd2bf33cc6445a039c8a61d943e034895fd289c3565338984cc01f3a0b81569'
+    """
+    # The canonical form of {"args": ..., "function": ...}: its keys are already in order.
+    document = b'{"args":' + canonical_json(args) + b',"function":' + canonical_json(name, what="name") + b"}"
+    return hashlib.sha256(document).hexdigest()
+
+
+class IdempotentCall:
+    """One call under the contract, as a context manager (``with`` or
+    ``async with``); made by :meth:`Ledger.idempotent_call`.
+
+    Entering decides: a replay (``call.replayed``; ``call.value`` is the
+    stored value), or leave to run once (the block does the work and hands
+    its result to :meth:`store`). It raises KeyReusedError or
+    CallInProgressError without running anything. When the block ends, the
+    result is stored with one fenced statement; ``call.value`` is then what
+    every repeat returns. A block that raises before :meth:`store` leaves
+    the reservation pending for a takeover after the TTL, or releases it
+    when ``release_on_error`` says so.
+
+    >>> from idemctl import Ledger
+    >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+    >>> def refund(order):
+    ...     with ledger.idempotent_call(principal="billing", key=order["refund_id"], args=order) as call:
+    ...         if not call.replayed:
+    ...             call.store({"refunded": order["amount"]})  # the real work goes here
+    ...     return call.value, call.outcome.value
+    >>> refund({"refund_id": "rf_1", "amount": 300})
+    ({'refunded': 300}, 'executed')
+    >>> refund({"refund_id": "rf_1", "amount": 300})
+    ({'refunded': 300}, 'replayed')
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        principal: str,
+        key: str,
+        args: object,
+        name: str | None = None,
+        serializer: Serializer | None = None,
+        release_on_error: ReleasePolicy = False,
+    ) -> None:
+        check_key(key)
+        self.ledger = ledger
+        self.principal = principal
+        self.key = key
+        self.fingerprint = call_fingerprint(args, name=name)
+        self.serializer: Serializer = JSON if serializer is None else serializer
+        self.release_on_error = release_on_error
+        #: EXECUTED or TAKEN_OVER (this call runs), REPLAYED, or, after a
+        #: late completion, FENCED_OUT; None before the call is entered.
+        self.outcome: Outcome | None = None
+        self.generation: int | None = None
+        #: The fenced-out event recorded for this call's late completion.
+        self.event: FencedEvent | None = None
+        #: The stored value (replays), or once the block has ended the value
+        #: as stored (what every repeat returns); a fenced-out call keeps its own.
+        self.value: Any = None
+        self._reservation: Reservation | None = None
+        self._started_at: int | None = None
+        self._result: tuple[Any] | None = None
+        self._entered = False
+        self._ended = False
+
+    @property
+    def replayed(self) -> bool:
+        """True when the value was stored by an earlier call: do not run again."""
+        return self.outcome is Outcome.REPLAYED
+
+    @property
+    def fenced_out(self) -> bool:
+        """True when a takeover superseded this call while it ran: its value
+        was not stored (the event is in `idemctl fenced`)."""
+        return self.outcome is Outcome.FENCED_OUT
+
+    def store(self, value: Any) -> None:
+        """The call's result: stored when the block ends. From here on the
+        work counts as done, so an exception later in the block still
+        completes the call rather than leaving it for a takeover."""
+        if self._reservation is None or self._ended:
+            raise RuntimeError("store() needs a call that this block runs: a replayed call must not run again")
+        if self._result is not None:
+            raise RuntimeError("store() was already called for this call")
+        self._result = (value,)
+
+    # -- the context manager, sync and async --------------------------------------------
+    def __enter__(self) -> IdempotentCall:
+        self._begin()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._end(exc)
+
+    async def __aenter__(self) -> IdempotentCall:
+        # Ledger statements block: they run in a thread, never on the loop.
+        await asyncio.to_thread(self._begin)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await asyncio.to_thread(self._end, exc)
+
+    # -- the steps --------------------------------------------------------------------
+    def _begin(self) -> None:
+        if self._entered:
+            raise RuntimeError("an IdempotentCall is entered once; make a new one for each call")
+        self._entered = True
+        ledger, principal, key, fp = self.ledger, self.principal, self.key, self.fingerprint
+        policy = ledger.policy
+        vanished = 0
+        deadline: float | None = None
+        while True:
+            now = ledger.now()
+            reservation = ledger.claim(principal, key, fp, now=now)
+            if reservation is not None:
+                self._own(reservation, Outcome.EXECUTED, now)
+                return
+            row = ledger.lookup(principal, key)
+            if row is None:
+                # Released or purged between our claim and the lookup: the next claim normally wins.
+                vanished += 1
+                if vanished == _CLAIM_ATTEMPTS:
+                    raise LedgerUnavailableError(
+                        f"principal={principal} key={key} vanished between claim and lookup {vanished} times; "
+                        "retry the call"
+                    )
+                continue
+            if row.fingerprint != fp:
+                raise KeyReusedError(principal, key)
+            if row.status is Status.COMPLETED:
+                self.value = self._stored_value(row)
+                self.outcome, self.generation = Outcome.REPLAYED, row.generation
+                return
+            reservation = ledger.takeover(principal, key, fp, now=now)
+            if reservation is not None:
+                log.warning(
+                    "took over stale reservation principal=%s key=%s as generation %d",
+                    principal,
+                    key,
+                    reservation.generation,
+                )
+                self._own(reservation, Outcome.TAKEN_OVER, now)
+                return
+            if deadline is None:
+                deadline = time.monotonic() + policy.in_progress_wait_ms / 1000
+            if not self._wait_for_change(row, deadline):
+                # Takeover is possible once the row is older than the TTL (`updated_at < now - ttl`).
+                wait_ms = max(0, row.updated_at + policy.pending_ttl_ms + 1 - now)
+                raise CallInProgressError(principal, key, row.generation, wait_ms)
+
+    def _wait_for_change(self, row: StoredRow, deadline: float) -> bool:
+        """With the policy's `in_progress_wait_ms`: poll the row (reads only,
+        nothing held between them) until it completes, goes, changes owner or
+        turns stale; False when the deadline passes first."""
+        ledger = self.ledger
+        pause = 0.005
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.1)
+            now_row = ledger.lookup(self.principal, self.key)
+            if now_row is None or now_row.status is not Status.PENDING or now_row.generation != row.generation:
+                return True
+            if now_row.updated_at < ledger.now() - ledger.policy.pending_ttl_ms:
+                return True
+        return False
+
+    def _own(self, reservation: Reservation, outcome: Outcome, now: int) -> None:
+        self._reservation, self._started_at = reservation, now
+        self.outcome, self.generation = outcome, reservation.generation
+
+    def _end(self, exc: BaseException | None) -> None:
+        reservation = self._reservation
+        if reservation is None or self._ended:
+            return
+        self._ended = True
+        if self._result is None and exc is not None:
+            policy = self.release_on_error
+            if policy(exc) if callable(policy) else policy:
+                self._release(reservation)
+            return
+        self._complete(reservation, None if self._result is None else self._result[0])
+
+    def _complete(self, reservation: Reservation, value: Any) -> None:
+        try:
+            data = self.serializer.dumps(value)
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise TypeError(f"{type(self.serializer).__name__}.dumps returned a {type(data).__name__}, not bytes")
+        except Exception as exc:
+            # It ran: a row left pending would run it again after the TTL.
+            type_name = type(value).__qualname__
+            note = {"error": _NOT_SERIALIZABLE, "type": type_name}
+            self._finish(reservation, NOT_STORED_STATUS, JSON.dumps(note))
+            raise ResultNotSerializableError(self.principal, self.key, type_name, str(exc)) from exc
+        data = bytes(data)
+        done = self._finish(reservation, STORED_STATUS, data)
+        if done.oversize:
+            raise ResultTooLargeError(self.principal, self.key, len(data), self.ledger.policy.body_cap_bytes)
+        if not done.stored:
+            # The ledger has logged it at ERROR and recorded it; this caller
+            # keeps what it computed, as a fenced-out request does.
+            self.outcome, self.event = Outcome.FENCED_OUT, done.event
+        self.value = self._load(data)
+
+    def _finish(self, reservation: Reservation, status: int, body: bytes) -> Completion:
+        done = self.ledger.complete(reservation, status, None, body)
+        try:  # the request path's bounded sweep batch, at the call's own `now`
+            self.ledger.sweep(now=self._started_at)
+        except IdemctlError as exc:
+            log.warning("sweep after an idempotent call failed: %s", exc)
+        return done
+
+    def _release(self, reservation: Reservation) -> None:
+        try:
+            self.ledger.release(reservation)
+        except IdemctlError as exc:
+            log.error("could not release principal=%s key=%s: %s", reservation.principal, reservation.key, exc)
+
+    def _stored_value(self, row: StoredRow) -> Any:
+        body = row.body_bytes
+        if row.response_status == STORED_STATUS and body is not None:
+            return self._load(body)
+        if body is None:
+            raise ResultTooLargeError(self.principal, self.key, None, self.ledger.policy.body_cap_bytes)
+        try:
+            note = json.loads(body)
+        except ValueError:
+            note = None
+        if isinstance(note, dict) and note.get("error") == _NOT_SERIALIZABLE:
+            raise ResultNotSerializableError(self.principal, self.key, str(note.get("type")))
+        raise ResultNotStoredError(self.principal, self.key, f"its row holds status {row.response_status}")
+
+    def _load(self, data: bytes) -> Any:
+        try:
+            return self.serializer.loads(data)
+        except Exception as exc:
+            problem = f"its stored value cannot be read by {type(self.serializer).__name__}: {exc}"
+            raise MalformedRowError(self.principal, self.key, problem) from exc
+
+
+class IdempotentDecorator:
+    """Makes functions idempotent; made by :meth:`Ledger.idempotent`.
+
+    ``key`` and ``principal`` are strings or callables that receive the
+    function's own arguments. ``args`` chooses what the fingerprint covers:
+    by default every bound argument by name (defaults applied); a name or a
+    list of names; or a callable of the function's arguments returning any
+    JSON value. ``name`` (default: the function's ``__qualname__``) is part
+    of the fingerprint, so two functions sharing a principal and a key
+    refuse each other's repeats instead of replaying each other's values.
+
+    >>> from idemctl import Ledger
+    >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+    >>> @ledger.idempotent(key=lambda order_id, amount, note="": order_id, principal="billing",
+    ...                    args=["amount"])
+    ... def capture(order_id, amount, note=""):
+    ...     return amount
+    >>> capture("o1", 700, note="first"), capture("o1", 700, note="the note is not covered")
+    (700, 700)
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        key: KeySource,
+        principal: PrincipalSource,
+        args: ArgsSelector | None = None,
+        name: str | None = None,
+        serializer: Serializer | None = None,
+        release_on_error: ReleasePolicy = False,
+    ) -> None:
+        if not (isinstance(key, str) or callable(key)):
+            raise TypeError(f"key must be a str or a callable of the function's arguments, got {type(key).__name__}")
+        if not (isinstance(principal, str) or callable(principal)):
+            raise TypeError(
+                f"principal must be a str or a callable of the function's arguments, got {type(principal).__name__}"
+            )
+        if args is not None and not (isinstance(args, (str, Sequence)) or callable(args)):
+            raise TypeError(f"args must be a name, a list of names or a callable, got {type(args).__name__}")
+        if serializer is not None and not all(callable(getattr(serializer, m, None)) for m in ("dumps", "loads")):
+            raise TypeError("serializer must have dumps(value) -> bytes and loads(bytes) -> value")
+        self.ledger = ledger
+        self.key = key
+        self.principal = principal
+        self.args = args
+        self.name = name
+        self.serializer = serializer
+        self.release_on_error = release_on_error
+
+    def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
+        signature = inspect.signature(fn)
+        names = self._names(signature)
+        name = self.name if self.name is not None else fn.__qualname__
+
+        def start(a: tuple[Any, ...], kw: dict[str, Any]) -> IdempotentCall:
+            return IdempotentCall(
+                self.ledger,
+                principal=_resolve(self.principal, a, kw),
+                key=_resolve(self.key, a, kw),
+                args=self._arguments(signature, names, a, kw),
+                name=name,
+                serializer=self.serializer,
+                release_on_error=self.release_on_error,
+            )
+
+        if inspect.iscoroutinefunction(fn):
+            run_async = cast(Callable[..., Awaitable[Any]], fn)
+
+            @functools.wraps(fn)
+            async def call_async(*a: Any, **kw: Any) -> Any:
+                call = start(a, kw)
+                async with call:
+                    if not call.replayed:
+                        call.store(await run_async(*a, **kw))
+                return call.value
+
+            return cast(Callable[P, R], call_async)
+
+        @functools.wraps(fn)
+        def call_sync(*a: P.args, **kw: P.kwargs) -> R:
+            call = start(a, kw)
+            with call:
+                if not call.replayed:
+                    call.store(fn(*a, **kw))
+            return cast(R, call.value)
+
+        return call_sync
+
+    def _names(self, signature: inspect.Signature) -> tuple[str, ...] | None:
+        """The argument names `args` selects, checked once against the signature."""
+        if self.args is None or callable(self.args):
+            return None
+        names = (self.args,) if isinstance(self.args, str) else tuple(self.args)
+        unknown = [n for n in names if n not in signature.parameters]
+        if unknown:
+            raise TypeError(f"args names {', '.join(map(repr, unknown))}, which the function does not take")
+        return names
+
+    def _arguments(
+        self, signature: inspect.Signature, names: tuple[str, ...] | None, a: tuple[Any, ...], kw: dict[str, Any]
+    ) -> object:
+        if callable(self.args):
+            return self.args(*a, **kw)
+        bound = signature.bind(*a, **kw)
+        # f(x) and f(x, y=<its default>) are one call and get one fingerprint.
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        return arguments if names is None else {n: arguments[n] for n in names}
+
+
+def _resolve(source: str | Callable[..., str], a: tuple[Any, ...], kw: dict[str, Any]) -> str:
+    return source if isinstance(source, str) else source(*a, **kw)

@@ -1,0 +1,619 @@
+"""Idempotent functions (`Ledger.idempotent`, `Ledger.idempotent_call`), one
+rule at a time, on every storage backend, with a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+import decimal
+import inspect
+import json
+import logging
+import threading
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from idemctl import (
+    CallInProgressError,
+    IdemctlError,
+    InvalidKeyError,
+    InvalidPrincipalError,
+    KeyReusedError,
+    Outcome,
+    Policy,
+    ResultNotSerializableError,
+    ResultNotStoredError,
+    ResultTooLargeError,
+    State,
+    Status,
+    UnserializableArgumentsError,
+)
+from idemctl.cli import app
+from idemctl.functions import call_fingerprint, canonical_json
+from tests.helpers import clean_env
+
+TTL = Policy().pending_ttl_ms
+
+
+def payment(pid: str = "pay_1", amount: int = 500, **extra: object) -> dict[str, object]:
+    return {"id": pid, "amount": amount, "currency": "EUR", **extra}
+
+
+@pytest.fixture
+def charges(ledger):
+    """A decorated `charge` that records each run, and the list of runs."""
+    runs: list[dict[str, object]] = []
+
+    @ledger.idempotent(key=lambda p: p["id"], principal="billing")
+    def charge(p):
+        runs.append(p)
+        return {"charge": len(runs), "amount": p["amount"]}
+
+    return charge, runs
+
+
+# -- replay, reuse, in progress -------------------------------------------------------------
+def test_first_call_runs_and_a_repeat_with_the_same_arguments_replays_without_running(ledger, charges):
+    charge, runs = charges
+    assert charge(payment()) == {"charge": 1, "amount": 500}
+    assert charge(payment()) == {"charge": 1, "amount": 500}
+    assert len(runs) == 1
+    row = ledger.lookup("billing", "pay_1")
+    assert (row.status, row.generation, row.response_status, row.response_body) == (
+        Status.COMPLETED,
+        1,
+        200,
+        '{"charge":1,"amount":500}',
+    )
+
+
+def test_the_first_caller_gets_the_value_as_stored_so_it_equals_every_replay(ledger):
+    @ledger.idempotent(key="one-tuple", principal="billing")
+    def pair():
+        return (1, "two")
+
+    assert pair() == [1, "two"]  # JSON has arrays, not tuples: the first caller sees what replays see
+    assert pair() == [1, "two"]
+
+
+def test_same_arguments_built_in_another_dict_order_replay(ledger, charges):
+    charge, runs = charges
+    first = charge({"id": "pay_1", "amount": 500, "meta": {"a": 1, "b": 2}})
+    again = charge({"meta": {"b": 2, "a": 1}, "amount": 500, "id": "pay_1"})
+    assert first == again == {"charge": 1, "amount": 500}
+    assert len(runs) == 1
+
+
+def test_same_key_with_other_arguments_raises_key_reused_and_neither_runs_nor_replays(ledger, charges):
+    charge, runs = charges
+    charge(payment(amount=500))
+    with pytest.raises(KeyReusedError) as caught:
+        charge(payment(amount=900))
+    assert isinstance(caught.value, IdemctlError)
+    assert (caught.value.principal, caught.value.key) == ("billing", "pay_1")
+    assert len(runs) == 1
+    assert ledger.lookup("billing", "pay_1").response_body == '{"charge":1,"amount":500}'
+
+
+def test_a_duplicate_while_the_first_runs_raises_in_progress_with_the_time_until_a_takeover(ledger, clock):
+    seen: list[CallInProgressError] = []
+
+    @ledger.idempotent(key="pay_1", principal="billing")
+    def charge(amount):
+        for elapsed in (0, 10_000):
+            clock.advance(elapsed)
+            with pytest.raises(CallInProgressError) as caught:
+                charge(amount)
+            seen.append(caught.value)
+        return {"amount": amount}
+
+    assert charge(500) == {"amount": 500}
+    assert [(e.generation, e.retry_after_ms, e.retry_after) for e in seen] == [
+        (1, TTL + 1, (TTL + 1) / 1000),
+        (1, TTL + 1 - 10_000, (TTL + 1 - 10_000) / 1000),
+    ]
+    assert isinstance(seen[0], IdemctlError)
+    assert charge(500) == {"amount": 500}  # replayed once the first one stored its value
+
+
+def test_with_the_wait_option_a_duplicate_waits_for_the_first_call_and_gets_its_value(make_ledger):
+    ledger = make_ledger(policy=Policy(in_progress_wait_ms=20_000))
+    started, release = threading.Event(), threading.Event()
+    runs: list[str] = []
+
+    @ledger.idempotent(key="pay_1", principal="billing")
+    def charge():
+        runs.append("ran")
+        started.set()
+        release.wait(30)
+        return "charged"
+
+    lookups = []
+    real_lookup = ledger.lookup
+
+    def counting_lookup(principal, key):
+        lookups.append(key)
+        return real_lookup(principal, key)
+
+    ledger.lookup = counting_lookup
+    results: list[tuple[str, str]] = []
+    first = threading.Thread(target=lambda: results.append(("first", charge())))
+    first.start()
+    assert started.wait(30)
+    duplicate = threading.Thread(target=lambda: results.append(("duplicate", charge())))
+    duplicate.start()
+    while len(lookups) < 2:  # its lookup, then at least one poll: it is waiting
+        time.sleep(0.01)
+    release.set()
+    first.join(30)
+    duplicate.join(30)
+    assert sorted(results) == [("duplicate", "charged"), ("first", "charged")]
+    assert runs == ["ran"]
+
+
+def test_with_the_wait_option_a_duplicate_still_raises_in_progress_once_the_wait_is_over(make_ledger):
+    ledger = make_ledger(policy=Policy(in_progress_wait_ms=50))
+    seen: list[CallInProgressError] = []
+
+    @ledger.idempotent(key="pay_1", principal="billing")
+    def charge():
+        if not seen:
+            with pytest.raises(CallInProgressError) as caught:
+                charge()  # a duplicate while this one runs: it waits, then gives up
+            seen.append(caught.value)
+        return "charged"
+
+    assert charge() == "charged"
+    assert [e.retry_after_ms for e in seen] == [TTL + 1]
+
+
+# -- failures ---------------------------------------------------------------------------------
+class Declined(Exception):
+    pass
+
+
+def test_an_exception_leaves_the_reservation_pending_and_a_repeat_after_the_ttl_takes_it_over(ledger, clock):
+    runs: list[int] = []
+
+    @ledger.idempotent(key="pay_1", principal="billing")
+    def charge(amount):
+        runs.append(amount)
+        if len(runs) == 1:
+            raise ConnectionError("provider timed out")
+        return {"amount": amount}
+
+    with pytest.raises(ConnectionError):
+        charge(500)
+    view = ledger.get("billing", "pay_1")
+    assert (view.row.status, view.row.generation, view.state) == (Status.PENDING, 1, State.PENDING_FRESH)
+    with pytest.raises(CallInProgressError):
+        charge(500)
+    assert runs == [500]
+    clock.advance(TTL + 1)
+    assert charge(500) == {"amount": 500}
+    assert runs == [500, 500]
+    row = ledger.lookup("billing", "pay_1")
+    assert (row.status, row.generation, row.response_body) == (Status.COMPLETED, 2, '{"amount":500}')
+    assert ledger.stats().taken_over == 1
+
+
+def test_release_on_error_deletes_the_reservation_so_a_repeat_runs_at_once(ledger):
+    runs: list[int] = []
+
+    @ledger.idempotent(key="pay_1", principal="billing", release_on_error=True)
+    def charge(amount):
+        runs.append(amount)
+        if len(runs) == 1:
+            raise Declined("card declined")
+        return {"amount": amount}
+
+    with pytest.raises(Declined):
+        charge(500)
+    assert ledger.lookup("billing", "pay_1") is None
+    assert charge(500) == {"amount": 500}
+    assert runs == [500, 500]
+    assert ledger.lookup("billing", "pay_1").generation == 1
+
+
+def test_release_on_error_predicate_releases_only_the_exceptions_it_accepts(ledger):
+    @ledger.idempotent(
+        key=lambda k, exc: k, principal="billing", args=["k"], release_on_error=lambda e: isinstance(e, Declined)
+    )
+    def charge(k, exc):
+        raise exc
+
+    with pytest.raises(Declined):
+        charge("declined", Declined("no"))
+    with pytest.raises(ConnectionError):
+        charge("timed-out", ConnectionError("maybe charged"))
+    assert ledger.lookup("billing", "declined") is None
+    assert ledger.lookup("billing", "timed-out").status is Status.PENDING
+
+
+def _fenced_json(target: str, monkeypatch, tmp_path) -> dict:
+    clean_env(monkeypatch, tmp_path)
+    result = CliRunner().invoke(app, ["fenced", "--json", "--db", target])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_a_late_completion_after_a_takeover_is_fenced_out_recorded_and_shown_by_idemctl_fenced(
+    ledger, ledger_target, clock, caplog, monkeypatch, tmp_path
+):
+    runs: list[str] = []
+
+    @ledger.idempotent(key=lambda who: "pay_1", principal="billing", args=[])
+    def charge(who):
+        runs.append(who)
+        if who == "slow worker":
+            # Stalls past the TTL; meanwhile a retry takes the call over and finishes.
+            clock.advance(TTL + 1)
+            assert charge("fast worker") == {"by": "fast worker"}
+        return {"by": who}
+
+    with caplog.at_level(logging.ERROR, logger="idemctl"):
+        late = charge("slow worker")
+    assert late == {"by": "slow worker"}  # the late caller keeps what it computed
+    assert runs == ["slow worker", "fast worker"]
+    assert charge("anyone") == {"by": "fast worker"}  # repeats get the stored value, the taker's
+    assert any("fenced out" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
+
+    (event,) = ledger.fenced(principal="billing", key="pay_1")
+    assert (event.superseded_generation, event.current_generation, event.computed_status) == (1, 2, 200)
+    doc = _fenced_json(ledger_target, monkeypatch, tmp_path)
+    assert [
+        (e["principal"], e["key"], e["superseded_generation"], e["current_generation"], e["computed_status"])
+        for e in doc["events"]
+    ] == [("billing", "pay_1", 1, 2, 200)]
+
+
+def test_the_context_manager_tells_a_late_caller_it_was_fenced_out(ledger, clock):
+    first = ledger.idempotent_call(principal="billing", key="pay_1", args={"amount": 500})
+    with first:
+        clock.advance(TTL + 1)
+        with ledger.idempotent_call(principal="billing", key="pay_1", args={"amount": 500}) as taker:
+            taker.store({"by": "taker"})
+        first.store({"by": "first"})
+    assert (first.outcome, first.fenced_out, first.value) == (Outcome.FENCED_OUT, True, {"by": "first"})
+    assert (first.event.superseded_generation, first.event.current_generation) == (1, 2)
+    assert (taker.outcome, taker.generation, taker.fenced_out) == (Outcome.TAKEN_OVER, 2, False)
+
+
+# -- values that cannot be stored -----------------------------------------------------------
+def test_a_value_over_the_body_cap_raises_too_large_and_repeats_raise_it_without_running(make_ledger):
+    ledger = make_ledger(policy=Policy(body_cap_bytes=64))
+    runs: list[int] = []
+
+    @ledger.idempotent(key="report-1", principal="reports")
+    def report(size):
+        runs.append(size)
+        return "x" * size
+
+    with pytest.raises(ResultTooLargeError) as first:
+        report(100)
+    assert (first.value.size, first.value.cap) == (102, 64)  # 100 characters and two quotes
+    with pytest.raises(ResultTooLargeError) as again:
+        report(100)
+    assert (again.value.size, again.value.cap) == (None, 64)
+    assert isinstance(again.value, ResultNotStoredError)
+    assert runs == [100]
+    row = ledger.lookup("reports", "report-1")
+    assert (row.status, row.response_status, row.response_body) == (Status.COMPLETED, 500, None)
+
+
+def test_a_value_at_the_body_cap_is_stored_whole(make_ledger):
+    ledger = make_ledger(policy=Policy(body_cap_bytes=64))
+
+    @ledger.idempotent(key="report-1", principal="reports")
+    def report():
+        return "x" * 62
+
+    assert report() == "x" * 62
+    assert report() == "x" * 62
+
+
+def test_a_value_the_serializer_cannot_write_completes_the_call_and_every_repeat_raises(ledger):
+    runs: list[int] = []
+
+    class Receipt:
+        pass
+
+    @ledger.idempotent(key="pay_1", principal="billing")
+    def charge():
+        runs.append(1)
+        return Receipt()
+
+    with pytest.raises(ResultNotSerializableError) as first:
+        charge()
+    with pytest.raises(ResultNotSerializableError) as again:
+        charge()
+    assert (first.value.type_name, again.value.type_name) == (Receipt.__qualname__, Receipt.__qualname__)
+    assert isinstance(first.value, TypeError) and isinstance(first.value, IdemctlError)
+    assert runs == [1]  # it ran once; a pending row would have run it again after the TTL
+    assert ledger.lookup("billing", "pay_1").response_status == 500
+
+
+class RawBytes:
+    """A serializer for functions that return bytes."""
+
+    def dumps(self, value: bytes) -> bytes:
+        return value
+
+    def loads(self, data: bytes) -> bytes:
+        return data
+
+
+def test_a_pluggable_serializer_stores_and_replays_binary_values_byte_for_byte(ledger):
+    @ledger.idempotent(key="pdf-1", principal="invoices", serializer=RawBytes())
+    def render():
+        return b"%PDF\x00\xff\xfe"
+
+    assert render() == b"%PDF\x00\xff\xfe"
+    assert render() == b"%PDF\x00\xff\xfe"
+    assert ledger.lookup("invoices", "pdf-1").body_bytes == b"%PDF\x00\xff\xfe"
+
+
+# -- arguments and the fingerprint ----------------------------------------------------------
+@pytest.mark.parametrize(
+    ("arguments", "path", "problem"),
+    [
+        ({"amount": decimal.Decimal("5.00")}, "args['p']['amount']", "a Decimal"),
+        ({1: "one"}, "args['p']", "a dict with the int key 1"),
+        ({"rate": float("nan")}, "args['p']['rate']", "nan"),
+        ({"tags": {"a", "b"}}, "args['p']['tags']", "a set"),
+        ({"lines": [1, 2, b"raw"]}, "args['p']['lines'][2]", "a bytes"),
+        ({"name": "\ud800"}, "args['p']['name']", "a str holding a lone surrogate"),
+    ],
+)
+def test_arguments_that_are_not_json_are_refused_before_anything_is_claimed(ledger, arguments, path, problem):
+    runs: list[object] = []
+
+    @ledger.idempotent(key="k1", principal="billing")
+    def charge(p):
+        runs.append(p)
+
+    with pytest.raises(UnserializableArgumentsError) as caught:
+        charge(arguments)
+    assert (caught.value.path, caught.value.problem) == (path, problem)
+    assert isinstance(caught.value, IdemctlError) and isinstance(caught.value, TypeError)
+    assert runs == []
+    assert ledger.stats().total == 0
+
+
+def test_a_container_that_holds_itself_is_refused():
+    loop: list[object] = []
+    loop.append(loop)
+    with pytest.raises(UnserializableArgumentsError) as caught:
+        canonical_json({"x": loop})
+    assert (caught.value.path, caught.value.problem) == ("args['x'][0]", "a container that holds itself")
+
+
+def test_args_names_or_a_mapping_choose_what_the_fingerprint_covers(ledger):
+    class Client:  # not JSON, and not part of what the call means
+        pass
+
+    runs: list[str] = []
+
+    @ledger.idempotent(key=lambda order_id, client: order_id, principal="billing", args=["order_id"])
+    def by_name(order_id, client):
+        runs.append(order_id)
+        return order_id
+
+    @ledger.idempotent(
+        key=lambda amount, client: "refund-1",
+        principal="billing",
+        args=lambda amount, client: {"amount": str(amount)},
+    )
+    def by_mapping(amount, client):
+        runs.append(str(amount))
+        return str(amount)
+
+    assert by_name("o1", Client()) == by_name("o1", Client()) == "o1"
+    assert by_mapping(decimal.Decimal("9.99"), Client()) == by_mapping(decimal.Decimal("9.99"), Client()) == "9.99"
+    with pytest.raises(KeyReusedError):
+        by_mapping(decimal.Decimal("10.00"), Client())
+    assert runs == ["o1", "9.99"]
+
+
+def test_args_naming_an_argument_the_function_does_not_take_is_refused_when_decorating(ledger):
+    with pytest.raises(TypeError, match="'amount', which the function does not take"):
+
+        @ledger.idempotent(key="k", principal="billing", args=["amount"])
+        def charge(total):
+            return total
+
+
+def test_an_argument_passed_as_its_default_is_the_same_call(ledger):
+    runs: list[str] = []
+
+    @ledger.idempotent(key="k1", principal="billing")
+    def charge(amount, currency="EUR"):
+        runs.append(currency)
+        return amount
+
+    assert charge(500) == charge(500, currency="EUR") == charge(amount=500) == 500
+    assert runs == ["EUR"]
+    with pytest.raises(KeyReusedError):
+        charge(500, "USD")
+
+
+def test_two_functions_sharing_a_principal_and_a_key_refuse_each_others_repeats(ledger):
+    @ledger.idempotent(key="order-1", principal="billing")
+    def charge(amount):
+        return "charged"
+
+    @ledger.idempotent(key="order-1", principal="billing")
+    def refund(amount):
+        return "refunded"
+
+    assert charge(500) == "charged"
+    with pytest.raises(KeyReusedError):
+        refund(500)
+
+
+def test_name_keeps_a_functions_fingerprint_across_a_rename(ledger):
+    @ledger.idempotent(key="order-1", principal="billing", name="charge")
+    def charge(amount):
+        return "charged by the old code"
+
+    @ledger.idempotent(key="order-1", principal="billing", name="charge")
+    def charge_card(amount):
+        return "charged by the new code"
+
+    assert charge(500) == "charged by the old code"
+    assert charge_card(500) == "charged by the old code"
+
+
+def test_the_fingerprint_is_the_sha256_of_the_canonical_json_of_the_arguments_and_the_name():
+    # Written out by hand: the fingerprint must not change across Python versions or idemctl releases.
+    value = {"amount": 12.5, "lines": [1, True, None], "note": "thé ☕", "big": 2**70}
+    assert canonical_json(value) == '{"amount":12.5,"big":1180591620717411303424,"lines":[1,true,null],"note":"thé ☕"}'.encode()
+    assert call_fingerprint(value, name="charge") == "bb049fa5432e1362e8fc09c49349f8bcaa37a6af08da70a641a59eb05e413ad6"
+
+
+def test_the_stored_fingerprint_is_the_call_fingerprint_of_the_bound_arguments(ledger):
+    @ledger.idempotent(key="k1", principal="billing")
+    def charge(amount, currency="EUR"):
+        return amount
+
+    charge(500)
+    expected = call_fingerprint({"amount": 500, "currency": "EUR"}, name=charge.__qualname__)
+    assert ledger.lookup("billing", "k1").fingerprint == expected
+
+
+# -- principals and keys ----------------------------------------------------------------------
+def test_a_principal_from_the_arguments_scopes_keys_so_two_principals_never_meet(ledger):
+    runs: list[str] = []
+
+    @ledger.idempotent(key=lambda account, ref: ref, principal=lambda account, ref: account)
+    def transfer(account, ref):
+        runs.append(account)
+        return account
+
+    assert transfer("acct_A", "t-1") == "acct_A"
+    assert transfer("acct_B", "t-1") == "acct_B"
+    assert transfer("acct_A", "t-1") == "acct_A"
+    assert runs == ["acct_A", "acct_B"]
+
+
+@pytest.mark.parametrize(("principal", "error"), [(None, TypeError), ("", InvalidPrincipalError)])
+def test_a_call_without_a_principal_is_refused_and_nothing_runs(ledger, principal, error):
+    runs: list[int] = []
+
+    @ledger.idempotent(key="k1", principal=lambda amount: principal)
+    def charge(amount):
+        runs.append(amount)
+
+    with pytest.raises(error):
+        charge(500)
+    assert runs == []
+    assert ledger.stats().total == 0
+
+
+def test_a_key_that_is_not_a_valid_idempotency_key_is_refused_and_nothing_runs(ledger):
+    runs: list[str] = []
+
+    @ledger.idempotent(key=lambda ref: ref, principal="billing")
+    def charge(ref):
+        runs.append(ref)
+
+    for bad in ("pay\n1", "", "é", 42):
+        with pytest.raises(InvalidKeyError):
+            charge(bad)
+    assert runs == []
+
+
+def test_methods_are_decorated_with_self_left_out_of_the_fingerprint(ledger):
+    class Biller:
+        def __init__(self) -> None:
+            self.runs = 0
+
+        @ledger.idempotent(key=lambda self, ref, amount: ref, principal="billing", args=["ref", "amount"])
+        def charge(self, ref, amount):
+            self.runs += 1
+            return amount
+
+    one, other = Biller(), Biller()
+    assert one.charge("pay_1", 500) == other.charge("pay_1", 500) == 500
+    assert (one.runs, other.runs) == (1, 0)
+
+
+# -- the context manager ----------------------------------------------------------------------
+def test_a_block_that_raises_after_store_still_completes_the_call(ledger):
+    call = ledger.idempotent_call(principal="billing", key="pay_1", args=None, release_on_error=True)
+    with pytest.raises(RuntimeError, match="after the charge"), call:
+        call.store({"charged": 500})
+        raise RuntimeError("logging failed after the charge")
+    row = ledger.lookup("billing", "pay_1")
+    assert (row.status, row.response_body) == (Status.COMPLETED, '{"charged":500}')
+
+
+def test_a_block_that_ends_without_store_completes_with_none(ledger):
+    with ledger.idempotent_call(principal="billing", key="pay_1", args=None) as call:
+        pass
+    assert (call.outcome, call.value) == (Outcome.EXECUTED, None)
+    with ledger.idempotent_call(principal="billing", key="pay_1", args=None) as again:
+        assert again.replayed
+    assert again.value is None
+
+
+def test_store_on_a_replayed_call_is_refused(ledger):
+    for _ in range(2):
+        with ledger.idempotent_call(principal="billing", key="pay_1", args=None) as call:
+            if call.replayed:
+                with pytest.raises(RuntimeError, match="a replayed call must not run again"):
+                    call.store("again")
+            else:
+                call.store("once")
+    assert call.value == "once"
+
+
+# -- async ------------------------------------------------------------------------------------
+def test_an_async_function_runs_once_and_repeats_replay(ledger):
+    runs: list[str] = []
+
+    @ledger.idempotent(key=lambda ref: ref, principal="billing")
+    async def send_receipt(ref):
+        await asyncio.sleep(0)
+        runs.append(ref)
+        return {"sent": ref}
+
+    async def twice():
+        return await send_receipt("r-1"), await send_receipt("r-1")
+
+    assert inspect.iscoroutinefunction(send_receipt)
+    assert asyncio.run(twice()) == ({"sent": "r-1"}, {"sent": "r-1"})
+    assert runs == ["r-1"]
+
+
+def test_an_async_duplicate_while_the_first_runs_raises_in_progress_and_then_replays(ledger):
+    async def main():
+        release = asyncio.Event()
+        runs: list[str] = []
+
+        @ledger.idempotent(key="r-1", principal="billing")
+        async def send():
+            runs.append("sent")
+            await release.wait()
+            return "sent"
+
+        first = asyncio.create_task(send())
+        while not runs:  # until the first call holds the reservation and runs
+            await asyncio.sleep(0.01)
+        with pytest.raises(CallInProgressError):
+            await send()
+        release.set()
+        return await first, await send(), runs
+
+    assert asyncio.run(main()) == ("sent", "sent", ["sent"])
+
+
+def test_an_async_function_that_raises_leaves_the_reservation_pending(ledger):
+    @ledger.idempotent(key="r-1", principal="billing")
+    async def send():
+        raise ConnectionError("smtp down")
+
+    with pytest.raises(ConnectionError):
+        asyncio.run(send())
+    assert ledger.lookup("billing", "r-1").status is Status.PENDING
