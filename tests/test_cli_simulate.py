@@ -328,7 +328,10 @@ def test_readme_first_command_runs_twice_in_a_row_with_the_installed_script(tmp_
     first = readme.split("```sh\n", 1)[1].split("\n```", 1)[0]
     assert first.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install . && ")
     chain = first.split("pip install . && ", 1)[1]
-    assert chain == "idemctl init && idemctl simulate takeover --db idempotency.db && idemctl inspect order-42 --principal acct_A"
+    assert chain == (
+        "idemctl --db demo.db init && idemctl --db demo.db simulate takeover && "
+        "idemctl --db demo.db inspect order-42 --principal acct_A"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("IDEMCTL_")}
     env["PATH"] = f"{IDEMCTL.parent}{os.pathsep}{env.get('PATH', '')}"
     for run in (1, 2):
@@ -336,13 +339,14 @@ def test_readme_first_command_runs_twice_in_a_row_with_the_installed_script(tmp_
         assert done.returncode == 0, (run, done.stdout, done.stderr)
         assert done.stderr == ""
         out = done.stdout
-        assert ("idempotency.db: created (schema version 2)" if run == 1 else "already up to date") in out
+        assert ("demo.db: created (schema version 2)" if run == 1 else "already up to date") in out
         assert "every step went as expected" in out
         assert "acct_A / order-42" in out and "2 (taken over once)" in out
         assert f"fenced-out events ({run}): a late owner's answer was not stored" in out
-    with Ledger.open(tmp_path / "idempotency.db", create=False) as ledger:
+    with Ledger.open(tmp_path / "demo.db", create=False) as ledger:
         row = ledger.lookup("acct_A", "order-42")
         assert (row.status, row.generation) == (Status.COMPLETED, 2)
+    assert not (tmp_path / "idempotency.db").exists()  # the Flask example's ledger stays untouched
 
 
 def test_a_complete_after_a_takeover_that_found_nothing_is_a_failed_step_not_a_crash(tmp_path):
@@ -358,10 +362,9 @@ def test_a_complete_after_a_takeover_that_found_nothing_is_a_failed_step_not_a_c
     )
 
 
-def test_the_readme_scenario_file_example_runs_as_documented(tmp_path):
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    cli_section = readme.split("\n## CLI\n", 1)[1].split("\n## ", 1)[0]
-    example = cli_section.split("```toml\n", 1)[1].split("```", 1)[0]
+def test_the_documented_scenario_file_example_runs_as_documented(tmp_path):
+    page = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    example = page.split("```toml\n", 1)[1].split("```", 1)[0]
     path = tmp_path / "incident.toml"
     path.write_text(example)
     doc = timeline("--file", str(path))

@@ -135,13 +135,12 @@ def test_cli_init_then_inspect_against_postgres(ledger_target: str) -> None:
     assert again.returncode == 0 and again.stdout.strip() == f"{where}: already up to date (schema version 2)"
 
 
-def test_readme_postgres_example_runs_against_the_test_server(ledger_target: str, tmp_path) -> None:
+def test_the_documented_postgres_example_runs_against_the_test_server(ledger_target: str, tmp_path) -> None:
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
-    section = readme.split("\n## PostgreSQL\n", 1)[1].split("\n## ", 1)[0]
-    [example] = re.findall(r"```python\n(.*?)```", section, re.S)
+    page = (Path(__file__).resolve().parent.parent / "docs" / "postgres.md").read_text(encoding="utf-8")
+    example = re.findall(r"```python\n(.*?)```", page, re.S)[0]
     shown = "postgresql://app:secret@db.internal:5432/payments?"
     assert shown in example
     code = example.replace(shown, ledger_target + "&")
