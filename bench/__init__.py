@@ -8,7 +8,7 @@ noisy.
 
     python -m bench            # the full suite, about 10 minutes on 2 cores
     python -m bench --quick    # every benchmark at tiny sizes: harness check only
-    python -m bench --report   # render README's Performance section from results/latest.json
+    python -m bench --report   # render docs/performance.md from results/latest.json
 
 One module per measurement: cycle (1), middleware (2), contention (3),
 growth (4), sweep (5, and the operator commands' memory of 6), memory (6, the

@@ -2,8 +2,8 @@
 
 Plain-text functions (no rich) so the CLI, the simulator and tests share one
 wording; `*_json` functions build every `--json` document of the CLI, so its
-stable field names are defined in this one place (README "JSON field
-reference" documents them)."""
+stable field names are defined in this one place (docs/cli.md documents
+them)."""
 
 from __future__ import annotations
 

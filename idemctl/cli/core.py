@@ -21,7 +21,7 @@ from ..ledger import Ledger
 from ..policy import Policy
 from .output import say_error, say_no
 
-# Exit codes: part of the interface, documented in `idemctl --help` and the README.
+# Exit codes: part of the interface, documented in `idemctl --help` and docs/cli.md.
 EXIT_OK = 0
 EXIT_NO = 1  # the answer is "no": not found, refused, declined, mismatch, check or expectation failed
 EXIT_USAGE = 2  # usage or database problem: bad option or key, no/unreadable/too-new ledger, locked, read-only
