@@ -1,5 +1,6 @@
 """The contract table of SPEC §1, run against every adapter from one table,
-so WSGI and ASGI can never drift apart: same statuses, headers and bytes."""
+so WSGI, ASGI, FastAPI, Django and the Flask view decorator can never drift
+apart: same statuses, headers and bytes."""
 
 from __future__ import annotations
 
@@ -10,19 +11,27 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import flask
 import pytest
+from django.http import HttpResponse
+from django.urls import path as django_path
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.testclient import TestClient
+from werkzeug.test import Client as WerkzeugClient
 
 from idemctl import Ledger, Policy
 from idemctl.asgi import IdempotencyMiddleware as AsgiMiddleware
+from idemctl.django import idempotency_key_optional
 from idemctl.fastapi import idempotent_route
+from idemctl.flask import idempotent
 from idemctl.wsgi import IdempotencyMiddleware as WsgiMiddleware
+from tests.django_site import Site
 
-# The FastAPI route class takes the same contract options except the
-# middleware-only ones (exempt, key_optional): a router opts in instead.
-ADAPTERS = ["wsgi", "asgi", "fastapi"]
-MIDDLEWARE = ["wsgi", "asgi"]
+# The FastAPI route class and the Flask view decorator take the same contract
+# options except the middleware-only ones (exempt, key_optional): a router
+# or a view opts in instead.
+ADAPTERS = ["wsgi", "asgi", "fastapi", "django", "flask-view"]
+MIDDLEWARE = ["wsgi", "asgi", "django"]
 ORDER = b'{"sku":"tea","qty":2}'
 
 
@@ -183,7 +192,66 @@ class FastApiClient:
         return Reply(got.status_code, list(got.headers.multi_items()), got.content)
 
 
-CLIENTS = {"wsgi": WsgiClient, "asgi": AsgiClient, "fastapi": FastApiClient}
+class DjangoClient:
+    """Django's test client through idemctl.django.IdempotencyMiddleware; the
+    options are the IDEMCTL settings of the same names."""
+
+    def __init__(self, ledger: Ledger, orders: Orders, **options: object) -> None:
+        def view(request):  # type: ignore[no-untyped-def]
+            status, headers, body = orders.answer(request.body)
+            response = HttpResponse(body, status=status)
+            for name, value in headers:
+                response[name] = value
+            return response
+
+        exempt = options.pop("exempt", None)
+        if options.pop("key_optional", None) is not None:
+            view = idempotency_key_optional(view)  # Django marks views, not requests
+        idemctl: dict[str, object] = {"LEDGER": ledger, "PRINCIPAL": lambda request: request.META.get("HTTP_X_USER")}
+        idemctl.update({name.upper(): value for name, value in options.items()})
+        if exempt is not None:
+            idemctl["EXEMPT_PATHS"] = [lambda request: exempt(request.META)]  # type: ignore[operator]
+        self.site = Site([django_path("orders", view), django_path("login", view)], idemctl)
+
+    def request(self, method: str, path: str, body: bytes, headers: dict[str, str], user: str | None) -> Reply:
+        sent = dict(headers)
+        if user is not None:
+            sent["X-User"] = user
+        got = self.site.request(method, path, body, sent)
+        return Reply(got.status_code, list(got.items()), got.content)
+
+
+class FlaskViewClient:
+    """One Flask view under idemctl.flask.idempotent."""
+
+    def __init__(self, ledger: Ledger, orders: Orders, **options: object) -> None:
+        app = flask.Flask(__name__)
+        app.testing = True
+
+        @app.route("/orders", methods=["GET", "POST"])
+        @idempotent(ledger, principal=lambda: flask.request.headers.get("X-User"), **options)  # type: ignore[arg-type]
+        def orders_view() -> flask.Response:
+            status, headers, body = orders.answer(flask.request.get_data())
+            return flask.Response(body, status=status, headers=headers)
+
+        # Werkzeug's own client: Flask's needs a Flask newer than the lowest the tests support.
+        self.client = WerkzeugClient(app)
+
+    def request(self, method: str, path: str, body: bytes, headers: dict[str, str], user: str | None) -> Reply:
+        sent = dict(headers)
+        if user is not None:
+            sent["X-User"] = user
+        got = self.client.open(path, method=method, data=body, headers=sent)
+        return Reply(got.status_code, list(got.headers.items()), got.get_data())
+
+
+CLIENTS = {
+    "wsgi": WsgiClient,
+    "asgi": AsgiClient,
+    "fastapi": FastApiClient,
+    "django": DjangoClient,
+    "flask-view": FlaskViewClient,
+}
 
 
 @pytest.fixture(params=ADAPTERS)
@@ -392,7 +460,7 @@ def test_every_adapter_stores_the_same_row_for_the_same_request(make_ledger):
         post(cls(ledger, Orders()), key=f"same-{cls.__name__}")
         row = ledger.lookup("acct_A", f"same-{cls.__name__}")
         rows.append((row.fingerprint, row.response_status, row.response_headers, row.body_bytes))
-    assert rows[0] == rows[1] == rows[2]
+    assert rows == [rows[0]] * len(CLIENTS)
 
 
 def _path_is(path: str):
