@@ -152,3 +152,30 @@ def test_a_forked_child_never_closes_the_parents_connection(tmp_path):
     assert ledger.handle("acct", "after", "POST", "/o", {}, b"x", ok).outcome is Outcome.EXECUTED
     assert ledger.stats().completed == 3
     ledger.close()
+
+
+def test_processes_creating_one_ledger_at_once_all_succeed_and_leave_no_staging_files(tmp_path):
+    """Every process finds either no file or a whole WAL ledger: the file is
+    prepared under a private name and linked into place."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "raced.db"
+    go = tmp_path / "go"
+    code = (
+        "import os, sys, time\n"
+        "from idemctl import Ledger\n"
+        "while not os.path.exists(sys.argv[2]): time.sleep(0.001)\n"
+        "ledger = Ledger.open(sys.argv[1]); print(ledger.init().action.value); ledger.close()\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(path), str(go)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(8)
+    ]
+    go.touch()
+    results = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 8, results
+    actions = sorted(out.strip() for out, _ in results)
+    assert actions.count("created") == 1 and actions.count("already up to date") == 7
+    assert sorted(os.listdir(tmp_path)) == ["go", "raced.db"]
+    assert mode_of(path) == 0o600

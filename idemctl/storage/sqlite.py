@@ -422,19 +422,35 @@ class SqliteEngine:
 
     # -- schema -------------------------------------------------------------------
     def _create_file(self) -> None:
-        """Create the ledger file with its permission bits exactly as asked
-        (the umask does not widen or narrow them); SQLite then gives its
+        """Create the ledger file, already in WAL mode, under its final name
+        in one step: it is prepared under a private name and hard-linked into
+        place, which fails if another process got there first. So no process
+        ever opens a half-made file, and no two first connections race to
+        switch it to WAL (that race can deadlock two inits). Its permission
+        bits are exactly `file_mode`, whatever the umask; SQLite gives the
         -wal and -shm files the same bits."""
+        directory = os.path.dirname(os.path.abspath(self.path))
+        staging = os.path.join(directory, f".{os.path.basename(self.path)}.{os.getpid()}.{threading.get_ident()}.new")
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), self.file_mode)
-        except FileExistsError:
-            return  # another process created it first: theirs to set up
+            fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), self.file_mode)
         except OSError as exc:
             raise StorageError(f"cannot create a ledger at {self.path}: {exc.strerror}") from exc
         try:
             os.fchmod(fd, self.file_mode)
-        finally:
             os.close(fd)
+            conn = sqlite3.connect(staging, isolation_level=None)
+            try:
+                conn.execute("PRAGMA journal_mode=WAL").fetchall()
+            finally:
+                conn.close()
+            with contextlib.suppress(FileExistsError):  # another process got there first: theirs is the ledger
+                os.link(staging, self.path)
+        except (OSError, sqlite3.Error) as exc:
+            raise StorageError(f"cannot create a ledger at {self.path}: {exc}") from exc
+        finally:
+            for leftover in (staging, staging + "-wal", staging + "-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(leftover)
 
     def migrate(self, body: Callable[[SchemaTx], T], *, write: bool) -> T:
         if write and not self.readonly and not self.exists():
