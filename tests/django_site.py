@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import django
-from django.conf import settings
+from django import conf  # not `settings`: doctest collection would touch the unconfigured lazy object
 
 SETTINGS: dict[str, Any] = {
     "DEBUG": False,
@@ -56,8 +56,8 @@ def setup() -> None:
     global _ready
     if _ready:
         return
-    if not settings.configured:
-        settings.configure(**SETTINGS)
+    if not conf.settings.configured:
+        conf.settings.configure(**SETTINGS)
     django.setup()
     from django.core.management import call_command
 
@@ -96,8 +96,8 @@ class Site:
         self.client = Client(**client_options)
 
     def install(self) -> None:
-        settings.ROOT_URLCONF = self.urls
-        settings.IDEMCTL = self.idemctl
+        conf.settings.ROOT_URLCONF = self.urls
+        conf.settings.IDEMCTL = self.idemctl
 
     def request(
         self, method: str, path: str, body: bytes = b"", headers: Mapping[str, str] | None = None, **environ: Any
