@@ -99,6 +99,8 @@ class Ledger:
             self.clock = clock if clock is not None else wall_clock_ms
         self._listeners: tuple[Callable[[Event], object], ...] = ()
         self._listeners_lock = threading.Lock()
+        # Until when this process's post-response sweep has nothing to do.
+        self._sweep_rests_until = 0
 
     # -- events -------------------------------------------------------------------------
     def subscribe(self, listener: Callable[[Event], object]) -> Callable[[], None]:
@@ -498,17 +500,20 @@ class Ledger:
         >>> ledger.after_response(answer).deleted
         0
         """
-        if answer.started_at is None or answer.outcome not in (
-            Outcome.EXECUTED,
-            Outcome.TAKEN_OVER,
-            Outcome.FENCED_OUT,
-        ):
+        now = answer.started_at
+        if now is None or answer.outcome not in (Outcome.EXECUTED, Outcome.TAKEN_OVER, Outcome.FENCED_OUT):
             return None
+        if now < self._sweep_rests_until:
+            # The last probe showed nothing can expire before then: no statement at all.
+            return SweepResult(0, 0, now - self.policy.retention_ms, now - self.policy.fenced_retention_ms, 0)
         try:
-            return self.sweep(now=answer.started_at)
+            result = self.sweep(now=now)
         except IdemctlError as exc:
             log.warning("post-response sweep failed: %s", exc)
             return None
+        if result.quiet_for_ms:
+            self._sweep_rests_until = now + result.quiet_for_ms
+        return result
 
     # -- single steps, one statement each ----------------------------------------------
     def claim(self, principal: str, key: str, fingerprint: str, *, now: int | None = None) -> Reservation | None:
@@ -674,7 +679,7 @@ class Ledger:
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise PolicyError(f"sweep batch must be >= 1, got {batch}")
         cutoff = now - self._retention(retention_ms)
-        return self.store.sweep(cutoff, now - self._fenced_retention(fenced_retention_ms), batch)
+        return self.store.sweep(now, cutoff, now - self._fenced_retention(fenced_retention_ms), batch)
 
     def drain(
         self,

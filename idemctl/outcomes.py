@@ -264,6 +264,9 @@ class SweepResult:
     fenced_deleted: int
     cutoff: int  # rows with updated_at < cutoff were eligible
     fenced_cutoff: int | None = None  # fenced-out events with fenced_at < this were eligible
+    # Set when nothing was past retention: for this long nothing can be,
+    # since rows and events only get newer. The per-request sweep rests.
+    quiet_for_ms: int | None = None
 
     @property
     def deleted(self) -> int:

@@ -11,6 +11,10 @@ import pytest
 from idemctl import Ledger, Policy
 from tests.helpers import FakeClock, postgres_test_schema
 
+# The suite runs with --doctest-modules (for the library's examples); these
+# are support modules, not tests, and some start servers' apps on import.
+collect_ignore = ["helpers.py", "django_site.py", "e2e"]
+
 BACKENDS = ["sqlite", "postgres"]
 
 # The PostgreSQL half runs against this server; CI fails when it is missing,

@@ -119,7 +119,7 @@ def test_after_response_logs_and_swallows_storage_errors(ledger, clock, caplog, 
     answer = ledger.handle("acct", "k", "POST", "/", {}, b"", lambda b: (200, {}, b""))
     from idemctl import DatabaseLockedError
 
-    def locked(cutoff, fenced_cutoff, limit):
+    def locked(*args):
         raise DatabaseLockedError("database x is locked")
 
     monkeypatch.setattr(ledger.store, "sweep", locked)
@@ -151,4 +151,38 @@ def test_sweep_statements_walk_the_updated_at_index(tmp_path):
     plan = " | ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + SQL_SWEEP_FENCED, {"cutoff": 0, "limit": 20}))
     assert "idx_idemctl_fenced_out_fenced_at (fenced_at<?)" in plan
     conn.close()
+    ledger.close()
+
+
+def test_the_post_response_sweep_rests_while_nothing_can_expire_then_drains(make_ledger, clock):
+    ledger = make_ledger(policy=Policy(pending_ttl_ms=1_000, retention_ms=10_000))
+
+    def request(key: str):
+        return ledger.handle("acct", key, "POST", "/", {}, b"", lambda b: (201, {}, b""))
+
+    first = ledger.after_response(request("k1"))
+    # The oldest row was just written: nothing can expire for a whole retention.
+    assert (first.deleted, first.quiet_for_ms) == (0, 10_000)
+    clock.advance(9_000)
+    resting = ledger.after_response(request("k2"))
+    assert (resting.deleted, resting.quiet_for_ms) == (0, 0)  # no statement ran
+    clock.advance(1_001)
+    swept = ledger.after_response(request("k3"))
+    assert (swept.keys_deleted, swept.quiet_for_ms) == (1, None)
+    assert ledger.lookup("acct", "k1") is None and ledger.lookup("acct", "k2") is not None
+    again = ledger.after_response(request("k4"))
+    # k2 was written 1 001 ms after k1's expiry began: it expires 8 999 ms from now.
+    assert (again.deleted, again.quiet_for_ms) == (0, 8_999)
+
+
+def test_a_resting_post_response_sweep_runs_no_statement_at_all(tmp_path, clock):
+    ledger = Ledger.open(tmp_path / "l.db", clock=clock)
+    ledger.init()
+    answer = ledger.handle("acct", "k", "POST", "/", {}, b"", lambda b: (201, {}, b""))
+    ledger.after_response(answer)
+    statements: list[str] = []
+    ledger.store.engine.admin().conn.set_trace_callback(statements.append)
+    ledger.after_response(ledger.handle("acct", "k2", "POST", "/", {}, b"", lambda b: (201, {}, b"")))
+    # The request's own claim and completion; nothing from the sweep.
+    assert [s.split()[0] for s in statements] == ["INSERT", "UPDATE"]
     ledger.close()

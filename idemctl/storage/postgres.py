@@ -356,13 +356,8 @@ class PostgresEngine:
         with self._connection() as conn:
             return conn.execute(sql, params).fetchall()
 
-    def write_counts(self, probe: tuple[str, Params], statements: Sequence[tuple[str, Params]]) -> list[int] | None:
-        # The probe keeps the steady state (nothing expired) to one indexed
-        # read; the DELETEs still decide alone.
+    def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[int]:
         with self._connection() as conn:
-            row = conn.execute(*probe).fetchone()
-            if not row or not row[0]:
-                return None
             return [conn.execute(sql, params).rowcount for sql, params in statements]
 
     def stream(self, sql: str, params: Params) -> Iterator[tuple[Any, ...]]:

@@ -379,15 +379,11 @@ class SqliteEngine:
         except sqlite3.Error as exc:
             raise self._translate(exc) from exc
 
-    def write_counts(self, probe: tuple[str, Params], statements: Sequence[tuple[str, Params]]) -> list[int] | None:
-        # Every request runs a sweep: the probe keeps the steady state (nothing
-        # expired) free of write locks, and the statements share one turn of
-        # the writer queue. Not check-then-act: each DELETE still decides alone.
+    def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[int]:
+        # The sweep's DELETEs share one turn of the writer queue: each extra
+        # turn is one more hand-over between processes.
         try:
             slot = self._slot()
-            row = slot.conn.execute(*probe).fetchone()
-            if not row or not row[0]:
-                return None
             fd, shortened = self._enter_queue(slot)
             try:
                 return [slot.conn.execute(sql, params).rowcount for sql, params in statements]

@@ -103,12 +103,12 @@ DELETE FROM idemctl_fenced_out WHERE id IN (
 )
 """
 
-# Read-only probes through the same indexes: when nothing is past retention
-# (the steady state), the per-request sweep takes no write lock at all.
-ANY_EXPIRED = "SELECT EXISTS (SELECT 1 FROM idempotency_keys WHERE updated_at < :cutoff)"
-ANY_EXPIRED_WITH_FENCED = (
-    "SELECT EXISTS (SELECT 1 FROM idempotency_keys WHERE updated_at < :cutoff)"
-    " OR EXISTS (SELECT 1 FROM idemctl_fenced_out WHERE fenced_at < :fenced_cutoff)"
+# Read-only probes through the same indexes (a min() is one index step):
+# when nothing is past retention, the per-request sweep takes no write lock,
+# and the oldest timestamps say how long nothing will be.
+OLDEST = "SELECT (SELECT min(updated_at) FROM idempotency_keys)"
+OLDEST_WITH_FENCED = (
+    "SELECT (SELECT min(updated_at) FROM idempotency_keys), (SELECT min(fenced_at) FROM idemctl_fenced_out)"
 )
 
 COUNT_EXPIRED = "SELECT count(*) FROM idempotency_keys WHERE updated_at < :cutoff"
@@ -401,23 +401,34 @@ class Store:
         return FencedEvent(*rows[0]) if rows else None
 
     # -- sweep ------------------------------------------------------------------------------
-    def sweep(self, cutoff: int, fenced_cutoff: int, limit: int) -> SweepResult:
+    def sweep(self, now: int, cutoff: int, fenced_cutoff: int, limit: int) -> SweepResult:
         """At most `limit` expired rows and `limit` expired fenced-out events,
-        in one turn of the engine's writer queue; nothing at all (not even a
-        write lock) when the probe finds nothing past retention."""
+        in one turn of the engine's writer queue. First one indexed read of
+        the oldest timestamps: when nothing is past retention it deletes
+        nothing, takes no write lock, and says in `quiet_for_ms` how long
+        nothing can be (rows only get newer). Not check-then-act: each
+        DELETE still decides on its own."""
         self._guard()
         fenced_log = self.has_fenced_log()
-        if fenced_log:
-            probe = (self.sql(ANY_EXPIRED_WITH_FENCED), {"cutoff": cutoff, "fenced_cutoff": fenced_cutoff})
-        else:
-            probe = (self.sql(ANY_EXPIRED), {"cutoff": cutoff})
-        statements = [(self.sql(self.dialect.sweep_keys), {"cutoff": cutoff, "limit": limit})]
-        if fenced_log:
+        oldest = self._read(OLDEST_WITH_FENCED if fenced_log else OLDEST)[0]
+        oldest_row = oldest[0]
+        oldest_event = oldest[1] if fenced_log else None
+        # With no row (or event), the first one to expire is one written from now on.
+        row_headroom = (now if oldest_row is None else int(oldest_row)) - cutoff
+        event_headroom = (now if oldest_event is None else int(oldest_event)) - fenced_cutoff
+        if not fenced_log:
+            event_headroom = row_headroom
+        if row_headroom > 0 and event_headroom > 0:
+            return SweepResult(0, 0, cutoff, fenced_cutoff, min(row_headroom, event_headroom))
+        statements = []
+        if row_headroom <= 0:
+            statements.append((self.sql(self.dialect.sweep_keys), {"cutoff": cutoff, "limit": limit}))
+        if fenced_log and event_headroom <= 0:
             statements.append((self.sql(SWEEP_FENCED), {"cutoff": fenced_cutoff, "limit": limit}))
-        counts = self.engine.write_counts(probe, statements)
-        if counts is None:
-            return SweepResult(0, 0, cutoff, fenced_cutoff)
-        return SweepResult(counts[0], counts[1] if fenced_log else 0, cutoff, fenced_cutoff)
+        counts = self.engine.write_turn(statements)
+        keys = counts.pop(0) if row_headroom <= 0 else 0
+        fenced = counts.pop(0) if fenced_log and event_headroom <= 0 else 0
+        return SweepResult(keys, fenced, cutoff, fenced_cutoff)
 
     def count_expired(self, cutoff: int) -> int:
         return int(self._read(COUNT_EXPIRED, {"cutoff": cutoff})[0][0])
