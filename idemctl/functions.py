@@ -463,7 +463,9 @@ class IdempotentDecorator:
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
         signature = inspect.signature(fn)
         names = self._names(signature)
-        name = self.name if self.name is not None else fn.__qualname__
+        name = self.name if self.name is not None else getattr(fn, "__qualname__", None)
+        if name is None:
+            raise TypeError(f"{fn!r} has no __qualname__: give the call a name with name=...")
 
         def start(a: tuple[Any, ...], kw: dict[str, Any]) -> IdempotentCall:
             return IdempotentCall(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import decimal
+import functools
 import inspect
 import json
 import logging
@@ -480,6 +481,16 @@ def test_the_stored_fingerprint_is_the_call_fingerprint_of_the_bound_arguments(l
     charge(500)
     expected = call_fingerprint({"amount": 500, "currency": "EUR"}, name=charge.__qualname__)
     assert ledger.lookup("billing", "k1").fingerprint == expected
+
+
+def test_a_callable_without_a_qualname_needs_a_name(ledger):
+    def add(a, b):
+        return a + b
+
+    with pytest.raises(TypeError, match="name="):
+        ledger.idempotent(key="sum-1", principal="calc")(functools.partial(add, 1))
+    add_one = ledger.idempotent(key="sum-1", principal="calc", name="add_one")(functools.partial(add, 1))
+    assert add_one(2) == add_one(b=2) == 3
 
 
 # -- principals and keys ----------------------------------------------------------------------
