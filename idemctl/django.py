@@ -364,6 +364,18 @@ def _is_asgi(request: Any) -> bool:
     return isinstance(getattr(request, "scope", None), dict)
 
 
+def _request_target(request: Any) -> str:
+    """What the fingerprint covers: the target the WSGI middleware (or, under
+    ASGI, the ASGI middleware) would see for this request."""
+    if not _is_asgi(request):
+        return request_target(request.META)
+    scope = dict(request.scope)
+    query = scope.get("query_string")
+    if isinstance(query, str):  # Django's AsyncClient puts a str where servers put bytes
+        scope["query_string"] = query.encode("latin-1")
+    return asgi.request_target(scope)
+
+
 def _read_body(request: Any, limit: int) -> bytes:
     """The request body, refused (400, 411, 413) as the WSGI middleware refuses it."""
     meta = request.META
@@ -414,7 +426,7 @@ def _begin(config: Config, request: Any, who: object) -> Answer | Ticket:
         body = _read_body(request, config.max_body_bytes)
     except _Refused as refused:
         return Answer(*refused.answer, Outcome.BODY_REFUSED)
-    target = asgi.request_target(request.scope) if _is_asgi(request) else request_target(request.META)
+    target = _request_target(request)
     headers = environ_headers(request.META, config.policy.fingerprint_headers)
     key = request.META.get("HTTP_IDEMPOTENCY_KEY")
     method = str(request.method).upper()

@@ -21,16 +21,16 @@ from werkzeug.test import Client as WerkzeugClient
 
 from idemctl import Ledger, Policy
 from idemctl.asgi import IdempotencyMiddleware as AsgiMiddleware
-from idemctl.django import idempotency_key_optional
+from idemctl.django import IdempotencyMixin, idempotency_key_optional
 from idemctl.fastapi import idempotent_route
 from idemctl.flask import idempotent
 from idemctl.wsgi import IdempotencyMiddleware as WsgiMiddleware
-from tests.django_site import Site
+from tests.django_site import Site, setup
 
-# The FastAPI route class and the Flask view decorator take the same contract
-# options except the middleware-only ones (exempt, key_optional): a router
-# or a view opts in instead.
-ADAPTERS = ["wsgi", "asgi", "fastapi", "django", "flask-view"]
+# The FastAPI route class, DRF's view mixin and the Flask view decorator take
+# the same contract options except the middleware-only ones (exempt,
+# key_optional): a router or a view opts in instead.
+ADAPTERS = ["wsgi", "asgi", "fastapi", "django", "drf", "flask-view"]
 MIDDLEWARE = ["wsgi", "asgi", "django"]
 ORDER = b'{"sku":"tea","qty":2}'
 
@@ -221,6 +221,29 @@ class DjangoClient:
         return Reply(got.status_code, list(got.items()), got.content)
 
 
+class DrfClient(DjangoClient):
+    """A DRF APIView with idemctl.django.IdempotencyMixin, configured by the
+    same IDEMCTL settings as the middleware (which leaves the view to it)."""
+
+    def __init__(self, ledger: Ledger, orders: Orders, **options: object) -> None:
+        setup()  # DRF reads Django's settings as it is imported
+        from rest_framework.permissions import AllowAny
+        from rest_framework.views import APIView
+
+        def answer(view: object, request) -> HttpResponse:  # type: ignore[no-untyped-def]
+            status, headers, body = orders.answer(request.body)
+            response = HttpResponse(body, status=status)
+            for name, value in headers:
+                response[name] = value
+            return response
+
+        attributes = {"authentication_classes": (), "permission_classes": (AllowAny,), "get": answer, "post": answer}
+        view = type("OrdersView", (IdempotencyMixin, APIView), attributes).as_view()
+        idemctl: dict[str, object] = {"LEDGER": ledger, "PRINCIPAL": lambda request: request.META.get("HTTP_X_USER")}
+        idemctl.update({name.upper(): value for name, value in options.items()})
+        self.site = Site([django_path("orders", view)], idemctl)
+
+
 class FlaskViewClient:
     """One Flask view under idemctl.flask.idempotent."""
 
@@ -250,6 +273,7 @@ CLIENTS = {
     "asgi": AsgiClient,
     "fastapi": FastApiClient,
     "django": DjangoClient,
+    "drf": DrfClient,
     "flask-view": FlaskViewClient,
 }
 
