@@ -15,6 +15,16 @@ it to an account id, which is the ledger's principal):
     DELETE /orders/<id>               cancel -> 204
     POST   /orders/<id>/attachments   any bytes -> 201, the stored bytes echoed back
 
+A browser signs in once instead and sends its session cookie:
+
+    POST   /session                   with `X-Api-Key`: 204 and a session cookie
+    POST   /session/orders            {"sku": "...", "qty": 1} -> 201 + Location
+
+The session lives inside Flask, where the middleware (which sees only the
+WSGI environ) cannot read it, so the middleware leaves /session alone and
+the one view that creates orders from a session is protected by
+`idemctl.flask.idempotent` instead.
+
 Settings, all from the environment:
 
     IDEMCTL_DB, IDEMCTL_PENDING_TTL, ...  the ledger and its policy (idemctl.config)
@@ -22,6 +32,7 @@ Settings, all from the environment:
     ORDERS_DB               the orders database (default orders.db)
     ORDERS_API_KEYS         "key=account,key=account" (default: two demo keys)
     ORDERS_MAX_BODY_BYTES   request body limit (default 1 MiB)
+    ORDERS_SECRET_KEY       signs the session cookie (default: a demo key)
 """
 
 from __future__ import annotations
@@ -30,9 +41,10 @@ import os
 import time
 
 import sqlite_utils
-from flask import Flask, Response, abort, jsonify, request
+from flask import Flask, Response, abort, jsonify, request, session
 
 from idemctl.config import Settings
+from idemctl.flask import idempotent
 from idemctl.wsgi import DEFAULT_MAX_BODY_BYTES, IdempotencyMiddleware
 
 DEMO_API_KEYS = "demo-key-A=acct_A,demo-key-B=acct_B"
@@ -45,6 +57,8 @@ def _api_keys(spec: str) -> dict[str, str]:
 
 API_KEYS = _api_keys(os.environ.get("ORDERS_API_KEYS", DEMO_API_KEYS))
 ORDERS_DB = os.environ.get("ORDERS_DB", "orders.db")
+MAX_BODY_BYTES = int(os.environ.get("ORDERS_MAX_BODY_BYTES", str(DEFAULT_MAX_BODY_BYTES)))
+REPLAYED_HEADER = os.environ.get("IDEMCTL_REPLAYED_HEADER", "") == "1"
 
 
 def account_for(environ: dict) -> str | None:
@@ -96,7 +110,12 @@ def _order_json(row: dict) -> dict:
     return {k: row[k] for k in ("id", "account", "sku", "qty", "status")}
 
 
+_create_tables()
+ledger = Settings.from_env().open_ledger()  # IDEMCTL_DB, IDEMCTL_PENDING_TTL, ...
+ledger.init()
+
 app = Flask(__name__)
+app.secret_key = os.environ.get("ORDERS_SECRET_KEY", "demo-only-secret")
 
 
 @app.get("/healthz")
@@ -106,7 +125,27 @@ def healthz() -> Response:
 
 @app.post("/orders")
 def create_order() -> Response:
-    account = _account()
+    return _new_order(_account())
+
+
+@app.post("/session")
+def sign_in() -> Response:
+    session["account"] = _account()
+    return Response(status=204)
+
+
+@app.post("/session/orders")
+@idempotent(
+    ledger,
+    principal=lambda: session.get("account"),
+    max_body_bytes=MAX_BODY_BYTES,
+    replayed_header=REPLAYED_HEADER,
+)
+def create_order_in_session() -> Response:
+    return _new_order(session["account"])
+
+
+def _new_order(account: str) -> Response:
     payload = request.get_json(silent=True)
     if not isinstance(payload, dict) or not isinstance(payload.get("sku"), str) or not payload["sku"]:
         return jsonify(error="invalid_order", message='Send {"sku": "...", "qty": 1}.'), 422
@@ -184,13 +223,11 @@ def add_attachment(order_id: int) -> Response:
     return response
 
 
-_create_tables()
-ledger = Settings.from_env().open_ledger()  # IDEMCTL_DB, IDEMCTL_PENDING_TTL, ...
-ledger.init()
 app.wsgi_app = IdempotencyMiddleware(  # type: ignore[method-assign]
     app.wsgi_app,
     ledger,
     principal=account_for,
-    max_body_bytes=int(os.environ.get("ORDERS_MAX_BODY_BYTES", str(DEFAULT_MAX_BODY_BYTES))),
-    replayed_header=os.environ.get("IDEMCTL_REPLAYED_HEADER", "") == "1",
+    exempt=lambda environ: str(environ.get("PATH_INFO", "")).startswith("/session"),  # see the docstring
+    max_body_bytes=MAX_BODY_BYTES,
+    replayed_header=REPLAYED_HEADER,
 )

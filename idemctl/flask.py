@@ -31,6 +31,7 @@ import logging
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
+from wsgiref.types import WSGIEnvironment
 
 from flask import Response, current_app, request
 from werkzeug.datastructures import Headers
@@ -79,6 +80,14 @@ def _read_body(limit: int) -> bytes:
     return body
 
 
+class _AnswerResponse(Response):
+    """Sent with exactly the headers it holds, as the WSGI middleware sends
+    them: Werkzeug would rename `location` to `Location` on the way out."""
+
+    def get_wsgi_headers(self, environ: WSGIEnvironment) -> Headers:
+        return Headers(self.headers)
+
+
 def _captured(response: Response) -> tuple[int, list[tuple[str, str]], bytes]:
     """The view's response as status, headers and its whole body (a streamed
     one is consumed and closed), as a WSGI server would have received it."""
@@ -113,7 +122,7 @@ def idempotent(
         raise ValueError(f"unavailable_retry_after_ms must be an integer >= 1, got {retry_ms!r}")
 
     def send(answer: Answer, *, sweep: bool = True) -> Response:
-        response = current_app.response_class(answer.body)
+        response = _AnswerResponse(answer.body)
         response.status = status_line(answer.status)
         response.headers = Headers(wire_headers(answer, replayed_header=replayed_header))
         if sweep and answer.started_at is not None:
