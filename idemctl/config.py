@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .durations import parse_duration
+from .durations import human_duration, parse_duration
 from .errors import ConfigError
 from .ledger import Ledger
 from .policy import Policy
@@ -40,19 +40,20 @@ def env_duration(environ: Mapping[str, str], name: str) -> int | None:
 
     >>> env_duration({"IDEMCTL_PENDING_TTL": "45s"}, "IDEMCTL_PENDING_TTL")
     45000
-    >>> env_duration({"IDEMCTL_PENDING_TTL": "10000"}, "IDEMCTL_PENDING_TTL")
-    Traceback (most recent call last):
-    ...
-    idemctl.errors.ConfigError: IDEMCTL_PENDING_TTL=10000 needs a unit: 10000ms, or 10s (ms, s, m, h or d)
+    >>> try:
+    ...     env_duration({"IDEMCTL_PENDING_TTL": "10000"}, "IDEMCTL_PENDING_TTL")
+    ... except ConfigError as exc:
+    ...     print(exc)
+    IDEMCTL_PENDING_TTL=10000 needs a unit (ms, s, m, h or d): 10000ms is 10 s, 10000s is 2 h 46 min
     """
     raw = environ.get(name, "").strip()
     if not raw:
         return None
     if raw.replace(".", "", 1).isdigit():
-        ms_reading = f"{raw}ms"
-        seconds = float(raw) / 1000
-        as_seconds = f"{seconds:g}s"
-        raise ConfigError(name, raw, f"{name}={raw} needs a unit: {ms_reading}, or {as_seconds} (ms, s, m, h or d)")
+        # Both readings, spelled out: 10000 meant as ms is not 10000 s (2.8 h).
+        as_ms, as_s = human_duration(round(float(raw))), human_duration(round(float(raw) * 1000))
+        message = f"{name}={raw} needs a unit (ms, s, m, h or d): {raw}ms is {as_ms}, {raw}s is {as_s}"
+        raise ConfigError(name, raw, message)
     try:
         return parse_duration(raw)
     except ValueError as exc:
