@@ -476,9 +476,11 @@ def fingerprint_json(
     headers: Mapping[str, str | None],
     body_bytes: int,
     prediction: Prediction | None,
+    body_form: str = "raw",
 ) -> dict[str, Any]:
     """`fingerprint --json`: the fingerprint and the values it was computed
-    from; with a `prediction` (`--key`), the stored row and the verdict.
+    from (`body_form`: which form of the body counted); with a `prediction`
+    (`--key`), the stored row and the verdict.
 
     >>> doc = fingerprint_json("fc4d", "post", "/orders", {"content-type": None}, 0, None)
     >>> doc["method"], doc["row"], doc["matches"], doc["verdict"]
@@ -492,6 +494,7 @@ def fingerprint_json(
         "path_and_query": path_and_query,
         "headers": dict(headers),
         "body_bytes": body_bytes,
+        "body_form": body_form,
         "row": None if view is None else view_json(view),
         "matches": matches,
         "verdict": None if prediction is None else prediction.verdict.value,
@@ -543,3 +546,44 @@ def timeline_json(timeline: Timeline) -> dict[str, Any]:
         "ok": timeline.ok,
         "events": [timeline_event_json(e, timeline.start) for e in timeline.events],
     }
+
+
+def stats_prometheus(database: str, stats: Stats, policy: Policy) -> str:
+    """`stats --format prometheus`: the ledger's state as Prometheus gauges, for
+    node_exporter's textfile collector (write to a temporary file, then rename).
+
+    >>> from idemctl import Ledger
+    >>> ledger = Ledger.open(":memory:", clock=lambda: 60_000); _ = ledger.init()
+    >>> _ = ledger.claim("acct", "k", "fp", now=0)
+    >>> print(stats_prometheus(":memory:", ledger.stats(), ledger.policy).splitlines()[2])
+    idemctl_ledger_rows{ledger=":memory:",state="pending_fresh"} 0
+    """
+    label = 'ledger="' + database.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    oldest_pending = None if stats.oldest_pending_at is None else max(0, stats.now - stats.oldest_pending_at) / 1000
+    one, taken, fenced = f"{{{label}}}", stats.taken_over, stats.fenced_out_events
+    gauges: list[tuple[str, str, list[tuple[str, float | None]]]] = [
+        (
+            "idemctl_ledger_rows",
+            "Rows in the ledger by state, as idemctl stats counts them.",
+            [
+                (f'{{{label},state="pending_fresh"}}', stats.pending_fresh),
+                (f'{{{label},state="pending_stale"}}', stats.pending_stale),
+                (f'{{{label},state="completed"}}', stats.completed),
+                (f'{{{label},state="expired"}}', stats.expired),
+            ],
+        ),
+        ("idemctl_ledger_taken_over_rows", "Rows whose reservation was taken over at least once.", [(one, taken)]),
+        ("idemctl_ledger_fenced_out_events", "Fenced-out events: a mutation may have run twice.", [(one, fenced)]),
+        ("idemctl_ledger_oldest_pending_age_seconds", "Age of the oldest pending row.", [(one, oldest_pending)]),
+        ("idemctl_ledger_storage_bytes", "Size of the ledger on disk.", [(one, stats.storage_bytes)]),
+        ("idemctl_ledger_pending_ttl_seconds", "The TTL the counts use.", [(one, policy.pending_ttl_ms / 1000)]),
+        ("idemctl_ledger_retention_seconds", "The retention the counts use.", [(one, policy.retention_ms / 1000)]),
+    ]
+    lines: list[str] = []
+    for name, help_text, samples in gauges:
+        present = [(labels, value) for labels, value in samples if value is not None]
+        if not present:
+            continue
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+        lines += [f"{name}{labels} {value:g}" for labels, value in present]
+    return "\n".join(lines) + "\n"

@@ -460,7 +460,7 @@ def test_fingerprint_reads_headers_and_the_body_from_a_file_or_stdin(tmp_path):
     assert doc == {
         "fingerprint": FP, "method": "POST", "path_and_query": "/orders",
         "headers": {"content-type": "application/json", "x-api-version": None},
-        "body_bytes": 14, "row": None, "matches": None, "verdict": None,
+        "body_bytes": 14, "body_form": "raw", "row": None, "matches": None, "verdict": None,
     }
 
 

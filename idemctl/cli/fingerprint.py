@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ..fingerprint import check_key, header_values
+from ..fingerprint import check_key, fingerprint_body, header_values
 from ..fingerprint import fingerprint as compute_fingerprint
 from ..outcomes import Prediction, Verdict
 from ..render import fingerprint_json, verdict_words, visible
@@ -87,11 +87,28 @@ def fingerprint_cmd(
     principal: Annotated[
         str | None, typer.Option("--principal", "-p", metavar="PRINCIPAL", help="Principal of --key.")
     ] = None,
+    json_body: Annotated[
+        bool,
+        typer.Option(
+            "--json-body",
+            help="Fingerprint a JSON body in canonical form, as an app with Policy(fingerprint_body='json') does.",
+        ),
+    ] = False,
+    ignore_field: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--ignore-field",
+            metavar="FIELD",
+            help="With --json-body: a field that does not count (dotted path, e.g. meta.sent_at); repeat for several.",
+        ),
+    ] = None,
     json_out: JsonOpt = False,
     db: DbOpt = None,
     ttl: TtlOpt = None,
 ) -> None:
     """Print a request's fingerprint; with --key, whether it would replay or get 409 reused."""
+    if ignore_field and not json_body:
+        raise UserError("--ignore-field needs --json-body")
     if (key is None) != (principal is None):
         raise UserError("--key and --principal go together")
     if key is not None:
@@ -99,16 +116,23 @@ def fingerprint_cmd(
     raw = _read_body(body, body_file)
     pairs = _parse_headers(header or [])
     policy = command_policy(settings(ctx, ttl=ttl))
-    fp = compute_fingerprint(method, path, pairs, raw, policy.fingerprint_headers)
+    mode = "json" if json_body else "raw"
+    counted, body_form = fingerprint_body(raw, pairs, mode, tuple(ignore_field or ()))
+    fp = compute_fingerprint(method, path, pairs, counted, policy.fingerprint_headers)
     prediction: Prediction | None = None
     if key is not None and principal is not None:
         with open_ledger(ctx, db, ttl=ttl) as ledger:
             prediction = ledger.predict(principal, key, fp)
     if json_out:
         headers = header_values(pairs, policy.fingerprint_headers)
-        emit_json(fingerprint_json(fp, method, path, headers, len(raw), prediction))
+        emit_json(fingerprint_json(fp, method, path, headers, len(raw), prediction, body_form))
     else:
         typer.echo(fp)
+        if json_body:
+            ignored = f", without {', '.join(ignore_field or ())}" if ignore_field else ""
+            canonical = "the canonical JSON form (key order and whitespace do not count)"
+            form = canonical if body_form == "json" else body_form
+            typer.echo(f"body: {form}{ignored}")
         if prediction is not None:
             typer.echo(verdict_words(prediction))
             if prediction.verdict is Verdict.REUSED and prediction.view is not None:

@@ -7,10 +7,17 @@ from typing import Annotated
 
 import typer
 
-from ..durations import human_duration
+from ..durations import human_duration, parse_duration
 from ..errors import MalformedRowError
 from ..fingerprint import check_key
-from ..render import fenced_json, inspect_json, inspect_not_found_json, pending_json, stats_report_json
+from ..render import (
+    fenced_json,
+    inspect_json,
+    inspect_not_found_json,
+    pending_json,
+    stats_prometheus,
+    stats_report_json,
+)
 from .core import (
     EXIT_NO,
     EXIT_USAGE,
@@ -21,6 +28,7 @@ from .core import (
     PrincipalOpt,
     RetentionOpt,
     TtlOpt,
+    UserError,
     app,
     duration_param,
     in_range,
@@ -29,7 +37,16 @@ from .core import (
     open_ledger,
 )
 from .output import Capped, chunks, console, emit_json, emit_json_listing, say_error, say_no
-from .views import PENDING_COLUMNS, PENDING_TABLE_CHUNK, Records, pending_cells, print_events, print_row, stats_grid
+from .views import (
+    PENDING_COLUMNS,
+    PENDING_TABLE_CHUNK,
+    Records,
+    pending_cells,
+    print_events,
+    print_row,
+    stats_grid,
+    watch_stats,
+)
 
 DEFAULT_LIST_LIMIT = 50
 
@@ -209,15 +226,55 @@ def stats(
             help="Exit 1 if more than N fenced-out events are recorded.",
         ),
     ] = None,
+    output_format: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            metavar="FORMAT",
+            help="text (default), json (as --json) or prometheus (gauges for node_exporter's textfile collector).",
+        ),
+    ] = "text",
+    watch: Annotated[
+        bool,
+        typer.Option("--watch", help="Refresh until Ctrl-C: a live view on a terminal, one line per refresh piped."),
+    ] = False,
+    interval: Annotated[
+        int | None,
+        typer.Option(
+            "--interval",
+            metavar="DURATION",
+            parser=parse_duration,
+            help="Time between --watch refreshes (default 2s).",
+            show_default=False,
+        ),
+    ] = None,
+    count: Annotated[
+        int | None,
+        typer.Option("--count", metavar="N", callback=in_range(1), help="With --watch: stop after N refreshes."),
+    ] = None,
     db: DbOpt = None,
     ttl: TtlOpt = None,
     retention: RetentionOpt = None,
 ) -> None:
     """Rows by state, takeovers, fenced-out events, sweep backlog, oldest rows, size."""
+    if output_format not in ("text", "json", "prometheus"):
+        raise UserError(f"--format must be text, json or prometheus, got {output_format!r}")
+    if json_out:
+        output_format = "json"
+    if watch:
+        if output_format != "text":
+            raise UserError("--watch shows the text view; for json or prometheus, run stats on a schedule instead")
+        with open_ledger(ctx, db, ttl=ttl, retention=retention) as ledger:
+            watch_stats(ledger, interval_ms=max(2000 if interval is None else interval, 100), count=count)
+        return
     with open_ledger(ctx, db, ttl=ttl, retention=retention) as ledger:
         st = ledger.stats()
         policy = ledger.policy
         where = ledger.describe()
+    if output_format == "prometheus":
+        typer.echo(stats_prometheus(where, st, policy), nl=False)
+        return
+    json_out = output_format == "json"
     breaches = [
         f"{value} {what} (max {most})"
         for value, most, what in (

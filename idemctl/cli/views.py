@@ -5,26 +5,30 @@ is escaped (`render.visible`) and never read as rich markup."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import typer
 from rich import box
 from rich.cells import cell_len
 from rich.console import Console
 from rich.highlighter import JSONHighlighter
+from rich.live import Live
 from rich.measure import Measurement
 from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
 from ..durations import ago, human_duration, iso
+from ..ledger import Ledger
 from ..outcomes import FencedEvent, RowView, State, Stats, Status
 from ..policy import Policy
 from ..render import body_kind, state_words, takeovers_words, visible
 from ..responses import header_problem, stored_header_pairs
 from ..scenario import Op
 from ..simulate import Event, Timeline
-from .output import PIPE_WIDTH
+from .output import PIPE_WIDTH, console
 
 # A long listing is printed as a run of tables of this many rows (the header
 # on the first only): a rich Table holds all its rows until it is printed.
@@ -274,6 +278,58 @@ def stats_grid(where: str, st: Stats, policy: Policy) -> Table:
     grid.add_row("size", "-" if st.storage_bytes is None else f"{st.storage_bytes:,} bytes")
     ttl, retention = human_duration(policy.pending_ttl_ms), human_duration(policy.retention_ms)
     grid.add_row("policy", f"TTL {ttl}, retention {retention}")
+    return grid
+
+
+def watch_stats(ledger: Ledger, *, interval_ms: int, count: int | None) -> None:
+    """`stats --watch`: the counts refreshed every interval until Ctrl-C (or
+    `count` refreshes). On a terminal a live view that also shows what
+    changed since the watch began (new fenced-out events stand out); piped,
+    one line per refresh."""
+    out = console()
+    first = ledger.stats()
+    where = ledger.describe()
+    shown_count = 0
+    try:
+        if out.is_terminal:
+            with Live(_watch_view(where, first, first, ledger.policy), console=out, auto_refresh=False) as live:
+                while count is None or shown_count < count:
+                    st = ledger.stats() if shown_count else first
+                    live.update(_watch_view(where, st, first, ledger.policy), refresh=True)
+                    shown_count += 1
+                    if count is not None and shown_count >= count:
+                        break
+                    time.sleep(interval_ms / 1000)
+        else:
+            while count is None or shown_count < count:
+                st = ledger.stats() if shown_count else first
+                typer.echo(_watch_line(st))
+                shown_count += 1
+                if count is not None and shown_count >= count:
+                    break
+                time.sleep(interval_ms / 1000)
+    except KeyboardInterrupt:
+        return  # the operator is done watching: not an error
+
+
+def _watch_line(st: Stats) -> str:
+    return (
+        f"{iso(st.now)} rows={st.total} pending_fresh={st.pending_fresh} pending_stale={st.pending_stale} "
+        f"completed={st.completed} past_retention={st.expired} taken_over={st.taken_over} "
+        f"fenced_out={st.fenced_out_events}"
+    )
+
+
+def _watch_view(where: str, st: Stats, first: Stats, policy: Policy) -> Table:
+    grid = stats_grid(where, st, policy)
+    new_fenced = st.fenced_out_events - first.fenced_out_events
+    since = f"since {iso(first.now)}: "
+    if new_fenced > 0:
+        alert = since + f"{new_fenced} new fenced-out event(s): see idemctl fenced --since 1h"
+        grid.add_row(Text("watching", style="bold red"), Text(alert, style="bold red"))
+    else:
+        grid.add_row("watching", since + f"no new fenced-out events; backlog {st.expired - first.expired:+d}")
+    grid.add_row("refreshed", f"{iso(st.now)} (Ctrl-C to stop)")
     return grid
 
 
