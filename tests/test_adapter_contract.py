@@ -494,3 +494,55 @@ def _path_is(path: str):
         return request.get("PATH_INFO") == path
 
     return predicate
+
+
+# -- the opt-in contract options and events, through every adapter -------------------------------
+
+
+def test_with_the_wait_option_a_stampede_gets_one_run_and_identical_answers(client_for):
+    gate = threading.Event()
+    orders = Orders(gate=gate)
+    client, _ = client_for(orders, policy=Policy(in_progress_wait_ms=10_000))
+    replies: list[Reply] = []
+    barrier = threading.Barrier(12)
+
+    def one() -> None:
+        barrier.wait(10)
+        replies.append(post(client))
+
+    threads = [threading.Thread(target=one) for _ in range(12)]
+    for t in threads:
+        t.start()
+    threading.Timer(0.3, gate.set).start()
+    for t in threads:
+        t.join(20)
+    assert len(orders.runs) == 1
+    assert {(r.status, tuple(r.lowered), r.body) for r in replies} == {
+        (201, (("content-type", "application/json"), ("location", "/orders/1"), ("content-length", "8")), b'{"id":1}')
+    }
+    assert len(replies) == 12
+
+
+def test_a_policy_that_keeps_no_5xx_lets_the_retry_run_again(client_for):
+    orders = Orders(status=503)
+    client, ledger = client_for(orders, policy=Policy(keep_answer=lambda status, headers: status < 500))
+    first = post(client)
+    assert (first.status, first.body) == (503, b'{"id":1}')
+    assert ledger.lookup("acct_A", "k-1") is None
+    orders.status = 201
+    second = post(client)
+    assert (second.status, second.body, len(orders.runs)) == (201, b'{"id":2}', 2)
+    assert post(client).body == b'{"id":2}'
+
+
+def test_events_through_an_adapter_match_the_answers(client_for):
+    from idemctl import Outcome
+
+    client, ledger = client_for(Orders())
+    seen: list[Outcome] = []
+    ledger.subscribe(lambda event: seen.append(event.outcome))
+    post(client)
+    post(client)
+    post(client, body=b'{"sku":"coffee"}')
+    post(client, key=None)
+    assert seen == [Outcome.EXECUTED, Outcome.REPLAYED, Outcome.REUSED, Outcome.KEY_REQUIRED]
