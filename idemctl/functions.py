@@ -45,7 +45,7 @@ from .errors import (
     UnserializableArgumentsError,
 )
 from .fingerprint import check_key
-from .outcomes import Completion, FencedEvent, Outcome, Reservation, Status, StoredRow
+from .outcomes import Answer, Completion, FencedEvent, Outcome, Reservation, Status, StoredRow
 
 if TYPE_CHECKING:
     from .ledger import Ledger
@@ -376,10 +376,10 @@ class IdempotentCall:
 
     def _finish(self, reservation: Reservation, status: int, body: bytes) -> Completion:
         done = self.ledger.complete(reservation, status, None, body)
-        try:  # the request path's bounded sweep batch, at the call's own `now`
-            self.ledger.sweep(now=self._started_at)
-        except IdemctlError as exc:
-            log.warning("sweep after an idempotent call failed: %s", exc)
+        # The request path's housekeeping: one bounded sweep batch at the
+        # call's own `now` (none while nothing can expire); it never raises.
+        outcome = self.outcome if done.stored and self.outcome is not None else Outcome.FENCED_OUT
+        self.ledger.after_response(Answer(status, (), b"", outcome, reservation.generation, self._started_at))
         return done
 
     def _release(self, reservation: Reservation) -> None:

@@ -169,6 +169,15 @@ def test_with_the_wait_option_a_duplicate_still_raises_in_progress_once_the_wait
     assert [e.retry_after_ms for e in seen] == [TTL + 1]
 
 
+def test_a_call_that_runs_sweeps_rows_past_retention_as_a_request_does(ledger, clock, charges):
+    charge, _ = charges
+    charge(payment("pay_old"))
+    clock.advance(ledger.policy.retention_ms + 1)
+    charge(payment("pay_new"))
+    assert ledger.lookup("billing", "pay_old") is None
+    assert ledger.lookup("billing", "pay_new").status is Status.COMPLETED
+
+
 # -- failures ---------------------------------------------------------------------------------
 class Declined(Exception):
     pass
