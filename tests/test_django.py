@@ -567,10 +567,10 @@ def test_under_asgi_the_answers_and_the_fingerprint_are_the_wsgi_ones(ledger):
     site = Site([path("orders", orders.view)], {"LEDGER": ledger, "PRINCIPAL": header_principal})
     by_wsgi = site.post("/orders?x=1", ORDER, key="w-1", X_User="acct_A")
     site.install()
-    headers = {"Idempotency-Key": "a-1", "X-User": "acct_A"}
+    headers = {"idempotency-key": "a-1", "x-user": "acct_A"}  # ASGI header names, as the client passes them on
 
     async def post() -> Any:
-        return await AsyncClient().post("/orders?x=1", data=ORDER, content_type="application/json", headers=headers)
+        return await AsyncClient().post("/orders?x=1", data=ORDER, content_type="application/json", **headers)
 
     first, again = asyncio.run(post()), asyncio.run(post())
     # The second order of the same view: only its Location and id differ.
