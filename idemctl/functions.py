@@ -45,7 +45,7 @@ from .errors import (
     UnserializableArgumentsError,
 )
 from .fingerprint import check_key
-from .outcomes import Answer, Completion, FencedEvent, Outcome, Reservation, Status, StoredRow
+from .outcomes import Answer, Completion, Event, FencedEvent, Outcome, Reservation, Status, StoredRow
 
 if TYPE_CHECKING:
     from .ledger import Ledger
@@ -228,6 +228,10 @@ class IdempotentCall:
         self.value: Any = None
         self._reservation: Reservation | None = None
         self._started_at: int | None = None
+        # For the events: a call shows as method CALL and its function's name.
+        self._name = name or ""
+        self._ledger_s = 0.0
+        self._owned_at = 0.0
         self._result: tuple[Any] | None = None
         self._entered = False
         self._ended = False
@@ -278,6 +282,39 @@ class IdempotentCall:
         if self._entered:
             raise RuntimeError("an IdempotentCall is entered once; make a new one for each call")
         self._entered = True
+        started = time.perf_counter()
+        try:
+            self._decide()
+        except KeyReusedError:
+            self._publish(Outcome.REUSED, None, started, None)
+            raise
+        except CallInProgressError as exc:
+            self._publish(Outcome.IN_PROGRESS, exc.generation, started, None)
+            raise
+        self._ledger_s = time.perf_counter() - started
+        self._owned_at = time.perf_counter()
+        if self.outcome is Outcome.REPLAYED:
+            self._publish(Outcome.REPLAYED, self.generation, started, None)
+
+    def _publish(self, outcome: Outcome, generation: int | None, started: float, app_s: float | None) -> None:
+        ledger_ms = (self._ledger_s + time.perf_counter() - started) * 1000
+        at = self._started_at if self._started_at is not None else self.ledger.now()
+        self.ledger.publish(
+            Event(
+                outcome,
+                self.principal,
+                self.key,
+                generation,
+                "CALL",
+                self._name,
+                None,
+                ledger_ms,
+                None if app_s is None else app_s * 1000,
+                at,
+            )
+        )
+
+    def _decide(self) -> None:
         ledger, principal, key, fp = self.ledger, self.principal, self.key, self.fingerprint
         policy = ledger.policy
         vanished = 0
@@ -347,9 +384,12 @@ class IdempotentCall:
             return
         self._ended = True
         if self._result is None and exc is not None:
+            app_s = time.perf_counter() - self._owned_at
+            started = time.perf_counter()
             policy = self.release_on_error
             if policy(exc) if callable(policy) else policy:
                 self._release(reservation)
+            self._publish(Outcome.FAILED, reservation.generation, started, app_s)
             return
         self._complete(reservation, None if self._result is None else self._result[0])
 
@@ -375,7 +415,11 @@ class IdempotentCall:
         self.value = self._load(data)
 
     def _finish(self, reservation: Reservation, status: int, body: bytes) -> Completion:
+        app_s = time.perf_counter() - self._owned_at
+        started = time.perf_counter()
         done = self.ledger.complete(reservation, status, None, body)
+        decided = (self.outcome or Outcome.EXECUTED) if done.stored else Outcome.FENCED_OUT
+        self._publish(decided, reservation.generation, started, app_s)
         # The request path's housekeeping: one bounded sweep batch at the
         # call's own `now` (none while nothing can expire); it never raises.
         outcome = self.outcome if done.stored and self.outcome is not None else Outcome.FENCED_OUT

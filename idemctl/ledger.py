@@ -126,6 +126,12 @@ class Ledger:
 
         return unsubscribe
 
+    def publish(self, event: Event) -> None:
+        """Deliver an event to the listeners and the `idemctl.events` log: for
+        integrations that decide outside `begin`/`finish` (idempotent
+        functions use it). Never raises because of a listener."""
+        self._emit(event)
+
     def _emit(self, event: Event) -> None:
         if event.outcome not in _QUIET and events_log.isEnabledFor(logging.INFO):
             level = logging.ERROR if event.outcome in _LOUD else logging.INFO

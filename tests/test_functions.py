@@ -637,3 +637,35 @@ def test_an_async_function_that_raises_leaves_the_reservation_pending(ledger):
     with pytest.raises(ConnectionError):
         asyncio.run(send())
     assert ledger.lookup("billing", "r-1").status is Status.PENDING
+
+
+def test_function_calls_emit_events_like_requests(ledger):
+    from idemctl import CallInProgressError, KeyReusedError, Outcome
+
+    seen = []
+    ledger.subscribe(seen.append)
+
+    @ledger.idempotent(key=lambda order: order["id"], principal="billing", name="capture")
+    def capture(order):
+        return {"captured": order["amount"]}
+
+    capture({"id": "o-1", "amount": 5})
+    capture({"id": "o-1", "amount": 5})
+    with pytest.raises(KeyReusedError):
+        capture({"id": "o-1", "amount": 6})
+    held = ledger.idempotent_call(principal="billing", key="o-2", args={"n": 1}, name="capture")
+    held.__enter__()
+    with pytest.raises(CallInProgressError):
+        with ledger.idempotent_call(principal="billing", key="o-2", args={"n": 1}, name="capture"):
+            pass
+    with pytest.raises(RuntimeError):
+        with ledger.idempotent_call(principal="billing", key="o-3", args={}, name="capture"):
+            raise RuntimeError("failed")
+    assert [(e.outcome, e.method, e.path, e.key) for e in seen] == [
+        (Outcome.EXECUTED, "CALL", "capture", "o-1"),
+        (Outcome.REPLAYED, "CALL", "capture", "o-1"),
+        (Outcome.REUSED, "CALL", "capture", "o-1"),
+        (Outcome.IN_PROGRESS, "CALL", "capture", "o-2"),
+        (Outcome.FAILED, "CALL", "capture", "o-3"),
+    ]
+    assert seen[0].app_ms is not None and seen[1].app_ms is None
