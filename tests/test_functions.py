@@ -655,12 +655,12 @@ def test_function_calls_emit_events_like_requests(ledger):
         capture({"id": "o-1", "amount": 6})
     held = ledger.idempotent_call(principal="billing", key="o-2", args={"n": 1}, name="capture")
     held.__enter__()
-    with pytest.raises(CallInProgressError):
-        with ledger.idempotent_call(principal="billing", key="o-2", args={"n": 1}, name="capture"):
-            pass
-    with pytest.raises(RuntimeError):
-        with ledger.idempotent_call(principal="billing", key="o-3", args={}, name="capture"):
-            raise RuntimeError("failed")
+    with pytest.raises(CallInProgressError), ledger.idempotent_call(
+        principal="billing", key="o-2", args={"n": 1}, name="capture"
+    ):
+        pass
+    with pytest.raises(RuntimeError), ledger.idempotent_call(principal="billing", key="o-3", args={}, name="capture"):
+        raise RuntimeError("failed")
     assert [(e.outcome, e.method, e.path, e.key) for e in seen] == [
         (Outcome.EXECUTED, "CALL", "capture", "o-1"),
         (Outcome.REPLAYED, "CALL", "capture", "o-1"),
