@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import re
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -228,3 +229,26 @@ def test_the_examples_session_view_refuses_a_browser_that_has_not_signed_in(exam
     reply = post(Client(example.app), "/session/orders", key="s-2")
     assert (reply.status_code, reply.get_data()) == (401, UNAUTHENTICATED)
     assert _orders(tmp_path, "tea") == 0
+
+
+def test_the_wsgi_pages_decorator_example_serves_signed_in_users_once_per_key(tmp_path, monkeypatch):
+    page = (Path(__file__).resolve().parent.parent / "docs" / "wsgi.md").read_text(encoding="utf-8")
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "idemctl.flask" in b]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {"__name__": "wsgi_page_example"}
+    exec(compile(block, "docs/wsgi.md", "exec"), namespace)
+    app, ledger = namespace["app"], namespace["ledger"]
+    app.secret_key = "tests"
+    LoginManager(app).user_loader(User)
+    app.add_url_rule("/login", "login", lambda: (login_user(User("alice")), "")[1], methods=["POST"])
+    try:
+        anonymous = post(Client(app), key="doc-1")
+        browser = Client(app)
+        browser.post("/login")
+        first, again = post(browser, key="doc-1"), post(browser, key="doc-1")
+        assert (anonymous.status_code, anonymous.get_data()) == (401, UNAUTHENTICATED)
+        assert (first.status_code, first.headers["Location"], first.get_json()) == (201, "/orders/42", {"id": 42})
+        assert again.get_data() == first.get_data()
+        assert ledger.lookup("alice", "doc-1").response_status == 201
+    finally:
+        ledger.close()
