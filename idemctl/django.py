@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 from django import conf as django_conf
 from django.core.exceptions import ImproperlyConfigured, RequestDataTooBig
 from django.core.signals import got_request_exception
-from django.http import HttpResponse, UnreadablePostError
+from django.http import HttpResponse, RawPostDataException, UnreadablePostError
 from django.utils.module_loading import import_string
 
 from . import asgi, responses
@@ -396,6 +396,11 @@ def _read_body(request: Any, limit: int) -> bytes:
     except UnreadablePostError as exc:
         log.info("client disconnected mid-body: %s", exc)
         raise _Refused(responses.body_incomplete()) from None
+    except RawPostDataException:
+        raise ImproperlyConfigured(
+            "the request body was parsed as a stream (request.POST of a multipart body) before idemctl could "
+            "read it for the fingerprint: list IdempotencyMiddleware before the middleware that reads it"
+        ) from None
     if not isinstance(body, bytes):
         raise TypeError(f"request.body must be bytes, got {type(body).__name__}")
     if len(body) > limit:
