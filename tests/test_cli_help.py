@@ -18,7 +18,7 @@ from idemctl.cli import app
 
 IDEMCTL = Path(sys.executable).with_name("idemctl")
 COMMANDS = ["init", "inspect", "pending", "fenced", "stats", "sweep", "purge", "fingerprint", "simulate"]
-FLAGS = {"--json", "--dry-run", "--yes", "--force", "--stale", "--help", "--version"}
+FLAGS = {"--json", "--dry-run", "--yes", "--force", "--stale", "--help", "--version", "--watch", "--json-body"}
 
 
 def help_page(*args: str) -> str:

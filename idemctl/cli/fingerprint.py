@@ -91,6 +91,7 @@ def fingerprint_cmd(
         bool,
         typer.Option(
             "--json-body",
+            metavar="",
             help="Fingerprint a JSON body in canonical form, as an app with Policy(fingerprint_body='json') does.",
         ),
     ] = False,

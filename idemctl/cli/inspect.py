@@ -236,7 +236,9 @@ def stats(
     ] = "text",
     watch: Annotated[
         bool,
-        typer.Option("--watch", help="Refresh until Ctrl-C: a live view on a terminal, one line per refresh piped."),
+        typer.Option(
+            "--watch", metavar="", help="Refresh until Ctrl-C: a live view on a terminal, one line per refresh piped."
+        ),
     ] = False,
     interval: Annotated[
         int | None,
