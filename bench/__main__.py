@@ -18,7 +18,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from . import contention, cycle, growth, memory, middleware, postgres, report, sweep
+from . import asgi, contention, cycle, growth, memory, middleware, postgres, report, sweep
 from .common import Context, filesystem_of, machine_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "sweep": sweep.run,
     "memory": memory.run,
     "postgres": postgres.run,
+    "asgi": asgi.run,
 }
 
 

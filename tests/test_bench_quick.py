@@ -29,10 +29,10 @@ def test_quick_benchmark_run_exits_0_and_renders_every_table(tmp_path):
     results = json.loads(out.read_text())
     assert results["quick"] is True
     benchmarks = results["benchmarks"]
-    assert list(benchmarks) == ["cycle", "middleware", "contention", "growth", "sweep", "memory", "postgres"]
+    assert list(benchmarks) == ["cycle", "middleware", "contention", "growth", "sweep", "memory", "postgres", "asgi"]
     assert [name for name, res in benchmarks.items() if "error" in res] == []
     # Everything built in this repository must be measured, never skipped.
-    for name in ("cycle", "middleware", "contention", "growth", "sweep", "memory"):
+    for name in ("cycle", "middleware", "contention", "growth", "sweep", "memory", "asgi"):
         assert "missing" not in benchmarks[name], benchmarks[name]
     assert len(benchmarks["contention"]["configs"]) == 12
     assert all(c["error_count"] == 0 for c in benchmarks["contention"]["configs"])
@@ -48,6 +48,8 @@ def test_quick_benchmark_run_exits_0_and_renders_every_table(tmp_path):
         "| (4) growth: rows already present |",
         "| (5) sweep:",
         "| (6) memory |",
+        "| (8) ASGI middleware, in-process |",
+        "| (8) event-loop lag:",
     ):
         assert heading in table, heading
     assert "quick mode: not figures" in table
