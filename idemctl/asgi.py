@@ -372,8 +372,9 @@ class IdempotencyMiddleware:
             await send({"type": "http.response.body", "body": answer.body, "more_body": False})
         except OSError as exc:  # the client left: its answer is stored for the retry
             log.info("client left before its answer (status %d) was sent: %s", answer.status, exc)
-        if sweep and answer.started_at is not None:
-            # After the answer, off the loop, never awaited by the request.
+        if sweep and self.ledger.sweep_due(answer):
+            # After the answer, off the loop, never awaited by the request;
+            # replays, 409s and a resting sweep cost no hand-off at all.
             loop = asyncio.get_running_loop()
             self._keep(loop.run_in_executor(self.executor, self.ledger.after_response, answer))
 

@@ -496,6 +496,24 @@ class Ledger:
             raise
         return self.finish(decision, status, out_headers, out_body)
 
+    def sweep_due(self, answer: Answer) -> bool:
+        """Whether `after_response(answer)` would run a statement: only for
+        answers that ran the mutation, and not while the last probe showed
+        nothing can expire yet. No I/O, so an async adapter can skip the
+        hand-off to a thread.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> first = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b""))
+        >>> ledger.sweep_due(first), ledger.after_response(first).quiet_for_ms > 0, ledger.sweep_due(first)
+        (True, True, False)
+        """
+        now = answer.started_at
+        return (
+            now is not None
+            and answer.outcome in (Outcome.EXECUTED, Outcome.TAKEN_OVER, Outcome.FENCED_OUT)
+            and now >= self._sweep_rests_until
+        )
+
     def after_response(self, answer: Answer) -> SweepResult | None:
         """The post-response housekeeping of SPEC §4.9: one bounded sweep batch
         at the request's own `now`. Call it after the answer has been sent.
