@@ -36,7 +36,13 @@ from .errors import AnswerNotStoredError, LedgerUnavailableError, StorageError
 from .ledger import Ledger
 from .outcomes import Answer, Outcome, Ticket
 from .policy import Policy
-from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
+from .wire import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
+    check_options,
+    log_not_stored,
+    wire_headers,
+)
 
 log = logging.getLogger("idemctl.asgi")
 
@@ -220,13 +226,7 @@ class IdempotencyMiddleware:
         unavailable_retry_after_ms: int = DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
         executor: Executor | None = None,
     ) -> None:
-        if not callable(principal):
-            raise TypeError("principal must be a callable scope -> str | None (or an async one)")
-        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 0:
-            raise ValueError(f"max_body_bytes must be an integer >= 0, got {max_body_bytes!r}")
-        retry_ms = unavailable_retry_after_ms
-        if isinstance(retry_ms, bool) or not isinstance(retry_ms, int) or retry_ms < 1:
-            raise ValueError(f"unavailable_retry_after_ms must be an integer >= 1, got {retry_ms!r}")
+        check_options(principal, max_body_bytes, unavailable_retry_after_ms, takes="scope (or an async one)")
         self.app = app
         self.ledger = ledger
         self.principal = principal
@@ -337,14 +337,7 @@ class IdempotencyMiddleware:
         except AnswerNotStoredError as exc:
             # As in the WSGI middleware: the client gets what the app computed,
             # shaped as a stored answer, rather than an invitation to run it again.
-            log.error(
-                "principal=%s key=%s: the mutation ran but its answer (status %d) could not be stored: %s — "
-                "the reservation stays pending and a retry after the TTL will run it again",
-                who,
-                key,
-                status,
-                exc.cause,
-            )
+            log_not_stored(log, exc, who, key)
             return exc.answer, False
 
     async def wait_idle(self) -> None:

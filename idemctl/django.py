@@ -50,7 +50,12 @@ from .errors import AnswerNotStoredError, LedgerUnavailableError, StorageError
 from .ledger import Ledger
 from .outcomes import Answer, InitResult, Outcome, Ticket
 from .policy import Policy
-from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
+from .wire import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
+    log_not_stored,
+    wire_headers,
+)
 from .wsgi import PRINCIPAL_ENVIRON_KEY, environ_headers, request_target, status_line
 
 log = logging.getLogger("idemctl.django")
@@ -473,14 +478,8 @@ def _complete(ledger: Ledger, ticket: Ticket, response: Any) -> tuple[Answer, bo
         # As in the WSGI middleware: the client gets what the view computed,
         # shaped as a stored answer, rather than an invitation to run it again.
         reservation = ticket.reservation
-        log.error(
-            "principal=%s key=%s: the mutation ran but its answer (status %d) could not be stored: %s — "
-            "the reservation stays pending and a retry after the TTL will run it again",
-            reservation.principal if reservation else None,
-            reservation.key if reservation else None,
-            status,
-            exc.cause,
-        )
+        who = reservation.principal if reservation else None
+        log_not_stored(log, exc, who, reservation.key if reservation else None)
         return exc.answer, False
 
 

@@ -41,7 +41,12 @@ from .asgi import scope_headers
 from .errors import AnswerNotStoredError, LedgerUnavailableError, StorageError
 from .ledger import Ledger
 from .outcomes import Answer, Outcome, Ticket
-from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
+from .wire import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
+    log_not_stored,
+    wire_headers,
+)
 
 log = logging.getLogger("idemctl.fastapi")
 
@@ -123,13 +128,9 @@ def idempotent_route(
                 try:
                     answer = await run_in_threadpool(ledger.finish, ticket, status, headers, body)
                 except AnswerNotStoredError as exc:
-                    log.error(
-                        "principal=%s key=%s: the mutation ran but its answer (status %d) could not be stored: %s",
-                        ticket.reservation.principal if ticket.reservation else None,
-                        ticket.reservation.key if ticket.reservation else None,
-                        status,
-                        exc.cause,
-                    )
+                    reservation = ticket.reservation
+                    who = reservation.principal if reservation else None
+                    log_not_stored(log, exc, who, reservation.key if reservation else None)
                     return _response(exc.answer, replayed_header, sweep=None)
                 return _response(answer, replayed_header, sweep=ledger)
 

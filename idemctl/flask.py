@@ -41,7 +41,13 @@ from . import responses
 from .errors import AnswerNotStoredError, LedgerUnavailableError, StorageError
 from .ledger import Ledger
 from .outcomes import Answer, Outcome
-from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
+from .wire import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
+    check_options,
+    log_not_stored,
+    wire_headers,
+)
 from .wsgi import PRINCIPAL_ENVIRON_KEY, environ_headers, request_target, status_line
 
 log = logging.getLogger("idemctl.flask")
@@ -113,13 +119,7 @@ def idempotent(
     None``); None answers 401. Methods the ledger's Policy does not protect
     call the view untouched. The other options mean what they mean for the
     WSGI middleware. Put it under ``@app.route``."""
-    if not callable(principal):
-        raise TypeError("principal must be a callable () -> str | None")
-    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 0:
-        raise ValueError(f"max_body_bytes must be an integer >= 0, got {max_body_bytes!r}")
-    retry_ms = unavailable_retry_after_ms
-    if isinstance(retry_ms, bool) or not isinstance(retry_ms, int) or retry_ms < 1:
-        raise ValueError(f"unavailable_retry_after_ms must be an integer >= 1, got {retry_ms!r}")
+    check_options(principal, max_body_bytes, unavailable_retry_after_ms, takes="()")
 
     def send(answer: Answer, *, sweep: bool = True) -> Response:
         response = _AnswerResponse(answer.body)
@@ -173,14 +173,7 @@ def idempotent(
             try:
                 answer = ledger.finish(decision, status, out_headers, out_body)
             except AnswerNotStoredError as exc:
-                log.error(
-                    "principal=%s key=%s: the mutation ran but its answer (status %d) could not be stored: %s — "
-                    "the reservation stays pending and a retry after the TTL will run it again",
-                    who,
-                    key,
-                    status,
-                    exc.cause,
-                )
+                log_not_stored(log, exc, who, key)
                 return send(exc.answer, sweep=False)
             return send(answer)
 

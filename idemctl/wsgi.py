@@ -29,7 +29,14 @@ from .errors import AnswerNotStoredError, LedgerUnavailableError, StorageError
 from .ledger import Ledger
 from .outcomes import Answer, Outcome
 from .policy import Policy
-from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, REPLAYED_HEADER, wire_headers
+from .wire import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
+    REPLAYED_HEADER,
+    check_options,
+    log_not_stored,
+    wire_headers,
+)
 
 log = logging.getLogger("idemctl.wsgi")
 
@@ -309,13 +316,7 @@ class IdempotencyMiddleware:
         replayed_header: bool = False,
         unavailable_retry_after_ms: int = DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
     ) -> None:
-        if not callable(principal):
-            raise TypeError("principal must be a callable environ -> str | None")
-        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 0:
-            raise ValueError(f"max_body_bytes must be an integer >= 0, got {max_body_bytes!r}")
-        retry_ms = unavailable_retry_after_ms
-        if isinstance(retry_ms, bool) or not isinstance(retry_ms, int) or retry_ms < 1:
-            raise ValueError(f"unavailable_retry_after_ms must be an integer >= 1, got {unavailable_retry_after_ms!r}")
+        check_options(principal, max_body_bytes, unavailable_retry_after_ms, takes="environ")
         self.app = app
         self.ledger = ledger
         self.principal = principal
@@ -371,14 +372,7 @@ class IdempotencyMiddleware:
             # Telling the client to retry would invite a second run once the
             # reservation goes stale: it gets what the app computed, shaped
             # exactly as a stored answer, and the operator an ERROR line.
-            log.error(
-                "principal=%s key=%s: the mutation ran but its answer (status %d) could not be stored: %s — "
-                "the reservation stays pending and a retry after the TTL will run it again",
-                who,
-                key,
-                status,
-                exc.cause,
-            )
+            log_not_stored(log, exc, who, key)
             return self._send(start_response, exc.answer, sweep=False)
         return self._send(start_response, answer)
 
