@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -17,6 +15,8 @@ from pathlib import Path
 import requests
 
 from idemctl import Ledger
+
+from .server import ServerProcess
 
 PROJECT = Path(__file__).resolve().parents[2] / "examples" / "django_project"
 _LISTENING = re.compile(r"Listening at: http://127\.0\.0\.1:(\d+)")
@@ -32,7 +32,8 @@ for name, key in {USERS!r}.items():
 """
 
 
-class DjangoGunicornServer:
+class DjangoGunicornServer(ServerProcess):
+    orders_table = "orders_order"
     """Everything it writes (Django's database, the ledger, the log) lives under `workdir`."""
 
     def __init__(self, workdir: Path, *, workers: int = 4, preload: bool = False) -> None:
@@ -45,9 +46,6 @@ class DjangoGunicornServer:
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEMCTL_", "DJANGO_"))}
@@ -99,42 +97,9 @@ class DjangoGunicornServer:
         except requests.RequestException:
             return False
 
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGQUIT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-    def __enter__(self) -> DjangoGunicornServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     # -- what the tests look at ------------------------------------------------------
     def ledger(self) -> Ledger:
         return Ledger.open(self.ledger_path, create=False)
 
-    def _query(self, sql: str, *args: object) -> int:
-        conn = sqlite3.connect(self.orders_path, timeout=10)
-        try:
-            return int(conn.execute(sql, args).fetchone()[0])
-        finally:
-            conn.close()
-
-    def count_orders(self, sku: str) -> int:
-        return self._query("SELECT count(*) FROM orders_order WHERE sku = ?", sku)
-
     def user_id(self, username: str) -> str:
-        return str(self._query("SELECT id FROM auth_user WHERE username = ?", username))
+        return str(self.query("SELECT id FROM auth_user WHERE username = ?", username))

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -16,6 +14,8 @@ from pathlib import Path
 import requests
 
 from idemctl import Ledger, Policy
+
+from .server import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(r"Listening at: http://127\.0\.0\.1:(\d+)")
@@ -28,7 +28,7 @@ def _has_option(flag: str) -> bool:
     return any(flag in (getattr(s, "cli", None) or ()) for s in KNOWN_SETTINGS)
 
 
-class GunicornServer:
+class GunicornServer(ServerProcess):
     """gunicorn serving the example orders API. Everything it writes (ledger,
     orders database, hold files, log) lives under `workdir`."""
 
@@ -57,9 +57,6 @@ class GunicornServer:
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 30.0) -> GunicornServer:
         self.hold_dir.mkdir(parents=True, exist_ok=True)
@@ -121,61 +118,10 @@ class GunicornServer:
         except requests.RequestException:
             return False
 
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGQUIT)  # quick shutdown; the master takes its workers down with it
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-    def __enter__(self) -> GunicornServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     # -- what the tests look at ------------------------------------------------------
     def ledger(self) -> Ledger:
         """The server's ledger, seen with the server's own policy."""
         return Ledger.open(self.ledger_path, create=False, policy=Policy(pending_ttl_ms=self.pending_ttl_ms))
 
-    def count_orders(self, sku: str) -> int:
-        conn = sqlite3.connect(self.orders_path, timeout=10)
-        try:
-            return conn.execute("SELECT count(*) FROM orders WHERE sku = ?", (sku,)).fetchone()[0]
-        finally:
-            conn.close()
-
     def count_attachments(self, order_id: int) -> int:
-        conn = sqlite3.connect(self.orders_path, timeout=10)
-        try:
-            return conn.execute("SELECT count(*) FROM attachments WHERE order_id = ?", (order_id,)).fetchone()[0]
-        finally:
-            conn.close()
-
-    def hold(self, key: str) -> None:
-        """The next attempt with this Idempotency-Key stalls inside the mutation."""
-        (self.hold_dir / key).touch()
-
-    def held_pid(self, key: str, timeout: float = 15.0) -> int:
-        """The pid of the worker stalled on `key`, once it is there."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = list(self.hold_dir.glob(f"{key}.*.held"))
-            if found:
-                return int(found[0].name.rsplit(".", 2)[1])
-            time.sleep(0.01)
-        raise AssertionError(f"no worker reached the mutation for {key} within {timeout} s:\n{self.log()}")
-
-    def release(self, key: str, pid: int) -> None:
-        (self.hold_dir / f"{key}.{pid}.held").unlink()
+        return self.query("SELECT count(*) FROM attachments WHERE order_id = ?", order_id)

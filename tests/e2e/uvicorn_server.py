@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ from pathlib import Path
 import httpx
 
 from idemctl import Ledger, Policy
+
+from .server import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 _STARTED = re.compile(r"Application startup complete")
@@ -27,7 +28,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class UvicornServer:
+class UvicornServer(ServerProcess):
+    stop_signal = signal.SIGINT
     def __init__(self, workdir: Path, *, workers: int = 4, pending_ttl: str = "30s", env: dict[str, str] | None = None) -> None:
         self.workdir = workdir
         self.workers = workers
@@ -40,9 +42,6 @@ class UvicornServer:
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = free_port()
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 40.0) -> UvicornServer:
         self.hold_dir.mkdir(parents=True, exist_ok=True)
@@ -82,50 +81,5 @@ class UvicornServer:
         except httpx.HTTPError:
             return False
 
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-    def __enter__(self) -> UvicornServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     def ledger(self) -> Ledger:
         return Ledger.open(self.ledger_path, create=False, policy=Policy())
-
-    def count_orders(self, sku: str) -> int:
-        conn = sqlite3.connect(self.orders_path, timeout=10)
-        try:
-            return int(conn.execute("SELECT count(*) FROM orders WHERE sku = ?", (sku,)).fetchone()[0])
-        finally:
-            conn.close()
-
-    def hold(self, key: str) -> None:
-        (self.hold_dir / key).touch()
-
-    def held_pid(self, key: str, timeout: float = 15.0) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = list(self.hold_dir.glob(f"{key}.*.held"))
-            if found:
-                return int(found[0].name.rsplit(".", 2)[1])
-            time.sleep(0.01)
-        raise AssertionError(f"no worker reached the mutation for {key} within {timeout} s:\n{self.log()}")
-
-    def release(self, key: str, pid: int) -> None:
-        (self.hold_dir / f"{key}.{pid}.held").unlink()
