@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextvars
 import os
-import re
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,29 +21,15 @@ from fastapi.responses import StreamingResponse
 
 import examples.fastapi_app as example
 from idemctl.fastapi import idempotent_route
+from tests.e2e.server import hold_here
 
 HOLD_DIR = os.environ.get("TEST_HOLD_DIR") or None
-HOLD_LIMIT_S = 60.0
 _key: contextvars.ContextVar[str] = contextvars.ContextVar("idempotency_key", default="")
 _insert_order = example.insert_order
 
 
-def _hold() -> None:
-    key = re.sub(r"[^A-Za-z0-9_.-]", "_", _key.get())
-    if HOLD_DIR is None or not key:
-        return
-    held = os.path.join(HOLD_DIR, f"{key}.{os.getpid()}.held")
-    try:
-        os.rename(os.path.join(HOLD_DIR, key), held)
-    except FileNotFoundError:
-        return
-    deadline = time.monotonic() + HOLD_LIMIT_S
-    while os.path.exists(held) and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
 def held_insert_order(account: str, order: example.Order) -> dict[str, object]:
-    _hold()
+    hold_here(HOLD_DIR, _key.get())
     return _insert_order(account, order)
 
 

@@ -14,37 +14,19 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import time
 
 import sqlite_utils
 from flask import request
 
 import examples.flask_app as example
+from tests.e2e.server import hold_here
 
 HOLD_DIR = os.environ.get("TEST_HOLD_DIR") or None
-HOLD_LIMIT_S = 60.0
 _orders_db = example.orders_db
 
 
-def _hold() -> None:
-    if HOLD_DIR is None:
-        return
-    key = re.sub(r"[^A-Za-z0-9_.-]", "_", request.headers.get("Idempotency-Key", ""))
-    if not key:
-        return
-    held = os.path.join(HOLD_DIR, f"{key}.{os.getpid()}.held")
-    try:
-        os.rename(os.path.join(HOLD_DIR, key), held)
-    except FileNotFoundError:
-        return
-    deadline = time.monotonic() + HOLD_LIMIT_S
-    while os.path.exists(held) and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
 def held_orders_db() -> sqlite_utils.Database:
-    _hold()
+    hold_here(HOLD_DIR, request.headers.get("Idempotency-Key", ""))
     return _orders_db()
 
 

@@ -4,6 +4,8 @@ mutation (see tests/e2e/flask_orders.py and asgi_orders.py)."""
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -83,3 +85,23 @@ class ServerProcess:
 
     def release(self, key: str, pid: int) -> None:
         (self.hold_dir / f"{key}.{pid}.held").unlink()
+
+
+HOLD_LIMIT_S = 60.0
+
+
+def hold_here(hold_dir: str | None, idempotency_key: str) -> None:
+    """Inside a served app: if the test created `<hold_dir>/<key>`, rename it
+    to `<key>.<pid>.held` (atomic: exactly one attempt is held, and the test
+    learns the worker) and wait until the test deletes it or kills us."""
+    key = re.sub(r"[^A-Za-z0-9_.-]", "_", idempotency_key)
+    if hold_dir is None or not key:
+        return
+    held = os.path.join(hold_dir, f"{key}.{os.getpid()}.held")
+    try:
+        os.rename(os.path.join(hold_dir, key), held)
+    except FileNotFoundError:
+        return
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while os.path.exists(held) and time.monotonic() < deadline:
+        time.sleep(0.01)
