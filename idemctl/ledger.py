@@ -168,6 +168,7 @@ class Ledger:
         synchronous: str = "FULL",
         write_queue: bool = True,
         file_mode: int = DEFAULT_FILE_MODE,
+        group_commit: bool = False,
     ) -> Ledger:
         """Open a ledger: a SQLite file path or a ``postgresql://`` URL.
 
@@ -178,7 +179,10 @@ class Ledger:
         SQLite file at once (LedgerNotFoundError); ``readonly=True`` never
         writes. On SQLite, ``synchronous`` is the PRAGMA of that name and
         ``write_queue=False`` turns off the fair writer queue
-        (docs/performance.md).
+        (docs/performance.md); ``group_commit=True`` lets concurrent
+        threads of this process share one commit, and so one fsync, each
+        returning once the commit holding its own write is durable
+        (docs/library.md).
 
         >>> Ledger.open(":memory:", policy=Policy(pending_ttl_ms=60_000)).policy.retry_after_seconds
         60
@@ -191,6 +195,7 @@ class Ledger:
             synchronous=synchronous,
             write_queue=write_queue,
             file_mode=file_mode,
+            group_commit=group_commit,
         )
         store = Store(engine)
         if not is_remote(target):

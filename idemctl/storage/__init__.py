@@ -28,9 +28,10 @@ def open_engine(
     synchronous: str = "FULL",
     write_queue: bool = True,
     file_mode: int = DEFAULT_FILE_MODE,
+    group_commit: bool = False,
 ) -> Engine:
     """The engine for a SQLite file path or a postgresql:// URL.
-    `synchronous`, `write_queue` and `file_mode` are SQLite settings.
+    `synchronous`, `write_queue`, `file_mode` and `group_commit` are SQLite settings.
 
     >>> open_engine(":memory:").dialect.name
     'sqlite'
@@ -55,6 +56,7 @@ def open_engine(
         synchronous=synchronous,
         write_queue=write_queue,
         file_mode=file_mode,
+        group_commit=group_commit,
     )
 
 

@@ -16,6 +16,7 @@ import sqlite3
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -99,6 +100,41 @@ def split_statements(script: str) -> list[str]:
     return statements
 
 
+# Group commit: at most this many statements share one transaction, so a
+# leader's turn (and the queue's other processes) waits a bounded time.
+GROUP_COMMIT_MAX_BATCH = 64
+
+
+class _Pending:
+    """One write statement waiting for its batch's commit."""
+
+    __slots__ = ("done", "error", "event", "lead", "params", "rows", "sql")
+
+    def __init__(self, sql: str, params: Params) -> None:
+        self.sql = sql
+        self.params = params
+        self.rows: Rows = []
+        self.error: BaseException | None = None
+        self.done = False  # set under the group's lock, before `event`
+        self.lead = False  # leadership was handed to this request's thread
+        self.event = threading.Event()  # done, or this request's thread now leads
+
+
+class _Group:
+    """The statements of one process waiting to be committed together. A
+    forked child starts a new one: the parent's waiters are not its own."""
+
+    __slots__ = ("batches", "leading", "lock", "pid", "queue", "statements")
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.lock = threading.Lock()
+        self.queue: deque[_Pending] = deque()
+        self.leading = False
+        self.batches = 0
+        self.statements = 0
+
+
 class SqliteEngine:
     """One SQLite ledger file, shared safely by threads and processes.
 
@@ -112,6 +148,19 @@ class SqliteEngine:
     depends on the queue (the SQLite lock still decides), so
     ``write_queue=False`` opts out and any failure to open the lock file
     falls back to SQLite alone.
+
+    Group commit (``group_commit=True``, off by default): write statements
+    that threads of this process issue at the same time are committed
+    together, in one transaction and so one fsync of the WAL. The first
+    caller to find no commit in progress leads: it takes whatever is queued
+    (up to GROUP_COMMIT_MAX_BATCH statements), runs them in arrival order,
+    each inside its own savepoint so that one failing statement fails only
+    its own caller, commits, and then wakes their callers; a caller returns
+    only once the commit that holds its statement is done. A leader whose
+    own statement is committed passes leadership to the next waiter rather
+    than working on for others. A statement with no company runs alone
+    exactly as without group commit, so a single thread pays nothing.
+    Memory databases have no fsync to share and never batch.
 
     Opening never creates a file: the ledger file (owner-only by default,
     ``file_mode``) appears when the schema is first created.
@@ -133,6 +182,7 @@ class SqliteEngine:
         synchronous: str = "FULL",
         write_queue: bool = True,
         file_mode: int = DEFAULT_FILE_MODE,
+        group_commit: bool = False,
     ) -> None:
         if not isinstance(synchronous, str) or synchronous.upper() not in SYNCHRONOUS_LEVELS:
             raise StorageError(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
@@ -173,6 +223,8 @@ class SqliteEngine:
         )
         self._local = threading.local()
         self._lock = threading.Lock()
+        self.group_commit = bool(group_commit) and not self.memory and not readonly
+        self._group = _Group(os.getpid())
         self._finalizers: list[weakref.finalize] = []  # type: ignore[type-arg]
         self._keepalive: sqlite3.Connection | None = None
         if self.memory:
@@ -369,6 +421,8 @@ class SqliteEngine:
     # do not block writers, nor writers readers). Plain try/except rather than
     # context managers: this runs twice per request.
     def write(self, sql: str, params: Params) -> Rows:
+        if self.group_commit:
+            return self._group_write(sql, params)
         try:
             slot = self._slot()
             fd, shortened = self._enter_queue(slot)
@@ -378,6 +432,157 @@ class SqliteEngine:
                 self._leave_queue(slot, fd, shortened)
         except sqlite3.Error as exc:
             raise self._translate(exc) from exc
+
+    # -- group commit ----------------------------------------------------------------
+    @property
+    def batches_committed(self) -> int:
+        """Commits made by group commit in this process (a lone statement counts as one)."""
+        return self._group.batches
+
+    @property
+    def statements_committed(self) -> int:
+        """Statements those commits made durable (failed statements not counted)."""
+        return self._group.statements
+
+    def _this_group(self) -> _Group:
+        group = self._group
+        pid = os.getpid()
+        if group.pid != pid:
+            with self._lock:
+                if self._group.pid != pid:
+                    self._group = _Group(pid)
+                group = self._group
+        return group
+
+    def _group_write(self, sql: str, params: Params) -> Rows:
+        group = self._this_group()
+        mine = _Pending(sql, params)
+        with group.lock:
+            group.queue.append(mine)
+            follower = group.leading
+            group.leading = True
+        if follower:
+            # Woken either because a leader committed our statement, or
+            # because leadership was handed to us.
+            try:
+                mine.event.wait()
+            except BaseException:
+                self._abandon(group, mine, leading=False)
+                raise
+        while not mine.done:
+            with group.lock:
+                mine.lead = False
+                batch = [group.queue.popleft() for _ in range(min(len(group.queue), GROUP_COMMIT_MAX_BATCH))]
+            try:
+                self._commit_batch(batch)
+            except BaseException as exc:
+                # The leader itself was interrupted (not a statement's error):
+                # its batch-mates hear so rather than wait forever.
+                for p in batch:
+                    if p.error is None:
+                        p.error = StorageError(f"a group commit on {self.path} was interrupted: {exc!r}")
+                self._finish(group, batch, mine)
+                self._abandon(group, mine, leading=True)
+                raise
+            self._finish(group, batch, mine)
+        if mine.error is not None:
+            if isinstance(mine.error, sqlite3.Error):
+                raise self._translate(mine.error) from mine.error
+            raise mine.error
+        return mine.rows
+
+    def _finish(self, group: _Group, batch: list[_Pending], mine: _Pending) -> None:
+        """Wake the batch's callers; if statements are still queued, the
+        leader goes on only for its own, else the next waiter leads."""
+        successor: _Pending | None = None
+        with group.lock:
+            for p in batch:
+                p.done = True
+            if not group.queue:
+                group.leading = False
+            elif mine.done:
+                successor = group.queue[0]  # `leading` stays set: it is handed over
+                successor.lead = True
+        for p in batch:
+            if p is not mine:
+                p.event.set()
+        if successor is not None:
+            successor.event.set()
+
+    def _abandon(self, group: _Group, mine: _Pending, *, leading: bool) -> None:
+        """A caller interrupted while waiting or leading: its statement
+        leaves the queue if no batch has it yet, and leadership it holds (or
+        was just handed) passes on, so the others never wait for a leader
+        that left."""
+        successor: _Pending | None = None
+        with group.lock:
+            if mine.done:
+                return
+            if mine in group.queue:
+                group.queue.remove(mine)
+            if leading or mine.lead:
+                if group.queue:
+                    successor = group.queue[0]
+                    successor.lead = True
+                else:
+                    group.leading = False
+        if successor is not None:
+            successor.event.set()
+
+    def _commit_batch(self, batch: list[_Pending]) -> None:
+        """Run `batch` in one transaction; each request's rows or error.
+        sqlite3 errors are left untranslated on the requests: each caller
+        translates its own, in its own thread."""
+        slot = self._slot()
+        conn = slot.conn
+        try:
+            fd, shortened = self._enter_queue(slot)
+        except sqlite3.Error as exc:
+            for p in batch:
+                p.error = exc
+            return
+        try:
+            if len(batch) == 1:
+                # Alone: exactly the auto-committed statement of a plain write.
+                p = batch[0]
+                try:
+                    p.rows = conn.execute(p.sql, p.params).fetchall()
+                except Exception as exc:  # e.g. OverflowError binding a parameter: its caller's alone
+                    p.error = exc
+                else:
+                    self._group.batches += 1
+                    self._group.statements += 1
+                return
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                for p in batch:
+                    conn.execute("SAVEPOINT idemctl_statement")
+                    try:
+                        p.rows = conn.execute(p.sql, p.params).fetchall()
+                    except Exception as exc:
+                        if not conn.in_transaction:
+                            raise  # SQLite rolled the whole transaction back (e.g. disk full): all fail
+                        p.rows, p.error = [], exc
+                        conn.execute("ROLLBACK TO idemctl_statement")
+                    conn.execute("RELEASE idemctl_statement")
+                conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                # Nothing of this batch is durable: every caller hears why.
+                if conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK")
+                for p in batch:
+                    p.rows, p.error = [], exc
+                return
+            except BaseException:
+                if conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK")
+                raise
+            self._group.batches += 1
+            self._group.statements += sum(1 for p in batch if p.error is None)
+        finally:
+            self._leave_queue(slot, fd, shortened)
 
     def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[int]:
         # The sweep's DELETEs share one turn of the writer queue: each extra
