@@ -66,7 +66,7 @@ def postgres_server() -> str:
 @pytest.fixture
 def ledger_target(backend_name: str, tmp_path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Where a fresh, empty ledger lives for this test (a path or a URL)."""
-    if backend_name == "sqlite":
+    if backend_name in ("sqlite", "sqlite-group"):  # sqlite-group: a few modules' group-commit variant
         yield str(tmp_path / "ledger.db")
     elif backend_name == "postgres":
         yield from postgres_test_schema(request.getfixturevalue("postgres_server"), monkeypatch)

@@ -41,6 +41,7 @@ from pathlib import Path
 import pytest
 
 from idemctl import Ledger, Outcome, Policy, Status, wall_clock_ms
+from idemctl.storage.sqlite import SqliteEngine
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +75,9 @@ def _stall_seconds(rng: random.Random) -> float:
     return rng.uniform(1.5, 2.2) * TTL_MS / 1000
 
 
-def _worker(target: str, journal_dir: str, name: str, t0: float, stop_at: float, seed: int) -> None:
+def _worker(
+    target: str, journal_dir: str, name: str, t0: float, stop_at: float, seed: int, group_commit: bool
+) -> None:
     """One worker process: THREADS threads sending requests until `stop_at`."""
     pid = os.getpid()
     fd = os.open(os.path.join(journal_dir, f"{name}-{pid}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -87,7 +90,12 @@ def _worker(target: str, journal_dir: str, name: str, t0: float, stop_at: float,
             os.fsync(fd)
 
     journal(e="start", pid=pid, worker=name)
-    ledger = Ledger.open(target, policy=POLICY)
+    # With group commit, the threads of one process share commits; here they
+    # rarely meet, so even a lone statement goes through a batch's transaction.
+    ledger = Ledger.open(target, policy=POLICY, group_commit=group_commit)
+    engine = ledger.store.engine
+    if isinstance(engine, SqliteEngine) and group_commit:
+        engine.lone_statement_autocommits = False
 
     def thread_main(tid: int) -> None:
         # A client sending one lane's requests in order, each until it gets a
@@ -151,8 +159,13 @@ def _worker(target: str, journal_dir: str, name: str, t0: float, stop_at: float,
         t.start()
     for t in threads:
         t.join()
+    shared = (
+        {"batches": engine.batches_committed, "statements": engine.statements_committed}
+        if isinstance(engine, SqliteEngine) and group_commit
+        else {}
+    )
     ledger.close()
-    journal(e="exit", pid=pid)
+    journal(e="exit", pid=pid, **shared)
     os.close(fd)
 
 
@@ -196,8 +209,9 @@ def _read_journals(journal_dir: Path) -> list[dict]:
     return entries
 
 
+@pytest.mark.parametrize("backend_name", ["sqlite", "sqlite-group", "postgres"])
 def test_history_of_killed_and_stalling_workers_keeps_one_stored_answer_per_key_and_logs_every_fenced_out_run(
-    ledger_target: str, tmp_path: Path
+    backend_name: str, ledger_target: str, tmp_path: Path
 ) -> None:
     with Ledger.open(ledger_target, policy=POLICY) as ledger:
         ledger.init()
@@ -217,7 +231,15 @@ def test_history_of_killed_and_stalling_workers_keeps_one_stored_answer_per_key_
         spawned += 1
         p = ctx.Process(
             target=_worker,
-            args=(ledger_target, str(journal_dir), f"w{spawned}", t0, stop_at, rng.randrange(2**32)),
+            args=(
+                ledger_target,
+                str(journal_dir),
+                f"w{spawned}",
+                t0,
+                stop_at,
+                rng.randrange(2**32),
+                backend_name == "sqlite-group",
+            ),
             daemon=True,
         )
         p.start()
@@ -328,7 +350,9 @@ def test_history_of_killed_and_stalling_workers_keeps_one_stored_answer_per_key_
             answered = collections.Counter(a["generation"] for a in fenced_answers)
             assert answered - logged == collections.Counter(), f"{key}: fenced-out answers {answered}, log {logged}"
 
-    print(f"history: {len(by_key)} keys, {len(killed_pids)} workers killed, {dict(totals)}")
+    exits = [e for e in entries if e["e"] == "exit" and "batches" in e]
+    commits = f", {sum(e['statements'] for e in exits)} statements in {sum(e['batches'] for e in exits)} commits"
+    print(f"history: {len(by_key)} keys, {len(killed_pids)} workers killed, {dict(totals)}{commits if exits else ''}")
     # The history really contained what this test is about.
     assert killed_pids and totals["unfinished"] > 0, totals
     assert totals[Outcome.TAKEN_OVER.value] > 0 and totals[Outcome.FENCED_OUT.value] > 0, totals
