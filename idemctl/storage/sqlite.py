@@ -426,15 +426,7 @@ class SqliteEngine:
     def write(self, sql: str, params: Params) -> Rows:
         if self.group_commit:
             return self._group_write(sql, params)
-        try:
-            slot = self._slot()
-            fd, shortened = self._enter_queue(slot)
-            try:
-                return slot.conn.execute(sql, params).fetchall()
-            finally:
-                self._leave_queue(slot, fd, shortened)
-        except sqlite3.Error as exc:
-            raise self._translate(exc) from exc
+        return self._write_alone(sql, params)
 
     # -- group commit ----------------------------------------------------------------
     @property
@@ -459,12 +451,23 @@ class SqliteEngine:
 
     def _group_write(self, sql: str, params: Params) -> Rows:
         group = self._this_group()
-        mine = _Pending(sql, params)
         with group.lock:
-            group.queue.append(mine)
-            follower = group.leading
+            # No leader means nothing is queued: this statement is a batch of
+            # one, and its caller leads without queueing anything.
+            alone = not group.leading
             group.leading = True
-        if follower:
+            if not alone or not self.lone_statement_autocommits:
+                mine = _Pending(sql, params)
+                group.queue.append(mine)
+        if alone and self.lone_statement_autocommits:
+            try:
+                rows = self._write_alone(sql, params)
+                group.batches += 1
+                group.statements += 1
+                return rows
+            finally:
+                self._pass_on(group)
+        if not alone:
             # Woken either because a leader committed our statement, or
             # because leadership was handed to us.
             try:
@@ -493,6 +496,28 @@ class SqliteEngine:
                 raise self._translate(mine.error) from mine.error
             raise mine.error
         return mine.rows
+
+    def _write_alone(self, sql: str, params: Params) -> Rows:
+        """One auto-committed statement in the writer queue: a plain write."""
+        try:
+            slot = self._slot()
+            fd, shortened = self._enter_queue(slot)
+            try:
+                return slot.conn.execute(sql, params).fetchall()
+            finally:
+                self._leave_queue(slot, fd, shortened)
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
+
+    def _pass_on(self, group: _Group) -> None:
+        """A leader done with its own statement: the first waiter leads next."""
+        with group.lock:
+            if not group.queue:
+                group.leading = False
+                return
+            successor = group.queue[0]
+            successor.lead = True
+        successor.event.set()
 
     def _finish(self, group: _Group, batch: list[_Pending], mine: _Pending) -> None:
         """Wake the batch's callers; if statements are still queued, the
