@@ -29,13 +29,25 @@ def test_quick_benchmark_run_exits_0_and_renders_every_table(tmp_path):
     results = json.loads(out.read_text())
     assert results["quick"] is True
     benchmarks = results["benchmarks"]
-    assert list(benchmarks) == ["cycle", "middleware", "contention", "growth", "sweep", "memory", "postgres", "asgi"]
+    assert list(benchmarks) == [
+        "cycle",
+        "middleware",
+        "contention",
+        "growth",
+        "sweep",
+        "memory",
+        "postgres",
+        "asgi",
+        "group_commit",
+    ]
     assert [name for name, res in benchmarks.items() if "error" in res] == []
     # Everything built in this repository must be measured, never skipped.
-    for name in ("cycle", "middleware", "contention", "growth", "sweep", "memory", "asgi"):
+    for name in ("cycle", "middleware", "contention", "growth", "sweep", "memory", "asgi", "group_commit"):
         assert "missing" not in benchmarks[name], benchmarks[name]
     assert len(benchmarks["contention"]["configs"]) == 12
     assert all(c["error_count"] == 0 for c in benchmarks["contention"]["configs"])
+    assert len(benchmarks["group_commit"]["configs"]) == 16
+    assert all(c["error_count"] == 0 for c in benchmarks["group_commit"]["configs"])
     sweep = benchmarks["sweep"]
     assert sweep["cli"]["live_rows_after"] == sweep["live_rows"]
     assert sweep["cli"]["deleted"] == sweep["expired_rows"]
@@ -50,6 +62,7 @@ def test_quick_benchmark_run_exits_0_and_renders_every_table(tmp_path):
         "| (6) memory |",
         "| (8) ASGI middleware, in-process |",
         "| (8) event-loop lag:",
+        "| (9) group commit",
     ):
         assert heading in table, heading
     assert "quick mode: not figures" in table
