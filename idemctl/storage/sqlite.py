@@ -534,11 +534,12 @@ class SqliteEngine:
             elif mine.done:
                 successor = group.queue[0]  # `leading` stays set: it is handed over
                 successor.lead = True
+        # The next leader first: its batch gets going while the others wake.
+        if successor is not None:
+            successor.wake.release()
         for p in batch:
             if p is not mine:
                 p.wake.release()
-        if successor is not None:
-            successor.wake.release()
 
     def _abandon(self, group: _Group, mine: _Pending, *, leading: bool) -> None:
         """A caller interrupted while waiting or leading: its statement
