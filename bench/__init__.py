@@ -6,7 +6,7 @@ psycopg) statements doing the least the contract needs. Each figure is a
 median with its min-max over several repetitions, because shared machines are
 noisy.
 
-    python -m bench            # the full suite, about 10 minutes on 2 cores
+    python -m bench            # the full suite, about 11 minutes on 2 cores
     python -m bench --quick    # every benchmark at tiny sizes: harness check only
     python -m bench --report   # render docs/performance.md from results/latest.json
 

@@ -1,4 +1,4 @@
-"""Run the benchmark suite: `python -m bench` (full, about 10 minutes on 2
+"""Run the benchmark suite: `python -m bench` (full, about 11 minutes on 2
 cores), `python -m bench --quick` (every benchmark at tiny sizes, well under
 a minute; checks the harness, says nothing about speed) and
 `python -m bench --report` (write docs/performance.md from

@@ -430,7 +430,7 @@ This page is written by `python -m bench --report` from
 `bench/report.py`, not the page.
 
 ```sh
-python -m bench            # the whole suite, about 10 minutes on 2 cores; writes bench/results/latest.json
+python -m bench            # the whole suite, about 11 minutes on 2 cores; writes bench/results/latest.json
 python -m bench --report   # renders this page from bench/results/latest.json
 python -m bench --quick    # every benchmark at tiny sizes, ~20 s: checks the harness, says nothing about speed
 ```
