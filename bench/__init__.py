@@ -12,5 +12,5 @@ noisy.
 
 One module per measurement: cycle (1), middleware (2), contention (3),
 growth (4), sweep (5, and the operator commands' memory of 6), memory (6, the
-long-running worker), postgres (7). Raw results go to results/latest.json;
-`report` renders them."""
+long-running worker), postgres (7), asgi (8), group_commit (9). Raw results go
+to results/latest.json; `report` renders them."""
