@@ -154,16 +154,18 @@ class SqliteEngine:
 
     Group commit (``group_commit=True``, off by default): write statements
     that threads of this process issue at the same time are committed
-    together, in one transaction and so one fsync of the WAL. The first
-    caller to find no commit in progress leads: it takes whatever is queued
-    (up to GROUP_COMMIT_MAX_BATCH statements), runs them in arrival order,
-    each inside its own savepoint so that one failing statement fails only
-    its own caller, commits, and then wakes their callers; a caller returns
-    only once the commit that holds its statement is done. A leader whose
-    own statement is committed passes leadership to the next waiter rather
-    than working on for others. A statement with no company runs alone
-    exactly as without group commit, so a single thread pays nothing.
-    Memory databases have no fsync to share and never batch.
+    together, in one transaction and so one fsync of the WAL. A caller that
+    finds no commit in progress runs its statement at once, exactly as
+    without group commit (so a single thread pays nothing); statements that
+    arrive meanwhile queue. When it is done, the first of them leads: it
+    takes what is queued (up to GROUP_COMMIT_MAX_BATCH statements), takes
+    one turn of the writer queue, runs them in arrival order, each inside
+    its own savepoint so that one failing statement fails only its own
+    caller, commits, and wakes their callers; a caller returns only once
+    the commit that holds its statement is done. A leader whose own
+    statement is committed hands leadership to the next waiter rather than
+    working on for others. Memory databases have no fsync to share and
+    never batch.
 
     Opening never creates a file: the ledger file (owner-only by default,
     ``file_mode``) appears when the schema is first created.
