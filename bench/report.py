@@ -493,8 +493,10 @@ once, so nobody falls behind for long ("queue on").
 
 - Reads never queue (`get`, `lookup`, `stats`, `pending`). A replay or a 409
   does, because its first step is the claim, a write attempt.
-- The per-request sweep first asks with a read whether anything is past
-  retention; in the steady state it takes no write lock and no turn at all.
+- The per-request sweep first reads the oldest row's and event's time (one
+  index step each); when nothing is past retention it takes no write lock and
+  no turn, and until the earliest moment anything can expire it runs no
+  statement at all.
 - Time spent queueing counts against the busy timeout, so writers stuck
   behind a foreign writer still fail with `DatabaseLockedError` after about
   one busy timeout, not one per waiter.
@@ -668,10 +670,15 @@ def _asgi_notes(res: dict[str, Any]) -> list[str]:
             if hops["replay"] > 1
             else "a replay once"
         )
+        first = (
+            f"{hops['first']} times (`begin`, `finish`, the sweep after the answer)"
+            if hops["first"] > 2
+            else f"{hops['first']} times (`begin`, `finish`; the sweep after the answer costs no hand-off while "
+            "nothing can expire)"
+        )
         text += (
-            f" The middleware hands a first call to a worker thread {hops['first']} times (`begin`, `finish`, the "
-            f"sweep after the answer) and {replay}, where the floor crosses once; a no-op round trip alone takes "
-            f"{med(normal['executor_hop_us']):.0f} µs here."
+            f" The middleware hands a first call to a worker thread {first} and {replay}, where the floor crosses "
+            f"once; a no-op round trip alone takes {med(normal['executor_hop_us']):.0f} µs here."
         )
     if "on_loop" in normal:
         ol = normal["on_loop"]
