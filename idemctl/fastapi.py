@@ -37,7 +37,7 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from . import responses
-from .asgi import scope_headers
+from .asgi import request_target, scope_headers
 from .errors import AnswerNotStoredError, LedgerUnavailableError, StorageError
 from .ledger import Ledger
 from .outcomes import Answer, Outcome, Ticket
@@ -85,9 +85,7 @@ def idempotent_route(
         body = await request.body()
         if len(body) > max_body_bytes:
             raise _Immediate(Answer(*responses.body_too_large(max_body_bytes), Outcome.BODY_REFUSED))
-        target = request.scope.get("raw_path") or request.url.path.encode()
-        query = request.scope.get("query_string", b"")
-        path = bytes(target).decode("latin-1") + (("?" + bytes(query).decode("latin-1")) if query else "")
+        path = request_target(request.scope)
         headers = scope_headers(request.scope, ledger.policy.fingerprint_headers)
         key = request.headers.get("idempotency-key")
         try:

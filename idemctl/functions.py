@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, cast
 
 from .errors import (
     CallInProgressError,
-    IdemctlError,
     KeyReusedError,
     LedgerUnavailableError,
     MalformedRowError,
@@ -353,26 +352,10 @@ class IdempotentCall:
                 return
             if deadline is None:
                 deadline = time.monotonic() + policy.in_progress_wait_ms / 1000
-            if not self._wait_for_change(row, deadline):
+            if not ledger._wait_for_change(principal, key, row.generation, deadline):
                 # Takeover is possible once the row is older than the TTL (`updated_at < now - ttl`).
                 wait_ms = max(0, row.updated_at + policy.pending_ttl_ms + 1 - now)
                 raise CallInProgressError(principal, key, row.generation, wait_ms)
-
-    def _wait_for_change(self, row: StoredRow, deadline: float) -> bool:
-        """With the policy's `in_progress_wait_ms`: poll the row (reads only,
-        nothing held between them) until it completes, goes, changes owner or
-        turns stale; False when the deadline passes first."""
-        ledger = self.ledger
-        pause = 0.005
-        while (left := deadline - time.monotonic()) > 0:
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 0.1)
-            now_row = ledger.lookup(self.principal, self.key)
-            if now_row is None or now_row.status is not Status.PENDING or now_row.generation != row.generation:
-                return True
-            if now_row.updated_at < ledger.now() - ledger.policy.pending_ttl_ms:
-                return True
-        return False
 
     def _own(self, reservation: Reservation, outcome: Outcome, now: int) -> None:
         self._reservation, self._started_at = reservation, now
@@ -388,7 +371,7 @@ class IdempotentCall:
             started = time.perf_counter()
             policy = self.release_on_error
             if policy(exc) if callable(policy) else policy:
-                self._release(reservation)
+                self.ledger._release_quietly(reservation)
             self._publish(Outcome.FAILED, reservation.generation, started, app_s)
             return
         self._complete(reservation, None if self._result is None else self._result[0])
@@ -425,12 +408,6 @@ class IdempotentCall:
         outcome = self.outcome if done.stored and self.outcome is not None else Outcome.FENCED_OUT
         self.ledger.after_response(Answer(status, (), b"", outcome, reservation.generation, self._started_at))
         return done
-
-    def _release(self, reservation: Reservation) -> None:
-        try:
-            self.ledger.release(reservation)
-        except IdemctlError as exc:
-            log.error("could not release principal=%s key=%s: %s", reservation.principal, reservation.key, exc)
 
     def _stored_value(self, row: StoredRow) -> Any:
         body = row.body_bytes

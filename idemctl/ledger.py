@@ -56,7 +56,7 @@ from .outcomes import (
     Verdict,
 )
 from .policy import Policy
-from .storage import DEFAULT_FILE_MODE, Store, open_engine
+from .storage import DEFAULT_FILE_MODE, Store, is_postgres_url, open_engine
 from .storage.store import derive_state, new_token
 
 log = logging.getLogger("idemctl")
@@ -198,7 +198,7 @@ class Ledger:
             group_commit=group_commit,
         )
         store = Store(engine)
-        if not is_remote(target):
+        if not is_postgres_url(target):
             # A file's schema is checked at open (it costs no connection):
             # a ledger written by a newer idemctl is refused before any use.
             try:
@@ -318,7 +318,6 @@ class Ledger:
         policy, store = self.policy, self.store
         token = new_token()
         deadline: float | None = None
-        pause = 0.005
         while True:
             generation = store.claim(principal, key, fp, token, now)
             if generation is not None:
@@ -345,15 +344,17 @@ class Ledger:
                 return Ticket(reservation, Outcome.TAKEN_OVER, raw, now, method, path)
             if deadline is None:
                 deadline = time.monotonic() + policy.in_progress_wait_ms / 1000
-            if not self._wait_for_change(principal, key, row.generation, deadline, pause):
+            if not self._wait_for_change(principal, key, row.generation, deadline):
                 left_ms = max(0, row.updated_at + policy.pending_ttl_ms + 1 - now)
                 retry_ms = left_ms if policy.retry_after_from_row else policy.pending_ttl_ms
                 return Answer(*responses.in_progress(policy, retry_ms), Outcome.IN_PROGRESS, row.generation, now)
             now = self.now()
 
-    def _wait_for_change(self, principal: str, key: str, generation: int, deadline: float, pause: float) -> bool:
-        """Poll until the in-progress row completes, goes or changes owner;
-        False once the deadline passes first."""
+    def _wait_for_change(self, principal: str, key: str, generation: int, deadline: float) -> bool:
+        """Poll until the in-progress row completes, goes, changes owner or
+        turns stale (reads only: nothing is held between them); False once the
+        deadline passes first. Idempotent function calls wait the same way."""
+        pause = 0.005
         while (left := deadline - time.monotonic()) > 0:
             time.sleep(min(pause, left))
             pause = min(pause * 2, 0.1)
@@ -513,11 +514,7 @@ class Ledger:
         (True, True, False)
         """
         now = answer.started_at
-        return (
-            now is not None
-            and answer.outcome in (Outcome.EXECUTED, Outcome.TAKEN_OVER, Outcome.FENCED_OUT)
-            and now >= self._sweep_rests_until
-        )
+        return now is not None and answer.outcome in _SWEEPS_AFTER and now >= self._sweep_rests_until
 
     def after_response(self, answer: Answer) -> SweepResult | None:
         """The post-response housekeeping of SPEC §4.9: one bounded sweep batch
@@ -530,7 +527,7 @@ class Ledger:
         0
         """
         now = answer.started_at
-        if now is None or answer.outcome not in (Outcome.EXECUTED, Outcome.TAKEN_OVER, Outcome.FENCED_OUT):
+        if now is None or answer.outcome not in _SWEEPS_AFTER:
             return None
         if now < self._sweep_rests_until:
             # The last probe showed nothing can expire before then: no statement at all.
@@ -1001,6 +998,8 @@ class Ledger:
         )
 
 
+# Requests that ran the mutation sweep one batch after their answer.
+_SWEEPS_AFTER = frozenset({Outcome.EXECUTED, Outcome.TAKEN_OVER, Outcome.FENCED_OUT})
 # Routine decisions are counted (listeners, metrics), not logged line by line.
 _QUIET = frozenset({Outcome.EXECUTED, Outcome.REPLAYED, Outcome.PASSTHROUGH})
 _LOUD = frozenset({Outcome.FENCED_OUT, Outcome.NOT_STORED, Outcome.UNAVAILABLE})
@@ -1019,10 +1018,6 @@ def _event_fields(event: Event) -> dict[str, object]:
         "app_ms": None if event.app_ms is None else round(event.app_ms, 3),
         "at": event.at,
     }
-
-
-def is_remote(target: object) -> bool:
-    return isinstance(target, str) and target.startswith(("postgresql://", "postgres://"))
 
 
 def check_principal(principal: object) -> None:
