@@ -131,20 +131,22 @@ def test_with_the_wait_option_a_duplicate_waits_for_the_first_call_and_gets_its_
         return "charged"
 
     lookups = []
-    real_lookup = ledger.lookup
+    real_lookup = ledger.store.lookup
 
     def counting_lookup(principal, key):
         lookups.append(key)
         return real_lookup(principal, key)
 
-    ledger.lookup = counting_lookup
+    ledger.store.lookup = counting_lookup  # the duplicate's polls read through here
     results: list[tuple[str, str]] = []
     first = threading.Thread(target=lambda: results.append(("first", charge())))
     first.start()
     assert started.wait(30)
     duplicate = threading.Thread(target=lambda: results.append(("duplicate", charge())))
     duplicate.start()
+    deadline = time.monotonic() + 30
     while len(lookups) < 2:  # its lookup, then at least one poll: it is waiting
+        assert time.monotonic() < deadline, f"the duplicate never polled: {lookups}"
         time.sleep(0.01)
     release.set()
     first.join(30)
