@@ -2,7 +2,8 @@
 cores), `python -m bench --quick` (every benchmark at tiny sizes, well under
 a minute; checks the harness, says nothing about speed) and
 `python -m bench --report` (write docs/performance.md from
-bench/results/latest.json without measuring anything)."""
+bench/results/latest.json without measuring anything). `--peers` adds the
+peers side by side (idemkit, Powertools; `pip install -e '.[bench]'`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from . import asgi, contention, cycle, group_commit, growth, memory, middleware, postgres, report, sweep
+from . import asgi, contention, cycle, group_commit, growth, memory, middleware, peers, postgres, report, sweep
 from .common import Context, filesystem_of, machine_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,7 +37,10 @@ BENCHMARKS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "postgres": postgres.run,
     "asgi": asgi.run,
     "group_commit": group_commit.run,
+    # Optional: runs only with --peers (or --only peers), since it needs the peers installed.
+    "peers": peers.run,
 }
+OPTIONAL = {"peers"}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -44,6 +48,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that the harness works, nothing else")
     p.add_argument("--report", action="store_true", help="only write the performance page (--page) from --out")
     p.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="also run the peers side by side (idemkit, Powertools; pip install -e '.[bench]'), "
+        "in addition to whatever --only selects",
+    )
     p.add_argument(
         "--dir",
         default=os.environ.get("IDEMCTL_BENCH_DIR"),
@@ -93,9 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     failed = []
     t_all = time.perf_counter()
-    for name, fn in BENCHMARKS.items():
-        if only and name not in only:
-            continue
+    selected = [
+        name
+        for name in BENCHMARKS
+        if (name in only if only else name not in OPTIONAL) or (args.peers and name == "peers")
+    ]
+    for name in selected:
+        fn = BENCHMARKS[name]
         t0 = time.perf_counter()
         log(f"[{name}] start")
         try:

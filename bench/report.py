@@ -379,6 +379,119 @@ def _group_commit(res: dict[str, Any]) -> list[str]:
     return out
 
 
+PEERS_NON_DURABLE = "non-durable reference (Redis without persistence)"
+_PEER_NAMES = {"idemctl": "idemctl", "idemkit": "idemkit", "powertools": "Powertools"}
+
+
+def _store_label(res: dict[str, Any], floor: str) -> str:
+    sv = res["servers"]
+    if floor == "postgres":
+        return f"PostgreSQL {sv['postgres']['server_version'].split()[0]}"
+    redis = sv.get("redis", {})
+    persistence = "with persistence" if redis.get("persistence") else "without persistence"
+    return f"Redis {redis.get('version', '?')} {persistence}"
+
+
+def _peers(res: dict[str, Any]) -> list[str]:
+    """(10): the peers' throughput against the floors of the same rounds, and
+    the correctness facts the figures rest on."""
+    v = res["versions"]
+    t = res["throughput"]
+    pg = res["servers"]["postgres"]
+    out = [
+        "| (10) peers, in-process, same callers | store | first calls/s | ÷ floor | p99 ms | replays/s | ÷ floor | p99 ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def fig(f: dict[str, Any], floor: bool = False) -> str:
+        ratio = "1" if floor else _sp(f["ratio"])
+        return f"{_n(f['ops_per_s']['median'])} | {ratio} | {f['latency']['p99_ms']:.1f}"
+
+    floor_labels = {
+        "postgres": "floor: raw psycopg claim + fenced completion; a PK SELECT for replays",
+        "redis": "floor: raw Redis SET NX + SET of the same sizes; a GET for replays",
+    }
+    for floor in ("postgres", "redis"):
+        if floor not in t["floors"]:
+            continue
+        fl = t["floors"][floor]
+        out.append(f"| {floor_labels[floor]} | {_store_label(res, floor)} | {fig(fl['first'], True)} | {fig(fl['replay'], True)} |")
+        for row in t["rows"]:
+            if row["floor"] != floor:
+                continue
+            label = row["label"]
+            if not row["durable"]:
+                label += f" — **{PEERS_NON_DURABLE}**"
+            out.append(f"| {label} | {_store_label(res, floor)} | {fig(row['first'])} | {fig(row['replay'])} |")
+    versions = ", ".join(f"{name} {ver}" for name, ver in v.items() if ver)
+    rq = t["requests_per_round"]
+    out += [
+        "",
+        f"Versions: {versions}. PostgreSQL synchronous_commit={pg['synchronous_commit']}, fsync={pg['fsync']}. "
+        f"{t['rounds']} rounds of {rq['first']} first calls and {rq['replay']} replays (of {rq['replay_keys']} keys) "
+        "per variant, every variant once per round in rotating order; each ratio is taken within its round. "
+        "Each system runs with its defaults apart from the principal (a scope per account) and, for Powertools, "
+        "the key's JMESPath.",
+    ]
+    if res.get("gaps"):
+        out[-1] += " Not measured: " + "; ".join(f"{k}: {why}" for k, why in res["gaps"].items()) + "."
+    facts = res.get("facts", {})
+    if facts:
+        out += [
+            "",
+            "| (10) correctness facts | race: runs of one key sent by real threads at once (what the others got) "
+            "| crash (SIGKILL inside the handler): a retry with the key runs after | that wait is | "
+            "late writer: stored answer once the stalled owner A finishes after B took over (A's client got) |",
+            "|---|---|---|---|---|",
+        ]
+        for name, f in facts.items():
+            race, rec, late = f["race"], f["recovery"], f["late_writer"]
+            label = _PEER_NAMES.get(name, name) + (f" — **{PEERS_NON_DURABLE}**" if name == "powertools" else "")
+            others = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in race["replies"].items() if k != "ran")
+            ran = f"**{race['executions']}** of {race['threads']} ({others or 'none else'})"
+            if race.get("errors"):
+                ran += f"; errors: {'; '.join(race['errors'])}"
+            recovered = (
+                f"{rec['recovered_s']:.2f} s (first retry: {rec['first_retry']['kind'].replace('_', ' ')})"
+                if rec["recovered_s"] is not None
+                else f"not within {rec['gave_up_after_s']:.0f} s"
+            )
+            governed = f"`{rec['ttl_setting']}`, set to {rec['ttl_s']:g} s here (default {rec['ttl_default_s']:g} s)"
+            stored = late["stored_after_a"]
+            verdict = "B: A is fenced out" if stored == "B" else ("**A: the late writer overwrote B**" if stored == "A" else stored)
+            out.append(
+                f"| {label} | {ran} | {recovered} | {governed} | {verdict} (A's client: {late['a_client_got'].split()[-1]}) |"
+            )
+        out += ["", *_peer_fact_notes(facts)]
+    return out
+
+
+def _peer_fact_notes(facts: dict[str, Any]) -> list[str]:
+    notes = [
+        "Facts measured with short TTLs so that they take seconds; the recovery time counts from the moment the "
+        "killed attempt reported being inside its handler (just after its claim), with a retry every "
+        f"{next(iter(facts.values()))['recovery']['poll_s'] * 1000:.0f} ms."
+    ]
+    if "idemkit" in facts:
+        notes[-1] += (
+            " idemkit's duplicates wait for the first attempt (`wait_timeout_seconds`, 10 s by default, kept in the "
+            "race) and are then replayed; the crash retries wait 0.1 s, so that they measure its lease, not the wait."
+        )
+    if "powertools" in facts:
+        pv = facts["powertools"].get("replay_with_validation")
+        notes[-1] += (
+            " Outside Lambda, Powertools has no context to bound an in-progress record, so a crashed attempt "
+            "blocks its key for `expires_after_seconds`, the same setting that keeps completed answers."
+        )
+        if pv:
+            notes[-1] += (
+                f" With `payload_validation_jmespath` set (its request fingerprint), its Redis layer answered a "
+                f"plain retry of a completed call with `{pv['retry_detail'] or pv['retry']}`: the completed record "
+                "is written without the validation hash. So the figures above run it without validation, its default."
+            )
+    return notes
+
+
 def render(r: dict[str, Any]) -> str:
     b = r["benchmarks"]
     parts: list[str] = [_machine(r), ""]
@@ -407,6 +520,9 @@ def render(r: dict[str, Any]) -> str:
     if "group_commit" in b:  # results from before it existed have no such section
         gap = _gap("group_commit", b["group_commit"])
         parts += ([gap] if gap else _group_commit(b["group_commit"])) + [""]
+    if "peers" in b:  # optional: only a run with --peers has it
+        gap = _gap("peers", b["peers"])
+        parts += ([gap] if gap else _peers(b["peers"])) + [""]
     return "\n".join(parts).rstrip() + "\n"
 
 
