@@ -31,12 +31,19 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def _is_self(requirement: str, project: str) -> bool:
+    m = _REQUIREMENT.match(requirement)
+    return bool(m) and canonical(m["name"]) == canonical(project) and not m["spec"].strip()
+
+
 def lower_bounds(pyproject: dict) -> dict[str, tuple[str, str | None]]:
     """{canonical name: (lowest version, environment marker or None)}."""
     project = pyproject["project"]
     requirements = list(project.get("dependencies", []))
     for extra in project.get("optional-dependencies", {}).values():
-        requirements += extra
+        # An extra that pulls in another of ours ("idemctl[bench]") adds no
+        # package: that extra's own requirements are pinned where they stand.
+        requirements += [r for r in extra if not _is_self(r, project["name"])]
     found: dict[str, tuple[str, str | None]] = {}
     problems: list[str] = []
     for requirement in requirements:
