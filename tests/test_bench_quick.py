@@ -70,3 +70,43 @@ def test_quick_benchmark_run_exits_0_and_renders_every_table(tmp_path):
     assert ("| (7) PostgreSQL |" in table) or ("_postgres: **gap**" in table)
     # The big backlog copies are removed as soon as the sweep benchmark is done with them.
     assert not (tmp_path / "work" / "backlog.db").exists()
+
+
+def test_quick_run_with_peers_adds_them_to_only_and_renders_the_peers_section(tmp_path):
+    out = tmp_path / "peers.json"
+    page = tmp_path / "performance.md"
+    work = tmp_path / "work"
+    run = [sys.executable, "-m", "bench", "--dir", str(work), "--out", str(out)]
+    proc = subprocess.run([*run, "--quick", "--peers", "--only", "cycle"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    benchmarks = json.loads(out.read_text())["benchmarks"]
+    # --peers comes on top of what --only selects.
+    assert list(benchmarks) == ["cycle", "peers"]
+    peers = benchmarks["peers"]
+    if "missing" in peers:  # the peers or a store are absent here: a gap, never silently dropped
+        assert not os.environ.get("CI"), peers["missing"]
+        assert "_peers: **gap**" in proc.stdout
+        return
+    assert "error" not in peers, peers
+    assert peers["versions"]["idemkit"] and peers["versions"]["aws-lambda-powertools"]
+    assert [row["id"] for row in peers["throughput"]["rows"]] == [
+        "idemctl_wsgi",
+        "idemkit_wsgi",
+        "idemctl_asgi",
+        "idemkit_asgi",
+        "idemctl_function",
+        "powertools",
+    ]
+    assert set(peers["facts"]) == {"idemctl", "idemkit", "powertools"}
+    assert peers["facts"]["idemctl"]["race"]["executions"] == 1
+    assert peers["facts"]["idemctl"]["late_writer"]["stored_after_a"] == "B"
+    # The page renders the peers section from the same results.
+    rendered = subprocess.run(
+        [*run, "--report", "--page", str(page)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert rendered.returncode == 0, rendered.stderr[-3000:]
+    text = page.read_text()
+    for heading in ("| (10) peers, in-process, same callers |", "| (10) correctness facts |"):
+        assert heading in text and heading in proc.stdout, heading
+    assert "idemkit 1.0.2" in text or f"idemkit {peers['versions']['idemkit']}" in text
+    assert "non-durable reference (Redis without persistence)" in text
