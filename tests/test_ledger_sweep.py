@@ -50,6 +50,32 @@ def test_sweep_never_deletes_a_row_inside_retention(ledger, clock):
     assert all(ledger.lookup("acct", f"new{i:04d}") for i in range(5))
 
 
+def test_a_row_written_below_a_draining_sweeps_starting_point_is_still_swept(make_ledger, clock):
+    # A drain starts each batch's index walk at the oldest row it last saw.
+    # A host whose clock lags a day behind writes a row older than that
+    # point: the drain must still find it before it reports nothing left.
+    ledger = make_ledger()
+    fill(ledger, clock, 30)
+    clock.advance(DAY + 100)
+    assert ledger.sweep(batch=10).keys_deleted == 10
+    lagging = make_ledger(clock_fn=lambda: clock() - DAY - 50, init=False)
+    lagging.complete(lagging.claim("acct", "from-the-past", "fp"), 200, {}, b"ok")
+    drained = ledger.drain(batch=10)
+    assert (drained.keys_deleted, drained.stopped.value) == (21, "drained")
+    assert ledger.lookup("acct", "from-the-past") is None
+    assert ledger.stats().total == 0
+
+
+def test_once_a_sweep_finds_nothing_due_it_walks_from_the_start_again(make_ledger, clock):
+    ledger = make_ledger()
+    fill(ledger, clock, 5)
+    clock.advance(DAY + 100)
+    assert ledger.drain(batch=2).keys_deleted == 5
+    lagging = make_ledger(clock_fn=lambda: clock() - 2 * DAY, init=False)
+    lagging.complete(lagging.claim("acct", "late", "fp"), 200, {}, b"ok")
+    assert ledger.sweep(batch=10).keys_deleted == 1
+
+
 def test_sweep_also_removes_abandoned_pending_rows(ledger, clock):
     ledger.claim("acct", "abandoned", "fp")
     clock.advance(DAY + 1)
@@ -145,8 +171,9 @@ def test_sweep_statements_walk_the_updated_at_index(tmp_path):
     ledger = Ledger.open(tmp_path / "plan.db")
     ledger.init()
     conn = sqlite3.connect(tmp_path / "plan.db")
-    plan = " | ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + SQL_SWEEP, {"cutoff": 0, "limit": 20}))
-    assert "USING COVERING INDEX idx_idempotency_keys_updated_at (updated_at<?)" in plan
+    params = {"after": 0, "cutoff": 0, "limit": 20}
+    plan = " | ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + SQL_SWEEP, params))
+    assert "USING COVERING INDEX idx_idempotency_keys_updated_at (updated_at>? AND updated_at<?)" in plan
     assert "SCAN idempotency_keys" not in plan
     plan = " | ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + SQL_SWEEP_FENCED, {"cutoff": 0, "limit": 20}))
     assert "idx_idemctl_fenced_out_fenced_at (fenced_at<?)" in plan

@@ -5,6 +5,8 @@ the shared suite, which runs against PostgreSQL through `ledger_target`."""
 
 from __future__ import annotations
 
+import re
+
 import json
 import os
 import threading
@@ -98,7 +100,8 @@ def test_sweep_walks_the_updated_at_index_and_deletes_by_tid_never_scanning_the_
     pg.execute("ANALYZE idempotency_keys")
     # psycopg prepares a statement after 5 runs; the generic plan must be as good.
     pg.execute(f"SET plan_cache_mode = {plan_cache_mode}")
-    (plan,) = pg.execute("EXPLAIN (FORMAT JSON) " + SQL_SWEEP, {"cutoff": 15_000, "limit": 20}).fetchone()[0]
+    params = {"after": 1, "cutoff": 15_000, "limit": 20}
+    (plan,) = pg.execute("EXPLAIN (FORMAT JSON) " + SQL_SWEEP, params).fetchone()[0]
     nodes = list(_plan_nodes(plan["Plan"]))
     kinds = [n["Node Type"] for n in nodes]
     assert kinds[0] == "ModifyTable" and nodes[0]["Operation"] == "Delete"
@@ -108,6 +111,8 @@ def test_sweep_walks_the_updated_at_index_and_deletes_by_tid_never_scanning_the_
     [limit] = [n for n in nodes if n["Node Type"] == "Limit"]
     [index] = limit["Plans"]
     assert (index["Node Type"], index["Index Name"]) == ("Index Scan", "idx_idempotency_keys_updated_at")
+    # The walk starts at the sweep's starting point, not at the index's first entry.
+    assert re.fullmatch(r"\(\(updated_at >= .+\) AND \(updated_at < .+\)\)", index["Index Cond"]), index["Index Cond"]
 
     result = ledger.sweep(now=15_000 + ledger.policy.retention_ms, batch=20)
     assert (result.keys_deleted, result.cutoff) == (20, 15_000)
@@ -274,3 +279,48 @@ def test_a_forked_child_opens_its_own_pool_and_the_parent_keeps_its_connection(l
     row = ledger.lookup("acct", "from-child")
     assert row is not None and row.status is Status.COMPLETED
     ledger.close()
+
+
+def test_a_draining_sweep_steps_over_none_of_the_dead_index_entries_its_earlier_batches_left(
+    ledger: Ledger, pg: psycopg.Connection
+) -> None:
+    # PostgreSQL keeps a deleted row's index entry until VACUUM. A batch that
+    # walked the updated_at index from its start would read every entry the
+    # earlier batches deleted: the drain would slow down batch after batch.
+    pg.execute("ALTER TABLE idempotency_keys SET (autovacuum_enabled = false)")
+    pg.execute(
+        "INSERT INTO idempotency_keys (principal, key, fingerprint, status, created_at, updated_at) "
+        "SELECT 'acct', 'k' || g, 'f', 'completed', g, g FROM generate_series(1, 30000) AS g"
+    )
+    pg.execute("ANALYZE idempotency_keys")
+    now = 40_000 + ledger.policy.retention_ms
+    probes: list[object] = []
+    read = ledger.store.engine.read
+
+    def recording_read(sql, params):  # type: ignore[no-untyped-def]
+        if "min(updated_at)" in sql:
+            probes.append(params["after"])
+        return read(sql, params)
+
+    ledger.store.engine.read = recording_read  # type: ignore[method-assign]
+    for _ in range(25):
+        assert ledger.sweep(now=now, batch=1000).keys_deleted == 1000
+    # Each batch started where the one before found the oldest row.
+    assert probes[1:] == [1 + 1000 * i for i in range(24)]
+
+    def index_pages_read(after: int) -> int:
+        pg.execute("BEGIN")
+        try:
+            (plan,) = pg.execute(
+                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + SQL_SWEEP,
+                {"after": after, "cutoff": 40_000, "limit": 1000},
+            ).fetchone()[0]
+        finally:
+            pg.execute("ROLLBACK")
+        [limit] = [n for n in _plan_nodes(plan["Plan"]) if n["Node Type"] == "Limit"]
+        return int(limit["Shared Hit Blocks"]) + int(limit["Shared Read Blocks"])
+
+    from_the_hint, from_the_start = index_pages_read(25_001), index_pages_read(-(2**62))
+    # Both read the same heap pages for the 1000 rows; the walk from the start
+    # also reads the leaf pages of 25 000 dead entries (some 60 of them).
+    assert from_the_start - from_the_hint >= 50, (from_the_hint, from_the_start)

@@ -45,15 +45,20 @@ def _body_text_or_bytes(value: object) -> object:
 
 
 # SQLite has no DELETE … LIMIT: bound the batch through a rowid subquery that
-# walks idx_idempotency_keys_updated_at oldest first.
+# walks idx_idempotency_keys_updated_at oldest first, from `:after` (the
+# oldest row the sweep just read: where the walk can start).
 _SQLITE_SWEEP_KEYS = """
 DELETE FROM idempotency_keys WHERE rowid IN (
-  SELECT rowid FROM idempotency_keys WHERE updated_at < :cutoff ORDER BY updated_at LIMIT :limit
+  SELECT rowid FROM idempotency_keys WHERE updated_at >= :after AND updated_at < :cutoff
+  ORDER BY updated_at LIMIT :limit
 )
 """
 
 # PostgreSQL has no DELETE … LIMIT either. An InitPlan walks the updated_at
-# index oldest first and collects at most N row addresses (ctid); the delete
+# index oldest first from `:after` (rows deleted by earlier batches stay in
+# the index as dead entries until VACUUM: a walk from the index's start would
+# step over all of them, more each batch) and collects at most N row
+# addresses (ctid); the delete
 # visits exactly those by TID Scan. If a takeover refreshes a chosen row
 # while this statement waits for its row lock, READ COMMITTED re-checks the
 # quals against the committed version; the outer cutoff test (written
@@ -62,7 +67,8 @@ DELETE FROM idempotency_keys WHERE rowid IN (
 _POSTGRES_SWEEP_KEYS = """
 DELETE FROM idempotency_keys
 WHERE ctid = ANY(ARRAY(
-  SELECT ctid FROM idempotency_keys WHERE updated_at < :cutoff ORDER BY updated_at LIMIT :limit
+  SELECT ctid FROM idempotency_keys WHERE updated_at >= :after AND updated_at < :cutoff
+  ORDER BY updated_at LIMIT :limit
 )) AND updated_at + 0 < :cutoff
 """
 

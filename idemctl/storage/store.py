@@ -105,11 +105,15 @@ DELETE FROM idemctl_fenced_out WHERE id IN (
 
 # Read-only probes through the same indexes (a min() is one index step):
 # when nothing is past retention, the per-request sweep takes no write lock,
-# and the oldest timestamps say how long nothing will be.
-OLDEST = "SELECT (SELECT min(updated_at) FROM idempotency_keys)"
+# and the oldest timestamps say how long nothing will be. `:after` is where
+# the index walk may start (see Store.sweep).
+OLDEST = "SELECT (SELECT min(updated_at) FROM idempotency_keys WHERE updated_at >= :after)"
 OLDEST_WITH_FENCED = (
-    "SELECT (SELECT min(updated_at) FROM idempotency_keys), (SELECT min(fenced_at) FROM idemctl_fenced_out)"
+    "SELECT (SELECT min(updated_at) FROM idempotency_keys WHERE updated_at >= :after),"
+    " (SELECT min(fenced_at) FROM idemctl_fenced_out)"
 )
+# Below every timestamp a ledger holds: an index walk from the start.
+FROM_THE_START = -(2**62)
 
 COUNT_EXPIRED = "SELECT count(*) FROM idempotency_keys WHERE updated_at < :cutoff"
 COUNT_FENCED_EXPIRED = "SELECT count(*) FROM idemctl_fenced_out WHERE fenced_at < :cutoff"
@@ -200,6 +204,14 @@ class Store:
         self._spell = spell
         self._tables: frozenset[str] | None = None
         self._checked = False
+        # The oldest row's updated_at at the last sweep that found rows due.
+        # While a backlog drains, sweeps start their index walks there: on
+        # PostgreSQL the rows earlier batches deleted stay in the index as
+        # dead entries until VACUUM, and a walk from the start steps over all
+        # of them. Rows only get newer (claims and takeovers write the
+        # current time), so it stays a lower bound; it is dropped as soon as
+        # a sweep finds nothing due, after one walk from the start.
+        self._sweep_from = FROM_THE_START
 
     # -- plumbing -------------------------------------------------------------------
     def sql(self, text: str) -> str:
@@ -410,19 +422,29 @@ class Store:
         DELETE still decides on its own."""
         self._guard()
         fenced_log = self.has_fenced_log()
-        oldest = self._read(OLDEST_WITH_FENCED if fenced_log else OLDEST)[0]
-        oldest_row = oldest[0]
-        oldest_event = oldest[1] if fenced_log else None
-        # With no row (or event), the first one to expire is one written from now on.
-        row_headroom = (now if oldest_row is None else int(oldest_row)) - cutoff
-        event_headroom = (now if oldest_event is None else int(oldest_event)) - fenced_cutoff
-        if not fenced_log:
-            event_headroom = row_headroom
+        probe = self.sql(OLDEST_WITH_FENCED if fenced_log else OLDEST)
+        after = self._sweep_from
+        while True:
+            oldest = self.engine.read(probe, {"after": after})[0]
+            oldest_row = oldest[0]
+            oldest_event = oldest[1] if fenced_log else None
+            # With no row (or event), the first one to expire is one written from now on.
+            row_headroom = (now if oldest_row is None else int(oldest_row)) - cutoff
+            event_headroom = (now if oldest_event is None else int(oldest_event)) - fenced_cutoff
+            if not fenced_log:
+                event_headroom = row_headroom
+            if row_headroom <= 0 or after == FROM_THE_START:
+                break
+            # Nothing due past the hint: one walk from the start makes sure
+            # (a row written by a host whose clock lags would sit below it).
+            after = self._sweep_from = FROM_THE_START
         if row_headroom > 0 and event_headroom > 0:
             return SweepResult(0, 0, cutoff, fenced_cutoff, min(row_headroom, event_headroom))
         statements = []
         if row_headroom <= 0:
-            statements.append((self.sql(self.dialect.sweep_keys), {"cutoff": cutoff, "limit": limit}))
+            self._sweep_from = after = int(oldest_row)
+            params = {"after": after, "cutoff": cutoff, "limit": limit}
+            statements.append((self.sql(self.dialect.sweep_keys), params))
         if fenced_log and event_headroom <= 0:
             statements.append((self.sql(SWEEP_FENCED), {"cutoff": fenced_cutoff, "limit": limit}))
         counts = self.engine.write_turn(statements)
