@@ -751,7 +751,7 @@ class Ledger:
     def drain_batch(self) -> int:
         """The batch size this storage engine drains a backlog with (the
         CLI's `sweep` default): 250 on SQLite, where each batch holds the
-        database-wide write lock that claims wait for; 1000 on PostgreSQL,
+        database-wide write lock that claims wait for; 5000 on PostgreSQL,
         where it locks only the expired rows it deletes.
 
         >>> Ledger.open(":memory:").drain_batch

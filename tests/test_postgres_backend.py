@@ -5,10 +5,9 @@ the shared suite, which runs against PostgreSQL through `ledger_target`."""
 
 from __future__ import annotations
 
-import re
-
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -104,7 +103,10 @@ def test_sweep_walks_the_updated_at_index_and_deletes_by_tid_never_scanning_the_
     (plan,) = pg.execute("EXPLAIN (FORMAT JSON) " + SQL_SWEEP, params).fetchone()[0]
     nodes = list(_plan_nodes(plan["Plan"]))
     kinds = [n["Node Type"] for n in nodes]
-    assert kinds[0] == "ModifyTable" and nodes[0]["Operation"] == "Delete"
+    # The CTE's DELETE under the aggregate that counts what it returned.
+    assert kinds[0] == "Aggregate"
+    [delete] = [n for n in nodes if n["Node Type"] == "ModifyTable"]
+    assert delete["Operation"] == "Delete"
     assert "Seq Scan" not in kinds and "Bitmap Heap Scan" not in kinds, kinds
     [tid] = [n for n in nodes if n["Node Type"] == "Tid Scan"]
     assert tid["Relation Name"] == "idempotency_keys"
@@ -295,18 +297,27 @@ def test_a_draining_sweep_steps_over_none_of_the_dead_index_entries_its_earlier_
     pg.execute("ANALYZE idempotency_keys")
     now = 40_000 + ledger.policy.retention_ms
     probes: list[object] = []
-    read = ledger.store.engine.read
+    batches_from: list[object] = []
+    engine = ledger.store.engine
+    read, write_turn = engine.read, engine.write_turn
 
     def recording_read(sql, params):  # type: ignore[no-untyped-def]
         if "min(updated_at)" in sql:
             probes.append(params["after"])
         return read(sql, params)
 
-    ledger.store.engine.read = recording_read  # type: ignore[method-assign]
+    def recording_write_turn(statements):  # type: ignore[no-untyped-def]
+        batches_from.extend(params["after"] for sql, params in statements if "idempotency_keys" in sql)
+        return write_turn(statements)
+
+    engine.read = recording_read  # type: ignore[method-assign]
+    engine.write_turn = recording_write_turn  # type: ignore[method-assign]
     for _ in range(25):
         assert ledger.sweep(now=now, batch=1000).keys_deleted == 1000
-    # Each batch started where the one before found the oldest row.
-    assert probes[1:] == [1 + 1000 * i for i in range(24)]
+    # One probe found the oldest row; then each full batch started where the
+    # one before it ended, with no probe in between.
+    assert probes == [-(2**62)]
+    assert batches_from == [1] + [1000 * i for i in range(1, 25)]
 
     def index_pages_read(after: int) -> int:
         pg.execute("BEGIN")
@@ -320,7 +331,14 @@ def test_a_draining_sweep_steps_over_none_of_the_dead_index_entries_its_earlier_
         [limit] = [n for n in _plan_nodes(plan["Plan"]) if n["Node Type"] == "Limit"]
         return int(limit["Shared Hit Blocks"]) + int(limit["Shared Read Blocks"])
 
-    from_the_hint, from_the_start = index_pages_read(25_001), index_pages_read(-(2**62))
-    # Both read the same heap pages for the 1000 rows; the walk from the start
-    # also reads the leaf pages of 25 000 dead entries (some 60 of them).
-    assert from_the_start - from_the_hint >= 50, (from_the_hint, from_the_start)
+    from_where_it_ended, from_the_start = index_pages_read(25_000), index_pages_read(-(2**62))
+    # Both read the same heap pages for the next 1000 rows; the walk from the
+    # start also reads the leaf pages of 25 000 dead entries (some 60 of them).
+    assert from_the_start - from_where_it_ended >= 50, (from_where_it_ended, from_the_start)
+
+    last = ledger.sweep(now=now, batch=10_000)
+    assert (last.keys_deleted, batches_from[-1]) == (5000, 25_000)
+    # Not a full batch: the next sweep probes, from where the drain ended,
+    # then once more from the start before it says there is nothing due.
+    assert ledger.sweep(now=now, batch=10_000).keys_deleted == 0
+    assert probes == [-(2**62), 30_000, -(2**62)]

@@ -108,7 +108,7 @@ def sweep(
             "--batch-size",
             metavar="N",
             callback=in_range(1, MAX_SWEEP_BATCH),
-            help=f"Rows per DELETE statement, 1 to {MAX_SWEEP_BATCH} (default: 250 on SQLite, 1000 on PostgreSQL).",
+            help=f"Rows per DELETE statement, 1 to {MAX_SWEEP_BATCH} (default: 250 on SQLite, 5000 on PostgreSQL).",
             show_default=False,
         ),
     ] = None,

@@ -43,8 +43,8 @@ class Engine(Protocol):
     def write(self, sql: str, params: Params) -> Rows:
         """One auto-committed statement; its RETURNING rows."""
 
-    def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[int]:
-        """Each statement's row count, all run in one turn of the writers."""
+    def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[Rows]:
+        """Each statement's RETURNING rows, all run in one turn of the writers."""
 
     def stream(self, sql: str, params: Params) -> Iterator[tuple[Any, ...]]:
         """A read whose rows are not all held in memory at once."""

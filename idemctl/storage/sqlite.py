@@ -618,14 +618,14 @@ class SqliteEngine:
         finally:
             self._leave_queue(slot, fd, shortened)
 
-    def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[int]:
+    def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[Rows]:
         # The sweep's DELETEs share one turn of the writer queue: each extra
         # turn is one more hand-over between processes.
         try:
             slot = self._slot()
             fd, shortened = self._enter_queue(slot)
             try:
-                return [slot.conn.execute(sql, params).rowcount for sql, params in statements]
+                return [slot.conn.execute(sql, params).fetchall() for sql, params in statements]
             finally:
                 self._leave_queue(slot, fd, shortened)
         except sqlite3.Error as exc:

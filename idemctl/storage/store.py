@@ -101,6 +101,7 @@ SWEEP_FENCED = """
 DELETE FROM idemctl_fenced_out WHERE id IN (
   SELECT id FROM idemctl_fenced_out WHERE fenced_at < :cutoff ORDER BY fenced_at LIMIT :limit
 )
+RETURNING id
 """
 
 # Read-only probes through the same indexes (a min() is one index step):
@@ -204,14 +205,18 @@ class Store:
         self._spell = spell
         self._tables: frozenset[str] | None = None
         self._checked = False
-        # The oldest row's updated_at at the last sweep that found rows due.
-        # While a backlog drains, sweeps start their index walks there: on
-        # PostgreSQL the rows earlier batches deleted stay in the index as
-        # dead entries until VACUUM, and a walk from the start steps over all
-        # of them. Rows only get newer (claims and takeovers write the
-        # current time), so it stays a lower bound; it is dropped as soon as
-        # a sweep finds nothing due, after one walk from the start.
+        # Where the last batch that deleted rows ended (the newest timestamp
+        # it deleted). While a backlog drains, the next batch starts its index
+        # walk there: on PostgreSQL the rows earlier batches deleted stay in
+        # the index as dead entries until VACUUM, and a walk from the start
+        # would step over all of them. Rows only get newer (claims and
+        # takeovers write the current time), so nothing is left below it;
+        # it is dropped once a sweep finds nothing due, after one more walk
+        # from the start.
         self._sweep_from = FROM_THE_START
+        # The last batch was full: the backlog goes on, and the next batch
+        # skips the probe (its DELETE decides on its own anyway).
+        self._draining = False
 
     # -- plumbing -------------------------------------------------------------------
     def sql(self, text: str) -> str:
@@ -418,9 +423,15 @@ class Store:
         in one turn of the engine's writer queue. First one indexed read of
         the oldest timestamps: when nothing is past retention it deletes
         nothing, takes no write lock, and says in `quiet_for_ms` how long
-        nothing can be (rows only get newer). Not check-then-act: each
-        DELETE still decides on its own."""
+        nothing can be (rows only get newer). While a backlog drains (the
+        last batch was full) the read is skipped. Not check-then-act: each
+        DELETE decides on its own."""
         self._guard()
+        if self._draining:
+            self._draining = False
+            keys, _ = self._delete_batch(cutoff, limit, self._sweep_from, None)
+            if keys:
+                return SweepResult(keys, 0, cutoff, fenced_cutoff)
         fenced_log = self.has_fenced_log()
         probe = self.sql(OLDEST_WITH_FENCED if fenced_log else OLDEST)
         after = self._sweep_from
@@ -440,17 +451,30 @@ class Store:
             after = self._sweep_from = FROM_THE_START
         if row_headroom > 0 and event_headroom > 0:
             return SweepResult(0, 0, cutoff, fenced_cutoff, min(row_headroom, event_headroom))
-        statements = []
-        if row_headroom <= 0:
-            self._sweep_from = after = int(oldest_row)
-            params = {"after": after, "cutoff": cutoff, "limit": limit}
-            statements.append((self.sql(self.dialect.sweep_keys), params))
-        if fenced_log and event_headroom <= 0:
-            statements.append((self.sql(SWEEP_FENCED), {"cutoff": fenced_cutoff, "limit": limit}))
-        counts = self.engine.write_turn(statements)
-        keys = counts.pop(0) if row_headroom <= 0 else 0
-        fenced = counts.pop(0) if fenced_log and event_headroom <= 0 else 0
+        fenced_cutoff_due = fenced_cutoff if fenced_log and event_headroom <= 0 else None
+        if row_headroom > 0:
+            (events,) = self.engine.write_turn([self._fenced_batch(fenced_cutoff, limit)])
+            return SweepResult(0, len(events), cutoff, fenced_cutoff)
+        keys, fenced = self._delete_batch(cutoff, limit, int(oldest_row), fenced_cutoff_due)
         return SweepResult(keys, fenced, cutoff, fenced_cutoff)
+
+    def _fenced_batch(self, cutoff: int, limit: int) -> tuple[str, Mapping[str, Any]]:
+        return self.sql(SWEEP_FENCED), {"cutoff": cutoff, "limit": limit}
+
+    def _delete_batch(self, cutoff: int, limit: int, after: int, fenced_cutoff: int | None) -> tuple[int, int]:
+        """One batch of expired rows from `after` on, and one of the
+        fenced-out log's when `fenced_cutoff` is given, in one turn; it
+        remembers where the rows' batch ended."""
+        batch = {"after": after, "cutoff": cutoff, "limit": limit}
+        statements: list[tuple[str, Mapping[str, Any]]] = [(self.sql(self.dialect.sweep_keys), batch)]
+        if fenced_cutoff is not None:
+            statements.append(self._fenced_batch(fenced_cutoff, limit))
+        results = self.engine.write_turn(statements)
+        keys, newest = self.dialect.sweep_tally(results[0])
+        if newest is not None:
+            self._sweep_from = newest
+        self._draining = keys >= limit
+        return keys, len(results[1]) if fenced_cutoff is not None else 0
 
     def count_expired(self, cutoff: int) -> int:
         return int(self._read(COUNT_EXPIRED, {"cutoff": cutoff})[0][0])
