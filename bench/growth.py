@@ -20,19 +20,25 @@ from .common import FINGERPRINT, RAW_CLAIM, Context, now_ms, raw_connect, spread
 
 def _measure(path: str, synchronous: str, reps: int, n: int, seed: int) -> dict[str, Any]:
     ledger = Ledger.open(path, synchronous=synchronous)
+    # The same claim without the fair writer queue: how much of the gap to
+    # the raw statement is the queue's flock and how much is Python.
+    unqueued = Ledger.open(path, synchronous=synchronous, write_queue=False)
     raw = raw_connect(path, synchronous)
     rnd = random.Random(seed)
     ours: list[float] = []
     floor: list[float] = []
+    no_queue: list[float] = []
     # Untimed warm-up of both paths: the first statements after a bulk load
     # pay for reading the file back into the page cache.
     warm = now_ms()
     for _ in range(min(n, 50)):
         raw.execute(RAW_CLAIM, {"principal": "acct_growth", "key": "%032x" % rnd.getrandbits(128), "fingerprint": FINGERPRINT, "token": 1, "now": warm}).fetchall()
         ledger.claim("acct_growth", "%032x" % rnd.getrandbits(128), FINGERPRINT, now=warm)
+        unqueued.claim("acct_growth", "%032x" % rnd.getrandbits(128), FINGERPRINT, now=warm)
     for rep in range(reps):
         keys_a = ["%032x" % rnd.getrandbits(128) for _ in range(n)]
         keys_b = ["%032x" % rnd.getrandbits(128) for _ in range(n)]
+        keys_c = ["%032x" % rnd.getrandbits(128) for _ in range(n)]
         now = now_ms()
 
         def run_floor() -> None:
@@ -43,18 +49,26 @@ def _measure(path: str, synchronous: str, reps: int, n: int, seed: int) -> dict[
             for k in keys_b:
                 ledger.claim("acct_growth", k, FINGERPRINT, now=now)
 
+        def run_unqueued() -> None:
+            for k in keys_c:
+                unqueued.claim("acct_growth", k, FINGERPRINT, now=now)
+
         if rep % 2:
             ours.append(timed(run_ours) / n * 1e6)
             floor.append(timed(run_floor) / n * 1e6)
         else:
             floor.append(timed(run_floor) / n * 1e6)
             ours.append(timed(run_ours) / n * 1e6)
+        no_queue.append(timed(run_unqueued) / n * 1e6)
     ledger.close()
+    unqueued.close()
     raw.close()
     return {
         "floor_us": spread(floor, 1),
         "claim_us": spread(ours, 1),
         "ratio": spread([a / b for a, b in zip(ours, floor)]),
+        "claim_no_queue_us": spread(no_queue, 1),
+        "extra_us": spread([a - b for a, b in zip(ours, floor)], 1),
     }
 
 

@@ -70,7 +70,7 @@ def cycle(ctx: Context, base: str, admin) -> dict[str, Any]:  # type: ignore[no-
     ledger = Ledger.open(url)
     ledger.init()
     raw = _connect(base, schema)
-    n, reps = ctx.size(1000, 30), ctx.size(5, 2)
+    n, reps = ctx.size(1000, 30), ctx.size(6, 3)
 
     def floor(rep: int) -> None:
         now = now_ms()
@@ -85,6 +85,12 @@ def cycle(ctx: Context, base: str, admin) -> dict[str, Any]:  # type: ignore[no-
         for i in range(n):
             ledger.handle("acct_bench", f"led-{rep}-{i}", "POST", "/orders", HEADERS, BODY_1K, noop_mutation)
 
+    def ours_and_sweep(rep: int) -> None:
+        # What the middleware does per request: the sweep after the answer.
+        for i in range(n):
+            answer = ledger.handle("acct_bench", f"aft-{rep}-{i}", "POST", "/orders", HEADERS, BODY_1K, noop_mutation)
+            ledger.after_response(answer)
+
     def lookup(rep: int) -> None:
         for i in range(n):
             raw.execute(SQL_LOOKUP, {"principal": "acct_bench", "key": f"led-0-{i % 50}"}).fetchall()
@@ -94,10 +100,11 @@ def cycle(ctx: Context, base: str, admin) -> dict[str, Any]:  # type: ignore[no-
             ledger.handle("acct_bench", f"led-0-{i % 50}", "POST", "/orders", HEADERS, BODY_1K, noop_mutation)
 
     assert ledger.handle("acct_bench", "check", "POST", "/o", HEADERS, BODY_1K, noop_mutation).outcome is Outcome.EXECUTED
-    rates: dict[str, list[float]] = {"floor": [], "handle": [], "pk_select": [], "replay": []}
-    variants = {"floor": floor, "handle": ours, "pk_select": lookup, "replay": replay}
+    rates: dict[str, list[float]] = {"floor": [], "handle": [], "handle_after": [], "pk_select": [], "replay": []}
+    variants = {"floor": floor, "handle": ours, "handle_after": ours_and_sweep, "pk_select": lookup, "replay": replay}
+    rotation = ["floor", "handle", "handle_after"]
     for rep in range(reps):
-        order = ["floor", "handle"] if rep % 2 == 0 else ["handle", "floor"]
+        order = rotation[rep % 3 :] + rotation[: rep % 3]
         for name in order:
             rates[name].append(n / timed(lambda: variants[name](rep)))
         for name in ("pk_select", "replay"):
@@ -111,6 +118,10 @@ def cycle(ctx: Context, base: str, admin) -> dict[str, Any]:  # type: ignore[no-
         "handle": {
             "ops_per_s": spread(rates["handle"], 1),
             "ratio": spread([a / b for a, b in zip(rates["handle"], rates["floor"])]),
+        },
+        "handle_after": {
+            "ops_per_s": spread(rates["handle_after"], 1),
+            "ratio": spread([a / b for a, b in zip(rates["handle_after"], rates["floor"])]),
         },
         "pk_select": {"ops_per_s": spread(rates["pk_select"], 1)},
         "replay": {
@@ -169,6 +180,38 @@ def _load(admin, schema: str, expired: int, live: int) -> None:  # type: ignore[
     admin.execute("SET search_path = public")
 
 
+def _batch_profile(raw, cutoff: int) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """Where one drain batch's time goes inside the server: EXPLAIN ANALYZE
+    of the sweep statement at the CLI's default batch size, rolled back so
+    the floor's DELETE still finds every row."""
+    from idemctl.storage.dialect import POSTGRES
+
+    sql = POSTGRES.params(POSTGRES.sweep_keys)
+    params = {"after": -(2**62), "cutoff": cutoff, "limit": POSTGRES.drain_batch}
+    raw.execute("BEGIN")
+    try:
+        (plan,) = raw.execute("EXPLAIN (ANALYZE, BUFFERS, WAL, FORMAT JSON) " + sql, params).fetchone()[0]
+    finally:
+        raw.execute("ROLLBACK")
+    nodes = [plan["Plan"]]
+    found: dict[str, Any] = {}
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.get("Plans", []))
+        if node["Node Type"] == "ModifyTable":
+            found["rows"] = node["Actual Rows"]
+        elif node["Node Type"] == "Limit":
+            found["collect_ms"] = node["Actual Total Time"]
+    return {
+        "batch": POSTGRES.drain_batch,
+        "rows": found.get("rows"),
+        "execution_ms": round(plan["Execution Time"], 3),
+        "planning_ms": round(plan["Planning Time"], 3),
+        "collect_ms": round(found.get("collect_ms", 0.0), 3),
+        "wal_bytes": plan["Plan"].get("WAL Bytes"),
+    }
+
+
 def sweep(ctx: Context, base: str, admin) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     expired, live = ctx.size(10**6, 3000), ctx.size(10**4, 100)
     out: dict[str, Any] = {"expired_rows": expired, "live_rows": live}
@@ -177,6 +220,7 @@ def sweep(ctx: Context, base: str, admin) -> dict[str, Any]:  # type: ignore[no-
     out["load_s"] = round(timed(lambda: _load(admin, floor_schema, expired, live)), 2)
     raw = _connect(base, floor_schema)
     cutoff = now_ms() - DAY_MS
+    out["batch_profile"] = _batch_profile(raw, cutoff)
     with Claimer(_schema_url(base, floor_schema)) as claimer:
         t0 = time.perf_counter()
         deleted = raw.execute("DELETE FROM idempotency_keys WHERE updated_at < %s", (cutoff,)).rowcount
@@ -203,6 +247,7 @@ def sweep(ctx: Context, base: str, admin) -> dict[str, Any]:  # type: ignore[no-
     if left != 0 or survivors != live:
         raise AssertionError(f"PostgreSQL sweep left {left} expired rows, {survivors}/{live} live rows")
     out["cli"] = {
+        "drain_ms": summary.get("elapsed_ms"),
         "deleted": summary.get("deleted"),
         "batches": summary.get("batches"),
         "batch_size": summary.get("batch_size"),
