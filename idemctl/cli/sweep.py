@@ -154,15 +154,17 @@ def sweep(
         policy = ledger.policy
         batch = batch_size or ledger.drain_batch
         started_at = ledger.now()
-        backlog = ledger.count_expired()
         if dry_run:
-            fenced_backlog = ledger.count_fenced_expired()
+            backlog, fenced_backlog = ledger.count_expired(), ledger.count_fenced_expired()
             if json_out:
                 emit_json(sweep_dry_run_json(started_at, policy, backlog, fenced_backlog))
             else:
                 typer.echo(_dry_run_words(started_at, policy, backlog, fenced_backlog))
             return
         err = Console(stderr=True)
+        # The count is the progress bar's total: a full index scan of the
+        # backlog that nobody sees when stderr is not a terminal.
+        backlog = ledger.count_expired() if err.is_terminal else 0
         clock = time.monotonic()
         with _stop_on_sigint() as stop, Progress(
             TextColumn("sweeping"),
