@@ -226,6 +226,28 @@ def test_a_failing_statement_fails_only_its_own_caller_and_its_batch_mates_commi
     assert row is not None and row.body_bytes == b"done"
 
 
+def test_a_statement_that_fails_after_writing_a_row_leaves_none_of_it_and_its_batch_mates_commit(db, open_ledger):
+    ledger = open_ledger(group_commit=True)
+    engine = engine_of(ledger)
+    store = ledger.store
+    two_rows_the_second_refused = (
+        "INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, created_at, updated_at) "
+        "VALUES (:p, 'half-1', 'fp', 'pending', 1, 1, 1), (:p, 'half-2', NULL, 'pending', 1, 1, 1)"
+    )
+    batch = ForcedBatch(db, engine)
+    with writer_queue_held(db):
+        batch.add(lambda: store.claim(PRINCIPAL, "lead", "fp", 11, 1000))
+        batch.add(lambda: store.claim(PRINCIPAL, "before", "fp", 12, 1000))
+        batch.add(lambda: engine.write(two_rows_the_second_refused, {"p": PRINCIPAL}))
+        batch.add(lambda: store.claim(PRINCIPAL, "after", "fp", 13, 1000))
+    lead, before, half, after = batch.wait()
+    assert (lead, before, after) == (1, 1, 1)
+    assert isinstance(half, StorageError) and "NOT NULL" in str(half)
+    # The failed INSERT's first row was written before its second failed: undone with it.
+    assert ledger.lookup(PRINCIPAL, "half-1") is None
+    assert (engine.batches_committed, engine.statements_committed) == (2, 3)
+
+
 def test_a_batch_that_cannot_begin_fails_every_statement_and_stores_none(db, open_ledger):
     ledger = open_ledger(group_commit=True, busy_timeout_ms=300)
     engine = engine_of(ledger)

@@ -590,15 +590,17 @@ class SqliteEngine:
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 for p in batch:
-                    conn.execute("SAVEPOINT idemctl_statement")
                     try:
                         p.rows = conn.execute(p.sql, p.params).fetchall()
                     except Exception as exc:
+                        # A failing statement is undone by SQLite itself (its
+                        # statement journal) and the transaction goes on, so
+                        # no savepoint per statement is needed; when SQLite
+                        # had to roll back the whole transaction instead
+                        # (disk full, I/O error), every statement fails.
                         if not conn.in_transaction:
-                            raise  # SQLite rolled the whole transaction back (e.g. disk full): all fail
+                            raise
                         p.rows, p.error = [], exc
-                        conn.execute("ROLLBACK TO idemctl_statement")
-                    conn.execute("RELEASE idemctl_statement")
                 conn.execute("COMMIT")
             except sqlite3.Error as exc:
                 # Nothing of this batch is durable: every caller hears why.
