@@ -159,9 +159,9 @@ class SqliteEngine:
     without group commit (so a single thread pays nothing); statements that
     arrive meanwhile queue. When it is done, the first of them leads: it
     takes what is queued (up to GROUP_COMMIT_MAX_BATCH statements), takes
-    one turn of the writer queue, runs them in arrival order, each inside
-    its own savepoint so that one failing statement fails only its own
-    caller, commits, and wakes their callers; a caller returns only once
+    one turn of the writer queue, runs them in arrival order (a failing
+    statement is undone by SQLite alone and fails only its own caller),
+    commits, and wakes their callers; a caller returns only once
     the commit that holds its statement is done. A leader whose own
     statement is committed hands leadership to the next waiter rather than
     working on for others. Memory databases have no fsync to share and
