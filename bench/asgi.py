@@ -28,7 +28,7 @@ from typing import Any
 
 from idemctl import Ledger, Outcome
 
-from .common import BODY_1K, HEADERS, STORED_1K, Context, noop_mutation, percentile, spread
+from .common import BODY_1K, HEADERS, STORED_1K, Context, asgi_scope, call_asgi_scope, noop_mutation, percentile, spread
 
 PRINCIPAL = "acct_bench"
 CONCURRENCY = 50
@@ -56,46 +56,9 @@ def _fastapi_version() -> dict[str, str] | None:
     return {name: metadata.version(name) for name in ("fastapi", "starlette", "pydantic")}
 
 
-def _scope(key: str) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/orders",
-        "raw_path": b"/orders",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [
-            (b"host", b"bench"),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(BODY_1K)).encode()),
-            (b"idempotency-key", key.encode()),
-        ],
-        "client": ("127.0.0.1", 50000),
-        "server": ("bench", 80),
-    }
-
-
 async def call(app: ASGIApp, key: str) -> tuple[int, bytes]:
-    """One request as a server would make it: the body in one message, then
-    a disconnect for any further receive; returns status and body sent."""
-    sent: list[dict[str, Any]] = []
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": BODY_1K, "more_body": False}
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    await app(_scope(key), receive, send)
-    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+    """One measured request through `app`; returns status and body sent."""
+    return await call_asgi_scope(app, asgi_scope(key))
 
 
 async def bare_app(scope: dict[str, Any], receive: Any, send: Any) -> None:

@@ -5,6 +5,7 @@ min-max over repetitions, latency percentiles)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import platform
 import sqlite3
@@ -30,6 +31,83 @@ FINGERPRINT = "f" * 64  # the raw floors never hash: they are the physical minim
 
 def noop_mutation(body: bytes) -> tuple[int, dict[str, str], bytes]:
     return RESPONSE
+
+
+# Every measured request through an adapter: a 1 KiB JSON POST to /orders.
+REQUEST_PATH = "/orders"
+REQUEST_PRINCIPAL = "acct_bench"
+
+
+def wsgi_environ(key: str, *, multithread: bool = False, **extra: Any) -> dict[str, Any]:
+    """The environ a WSGI server builds for one measured request (`extra`
+    adds keys, such as what a harness passes its app)."""
+    return {
+        "REQUEST_METHOD": "POST",
+        "SCRIPT_NAME": "",
+        "PATH_INFO": REQUEST_PATH,
+        "QUERY_STRING": "",
+        "SERVER_NAME": "bench",
+        "SERVER_PORT": "80",
+        "SERVER_PROTOCOL": "HTTP/1.1",
+        "CONTENT_TYPE": "application/json",
+        "CONTENT_LENGTH": str(len(BODY_1K)),
+        "HTTP_IDEMPOTENCY_KEY": key,
+        "REMOTE_USER": REQUEST_PRINCIPAL,
+        "wsgi.version": (1, 0),
+        "wsgi.url_scheme": "http",
+        "wsgi.input": io.BytesIO(BODY_1K),
+        "wsgi.errors": io.StringIO(),
+        "wsgi.multithread": multithread,
+        "wsgi.multiprocess": False,
+        "wsgi.run_once": False,
+        **extra,
+    }
+
+
+def asgi_scope(key: str, *, headers: Sequence[tuple[bytes, bytes]] = (), **extra: Any) -> dict[str, Any]:
+    """The scope an ASGI server builds for one measured request, with more
+    `headers` and scope keys (`extra`) when given."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": REQUEST_PATH,
+        "raw_path": REQUEST_PATH.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"bench"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(BODY_1K)).encode()),
+            (b"idempotency-key", key.encode()),
+            *headers,
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("bench", 80),
+        **extra,
+    }
+
+
+async def call_asgi_scope(app: Any, scope: dict[str, Any]) -> tuple[int, bytes]:
+    """One request as a server makes it: the body in one message, then a
+    disconnect for any further receive; returns the status and body sent."""
+    sent: list[dict[str, Any]] = []
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": BODY_1K, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
 
 
 # The statements of the raw floor, exactly as idemctl's store writes them.

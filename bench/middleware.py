@@ -6,12 +6,23 @@ the raw floor, all alternating on one file."""
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 from idemctl import Ledger
 
-from .common import BODY_1K, HEADERS, STORED_1K, Context, noop_mutation, now_ms, raw_connect, raw_pair, spread, timed
+from .common import (
+    BODY_1K,
+    HEADERS,
+    STORED_1K,
+    Context,
+    noop_mutation,
+    now_ms,
+    raw_connect,
+    raw_pair,
+    spread,
+    timed,
+    wsgi_environ,
+)
 
 
 def available() -> bool:
@@ -26,29 +37,6 @@ def _app(environ: dict, start_response: Any) -> list[bytes]:
     environ["wsgi.input"].read()
     start_response("201 Created", [("Content-Type", "application/json"), ("Content-Length", str(len(STORED_1K)))])
     return [STORED_1K]
-
-
-def _environ(key: str) -> dict[str, Any]:
-    return {
-        "REQUEST_METHOD": "POST",
-        "SCRIPT_NAME": "",
-        "PATH_INFO": "/orders",
-        "QUERY_STRING": "",
-        "SERVER_NAME": "bench",
-        "SERVER_PORT": "80",
-        "SERVER_PROTOCOL": "HTTP/1.1",
-        "CONTENT_TYPE": "application/json",
-        "CONTENT_LENGTH": str(len(BODY_1K)),
-        "HTTP_IDEMPOTENCY_KEY": key,
-        "REMOTE_USER": "acct_bench",
-        "wsgi.version": (1, 0),
-        "wsgi.url_scheme": "http",
-        "wsgi.input": io.BytesIO(BODY_1K),
-        "wsgi.errors": io.StringIO(),
-        "wsgi.multithread": False,
-        "wsgi.multiprocess": False,
-        "wsgi.run_once": False,
-    }
 
 
 def _cycle(ctx: Context, synchronous: str) -> dict[str, Any]:
@@ -68,7 +56,7 @@ def _cycle(ctx: Context, synchronous: str) -> dict[str, Any]:
         return lambda data: None
 
     def call(key: str) -> bytes:
-        body_iter = app(_environ(key), start_response)
+        body_iter = app(wsgi_environ(key), start_response)
         try:
             return b"".join(body_iter)
         finally:

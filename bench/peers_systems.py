@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import json
 import os
 import secrets
@@ -32,15 +31,23 @@ from urllib.parse import quote
 
 from idemctl import Ledger, Policy
 
-from .common import BODY_1K, STORED_1K
+from .common import (
+    BODY_1K,
+    REQUEST_PATH,
+    REQUEST_PRINCIPAL,
+    STORED_1K,
+    asgi_scope,
+    call_asgi_scope,
+    wsgi_environ,
+)
 
 PG_DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
 PG_URL_ENV = "IDEMCTL_BENCH_POSTGRES_URL"
 REDIS_DEFAULT_URL = "redis://127.0.0.1:6379/0"
 REDIS_URL_ENV = "IDEMCTL_BENCH_REDIS_URL"
 
-PRINCIPAL = "acct_bench"
-PATH = "/orders"
+PRINCIPAL = REQUEST_PRINCIPAL
+PATH = REQUEST_PATH
 HANDLER_KEY = "peers.handler"  # the per-call handler travels in the WSGI environ / ASGI scope
 Handler = Callable[[], bytes]
 
@@ -208,30 +215,6 @@ def wsgi_app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
     return [body]
 
 
-def wsgi_environ(key: str, handler: Handler) -> dict[str, Any]:
-    return {
-        "REQUEST_METHOD": "POST",
-        "SCRIPT_NAME": "",
-        "PATH_INFO": PATH,
-        "QUERY_STRING": "",
-        "SERVER_NAME": "bench",
-        "SERVER_PORT": "80",
-        "SERVER_PROTOCOL": "HTTP/1.1",
-        "CONTENT_TYPE": "application/json",
-        "CONTENT_LENGTH": str(len(BODY_1K)),
-        "HTTP_IDEMPOTENCY_KEY": key,
-        "REMOTE_USER": PRINCIPAL,
-        "wsgi.version": (1, 0),
-        "wsgi.url_scheme": "http",
-        "wsgi.input": io.BytesIO(BODY_1K),
-        "wsgi.errors": io.StringIO(),
-        "wsgi.multithread": True,
-        "wsgi.multiprocess": False,
-        "wsgi.run_once": False,
-        HANDLER_KEY: handler,
-    }
-
-
 def call_wsgi(app: Any, key: str, handler: Handler) -> tuple[int, dict[str, str], bytes]:
     started: list[tuple[str, list[tuple[str, str]]]] = []
 
@@ -239,7 +222,7 @@ def call_wsgi(app: Any, key: str, handler: Handler) -> tuple[int, dict[str, str]
         started.append((status, headers))
         return lambda data: None
 
-    result = app(wsgi_environ(key, handler), start_response)
+    result = app(wsgi_environ(key, multithread=True, **{HANDLER_KEY: handler}), start_response)
     try:
         body = b"".join(result)
     finally:
@@ -260,48 +243,11 @@ async def asgi_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def _asgi_scope(key: str, handler: Handler) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": PATH,
-        "raw_path": PATH.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [
-            (b"host", b"bench"),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(BODY_1K)).encode()),
-            (b"idempotency-key", key.encode()),
-            (b"x-account", PRINCIPAL.encode()),  # what an auth layer in front would have set
-        ],
-        "client": ("127.0.0.1", 50000),
-        "server": ("bench", 80),
-        HANDLER_KEY: handler,
-    }
-
-
 async def call_asgi(app: Any, key: str, handler: Handler) -> tuple[int, bytes]:
-    """One request as a server makes it: the body in one message, then a
-    disconnect for any further receive."""
-    sent: list[dict[str, Any]] = []
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": BODY_1K, "more_body": False}
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    await app(_asgi_scope(key, handler), receive, send)
-    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+    """One request as a server makes it, the handler riding in the scope."""
+    # What an auth layer in front would have set:
+    account = [(b"x-account", PRINCIPAL.encode())]
+    return await call_asgi_scope(app, asgi_scope(key, headers=account, **{HANDLER_KEY: handler}))
 
 
 def _account_header(scope: Any) -> str | None:

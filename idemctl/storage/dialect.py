@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 _NAMED = re.compile(r"(?<![:\w]):([a-z_][a-z0-9_]*)")
 
@@ -57,8 +58,8 @@ RETURNING updated_at
 """
 
 
-def _tally_returned(rows: list[tuple[object, ...]]) -> tuple[int, int | None]:
-    return len(rows), max((int(str(r[0])) for r in rows), default=None)
+def _tally_returned(rows: list[tuple[Any, ...]]) -> tuple[int, int | None]:
+    return len(rows), max((int(r[0]) for r in rows), default=None)
 
 # PostgreSQL has no DELETE … LIMIT either. An InitPlan walks the updated_at
 # index oldest first from `:after` (rows deleted by earlier batches stay in
@@ -84,9 +85,9 @@ SELECT count(*), max(updated_at) FROM gone
 """
 
 
-def _tally_row(rows: list[tuple[object, ...]]) -> tuple[int, int | None]:
+def _tally_row(rows: list[tuple[Any, ...]]) -> tuple[int, int | None]:
     count, newest = rows[0]
-    return int(str(count)), None if newest is None else int(str(newest))
+    return int(count), None if newest is None else int(newest)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class Dialect:
     params: Callable[[str], str]  # turns ``:name`` parameters into the driver's style
     sweep_keys: str
     # The sweep_keys statement's rows as (rows deleted, newest updated_at deleted).
-    sweep_tally: Callable[[list[tuple[object, ...]]], tuple[int, int | None]]
+    sweep_tally: Callable[[list[tuple[Any, ...]]], tuple[int, int | None]]
     bind_body: Callable[[str | bytes | None], object]
     read_body: Callable[[object], object]
     # Rows per DELETE when an operator drains a backlog (`idemctl sweep`).
