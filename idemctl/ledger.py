@@ -11,10 +11,9 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from email.utils import formatdate
 
-from . import functions, responses
+from . import decision, functions, responses
 from .errors import (
     AnswerNotStoredError,
     IdemctlError,
@@ -276,6 +275,26 @@ class Ledger:
         >>> ledger.begin("acct_1", "k1", "POST", "/orders", {}, b'{"sku":"x"}').outcome
         <Outcome.REPLAYED: 'replayed'>
         """
+        return decision.run(self.begin_steps(principal, key, method, path_and_query, headers, body))
+
+    def begin_steps(
+        self,
+        principal: str | None,
+        key: str | None,
+        method: str,
+        path_and_query: str,
+        headers: HeadersLike | None,
+        body: bytes | bytearray | memoryview,
+    ) -> decision.Steps[Answer | Ticket]:
+        """:meth:`begin` as steps, for a driver that waits its own way: it
+        yields the seconds to pause between the polls of an in-progress wait
+        and returns what `begin` returns. `idemctl.decision.run` sleeps in
+        the calling thread; `run_async` waits on an event loop.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> decision.run(ledger.begin_steps("acct_1", "k9", "POST", "/orders", {}, b"")).outcome
+        <Outcome.EXECUTED: 'executed'>
+        """
         policy = self.policy
         raw = as_body_bytes(body, "request body")
         if not policy.protects(method):
@@ -294,76 +313,58 @@ class Ledger:
 
         fp_body, _ = fingerprint_body(raw, headers, policy.fingerprint_body, policy.fingerprint_ignore_fields)
         fp = fingerprint(method, path_and_query, headers, fp_body, policy.fingerprint_headers)
-        spent = 0.0
         mark = time.perf_counter()
-        now = self.now()
         try:
-            decision = self._decide(principal, key, fp, raw, now, method, path_and_query)
+            made = yield from decision.decide(self.store, policy, self.clock, principal, key, fp)
         except StorageError:
-            spent += time.perf_counter() - mark
-            ms = spent * 1000
-            self._emit(Event(Outcome.UNAVAILABLE, principal, key, None, method, path_and_query, 503, ms, None, now))
+            ms = (time.perf_counter() - mark) * 1000
+            at = wall_clock_ms()  # the database clock, if that is the clock, cannot be asked either
+            self._emit(Event(Outcome.UNAVAILABLE, principal, key, None, method, path_and_query, 503, ms, None, at))
             raise
-        spent += time.perf_counter() - mark
-        if isinstance(decision, Answer):
-            return self._decided(decision, principal, key, method, path_and_query, spent * 1000)
-        return replace(decision, ledger_ms=spent * 1000, issued=time.perf_counter())
+        spent_ms = (time.perf_counter() - mark) * 1000
+        if isinstance(made, decision.Claimed):
+            return Ticket(
+                made.reservation, made.outcome, raw, made.now, method, path_and_query, spent_ms, time.perf_counter()
+            )
+        return self._decided(self._answer_for(made, principal, key), principal, key, method, path_and_query, spent_ms)
 
-    def _decide(
-        self, principal: str, key: str, fp: str, raw: bytes, now: int, method: str, path: str
-    ) -> Answer | Ticket:
-        """Claim, or look up and branch: each step one statement. With
-        `in_progress_wait_ms`, a duplicate polls the row (reads only, no
-        lock held between them) and decides again once it changes."""
-        policy, store = self.policy, self.store
-        token = new_token()
-        deadline: float | None = None
-        while True:
-            generation = store.claim(principal, key, fp, token, now)
-            if generation is not None:
-                reservation = Reservation(principal, key, generation, fp, token)
-                return Ticket(reservation, Outcome.EXECUTED, raw, now, method, path)
-            row = store.lookup(principal, key)
-            if row is None:
-                # Swept between our failed claim and the lookup: the next try wins the claim.
-                return Answer(*responses.retry(), Outcome.RETRY, None, now)
-            if row.fingerprint != fp:
-                return Answer(*responses.reused(policy), Outcome.REUSED, row.generation, now)
-            if row.status is Status.COMPLETED:
-                status, out_headers, out_body = responses.from_stored(
-                    row.response_status, row.response_body, row.response_headers, row=(principal, key)
-                )
-                out_headers = self._with_expiry(out_headers, row.updated_at)
-                return Answer(status, out_headers, out_body, Outcome.REPLAYED, row.generation, now)
-            generation = store.takeover(principal, key, fp, token, now, now - policy.pending_ttl_ms)
-            if generation is not None:
-                log.warning(
-                    "took over stale reservation principal=%s key=%s as generation %d", principal, key, generation
-                )
-                reservation = Reservation(principal, key, generation, fp, token)
-                return Ticket(reservation, Outcome.TAKEN_OVER, raw, now, method, path)
-            if deadline is None:
-                deadline = time.monotonic() + policy.in_progress_wait_ms / 1000
-            if not self._wait_for_change(principal, key, row.generation, deadline):
-                left_ms = max(0, row.updated_at + policy.pending_ttl_ms + 1 - now)
-                retry_ms = left_ms if policy.retry_after_from_row else policy.pending_ttl_ms
-                return Answer(*responses.in_progress(policy, retry_ms), Outcome.IN_PROGRESS, row.generation, now)
-            now = self.now()
+    def decide(self, principal: str, key: str, fingerprint: str) -> decision.Steps[decision.Decision]:
+        """The decision loop itself, for integrations with their own request
+        shape (idempotent functions): claim, or look up and branch, with the
+        policy's in-progress wait. Drive it with `idemctl.decision.run` (or
+        `run_async`); a :class:`~idemctl.decision.Claimed` result owns the
+        reservation.
 
-    def _wait_for_change(self, principal: str, key: str, generation: int, deadline: float) -> bool:
-        """Poll until the in-progress row completes, goes, changes owner or
-        turns stale (reads only: nothing is held between them); False once the
-        deadline passes first. Idempotent function calls wait the same way."""
-        pause = 0.005
-        while (left := deadline - time.monotonic()) > 0:
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 0.1)
-            row = self.store.lookup(principal, key)
-            if row is None or row.status is not Status.PENDING or row.generation != generation:
-                return True
-            if row.updated_at < self.now() - self.policy.pending_ttl_ms:
-                return True  # stale now: deciding again takes it over
-        return False
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> decision.run(ledger.decide("billing", "pay_1", "fp")).outcome
+        <Outcome.EXECUTED: 'executed'>
+        >>> type(decision.run(ledger.decide("billing", "pay_1", "other"))).__name__
+        'Reused'
+        """
+        check_principal(principal)
+        check_key(key)
+        return decision.decide(self.store, self.policy, self.clock, principal, key, fingerprint)
+
+    def _answer_for(
+        self, made: decision.Completed | decision.Reused | decision.Busy | decision.Vanished, principal: str, key: str
+    ) -> Answer:
+        """The answer for a decision that runs nothing."""
+        if isinstance(made, decision.Vanished):
+            # Swept between our failed claim and the lookup: the next try wins the claim.
+            return Answer(*responses.retry(), Outcome.RETRY, None, made.now)
+        row = made.row
+        if isinstance(made, decision.Reused):
+            return Answer(*responses.reused(self.policy), Outcome.REUSED, row.generation, made.now)
+        if isinstance(made, decision.Busy):
+            # The recipe tells the client to come back after a whole TTL; by policy, when the row turns stale.
+            retry_ms = made.takeover_in_ms if self.policy.retry_after_from_row else self.policy.pending_ttl_ms
+            answer = responses.in_progress(self.policy, retry_ms)
+            return Answer(*answer, Outcome.IN_PROGRESS, row.generation, made.now)
+        status, out_headers, out_body = responses.from_stored(
+            row.response_status, row.response_body, row.response_headers, row=(principal, key)
+        )
+        out_headers = self._with_expiry(out_headers, row.updated_at)
+        return Answer(status, out_headers, out_body, Outcome.REPLAYED, row.generation, made.now)
 
     def _with_expiry(self, headers: tuple[tuple[str, str], ...], updated_at: int) -> tuple[tuple[str, str], ...]:
         name = self.policy.expires_header
