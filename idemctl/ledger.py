@@ -19,6 +19,7 @@ from .errors import (
     IdemctlError,
     InvalidPrincipalError,
     InvalidRequestError,
+    InvalidResponseError,
     MalformedRowError,
     PolicyError,
     SchemaMissingError,
@@ -381,12 +382,39 @@ class Ledger:
         self._emit(Event(answer.outcome, principal, key, generation, method, path, status, ledger_ms, None, at))
         return answer
 
+    def refuse(
+        self,
+        refusal: tuple[int, responses.Headers, bytes],
+        outcome: Outcome,
+        *,
+        principal: str | None,
+        key: str | None,
+        method: str,
+        path: str,
+    ) -> Answer:
+        """An answer an adapter makes before the ledger is asked (401, a body
+        it cannot read, a repeated key field), published as an event like
+        every decision of the ledger's own.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> seen = []; _ = ledger.subscribe(seen.append)
+        >>> ledger.refuse(responses.unauthenticated(), Outcome.UNAUTHENTICATED,
+        ...               principal=None, key="k1", method="POST", path="/orders").status
+        401
+        >>> seen[0].outcome.value, seen[0].key
+        ('unauthenticated', 'k1')
+        """
+        answer = Answer(*refusal, outcome)
+        event = Event(outcome, principal, key, None, method, path, answer.status, 0.0, None, wall_clock_ms())
+        self._emit(event)
+        return answer
+
     def finish(
         self,
         ticket: Ticket,
         status: int,
         headers: HeadersLike | None,
-        body: bytes | bytearray | memoryview | str,
+        body: bytes | bytearray | memoryview | str | responses.OversizeBody,
     ) -> Answer:
         """Store the mutation's answer with one fenced statement and return the
         answer built from what was stored (equal to every later replay). A
@@ -402,6 +430,8 @@ class Ledger:
         """
         reservation = ticket.reservation
         if reservation is None:
+            if isinstance(body, responses.OversizeBody):
+                raise InvalidResponseError("an unprotected answer is passed through whole, never as its size")
             raw = body.encode("utf-8") if isinstance(body, str) else as_body_bytes(body, "response body")
             return Answer(status, tuple(header_pairs(headers)), raw, Outcome.PASSTHROUGH)
         app_ms = (time.perf_counter() - ticket.issued) * 1000 if ticket.issued else None
@@ -616,7 +646,7 @@ class Ledger:
         reservation: Reservation,
         status: int,
         headers: HeadersLike | None,
-        body: bytes | bytearray | memoryview | str,
+        body: bytes | bytearray | memoryview | str | responses.OversizeBody,
     ) -> tuple[responses.ToStore, tuple[int, responses.Headers, bytes]]:
         """What will be stored for this answer, and the answer built from it."""
         where = (reservation.principal, reservation.key)

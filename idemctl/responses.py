@@ -44,6 +44,14 @@ def _dumps(payload: object) -> str:
 
 
 @dataclass(frozen=True)
+class OversizeBody:
+    """An answer body that outgrew the cap while it was captured: only its
+    size was kept, and it is stored as the oversize sentinel."""
+
+    size: int
+
+
+@dataclass(frozen=True)
 class ToStore:
     """The three response columns of a completed row."""
 
@@ -121,6 +129,10 @@ def to_store(
     """Apply the replayable-header allowlist and the body cap. A header that
     may not be sent (see `header_problem`) is dropped and logged at ERROR;
     `row`, the (principal, key) being completed, only names it in that log."""
+    if isinstance(body, OversizeBody):
+        body, oversize = b"", True
+    else:
+        oversize = False
     if isinstance(body, str):
         body = body.encode("utf-8")
     raw = as_body_bytes(body, "response body")
@@ -129,7 +141,7 @@ def to_store(
     values = header_values(headers, policy.replayable_headers)
     present = ((n, v) for n, v in values.items() if v is not None)
     headers_json = _dumps(_sendable(present, "not stored", row))
-    if len(raw) > policy.body_cap_bytes:
+    if oversize or len(raw) > policy.body_cap_bytes:
         # Never store a truncated body: replays fail loudly with a 500 instead.
         return ToStore(OVERSIZE_STATUS, None, headers_json, True)
     column: str | bytes
@@ -184,6 +196,13 @@ def key_invalid() -> tuple[int, Headers, bytes]:
     return json_error(
         400,
         {"error": "idempotency_key_invalid", "message": "Idempotency-Key must be 1-255 printable ASCII characters."},
+    )
+
+
+def key_repeated() -> tuple[int, Headers, bytes]:
+    return json_error(
+        400,
+        {"error": "idempotency_key_invalid", "message": "Send exactly one Idempotency-Key header field."},
     )
 
 
