@@ -546,3 +546,58 @@ def test_events_through_an_adapter_match_the_answers(client_for):
     post(client, body=b'{"sku":"coffee"}')
     post(client, key=None)
     assert seen == [Outcome.EXECUTED, Outcome.REPLAYED, Outcome.REUSED, Outcome.KEY_REQUIRED]
+
+
+# -- one gate: every answer is one event, whichever adapter made it -------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "options", "outcome", "status"),
+    [
+        ({"user": None}, {}, "unauthenticated", 401),
+        ({"body": b"12345"}, {"max_body_bytes": 4}, "body_refused", 413),
+        ({"key": None}, {}, "key_required", 400),
+    ],
+    ids=["401", "413", "400"],
+)
+def test_every_refusal_an_adapter_makes_publishes_exactly_one_event(client_for, kwargs, options, outcome, status):
+    orders = Orders()
+    client, ledger = client_for(orders, **options)
+    seen = []
+    ledger.subscribe(seen.append)
+    reply = post(client, **kwargs)
+    assert reply.status == status
+    assert [(e.outcome.value, e.status, e.method, e.path) for e in seen] == [(outcome, status, "POST", "/orders")]
+    assert orders.runs == []
+
+
+def test_an_unavailable_ledger_publishes_one_unavailable_event(adapter, tmp_path):
+    missing = Ledger.open(tmp_path / "never-initialised.db")
+    seen = []
+    missing.subscribe(seen.append)
+    reply = post(CLIENTS[adapter](missing, Orders()))
+    assert reply.status == 503
+    assert [(e.outcome.value, e.status) for e in seen] == [("unavailable", 503)]
+
+
+def test_an_answer_over_the_body_cap_is_stored_as_the_sentinel_and_never_runs_again(client_for):
+    orders = Orders()
+    client, ledger = client_for(orders, policy=Policy(body_cap_bytes=4))
+    first = post(client)
+    again = post(client)
+    assert (first.status, first.body) == (500, b"")
+    assert (again.status, again.body) == (500, b"")
+    assert len(orders.runs) == 1
+    row = ledger.lookup("acct_A", "k-1")
+    assert (row.response_status, row.body_bytes) == (500, None)
+
+
+def test_an_error_raised_after_the_claim_leaves_the_reservation_pending_and_publishes_failed(client_for):
+    orders = Orders(fail=True)
+    client, ledger = client_for(orders)
+    seen = []
+    ledger.subscribe(seen.append)
+    with pytest.raises(RuntimeError):
+        post(client)
+    assert [e.outcome.value for e in seen] == ["failed"]
+    assert ledger.lookup("acct_A", "k-1").status.value == "pending"
