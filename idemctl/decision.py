@@ -38,6 +38,8 @@ InThread = Callable[..., Awaitable[Any]]
 
 _FIRST_PAUSE_S = 0.005
 _LONGEST_PAUSE_S = 0.1
+# How often a row past retention may change under us before the request is told to retry.
+_EXPIRED_RACES = 3
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ def decide(
     and decides again once it completes, goes, changes owner or turns stale."""
     token = new_token()
     deadline: float | None = None
+    expired_races = 0
     while True:
         now = int(clock())
         generation = store.claim(principal, key, fingerprint, token, now)
@@ -100,11 +103,26 @@ def decide(
         row = store.lookup(principal, key)
         if row is None:
             return Vanished(now)
+        expired_before = now - policy.retention_ms
+        if row.updated_at < expired_before:
+            # Past retention a row counts as absent: this is a new operation,
+            # whatever the row held. The takeover's WHERE decides again,
+            # atomically; if the row changed meanwhile (swept, or another
+            # request took it), decide afresh.
+            stale_before = now - policy.pending_ttl_ms
+            generation = store.takeover(principal, key, fingerprint, token, now, stale_before, expired_before)
+            if generation is not None:
+                return Claimed(Reservation(principal, key, generation, fingerprint, token), Outcome.EXECUTED, now)
+            expired_races += 1
+            if expired_races < _EXPIRED_RACES:
+                continue
+            return Vanished(now)
         if row.fingerprint != fingerprint:
             return Reused(row, now)
         if row.status is Status.COMPLETED:
             return Completed(row, now)
-        generation = store.takeover(principal, key, fingerprint, token, now, now - policy.pending_ttl_ms)
+        stale_before = now - policy.pending_ttl_ms
+        generation = store.takeover(principal, key, fingerprint, token, now, stale_before, expired_before)
         if generation is not None:
             log.warning("took over stale reservation principal=%s key=%s as generation %d", principal, key, generation)
             return Claimed(Reservation(principal, key, generation, fingerprint, token), Outcome.TAKEN_OVER, now)

@@ -438,14 +438,19 @@ class Ledger:
         mark = time.perf_counter()
         stored, computed = self._prepare(reservation, status, headers, body)
         keep = self.policy.keep_answer
-        if keep is not None and not keep(stored.status, computed[1]):
+        # keep_answer judges what the app answered: an oversize answer's 500
+        # sentinel is the ledger's own, and is stored like any kept answer.
+        if keep is not None and not keep(status, computed[1]):
             # Not an answer to keep (say a 503): release, so the retry runs again.
             self._release_quietly(reservation)
             answer = Answer(*computed, Outcome.NOT_KEPT, reservation.generation, ticket.started_at)
             self._finished(ticket, answer.outcome, answer.status, mark, app_ms)
             return answer
-        stamp = self.now()
         try:
+            # Inside the guard: with clock="database", reading the clock is a
+            # statement too, and any storage failure after the mutation ran
+            # must hand back the answer it computed.
+            stamp = self.now()
             done = self._store_answer(reservation, stored, computed, stamp)
         except StorageError as exc:
             answer = Answer(*computed, ticket.outcome, reservation.generation, ticket.started_at)
@@ -600,8 +605,9 @@ class Ledger:
         return self.store.lookup(principal, key)
 
     def takeover(self, principal: str, key: str, fingerprint: str, *, now: int | None = None) -> Reservation | None:
-        """Take over a pending row older than the TTL, as the next generation;
-        None if it is fresh, completed, gone or for another request.
+        """Take over a pending row older than the TTL, or any row past
+        retention (which counts as absent), as the next generation; None if
+        it is fresh, completed within retention, gone or for another request.
 
         >>> t = [0]; ledger = Ledger.open(":memory:", clock=lambda: t[0]); _ = ledger.init()
         >>> _ = ledger.claim("acct_1", "k1", "fp")
@@ -615,7 +621,10 @@ class Ledger:
         check_key(key)
         now = self.now() if now is None else now
         token = new_token()
-        generation = self.store.takeover(principal, key, fingerprint, token, now, now - self.policy.pending_ttl_ms)
+        p = self.policy
+        generation = self.store.takeover(
+            principal, key, fingerprint, token, now, now - p.pending_ttl_ms, now - p.retention_ms
+        )
         return None if generation is None else Reservation(principal, key, generation, fingerprint, token)
 
     def complete(
@@ -652,11 +661,13 @@ class Ledger:
         where = (reservation.principal, reservation.key)
         stored = responses.to_store(status, headers, body, self.policy, row=where)
         if stored.oversize:
+            cap = self.policy.header_cap_bytes if stored.over_cap == "headers" else self.policy.body_cap_bytes
             log.warning(
-                "response for principal=%s key=%s exceeds %d bytes: stored as a 500 sentinel",
+                "response for principal=%s key=%s: its %s exceed %d bytes: stored as a 500 sentinel",
                 reservation.principal,
                 reservation.key,
-                self.policy.body_cap_bytes,
+                "headers" if stored.over_cap == "headers" else "body bytes",
+                cap,
             )
         return stored, responses.from_stored(stored.status, stored.body, stored.headers_json, row=where)
 
@@ -894,6 +905,8 @@ class Ledger:
         view = self.get(principal, key, now=now)
         if view is None:
             return Prediction(Verdict.NEW, None)
+        if view.state is State.EXPIRED:
+            return Prediction(Verdict.NEW, view)  # past retention a row counts as absent
         if view.row.fingerprint != fingerprint:
             return Prediction(Verdict.REUSED, view)
         if view.row.status is Status.COMPLETED:
@@ -1051,9 +1064,19 @@ def _event_fields(event: Event) -> dict[str, object]:
     }
 
 
+# One limit for every engine, checked before any statement: the primary key
+# (principal, key) must fit PostgreSQL's btree entry (about 2.7 kB, whatever
+# compression does) and a 4-bytes-a-character VARCHAR index, so that no
+# engine turns a long principal into a storage error that a client retries.
+MAX_PRINCIPAL_BYTES = 512
+# Paths are hashed, never stored; the bound keeps log lines and events sane.
+MAX_PATH_BYTES = 65_536
+
+
 def check_principal(principal: object) -> None:
     """A principal is stored and compared exactly: it must be a non-empty
-    str that encodes as UTF-8 and holds no NUL (PostgreSQL text cannot).
+    str that encodes as UTF-8 in at most MAX_PRINCIPAL_BYTES (512) bytes and
+    holds no NUL (PostgreSQL text cannot).
 
     >>> check_principal("acct_1")
     >>> check_principal(5)
@@ -1066,9 +1089,13 @@ def check_principal(principal: object) -> None:
     if principal == "":
         raise InvalidPrincipalError("principal must not be empty")
     try:
-        principal.encode("utf-8")
+        size = len(principal.encode("utf-8"))
     except UnicodeEncodeError:
         raise InvalidPrincipalError(f"principal {principal!r} is not valid UTF-8 (it holds a lone surrogate)") from None
+    if size > MAX_PRINCIPAL_BYTES:
+        raise InvalidPrincipalError(
+            f"principal {principal[:40]!r}... is {size} bytes in UTF-8; the most is {MAX_PRINCIPAL_BYTES}"
+        )
     if "\x00" in principal:
         raise InvalidPrincipalError(f"principal {principal!r} holds a NUL character")
 
@@ -1094,3 +1121,6 @@ def check_request_line(method: object, path_and_query: object) -> None:
         raise InvalidRequestError(f"path must be a str, got {type(path_and_query).__name__}")
     if _has_control(path_and_query):
         raise InvalidRequestError(f"path {path_and_query!r} holds a control character")
+    too_long = len(path_and_query) > MAX_PATH_BYTES // 4
+    if too_long and len(path_and_query.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        raise InvalidRequestError(f"path {path_and_query[:40]!r}... is longer than {MAX_PATH_BYTES} bytes")

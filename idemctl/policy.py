@@ -37,6 +37,9 @@ class Policy:
     retention_ms: int = 24 * 60 * 60 * 1000
     sweep_batch: int = 20
     body_cap_bytes: int = 16_384
+    # The replayable headers as stored (their JSON text, in UTF-8 bytes): an
+    # answer over it is stored as the same loud 500 as an oversize body.
+    header_cap_bytes: int = 8_192
     fingerprint_headers: tuple[str, ...] = DEFAULT_FINGERPRINT_HEADERS
     replayable_headers: tuple[str, ...] = DEFAULT_REPLAYABLE_HEADERS
     protected_methods: frozenset[str] = field(default=DEFAULT_PROTECTED_METHODS)
@@ -69,6 +72,7 @@ class Policy:
             "fenced_retention_ms",
             "sweep_batch",
             "body_cap_bytes",
+            "header_cap_bytes",
             "reuse_status",
             "in_progress_wait_ms",
         ):
@@ -87,6 +91,9 @@ class Policy:
             raise PolicyError(f"sweep_batch must be >= 1, got {self.sweep_batch}")
         if self.body_cap_bytes < 0:
             raise PolicyError(f"body_cap_bytes must be >= 0, got {self.body_cap_bytes}")
+        if self.header_cap_bytes < 2:
+            # "{}", the stored form of no headers at all, must fit.
+            raise PolicyError(f"header_cap_bytes must be >= 2, got {self.header_cap_bytes}")
         if self.reuse_status not in (409, 422):
             raise PolicyError(f"reuse_status must be 409 or 422, got {self.reuse_status}")
         if self.in_progress_wait_ms < 0:

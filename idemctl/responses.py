@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .errors import InvalidResponseError
-from .fingerprint import HeadersLike, as_body_bytes, header_values
+from .fingerprint import HeadersLike, as_body_bytes, header_pairs
 from .policy import Policy
 
 NULL_BODY_STATUSES = frozenset({204, 205, 304})
@@ -59,6 +59,8 @@ class ToStore:
     body: str | bytes | None  # TEXT for valid UTF-8, BLOB otherwise, NULL when over the cap
     headers_json: str
     oversize: bool
+    # Which cap an oversize answer went over: "body" or "headers" ("" when none).
+    over_cap: str = ""
 
 
 def header_problem(name: object, value: object) -> str | None:
@@ -105,13 +107,16 @@ def _quoted(value: object) -> str:
     return ascii(value)
 
 
-def _sendable(pairs: Iterable[tuple[object, object]], action: str, row: tuple[str, str] | None) -> dict[str, str]:
-    """The pairs that may go on the wire; each one that may not is logged at ERROR."""
-    out: dict[str, str] = {}
+def _sendable(
+    pairs: Iterable[tuple[object, object]], action: str, row: tuple[str, str] | None
+) -> list[tuple[str, str]]:
+    """The pairs that may go on the wire, repeats and order kept; each one
+    that may not is logged at ERROR."""
+    out: list[tuple[str, str]] = []
     for name, value in pairs:
         problem = header_problem(name, value)
         if problem is None:
-            out[name] = value  # type: ignore[index,assignment]  # checked by header_problem
+            out.append((name, value))  # type: ignore[arg-type]  # checked by header_problem
             continue
         where = "" if row is None else f" for principal={_quoted(row[0])} key={_quoted(row[1])}"
         log.error("response header %s %s%s: %s: %s", _quoted(name), action, where, problem, _quoted(value))
@@ -138,12 +143,14 @@ def to_store(
     raw = as_body_bytes(body, "response body")
     if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 999:
         raise InvalidResponseError(f"response status must be an integer 100-999, got {status!r}")
-    values = header_values(headers, policy.replayable_headers)
-    present = ((n, v) for n, v in values.items() if v is not None)
-    headers_json = _dumps(_sendable(present, "not stored", row))
+    kept = _sendable(replayable_pairs(headers, policy.replayable_headers), "not stored", row)
+    headers_json = headers_to_json(kept)
+    if len(headers_json.encode("utf-8")) > policy.header_cap_bytes:
+        # Like an oversize body: nothing partial is stored, replays fail loudly.
+        return ToStore(OVERSIZE_STATUS, None, "{}", True, "headers")
     if oversize or len(raw) > policy.body_cap_bytes:
         # Never store a truncated body: replays fail loudly with a 500 instead.
-        return ToStore(OVERSIZE_STATUS, None, headers_json, True)
+        return ToStore(OVERSIZE_STATUS, None, headers_json, True, "body")
     column: str | bytes
     try:
         column = raw.decode("utf-8")
@@ -152,14 +159,58 @@ def to_store(
     return ToStore(status, column, headers_json, False)
 
 
+def replayable_pairs(headers: HeadersLike | None, names: Iterable[str]) -> list[tuple[str, str]]:
+    """The allowlisted headers as (lower-case name, value) pairs: names in
+    the allowlist's order, every field of a repeated header kept separately
+    in the order sent (never folded: a folded Set-Cookie is a different
+    cookie), each value trimmed of surrounding HTTP whitespace.
+
+    >>> replayable_pairs([("Set-Cookie", "a=1"), ("Location", "/x"), ("set-cookie", "b=2")], ["location", "set-cookie"])
+    [('location', '/x'), ('set-cookie', 'a=1'), ('set-cookie', 'b=2')]
+    """
+    wanted: dict[str, list[str]] = {n.lower(): [] for n in names}
+    for name, value in header_pairs(headers):
+        bucket = wanted.get(name.lower())
+        if bucket is not None:
+            bucket.append(value.strip(" \t\r\n"))
+    return [(name, value) for name, values in wanted.items() for value in values]
+
+
+def headers_to_json(pairs: Iterable[tuple[str, str]]) -> str:
+    """The `response_headers` column: the recipe's JSON object of name to
+    value, and a JSON array of the values for a header sent more than once
+    (the recipe's rows, one string per name, read back unchanged).
+
+    >>> headers_to_json([("content-type", "text/plain"), ("set-cookie", "a=1"), ("set-cookie", "b=2")])
+    '{"content-type":"text/plain","set-cookie":["a=1","b=2"]}'
+    """
+    grouped: dict[str, list[str]] = {}
+    for name, value in pairs:
+        grouped.setdefault(name, []).append(value)
+    return _dumps({name: values[0] if len(values) == 1 else values for name, values in grouped.items()})
+
+
 def stored_header_pairs(headers_json: str | None) -> list[tuple[str, object]]:
     """The stored `response_headers` object as (name, JSON value) pairs,
-    unchecked; [] when the column is empty or not a JSON object."""
+    unchecked, one pair per field (a JSON array of values is a header sent
+    more than once); [] when the column is empty or not a JSON object.
+
+    >>> stored_header_pairs('{"location":"/x","set-cookie":["a=1","b=2"]}')
+    [('location', '/x'), ('set-cookie', 'a=1'), ('set-cookie', 'b=2')]
+    """
     try:
         parsed = json.loads(headers_json) if headers_json else {}
     except ValueError:
         parsed = {}
-    return list(parsed.items()) if isinstance(parsed, dict) else []
+    if not isinstance(parsed, dict):
+        return []
+    pairs: list[tuple[str, object]] = []
+    for name, value in parsed.items():
+        if isinstance(value, list):
+            pairs.extend((name, item) for item in value)
+        else:
+            pairs.append((name, value))
+    return pairs
 
 
 def from_stored(
@@ -173,8 +224,7 @@ def from_stored(
     by other programs are not trusted: a header that may not be sent (see
     `header_problem`) is left out and logged at ERROR, on every replay."""
     status = OVERSIZE_STATUS if status is None else int(status)
-    kept = _sendable(stored_header_pairs(headers_json), "not replayed", row)
-    headers: Headers = tuple(kept.items())
+    headers: Headers = tuple(_sendable(stored_header_pairs(headers_json), "not replayed", row))
     if status in NULL_BODY_STATUSES or body is None:
         raw = b""
     elif isinstance(body, str):

@@ -147,6 +147,10 @@ def machine_for(ledger: Ledger, clock: FakeClock, tally: Counter[str] | None = N
         def stale(self, row: ModelRow) -> bool:
             return row.updated_at < clock.now - TTL
 
+        def expired(self, row: ModelRow) -> bool:
+            # Past retention a row counts as absent (SPEC §1).
+            return row.updated_at < clock.now - RETENTION
+
         def standing(self, n: int, key: str) -> str:
             """Whether reservation #n may complete or release its key's row now, and if not, why."""
             row = self.rows.get(key)
@@ -181,9 +185,13 @@ def machine_for(ledger: Ledger, clock: FakeClock, tally: Counter[str] | None = N
             self.rows[key] = ModelRow(fp, 1, n, n, clock.now, clock.now)
             return n
 
-        def new_takeover(self, row: ModelRow, n: int | None = None) -> int:
+        def new_takeover(self, row: ModelRow, fp: str, n: int | None = None) -> int:
             n = next(self.numbers) if n is None else n
             self.row_claims[n] = row.claimed_by
+            if self.expired(row):
+                # A new operation in the old row: this request's, pending, created now.
+                row.fingerprint, row.status, row.created_at = fp, Status.PENDING, clock.now
+                row.response_status = row.body = row.answered_by = None
             row.generation += 1
             row.owner = n
             row.updated_at = clock.now
@@ -227,7 +235,9 @@ def machine_for(ledger: Ledger, clock: FakeClock, tally: Counter[str] | None = N
 
         def take_over(self, key: str, fp: str):
             row = self.rows.get(key)
-            expected = row is not None and row.status is Status.PENDING and row.fingerprint == fp and self.stale(row)
+            expected = row is not None and (
+                (row.status is Status.PENDING and row.fingerprint == fp and self.stale(row)) or self.expired(row)
+            )
             got = ledger.takeover(self.principal, key, fp)
             assert (got is not None) == expected, f"takeover of {key}: the model expects success={expected}, got {got}"
             self.seen("takeover: took over" if expected else "takeover: refused")
@@ -240,7 +250,7 @@ def machine_for(ledger: Ledger, clock: FakeClock, tally: Counter[str] | None = N
                 row.generation + 1,
                 fp,
             )
-            return self.hold(self.new_takeover(row), got)
+            return self.hold(self.new_takeover(row, fp), got)
 
         # Completions and releases by a reservation from the bundle (Hypothesis
         # mostly draws recent ones) and by one drawn uniformly from all that
@@ -373,7 +383,7 @@ def machine_for(ledger: Ledger, clock: FakeClock, tally: Counter[str] | None = N
         def handle(self, key: str, request: str, mutation: str, binary: bool) -> None:
             fp = FINGERPRINTS[request]
             row = self.rows.get(key)
-            if row is None:
+            if row is None or self.expired(row):
                 outcome = Outcome.EXECUTED
             elif row.fingerprint != fp:
                 outcome = Outcome.REUSED
@@ -417,7 +427,7 @@ def machine_for(ledger: Ledger, clock: FakeClock, tally: Counter[str] | None = N
                     self.new_claim(key, fp, n)
                     row = self.rows[key]
                 else:
-                    self.new_takeover(row, n)
+                    self.new_takeover(row, fp, n)
                 if mutation == "answers":
                     assert answer is not None
                     assert (answer.outcome, answer.generation) == (outcome, row.generation)

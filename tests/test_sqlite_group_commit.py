@@ -278,7 +278,7 @@ def scripted(store: Any) -> list[Callable[[], object]]:
         lambda: store.complete(PRINCIPAL, "k1", 1, 99, 201, b"wrong token", "{}", 1002),
         lambda: store.complete(PRINCIPAL, "k1", 1, 1, 201, b"one", "{}", 1003),
         lambda: store.complete(PRINCIPAL, "k1", 1, 1, 201, b"twice", "{}", 1004),
-        lambda: store.takeover(PRINCIPAL, "k2", "fp", 4, 5000, 1001),
+        lambda: store.takeover(PRINCIPAL, "k2", "fp", 4, 5000, 1001, -1),
         lambda: store.complete(PRINCIPAL, "k2", 1, 2, 201, b"late", "{}", 5001),
         lambda: store.record_fenced(PRINCIPAL, "k2", 1, 201, 5002),
         lambda: store.claim(PRINCIPAL, "k3", None, 5, 5003),

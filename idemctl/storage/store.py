@@ -55,13 +55,25 @@ RETURNING generation
 
 LOOKUP = f"SELECT {ROW_COLUMNS} FROM idempotency_keys WHERE principal = :principal AND key = :key"
 
-# Still pending, still stale, still the same request: all in the WHERE, so
-# two racers cannot both take over. The new owner draws a new token.
+# Two kinds of takeover, decided in the WHERE so two racers cannot both win;
+# the new owner draws a new token and the generation goes up either way.
+#  * A stale reservation: still pending, still stale, still the same request.
+#  * A row past retention, whatever it holds: it counts as absent, so the
+#    request is a new operation (any fingerprint; a completed answer is
+#    forgotten, never replayed past retention). The row is reset to a fresh
+#    pending reservation of this request, created now.
+# SET expressions read the row as it was, on every engine, so the CASE sees
+# the old updated_at. For a stale takeover the reset columns already hold
+# those values (pending, same fingerprint, no response).
 TAKEOVER = """
 UPDATE idempotency_keys
-SET generation = generation + 1, token = :token, updated_at = :now
-WHERE principal = :principal AND key = :key AND status = 'pending'
-  AND fingerprint = :fingerprint AND updated_at < :stale_before
+SET generation = generation + 1, token = :token, updated_at = :now,
+    created_at = CASE WHEN updated_at < :expired_before THEN :now ELSE created_at END,
+    fingerprint = :fingerprint, status = 'pending',
+    response_status = NULL, response_body = NULL, response_headers = NULL
+WHERE principal = :principal AND key = :key
+  AND ((status = 'pending' AND fingerprint = :fingerprint AND updated_at < :stale_before)
+       OR updated_at < :expired_before)
 RETURNING generation
 """
 
@@ -277,10 +289,17 @@ class Store:
 
     # -- schema ---------------------------------------------------------------------
     def tables(self) -> frozenset[str]:
-        """Which of idemctl's tables exist (looked up once, again after init)."""
-        if self._tables is None:
-            self._tables = frozenset(self.engine.table_names(TABLES))
-        return self._tables
+        """Which of idemctl's tables exist. Only a complete schema is
+        remembered (idemctl never drops a table): while one is missing,
+        every use looks again, because `idemctl init` in another process may
+        have just created it. A current ledger pays nothing; an outdated one
+        one catalog read per use, and only until it is upgraded."""
+        if self._tables is not None:
+            return self._tables
+        found = frozenset(self.engine.table_names(TABLES))
+        if len(found) == len(TABLES):
+            self._tables = found
+        return found
 
     def forget_schema(self) -> None:
         """Look the tables up again at next use (another process may have run init)."""
@@ -365,8 +384,10 @@ class Store:
         return self.decode_row(rows[0]) if rows else None
 
     def takeover(
-        self, principal: str, key: str, fingerprint: str, token: int, now: int, stale_before: int
+        self, principal: str, key: str, fingerprint: str, token: int, now: int, stale_before: int, expired_before: int
     ) -> int | None:
+        """A stale reservation of this request, or any row past retention,
+        as the next generation (see TAKEOVER); None when neither."""
         self._guard()
         params = {
             "principal": principal,
@@ -375,6 +396,7 @@ class Store:
             "token": token,
             "now": now,
             "stale_before": stale_before,
+            "expired_before": expired_before,
         }
         rows = self._write(TAKEOVER, params)
         return int(rows[0][0]) if rows else None
