@@ -212,7 +212,7 @@ class IdempotentCall:
         serializer: Serializer | None = None,
         release_on_error: ReleasePolicy = False,
     ) -> None:
-        check_key(key)
+        key = check_key(key)
         self.ledger = ledger
         self.principal = principal
         self.key = key

@@ -32,7 +32,7 @@ from .fingerprint import (
     fingerprint,
     fingerprint_body,
     header_pairs,
-    is_valid_key,
+    parse_key,
 )
 from .outcomes import (
     Answer,
@@ -307,9 +307,11 @@ class Ledger:
         if key is None or key == "":
             refusal = Answer(*responses.key_required(), Outcome.KEY_REQUIRED)
             return self._decided(refusal, principal, None, method, path_and_query, 0.0)
-        if not is_valid_key(key):
+        parsed = parse_key(key)
+        if parsed is None:
             refusal = Answer(*responses.key_invalid(), Outcome.KEY_INVALID)
             return self._decided(refusal, principal, None, method, path_and_query, 0.0)
+        key = parsed  # "abc" (an sf-string, as the IETF draft sends it) and abc are one key
         check_request_line(method, path_and_query)
 
         fp_body, _ = fingerprint_body(raw, headers, policy.fingerprint_body, policy.fingerprint_ignore_fields)
@@ -343,7 +345,7 @@ class Ledger:
         'Reused'
         """
         check_principal(principal)
-        check_key(key)
+        key = check_key(key)
         return decision.decide(self.store, self.policy, self.clock, principal, key, fingerprint)
 
     def _answer_for(
@@ -588,7 +590,7 @@ class Ledger:
         True
         """
         check_principal(principal)
-        check_key(key)
+        key = check_key(key)
         now = self.now() if now is None else now
         token = new_token()
         generation = self.store.claim(principal, key, fingerprint, token, now)
@@ -602,7 +604,7 @@ class Ledger:
         >>> ledger.lookup("acct_1", "k1").status
         <Status.PENDING: 'pending'>
         """
-        return self.store.lookup(principal, key)
+        return self.store.lookup(principal, parse_key(key) or key)
 
     def takeover(self, principal: str, key: str, fingerprint: str, *, now: int | None = None) -> Reservation | None:
         """Take over a pending row older than the TTL, or any row past
@@ -618,7 +620,7 @@ class Ledger:
         2
         """
         check_principal(principal)
-        check_key(key)
+        key = check_key(key)
         now = self.now() if now is None else now
         token = new_token()
         p = self.policy
@@ -834,7 +836,7 @@ class Ledger:
         >>> ledger.get("acct_1", "k1").state
         <State.PENDING_FRESH: 'pending_fresh'>
         """
-        row = self.store.lookup(principal, key)
+        row = self.store.lookup(principal, parse_key(key) or key)
         return None if row is None else self.view(row, now=now)
 
     def pending(
@@ -961,6 +963,7 @@ class Ledger:
         <PurgeOutcome.PURGED: 'purged'>
         """
         now = self.now() if now is None else now
+        key = parse_key(key) or key
         return self.store.purge(principal, key, None if force else now - self.policy.pending_ttl_ms)
 
     # -- functions: the contract for calls in workers, consumers and scripts ---------

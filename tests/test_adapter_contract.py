@@ -601,3 +601,35 @@ def test_an_error_raised_after_the_claim_leaves_the_reservation_pending_and_publ
         post(client)
     assert [e.outcome.value for e in seen] == ["failed"]
     assert ledger.lookup("acct_A", "k-1").status.value == "pending"
+
+
+# -- the key as the IETF draft sends it: an sf-string ------------------------------------------
+DRAFT_KEY = "8e03978e-40d5-43e8-bc93-6894a57f9324"
+INVALID_KEY = b'{"error":"idempotency_key_invalid","message":"Idempotency-Key must be 1-255 printable ASCII characters."}'
+
+
+def test_the_quoted_and_the_bare_key_are_one_reservation_through_every_adapter(client_for):
+    orders = Orders()
+    client, ledger = client_for(orders)
+    first = post(client, key=f'"{DRAFT_KEY}"')
+    again = post(client, key=DRAFT_KEY)
+    assert (first.status, again.status, again.body) == (201, 201, first.body)
+    assert orders.runs == [ORDER]
+    assert ledger.lookup("acct_A", DRAFT_KEY).generation == 1
+
+
+@pytest.mark.parametrize("value", ['"abc', '"a"b"', '""'])
+def test_an_invalid_sf_string_is_400_and_nothing_runs_through_every_adapter(client_for, value):
+    orders = Orders()
+    client, ledger = client_for(orders)
+    reply = post(client, key=value)
+    assert (reply.status, reply.body) == (400, INVALID_KEY)
+    assert orders.runs == [] and ledger.stats().total == 0
+
+
+def test_a_255_character_key_in_quotes_is_accepted_through_every_adapter(client_for):
+    client, ledger = client_for(Orders())
+    assert post(client, key='"' + "k" * 255 + '"').status == 201
+    assert ledger.lookup("acct_A", "k" * 255) is not None
+
+
