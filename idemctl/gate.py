@@ -243,7 +243,12 @@ class Gate:
         # Fail closed: an unprotected mutation is worse than a refused one.
         level = logging.WARNING if isinstance(exc, LedgerUnavailableError) else logging.ERROR
         self.log.log(level, "idempotency ledger unavailable, refused %s %s with 503: %s", method, target, exc)
-        return Answer(*responses.unavailable(self.unavailable_retry_after_ms), Outcome.UNAVAILABLE)
+        unavailable = responses.unavailable(self.unavailable_retry_after_ms)
+        try:
+            unavailable = self.ledger.shape(unavailable)
+        except StorageError:  # a ledger opened lazily that cannot even be opened: the plain answer
+            pass
+        return Answer(*unavailable, Outcome.UNAVAILABLE)
 
     # -- after the app ran --------------------------------------------------------------
     def capture(self) -> Capture:

@@ -382,7 +382,20 @@ class Ledger:
         at = answer.started_at if answer.started_at is not None else self.now()
         status, generation = answer.status, answer.generation
         self._emit(Event(answer.outcome, principal, key, generation, method, path, status, ledger_ms, None, at))
+        if self.policy.problem_details and answer.outcome in _OWN_ANSWERS:
+            shaped = responses.as_problem((answer.status, answer.headers, answer.body))
+            return Answer(*shaped, answer.outcome, answer.generation, answer.started_at)
         return answer
+
+    def shape(self, answer: tuple[int, responses.Headers, bytes]) -> tuple[int, responses.Headers, bytes]:
+        """One of idemctl's own error answers as the policy wants it: the
+        recipe's ``{"error": ...}`` JSON, or RFC 9457 problem details with
+        ``Policy(problem_details=True)``.
+
+        >>> Ledger.open(":memory:", policy=Policy(problem_details=True)).shape(responses.key_required())[1]
+        (('content-type', 'application/problem+json'),)
+        """
+        return responses.as_problem(answer) if self.policy.problem_details else answer
 
     def refuse(
         self,
@@ -406,7 +419,7 @@ class Ledger:
         >>> seen[0].outcome.value, seen[0].key
         ('unauthenticated', 'k1')
         """
-        answer = Answer(*refusal, outcome)
+        answer = Answer(*self.shape(refusal), outcome)
         event = Event(outcome, principal, key, None, method, path, answer.status, 0.0, None, wall_clock_ms())
         self._emit(event)
         return answer
@@ -1045,6 +1058,19 @@ class Ledger:
         )
 
 
+# The answers the ledger makes itself (never an app's, never a replay).
+_OWN_ANSWERS = frozenset(
+    {
+        Outcome.KEY_REQUIRED,
+        Outcome.KEY_INVALID,
+        Outcome.UNAUTHENTICATED,
+        Outcome.REUSED,
+        Outcome.IN_PROGRESS,
+        Outcome.RETRY,
+        Outcome.BODY_REFUSED,
+        Outcome.UNAVAILABLE,
+    }
+)
 # Requests that ran the mutation sweep one batch after their answer.
 _SWEEPS_AFTER = frozenset({Outcome.EXECUTED, Outcome.TAKEN_OVER, Outcome.FENCED_OUT})
 # Routine decisions are counted (listeners, metrics), not logged line by line.

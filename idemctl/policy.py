@@ -64,6 +64,10 @@ class Policy:
     # fields named in fingerprint_ignore_fields (dotted paths: "meta.sent_at").
     fingerprint_body: str = "raw"
     fingerprint_ignore_fields: tuple[str, ...] = ()
+    # Answers the ledger and the adapters make themselves (400, 401, 409,
+    # 411, 413, 422, 503) as RFC 9457 application/problem+json instead of
+    # the recipe's {"error": ...}; the app's own answers are never touched.
+    problem_details: bool = False
 
     def __post_init__(self) -> None:
         for name in (

@@ -234,6 +234,55 @@ def from_stored(
     return status, headers, raw
 
 
+# RFC 9457 problem types: one stable URI per error code, documented in docs/library.md.
+PROBLEM_TYPE_PREFIX = "urn:idemctl:problem:"
+PROBLEM_CONTENT_TYPE = ("content-type", "application/problem+json")
+PROBLEM_TITLES = {
+    "idempotency_key_required": "Idempotency-Key required",
+    "idempotency_key_invalid": "Idempotency-Key invalid",
+    "unauthenticated": "No authenticated principal",
+    "idempotency_key_reused": "Idempotency-Key reused for another request",
+    "idempotency_key_in_progress": "Request with this Idempotency-Key in progress",
+    "idempotency_key_retry": "Retry the request",
+    "idempotency_ledger_unavailable": "Idempotency ledger unavailable",
+    "content_length_required": "Content-Length required",
+    "content_length_invalid": "Content-Length invalid",
+    "request_body_too_large": "Request body too large",
+    "request_body_incomplete": "Request body incomplete",
+}
+_PROBLEM_DETAILS = {
+    "idempotency_key_required": "This request needs an Idempotency-Key header.",
+    "idempotency_key_reused": "This Idempotency-Key was used for a different request.",
+    "idempotency_key_in_progress": "A request with this Idempotency-Key is still running; retry later.",
+}
+
+
+def as_problem(answer: tuple[int, Headers, bytes]) -> tuple[int, Headers, bytes]:
+    """One of idemctl's own `{"error": ...}` answers as RFC 9457 problem
+    details: `type` (a URI per error), `title`, `status`, `detail`, and the
+    members the plain answer carries (`error`, `retry_after_ms`,
+    `limit_bytes`). Other headers (Retry-After) are kept.
+
+    >>> status, headers, body = as_problem(reused(Policy()))
+    >>> headers[0], json.loads(body)["type"], json.loads(body)["status"]
+    (('content-type', 'application/problem+json'), 'urn:idemctl:problem:idempotency_key_reused', 409)
+    """
+    status, headers, body = answer
+    payload = json.loads(body)
+    code = str(payload.pop("error"))
+    message = payload.pop("message", None) or _PROBLEM_DETAILS.get(code) or PROBLEM_TITLES.get(code, code) + "."
+    problem = {
+        "type": PROBLEM_TYPE_PREFIX + code,
+        "title": PROBLEM_TITLES.get(code, code),
+        "status": status,
+        "detail": message,
+        "error": code,
+        **payload,
+    }
+    kept = tuple((n, v) for n, v in headers if n != "content-type")
+    return status, (PROBLEM_CONTENT_TYPE, *kept), _dumps(problem).encode("utf-8")
+
+
 def json_error(status: int, payload: dict[str, object], extra: Headers = ()) -> tuple[int, Headers, bytes]:
     return status, (JSON_CONTENT_TYPE, *extra), _dumps(payload).encode("utf-8")
 

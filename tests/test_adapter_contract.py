@@ -633,3 +633,62 @@ def test_a_255_character_key_in_quotes_is_accepted_through_every_adapter(client_
     assert ledger.lookup("acct_A", "k" * 255) is not None
 
 
+
+
+# -- problem details on request ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "options", "status", "code", "extra"),
+    [
+        ({"key": None}, {}, 400, "idempotency_key_required", {}),
+        ({"key": '"abc'}, {}, 400, "idempotency_key_invalid", {}),
+        ({"user": None}, {}, 401, "unauthenticated", {}),
+        ({"body": b"12345"}, {"max_body_bytes": 4}, 413, "request_body_too_large", {"limit_bytes": 4}),
+    ],
+    ids=["400-required", "400-invalid", "401", "413"],
+)
+def test_with_problem_details_every_refusal_is_problem_json(client_for, kwargs, options, status, code, extra):
+    client, _ = client_for(Orders(), policy=Policy(problem_details=True), **options)
+    reply = post(client, **kwargs)
+    problem = json.loads(reply.body)
+    assert reply.status == status
+    assert reply.header("Content-Type") == "application/problem+json"
+    assert {k: problem[k] for k in ("type", "status", "error")} == {
+        "type": f"urn:idemctl:problem:{code}",
+        "status": status,
+        "error": code,
+    }
+    assert problem["title"] and problem["detail"]
+    assert {k: problem[k] for k in extra} == extra
+
+
+def test_with_problem_details_409s_keep_retry_after_and_their_members(client_for):
+    gate = threading.Event()
+    orders = Orders(gate=gate)
+    client, _ = client_for(orders, policy=Policy(problem_details=True))
+    first: list[Reply] = []
+    runner = threading.Thread(target=lambda: first.append(post(client)))
+    runner.start()
+    try:
+        for _ in range(200):
+            if orders.runs:
+                break
+            threading.Event().wait(0.01)
+        busy = post(client)
+    finally:
+        gate.set()
+        runner.join(10)
+    reused = post(client, body=b'{"sku":"coffee"}')
+    replay = post(client)
+    assert (busy.status, busy.header("Retry-After"), busy.header("Content-Type")) == (409, "30", "application/problem+json")
+    assert json.loads(busy.body)["retry_after_ms"] == 30000
+    assert json.loads(busy.body)["type"] == "urn:idemctl:problem:idempotency_key_in_progress"
+    assert json.loads(reused.body)["type"] == "urn:idemctl:problem:idempotency_key_reused"
+    # The app's own answer is never touched, first or replayed.
+    assert (replay.status, replay.body, replay.header("Content-Type")) == (201, b'{"id":1}', "application/json")
+
+
+def test_with_problem_details_an_unavailable_ledger_is_problem_json_with_retry_after(adapter, tmp_path):
+    missing = Ledger.open(tmp_path / "never-initialised.db", policy=Policy(problem_details=True))
+    reply = post(CLIENTS[adapter](missing, Orders()))
+    assert (reply.status, reply.header("Retry-After"), reply.header("Content-Type")) == (503, "1", "application/problem+json")
+    assert json.loads(reply.body)["type"] == "urn:idemctl:problem:idempotency_ledger_unavailable"
