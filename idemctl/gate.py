@@ -30,6 +30,7 @@ b'made'
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import re
@@ -244,10 +245,9 @@ class Gate:
         level = logging.WARNING if isinstance(exc, LedgerUnavailableError) else logging.ERROR
         self.log.log(level, "idempotency ledger unavailable, refused %s %s with 503: %s", method, target, exc)
         unavailable = responses.unavailable(self.unavailable_retry_after_ms)
-        try:
+        # A ledger opened lazily that cannot even be opened gets the plain answer.
+        with contextlib.suppress(StorageError):
             unavailable = self.ledger.shape(unavailable)
-        except StorageError:  # a ledger opened lazily that cannot even be opened: the plain answer
-            pass
         return Answer(*unavailable, Outcome.UNAVAILABLE)
 
     # -- after the app ran --------------------------------------------------------------

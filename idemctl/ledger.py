@@ -34,6 +34,7 @@ from .fingerprint import (
     header_pairs,
     parse_key,
 )
+from .leases import LeaseKeeper
 from .outcomes import (
     Answer,
     Completion,
@@ -97,6 +98,12 @@ class Ledger:
             raise PolicyError(f"clock must be a callable or 'database', got {clock!r}")
         else:
             self.clock = clock if clock is not None else wall_clock_ms
+        #: This process's live reservations, renewed together (Policy.lease_renewal), or None.
+        self.leases: LeaseKeeper | None = None
+        if self.policy.lease_renewal:
+            self.leases = LeaseKeeper(
+                self._renew, interval_s=self.policy.pending_ttl_ms / 3000, max_s=self.policy.lease_max_ms / 1000
+            )
         self._listeners: tuple[Callable[[Event], object], ...] = ()
         self._listeners_lock = threading.Lock()
         # Until when this process's post-response sweep has nothing to do.
@@ -215,7 +222,21 @@ class Ledger:
         self.close()
 
     def close(self) -> None:
+        if self.leases is not None:
+            self.leases.close()
         self.store.close()
+
+    def _renew(self, held: list[Reservation]) -> int:
+        return self.store.renew([(r.principal, r.key, r.generation, r.token) for r in held], self.now())
+
+    def _hold(self, made: decision.Decision) -> decision.Decision:
+        if self.leases is not None and isinstance(made, decision.Claimed):
+            self.leases.hold(made.reservation)
+        return made
+
+    def _drop(self, reservation: Reservation | None) -> None:
+        if self.leases is not None and reservation is not None:
+            self.leases.drop(reservation)
 
     def describe(self) -> str:
         """Where the ledger lives, safe to print (a URL without its password).
@@ -318,7 +339,7 @@ class Ledger:
         fp = fingerprint(method, path_and_query, headers, fp_body, policy.fingerprint_headers)
         mark = time.perf_counter()
         try:
-            made = yield from decision.decide(self.store, policy, self.clock, principal, key, fp)
+            made = self._hold((yield from decision.decide(self.store, policy, self.clock, principal, key, fp)))
         except StorageError:
             ms = (time.perf_counter() - mark) * 1000
             at = wall_clock_ms()  # the database clock, if that is the clock, cannot be asked either
@@ -346,7 +367,11 @@ class Ledger:
         """
         check_principal(principal)
         key = check_key(key)
-        return decision.decide(self.store, self.policy, self.clock, principal, key, fingerprint)
+        return self._decide_and_hold(principal, key, fingerprint)
+
+    def _decide_and_hold(self, principal: str, key: str, fingerprint: str) -> decision.Steps[decision.Decision]:
+        made = yield from decision.decide(self.store, self.policy, self.clock, principal, key, fingerprint)
+        return self._hold(made)
 
     def _answer_for(
         self, made: decision.Completed | decision.Reused | decision.Busy | decision.Vanished, principal: str, key: str
@@ -449,6 +474,7 @@ class Ledger:
                 raise InvalidResponseError("an unprotected answer is passed through whole, never as its size")
             raw = body.encode("utf-8") if isinstance(body, str) else as_body_bytes(body, "response body")
             return Answer(status, tuple(header_pairs(headers)), raw, Outcome.PASSTHROUGH)
+        self._drop(reservation)
         app_ms = (time.perf_counter() - ticket.issued) * 1000 if ticket.issued else None
         mark = time.perf_counter()
         stored, computed = self._prepare(reservation, status, headers, body)
@@ -512,6 +538,7 @@ class Ledger:
         reservation = ticket.reservation
         if reservation is None:
             return
+        self._drop(reservation)
         app_ms = (time.perf_counter() - ticket.issued) * 1000 if ticket.issued else None
         mark = time.perf_counter()
         if release:
@@ -662,6 +689,7 @@ class Ledger:
         >>> ledger.complete(reservation, 201, {}, b"again").stored  # already completed
         False
         """
+        self._drop(reservation)
         stored, answer = self._prepare(reservation, status, headers, body)
         return self._store_answer(reservation, stored, answer, self.now() if now is None else now)
 
@@ -731,6 +759,7 @@ class Ledger:
         >>> ledger.release(reservation), ledger.release(reservation)
         (True, False)
         """
+        self._drop(reservation)
         return self.store.release(reservation.principal, reservation.key, reservation.generation, reservation.token)
 
     def _release_quietly(self, reservation: Reservation) -> None:

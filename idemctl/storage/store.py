@@ -10,7 +10,7 @@ and spelled for an engine by its dialect."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ..errors import MalformedRowError, SchemaTooNewError
@@ -95,6 +95,23 @@ WHERE principal = :principal AND key = :key AND generation = :generation
   AND token = :token AND status = 'pending'
 RETURNING generation
 """
+
+# A live owner's reservations, renewed together (see leases.py): each row
+# only while it is still pending under the very generation and token it was
+# claimed with, so a renewal never revives or steals a row a takeover moved
+# on. The VALUES list is padded to a power of two (the statement text is
+# cached per size).
+RENEW_MAX = 512
+
+
+def renew_text(size: int) -> str:
+    values = ", ".join(f"(:p{i}, :k{i}, :g{i}, :t{i})" for i in range(size))
+    return (
+        "UPDATE idempotency_keys SET updated_at = :now"
+        f" WHERE status = 'pending' AND (principal, key, generation, token) IN (VALUES {values})"
+        " RETURNING generation"
+    )
+
 
 # One statement: the event and the generation the row held then are read and
 # written together, so the log never disagrees with the row it describes.
@@ -429,6 +446,22 @@ class Store:
         self._guard()
         params = {"principal": principal, "key": key, "generation": generation, "token": token}
         return bool(self._write(RELEASE, params))
+
+    def renew(self, held: Sequence[tuple[str, str, int, int | None]], now: int) -> int:
+        """Move `updated_at` to `now` for every (principal, key, generation,
+        token) still pending as held; how many rows were renewed. One
+        statement per RENEW_MAX reservations."""
+        self._guard()
+        renewed = 0
+        for start in range(0, len(held), RENEW_MAX):
+            chunk = list(held[start : start + RENEW_MAX])
+            size = 1 << (len(chunk) - 1).bit_length()
+            chunk += [chunk[-1]] * (size - len(chunk))  # a repeated row matches once
+            params: dict[str, Any] = {"now": now}
+            for i, (principal, key, generation, token) in enumerate(chunk):
+                params.update({f"p{i}": principal, f"k{i}": key, f"g{i}": generation, f"t{i}": token})
+            renewed += len(self._write(renew_text(size), params))
+        return renewed
 
     def record_fenced(
         self, principal: str, key: str, generation: int, computed_status: int, now: int
