@@ -107,18 +107,25 @@ def state_words(view: RowView) -> str:
     >>> reservation = ledger.claim("acct_A", "k1", "fp"); t[0] = 12_000
     >>> state_words(ledger.get("acct_A", "k1"))
     'pending, 12 s old: retries get 409 for 18 s more, then the next retry takes over as generation 2'
+    >>> _ = ledger.store.renew([(reservation.principal, "k1", 1, reservation.token)], 14_000); t[0] = 15_000
+    >>> state_words(ledger.get("acct_A", "k1")).split(":")[0]
+    'pending, claimed 15 s ago, lease last renewed 1 s ago'
     >>> _ = ledger.complete(reservation, 201, {}, b"{}"); t[0] += 3 * 3_600_000
     >>> state_words(ledger.get("acct_A", "k1"))
-    'completed 3 h ago: replayed until 1970-01-02T00:00:12Z (in 21 h); the sweep may delete it after that'
+    'completed 3 h ago: replayed until 1970-01-02T00:00:15Z (in 21 h); the sweep may delete it after that'
     """
     row, now = view.row, view.now
     age = human_duration(max(0, view.age_ms))
     nxt = row.generation + 1
     if view.state is State.PENDING_FRESH:
         left = human_duration(view.takeover_in_ms or 0)
-        return (
-            f"pending, {age} old: retries get 409 for {left} more, then the next retry takes over as generation {nxt}"
-        )
+        if row.generation == 1 and row.updated_at > row.created_at:
+            # Only a lease renewal writes a pending first generation after its claim.
+            claimed = human_duration(max(0, now - row.created_at))
+            age = f"claimed {claimed} ago, lease last renewed {age} ago"
+        else:
+            age = f"{age} old"
+        return f"pending, {age}: retries get 409 for {left} more, then the next retry takes over as generation {nxt}"
     if view.state is State.PENDING_STALE:
         return (
             f"pending, {age} old, past the {human_duration(view.pending_ttl_ms)} TTL: "

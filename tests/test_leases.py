@@ -171,3 +171,59 @@ def test_a_killed_owner_is_taken_over_about_one_ttl_after_its_last_renewal(make_
     finally:
         child.kill()
         child.wait(10)
+
+
+def test_an_idempotent_function_keeps_its_lease_while_it_runs(make_ledger):
+    from idemctl import CallInProgressError
+
+    ledger = lease_ledger(make_ledger, lease_renewal=True)
+    runs: list[int] = []
+
+    @ledger.idempotent(key=lambda order: order, principal="billing")
+    def charge(order: str) -> str:
+        runs.append(1)
+        time.sleep(2.0)
+        return "charged"
+
+    worker = threading.Thread(target=charge, args=("o-1",))
+    worker.start()
+    time.sleep(1.4)
+    with pytest.raises(CallInProgressError):
+        charge("o-1")
+    worker.join(10)
+    assert charge("o-1") == "charged"
+    assert len(runs) == 1
+
+
+def test_renewal_works_under_sqlite_group_commit(tmp_path):
+    from idemctl import Ledger
+
+    ledger = Ledger.open(
+        tmp_path / "group.db", policy=Policy(pending_ttl_ms=TTL, lease_renewal=True), clock=wall_clock_ms, group_commit=True
+    )
+    ledger.init()
+    try:
+        runs: list[int] = []
+        thread, answers, _ = slow_owner(ledger, "k-group", 2.0, runs)
+        time.sleep(1.4)
+        assert duplicate(ledger, "k-group", runs).outcome is Outcome.IN_PROGRESS
+        thread.join(10)
+        assert (answers[0].outcome, len(runs)) == (Outcome.EXECUTED, 1)
+    finally:
+        ledger.close()
+
+
+def test_inspect_shows_when_a_reservation_was_claimed_and_last_renewed(make_ledger, ledger_target, monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from idemctl.cli import app
+    from tests.helpers import clean_env
+
+    clean_env(monkeypatch, tmp_path, columns="200")
+    ledger = lease_ledger(make_ledger, lease_renewal=True)
+    ticket = ledger.begin("acct_A", "k-shown", "POST", "/orders", {}, b"{}")
+    time.sleep(1.2)  # a few renewals
+    result = CliRunner().invoke(app, ["--db", ledger_target, "inspect", "k-shown", "--principal", "acct_A"])
+    ledger.finish(ticket, 201, {}, b"")
+    assert result.exit_code == 0, result.output
+    assert "lease last renewed" in result.stdout and "claimed 1 s ago" in result.stdout
