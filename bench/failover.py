@@ -171,8 +171,11 @@ def _writer(url: str, index: int, ttl_ms: int, deadline: float, stop: Any, acks:
     )
 
 
-def _wait_for(acks: Any, target: int, deadline: float) -> None:
+def _wait_for(acks: Any, target: int, deadline: float, procs: list[Any]) -> None:
     while acks.value < target and time.monotonic() < deadline:
+        dead = [p for p in procs if p.exitcode is not None]
+        if dead:
+            raise RuntimeError(f"writer process {dead[0].name} exited early with code {dead[0].exitcode}")
         time.sleep(0.02)
 
 
@@ -206,7 +209,7 @@ def measure(
         for p in procs:
             p.start()
         try:
-            _wait_for(acks, before, deadline - budget_s / 2)
+            _wait_for(acks, before, deadline - budget_s / 2, procs)
             if lag_s > 0:
                 pair.stall_replication()
                 time.sleep(lag_s)
@@ -215,7 +218,7 @@ def measure(
             pair.promote_standby()
             result.promote_s = time.monotonic() - t0
             at_failover = acks.value
-            _wait_for(acks, at_failover + after, deadline - pending_ttl_ms / 1000 - 5)
+            _wait_for(acks, at_failover + after, deadline - pending_ttl_ms / 1000 - 5, procs)
             result.acknowledged_after_failover = acks.value - at_failover
             stop.set()
             reports = [out.get(timeout=max(1.0, deadline - time.monotonic() + 5)) for _ in procs]

@@ -245,6 +245,10 @@ class ReplicaPair:
             [
                 f"port = {self.standby_port}",
                 "hot_standby = on",
+                # The startup process may sleep this long before it notices a
+                # promotion request that came while it waited for WAL (5 s by
+                # default): the measured outage would be that sleep.
+                "wal_retrieve_retry_interval = '100ms'",
                 f"primary_conninfo = 'host=127.0.0.1 port={self.link.port} user=postgres application_name=standby'",
             ],
         )
