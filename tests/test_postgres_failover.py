@@ -14,16 +14,17 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from typer.testing import CliRunner
 
 from bench.common import wsgi_environ
 from bench.failover import SETTINGS, FailoverRun, measure, render
 from bench.replica import ReplicaPair
 from idemctl import ConnectionFailedError, Ledger, ReadOnlyDatabaseError
+from idemctl.cli import app
 from idemctl.outcomes import Outcome, Status
-from idemctl.storage import postgres
 from idemctl.wsgi import IdempotencyMiddleware
 
-pytest.importorskip("psycopg")
+postgres = pytest.importorskip("idemctl.storage.postgres", reason="the failover tests need the postgres extra")
 
 MEASURED: list[FailoverRun] = []
 
@@ -179,6 +180,30 @@ def test_a_multi_host_ledger_refuses_while_no_host_accepts_writes_then_serves_fr
     assert pair.sql(pair.standby_port, "SELECT key, status FROM idempotency_keys ORDER BY key") == [
         ("before", "completed"),
         ("during", "completed"),
+    ]
+
+
+@pytest.mark.slow
+def test_doctor_warns_about_asynchronous_replication_and_about_a_url_that_names_a_standby(pair: ReplicaPair) -> None:
+    on_primary = CliRunner().invoke(app, ["--db", pair.url(), "doctor"])
+    assert on_primary.exit_code == 1
+    assert on_primary.stdout.splitlines()[1].startswith(
+        "warning: replication is asynchronous (synchronous_standby_names is empty; 1 standby(s) connected)"
+    )
+    on_standby = CliRunner().invoke(app, ["--db", pair.url(pair.standby_port), "doctor"])
+    assert on_standby.exit_code == 1
+    assert on_standby.stdout.splitlines()[1].startswith("warning: this server is a standby (in recovery)")
+
+
+@pytest.mark.slow
+def test_doctor_passes_synchronous_replication_with_a_connected_standby() -> None:
+    _require_pair()
+    with ReplicaPair.start(synchronous=True) as sync:
+        result = CliRunner().invoke(app, ["--db", sync.url(), "doctor"])
+    assert result.exit_code == 0, result.stdout
+    assert result.stdout.splitlines()[1:] == [
+        "ok: synchronous replication (synchronous_standby_names='*', synchronous_commit=on): "
+        "a completion is acknowledged only once a standby holds it"
     ]
 
 

@@ -61,6 +61,17 @@ FROM (SELECT to_regclass(name) AS t FROM unnest(%(names)s::text[]) AS name) AS t
 WHERE t IS NOT NULL
 """
 
+# What decides whether a completion this server acknowledged is on a standby
+# too, as this connection's session sees it (a role or database can override
+# synchronous_commit), and which standbys stream from it now.
+SQL_REPLICATION = """
+SELECT current_setting('synchronous_commit'), current_setting('synchronous_standby_names'),
+       pg_is_in_recovery(),
+       coalesce((SELECT array_agg(application_name || '=' || coalesce(sync_state, 'unknown')
+                                  ORDER BY application_name)
+                 FROM pg_stat_replication), '{}')
+"""
+
 # SQLSTATEs that mean "waited on another session past a timeout".
 _LOCKED_STATES = {"55P03", "57014", "40P01", "40001"}
 # Server going away, refusing, or out of connection slots.
@@ -445,6 +456,15 @@ class PostgresEngine:
         """On-disk size of the ledger's tables and indexes (pg_total_relation_size)."""
         row = self.read(SQL_STORAGE_BYTES, {"names": list(tables)})
         return int(row[0][0]) if row else None
+
+    def replication_settings(self) -> tuple[str, str, bool, tuple[str, ...]]:
+        """synchronous_commit, synchronous_standby_names, whether this server
+        is a standby, and its standbys as ``name=sync_state`` (``unknown``
+        unless the role may read pg_stat_replication's details: a superuser
+        or a member of pg_monitor)."""
+        rows = self.read(SQL_REPLICATION, {})
+        commit, names, recovering, standbys = rows[0]
+        return str(commit), str(names), bool(recovering), tuple(str(x) for x in standbys)
 
     # -- schema ------------------------------------------------------------------------
     def migrate(self, body: Callable[[_PostgresTx], T], *, write: bool) -> T:
