@@ -264,14 +264,14 @@ def measure(
 
 def render(runs: list[FailoverRun]) -> str:
     lines = [
-        "| replication | standby behind | acknowledged | lost acknowledged completions | double runs | in flight (ran again after the TTL) | 503s | longest 503 stretch |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| replication | standby behind | acknowledged | lost acknowledged completions | double runs | in flight (ran again after the TTL) | 503s | longest 503 stretch | promotion took |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in runs:
         r = run.row()
         lines.append(
             f"| {r['setting']} | {r['lag_s'] * 1000:g} ms | {r['acknowledged']} | {r['lost']} ({r['lost_missing']} missing, {r['lost_pending']} pending) "
-            f"| {r['double_runs']} | {r['in_flight']} ({r['in_flight_rerun']}) | {r['refused_503']} | {r['longest_503_s']:.1f} s |"
+            f"| {r['double_runs']} | {r['in_flight']} ({r['in_flight_rerun']}) | {r['refused_503']} | {r['longest_503_s']:.1f} s | {r['promote_s']:.1f} s |"
         )
     return "\n".join(lines)
 
