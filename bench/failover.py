@@ -32,6 +32,7 @@ import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,7 @@ class FailoverRun:
     lost_pending: list[str] = field(default_factory=list)
     in_flight: list[str] = field(default_factory=list)
     in_flight_pending: list[str] = field(default_factory=list)
+    in_flight_completed: list[str] = field(default_factory=list)
     unanswered: list[str] = field(default_factory=list)
     runs: Counter[str] = field(default_factory=Counter)
     final_outcomes: Counter[str] = field(default_factory=Counter)
@@ -188,16 +190,20 @@ def measure(
     pending_ttl_ms: int = 2000,
     lag_s: float = 0.3,
     budget_s: float = 40.0,
+    before_load: Callable[[ReplicaPair], None] | None = None,
 ) -> FailoverRun:
     """One failover under load: `before` acknowledged answers, then the
     replication link stalled for `lag_s` (the standby falls that far behind),
     then the primary killed and the standby promoted, then `after` more
-    answers; all within `budget_s` (writers give up on a key at the deadline)."""
+    answers; all within `budget_s` (writers give up on a key at the deadline).
+    `before_load` gets the pair once the ledger is initialised."""
     result = FailoverRun(setting, writers, pending_ttl_ms, lag_s)
     with ReplicaPair.start(synchronous=setting.synchronous, synchronous_commit=setting.synchronous_commit) as pair:
         url = pair.url()
         with Ledger.open(url) as ledger:
             ledger.init()
+        if before_load is not None:
+            before_load(pair)
         deadline = time.monotonic() + budget_s
         stop = SPAWN.Event()
         acks = SPAWN.Value("i", 0)
@@ -248,6 +254,8 @@ def measure(
                 row = new_primary.lookup(PRINCIPAL, key)
                 if row is not None and row.status is Status.PENDING:
                     result.in_flight_pending.append(key)
+                elif row is not None:
+                    result.in_flight_completed.append(key)
             # Every key once more, as a client that retries everything: after
             # the TTL, so that a pending reservation is taken over, not 409.
             time.sleep(max(0.0, stopped_at + pending_ttl_ms / 1000 + 0.1 - time.monotonic()))

@@ -2,8 +2,8 @@
 binaries in a temporary directory, for failover measurements.
 
 Both clusters listen on 127.0.0.1 only, on ports the OS reports free, with
-their sockets in the temporary directory: the machine's own server is never
-touched. As root, every server command runs as the `postgres` OS user
+their sockets in a temporary directory (in /dev/shm where there is one):
+the machine's own server is never touched. As root, every server command runs as the `postgres` OS user
 (PostgreSQL refuses to run as root). `ReplicaPair.unavailable()` says why a
 pair cannot be started here, for a test to skip with that reason.
 
@@ -17,6 +17,7 @@ directory, whatever happened inside it."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import os
@@ -33,6 +34,10 @@ from pathlib import Path
 BIN_ENV = "IDEMCTL_TEST_PG_BIN"
 TOOLS = ("initdb", "pg_ctl", "pg_basebackup", "postgres")
 STARTUP_TIMEOUT_S = 60
+# initdb's output, made once per process and copied for each pair: initdb is
+# most of a pair's start-up time. Removed when the process exits.
+_TEMPLATES: dict[tuple[str, ...], Path] = {}
+_TEMPLATE_LOCK = threading.Lock()
 
 
 class PairError(RuntimeError):
@@ -69,6 +74,14 @@ def _runas_prefix() -> list[str] | None:
         return None
     runuser = shutil.which("runuser")
     return [runuser, "-u", "postgres", "--"] if runuser else None
+
+
+def _scratch_dir() -> str | None:
+    """Where the clusters go: memory (/dev/shm) where there is one, since the
+    measurement is of processes, not disks, and a loaded disk makes copying a
+    cluster take seconds; else the system's temporary directory."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
 
 
 def _free_port() -> int:
@@ -169,7 +182,7 @@ class ReplicaPair:
         if reason:
             raise PairError(reason)
         runas = _runas_prefix() or []
-        root = Path(tempfile.mkdtemp(prefix="idemctl-failover-"))
+        root = Path(tempfile.mkdtemp(prefix="idemctl-failover-", dir=_scratch_dir()))
         primary, standby = _free_port(), _free_port()
         while standby == primary:
             standby = _free_port()
@@ -211,11 +224,32 @@ class ReplicaPair:
         self._run("pg_ctl", "-D", str(datadir), "-l", str(datadir.with_suffix(".log")), "-w", "-t", "60", "start")
         self.started.append(datadir)
 
+    def _template(self) -> Path:
+        key = (self.bindir, *self.runas)
+        with _TEMPLATE_LOCK:
+            done = _TEMPLATES.get(key)
+            if done is not None and (done / "PG_VERSION").exists():
+                return done
+            root = Path(tempfile.mkdtemp(prefix="idemctl-failover-initdb-", dir=_scratch_dir()))
+            atexit.register(shutil.rmtree, root, ignore_errors=True)
+            if self.runas:
+                shutil.chown(root, user="postgres", group=None)
+            os.chmod(root, 0o700)
+            data = root / "data"
+            self._run(
+                "initdb", "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C", "--no-sync",
+                "--wal-segsize=1",  # MB: less to copy for each pair and each standby
+            )  # fmt: skip
+            _TEMPLATES[key] = data
+            return data
+
     def _start(self, synchronous_commit: str) -> None:
-        self._run(
-            "initdb", "-D", str(self.primary_dir), "-U", "postgres", "--auth=trust", "-E", "UTF8",
-            "--locale=C", "--no-sync",
-        )  # fmt: skip
+        template = self._template()
+        copied = subprocess.run(
+            [*self.runas, "cp", "-a", str(template), str(self.primary_dir)], capture_output=True, text=True, timeout=60
+        )
+        if copied.returncode != 0:
+            raise PairError(f"copying {template} failed: {copied.stderr.strip()}")
         self._append_conf(
             self.primary_dir,
             [
@@ -227,6 +261,7 @@ class ReplicaPair:
                 "wal_level = replica",
                 "max_wal_senders = 4",
                 "wal_keep_size = '64MB'",
+                "min_wal_size = '4MB'",
                 # A process failure, not a power cut, is what is measured:
                 # the OS keeps every write either way, and fsync would only
                 # slow a shared machine down.
@@ -285,6 +320,16 @@ class ReplicaPair:
             if time.monotonic() > deadline:
                 raise PairError(f"the standby is not streaming ({want}) after {timeout_s:g} s: {rows}")
             time.sleep(0.1)
+
+    def wait_caught_up(self, timeout_s: float = 30) -> None:
+        """Until the standby has replayed everything the primary has written so far."""
+        lsn = self.sql(self.primary_port, "SELECT pg_current_wal_lsn()::text")[0][0]
+        deadline = time.monotonic() + timeout_s
+        replayed = "SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn" % repr(lsn)
+        while self.sql(self.standby_port, replayed) != [(True,)]:
+            if time.monotonic() > deadline:
+                raise PairError(f"the standby has not replayed up to {lsn} after {timeout_s:g} s")
+            time.sleep(0.02)
 
     # -- what a test does ------------------------------------------------------------------
     def url(self, port: int | None = None, *, dbname: str = "postgres", query: str = "") -> str:

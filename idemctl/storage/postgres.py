@@ -222,8 +222,9 @@ class PostgresEngine:
         self._conninfo = make_conninfo(libpq_url, **extra)
         self._lock = threading.Lock()
         self._pool: ConnectionPool[_PooledConnection] | None = None
-        # (monotonic deadline, message) of the last failed connect, see RECONNECT_PAUSE_S.
-        self._unreachable: tuple[float, str] | None = None
+        # Until when (monotonic) statements fail at once, and with what: see
+        # RECONNECT_PAUSE_S.
+        self._unreachable: tuple[float, StorageError] | None = None
         self._pid = os.getpid()
         # Pools inherited across fork stay referenced and untouched: closing
         # one in the child would shut down sockets the parent still uses.
@@ -291,11 +292,12 @@ class PostgresEngine:
             if self._pool is None:
                 failed = self._unreachable
                 if failed is not None and time.monotonic() < failed[0]:
-                    raise ConnectionFailedError(failed[1])
+                    # A new instance each time: threads must not share a traceback.
+                    raise type(failed[1])(str(failed[1]))
                 try:
                     self._pool = self._new_pool()
                 except ConnectionFailedError as exc:
-                    self._unreachable = (time.monotonic() + RECONNECT_PAUSE_S, str(exc))
+                    self._unreachable = (time.monotonic() + RECONNECT_PAUSE_S, exc)
                     raise
                 self._unreachable = None
             return self._pool
@@ -321,25 +323,37 @@ class PostgresEngine:
         try:
             yield conn
         except psycopg.Error as exc:
-            if conn.broken:
-                self._discard(pool)
-            raise self._translate(exc) from exc
+            error = self._translate(exc)
+            if self._server_lost(conn, error):
+                self._discard(pool, error)
+            raise error from exc
         finally:
             pool.putconn(conn)
 
-    def _discard(self, pool: ConnectionPool[_PooledConnection]) -> None:
-        """The server closed a connection under us. A restart or failover
-        closes every connection at once: each idle one in the pool would fail
-        one more request, and the pool's own reconnection backs off (1 s,
-        then 2, 4, ...) after the first refusal, long after a promoted
-        standby accepts writes. So the whole pool goes: the next statement
+    def _server_lost(self, conn: psycopg.Connection[Any], error: StorageError) -> bool:
+        """Whether this connection's server can no longer serve the ledger:
+        it closed the connection, or (for a ledger that writes) it refuses
+        writes now: an old primary fenced read-only, or demoted to a standby
+        behind a name that has moved to the new primary."""
+        return conn.broken or (not self.readonly and isinstance(error, ReadOnlyDatabaseError))
+
+    def _discard(self, pool: ConnectionPool[_PooledConnection], error: StorageError) -> None:
+        """Replace the pool whose server was lost (see _server_lost). A
+        restart or failover closes every connection at once: each idle one in
+        the pool would fail one more request, and the pool's own reconnection
+        backs off (1 s, then 2, 4, ...) after the first refusal, long after a
+        promoted standby accepts writes. So the whole pool goes: the next statement
         connects afresh, through every host of the URL, to whichever accepts
         writes now, or fails at once while none does. Connections other
-        threads still hold are closed as they come back."""
+        threads still hold are closed as they come back. A read-only server
+        also pauses reconnecting (RECONNECT_PAUSE_S): if it is still the one
+        the URL leads to, each request must not open a pool of its own."""
         with self._lock:
             if self._pool is not pool:
                 return  # another thread's failure already replaced it
             self._pool = None
+            if isinstance(error, ReadOnlyDatabaseError):
+                self._unreachable = (time.monotonic() + RECONNECT_PAUSE_S, error)
         threading.Thread(target=_close_quietly, args=(pool,), name="idemctl-pool-close", daemon=True).start()
 
     def close(self) -> None:
@@ -428,9 +442,10 @@ class PostgresEngine:
             return rows
         except psycopg.Error as exc:
             conn.statement_cursor = None
-            if conn.broken:
-                self._discard(pool)
-            raise self._translate(exc) from exc
+            error = self._translate(exc)
+            if self._server_lost(conn, error):
+                self._discard(pool, error)
+            raise error from exc
         finally:
             pool.putconn(conn)
 
