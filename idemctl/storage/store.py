@@ -10,8 +10,8 @@ and spelled for an engine by its dialect."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from ..errors import MalformedRowError, SchemaTooNewError
 from ..outcomes import (
@@ -169,6 +169,119 @@ WHERE principal = :principal AND key = :key
   AND (status <> 'pending' OR CAST(:stale_before AS BIGINT) IS NULL OR updated_at < :stale_before)
 RETURNING {ROW_COLUMNS}
 """
+
+
+# -- copying a ledger to another: every statement reads one page or writes one batch --------
+
+# A row with every column a copy carries: the recipe's columns and the token.
+COPY_COLUMNS = (
+    "principal",
+    "key",
+    "fingerprint",
+    "status",
+    "generation",
+    "token",
+    "response_status",
+    "response_body",
+    "response_headers",
+    "created_at",
+    "updated_at",
+)
+
+# Keyset pagination on the primary key: each page is one index range read
+# from where the last one ended, so no page costs more than the first and no
+# page is ever held open (a live source keeps taking requests meanwhile).
+# The source's own collation orders the page and the `>`, so they agree.
+_COPY_PAGE = "SELECT {columns} FROM idempotency_keys{after} ORDER BY principal, key LIMIT :limit"
+_COPY_AFTER = " WHERE (principal, key) > (:after_principal, :after_key)"
+
+# Insert if absent, many rows in one statement: the conflict clause decides
+# row by row, exactly as a claim does, so a row that appeared in the
+# destination since it was read is left alone (and looked at again).
+_COPY_INSERT = """
+INSERT INTO idempotency_keys ({columns})
+VALUES {values}
+ON CONFLICT (principal, key) DO NOTHING
+RETURNING principal, key
+"""
+
+# Overwrite only an older version of the same request: same fingerprint, and
+# a lower generation, or the same generation and completed over pending, or
+# the same status written earlier. `copying.source_is_newer` says the same
+# in Python (to skip the statement for rows that are already equal); this
+# WHERE is what decides.
+COPY_UPDATE = """
+UPDATE idempotency_keys
+SET status = :status, generation = :generation, token = :token, response_status = :response_status,
+    response_body = :response_body, response_headers = :response_headers,
+    created_at = :created_at, updated_at = :updated_at
+WHERE principal = :principal AND key = :key AND fingerprint = :fingerprint
+  AND (generation < :generation
+       OR (generation = :generation AND status = 'pending' AND CAST(:completed AS INTEGER) = 1)
+       OR (generation = :generation AND status = :status AND updated_at < :updated_at))
+RETURNING generation
+"""
+
+# The fenced-out log's ids are each database's own: an event is the same
+# event when every other column is equal. Inserted unless already there.
+_COPY_FENCED_PAGE = f"""
+SELECT {EVENT_COLUMNS} FROM idemctl_fenced_out WHERE id > :after ORDER BY id LIMIT :limit
+"""
+_SAME_EVENT = """principal = :principal AND key = :key AND superseded_generation = :superseded
+  AND (current_generation = :current OR (current_generation IS NULL AND CAST(:current AS INTEGER) IS NULL))
+  AND computed_status = :status AND fenced_at = :fenced_at"""
+COPY_FENCED = f"""
+INSERT INTO idemctl_fenced_out
+  (principal, key, superseded_generation, current_generation, computed_status, fenced_at)
+SELECT :principal, :key, CAST(:superseded AS INTEGER), CAST(:current AS INTEGER),
+       CAST(:status AS INTEGER), CAST(:fenced_at AS BIGINT)
+WHERE NOT EXISTS (SELECT 1 FROM idemctl_fenced_out WHERE {_SAME_EVENT})
+RETURNING id
+"""
+
+COUNT_ROWS = "SELECT count(*) FROM idempotency_keys"
+
+
+class LedgerRow(NamedTuple):
+    """A ledger row with every column a copy carries; the body is the exact
+    bytes whatever the engine's column type (None when there is none)."""
+
+    principal: str
+    key: str
+    fingerprint: str
+    status: str
+    generation: int
+    token: int | None
+    response_status: int | None
+    response_body: bytes | None
+    response_headers: str | None
+    created_at: int
+    updated_at: int
+
+    @property
+    def where(self) -> tuple[str, str]:
+        return self.principal, self.key
+
+
+def _exact_bytes(value: object) -> bytes | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(type(value).__name__)
+
+
+def _as_stored(body: bytes | None) -> str | bytes | None:
+    # What the ledger itself stores: text when the bytes are UTF-8 (so that a
+    # SQLite copy holds TEXT, as the recipe's own readers expect), else bytes.
+    if body is None:
+        return None
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError:
+        return body
 
 
 def new_token() -> int:
@@ -484,6 +597,97 @@ class Store:
             return 0
         return int(self._read(COUNT_FENCED_EXPIRED, {"cutoff": cutoff})[0][0])
 
+    # -- copying ------------------------------------------------------------------------------
+    def count_rows(self) -> int:
+        return int(self._read(COUNT_ROWS)[0][0])
+
+    def _full_row(self, values: tuple[Any, ...]) -> LedgerRow:
+        principal, key, fp, status, generation, token, rstatus, rbody, rheaders, created, updated = values
+        try:
+            body = _exact_bytes(self.dialect.read_body(rbody))
+        except TypeError:
+            raise MalformedRowError(principal, key, f"response_body {rbody!r} is neither text nor bytes") from None
+        return LedgerRow(
+            principal,
+            key,
+            fp,
+            status,
+            _int(generation, "generation", principal, key) or 0,
+            _int(token, "token", principal, key, nullable=True),
+            _int(rstatus, "response_status", principal, key, nullable=True),
+            body,
+            rheaders,
+            _int(created, "created_at", principal, key) or 0,
+            _int(updated, "updated_at", principal, key) or 0,
+        )
+
+    def copy_page(self, after: tuple[str, str] | None, limit: int, *, with_token: bool = True) -> list[LedgerRow]:
+        """At most `limit` rows in primary-key order, after `after` (None: from the start).
+        A ledger older than the token column copies its rows with none."""
+        columns = ", ".join(c if c != "token" or with_token else "NULL" for c in COPY_COLUMNS)
+        params: dict[str, Any] = {"limit": limit}
+        where = ""
+        if after is not None:
+            where = _COPY_AFTER
+            params["after_principal"], params["after_key"] = after
+        rows = self._read(_COPY_PAGE.format(columns=columns, after=where), params)
+        return [self._full_row(values) for values in rows]
+
+    def rows_at(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], LedgerRow]:
+        """The rows of these (principal, key) pairs that exist, in one statement
+        (an OR of primary-key lookups: every engine answers it from the index)."""
+        if not keys:
+            return {}
+        params: dict[str, Any] = {}
+        tests = []
+        for i, (principal, key) in enumerate(keys):
+            params[f"p{i}"], params[f"k{i}"] = principal, key
+            tests.append(f"(principal = :p{i} AND key = :k{i})")
+        sql = f"SELECT {', '.join(COPY_COLUMNS)} FROM idempotency_keys WHERE {' OR '.join(tests)}"
+        # Spelled without the cache: the text differs with the number of keys.
+        rows = self.engine.read(self._spell(sql), params)
+        found = (self._full_row(values) for values in rows)
+        return {row.where: row for row in found}
+
+    def _bind_row(self, row: LedgerRow, suffix: str = "") -> dict[str, Any]:
+        params: dict[str, Any] = {f"{name}{suffix}": value for name, value in zip(COPY_COLUMNS, row, strict=True)}
+        params[f"response_body{suffix}"] = self.dialect.bind_body(_as_stored(row.response_body))
+        return params
+
+    def copy_insert(self, rows: Sequence[LedgerRow]) -> set[tuple[str, str]]:
+        """Insert the rows that are absent, in one statement; which ones it inserted."""
+        if not rows:
+            return set()
+        self._guard()
+        params: dict[str, Any] = {}
+        values = []
+        for i, row in enumerate(rows):
+            params.update(self._bind_row(row, f"_{i}"))
+            values.append("(" + ", ".join(f":{name}_{i}" for name in COPY_COLUMNS) + ")")
+        sql = _COPY_INSERT.format(columns=", ".join(COPY_COLUMNS), values=", ".join(values))
+        return {(str(p), str(k)) for p, k in self.engine.write(self._spell(sql), params)}
+
+    def copy_update(self, row: LedgerRow) -> bool:
+        """Overwrite the stored version of this row if it is older (COPY_UPDATE's WHERE)."""
+        self._guard()
+        params = self._bind_row(row)
+        params["completed"] = 1 if row.status == Status.COMPLETED.value else 0
+        return bool(self._write(COPY_UPDATE, params))
+
+    def fenced_page(self, after: int, limit: int) -> list[FencedEvent]:
+        """At most `limit` fenced-out events with an id above `after`, by id."""
+        if not self.has_fenced_log():
+            return []
+        return [FencedEvent(*values) for values in self._read(_COPY_FENCED_PAGE, {"after": after, "limit": limit})]
+
+    def copy_fenced(self, event: FencedEvent) -> bool:
+        """Record this event unless an equal one is there already."""
+        self._guard()
+        return bool(self._write(COPY_FENCED, _event_params(event)))
+
+    def has_event(self, event: FencedEvent) -> bool:
+        return bool(self._read(f"SELECT 1 FROM idemctl_fenced_out WHERE {_SAME_EVENT}", _event_params(event)))
+
     # -- operator side ----------------------------------------------------------------------------
     def iter_pending(
         self,
@@ -559,3 +763,14 @@ class Store:
         if row is None:
             return PurgeResult(PurgeOutcome.NOT_FOUND, None)
         return PurgeResult(PurgeOutcome.REFUSED_FRESH_PENDING, row)
+
+
+def _event_params(event: FencedEvent) -> dict[str, Any]:
+    return {
+        "principal": event.principal,
+        "key": event.key,
+        "superseded": event.superseded_generation,
+        "current": event.current_generation,
+        "status": event.computed_status,
+        "fenced_at": event.fenced_at,
+    }
