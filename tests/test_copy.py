@@ -1,0 +1,292 @@
+"""`Ledger.copy_to` between engines: every row, token and fenced-out event
+arrives exactly; replays on the destination answer as the source did; a
+second run writes nothing; newer and conflicting destination rows are kept;
+a dry run writes nothing; an owner that began before the move is fenced on
+the destination exactly as on the source.
+
+Each test runs for every (source, destination) pair in COPY_PAIRS: adding an
+engine is one more pair there and its entry in TARGETS."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from pathlib import Path
+
+import pytest
+
+from idemctl import Ledger, Outcome, Policy, ReadOnlyDatabaseError, SchemaMissingError, fingerprint
+from idemctl.copying import CopyProgress, KeptReason
+from idemctl.storage.store import LedgerRow
+from tests.helpers import FakeClock, postgres_test_schema
+
+COPY_PAIRS = [
+    ("sqlite", "postgres"),
+    ("postgres", "sqlite"),
+    ("sqlite", "sqlite"),
+]
+
+Target = Callable[[str, pytest.FixtureRequest, Path, pytest.MonkeyPatch], AbstractContextManager[str]]
+
+
+def _sqlite(name: str, request: pytest.FixtureRequest, tmp_path: Path, mp: pytest.MonkeyPatch) -> AbstractContextManager[str]:
+    return nullcontext(str(tmp_path / f"{name}.db"))
+
+
+def _postgres(name: str, request: pytest.FixtureRequest, tmp_path: Path, mp: pytest.MonkeyPatch) -> AbstractContextManager[str]:
+    return contextmanager(postgres_test_schema)(request.getfixturevalue("postgres_server"), mp)
+
+
+# A fresh, empty ledger's location on each engine.
+TARGETS: dict[str, Target] = {"sqlite": _sqlite, "postgres": _postgres}
+
+POLICY = Policy(pending_ttl_ms=30_000, retention_ms=86_400_000)
+BODY = b'{"sku":"x"}'
+
+
+@pytest.fixture(params=COPY_PAIRS, ids=lambda pair: f"{pair[0]}-to-{pair[1]}")
+def targets(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str]]:
+    source_engine, destination_engine = request.param
+    with ExitStack() as stack:
+        source = stack.enter_context(TARGETS[source_engine]("source", request, tmp_path, monkeypatch))
+        destination = stack.enter_context(TARGETS[destination_engine]("destination", request, tmp_path, monkeypatch))
+        yield source, destination
+
+
+class Move:
+    """The two ledgers of a move: `source` (written by the test as an app
+    would), `reader` (the same ledger opened read-only: what copies read),
+    and `destination`, all on one clock."""
+
+    def __init__(self, source: str, destination: str, clock: FakeClock) -> None:
+        self.clock = clock
+        self.source = Ledger.open(source, policy=POLICY, clock=clock)
+        self.source.init()
+        self.destination = Ledger.open(destination, policy=POLICY, clock=clock)
+        self.destination.init()
+        self.reader = Ledger.open(source, policy=POLICY, clock=clock, readonly=True)
+
+    def copy(self, **kw: object):  # type: ignore[no-untyped-def]
+        return self.reader.copy_to(self.destination, **kw)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        for ledger in (self.reader, self.source, self.destination):
+            ledger.close()
+
+
+@pytest.fixture
+def move(targets: tuple[str, str], clock: FakeClock) -> Iterator[Move]:
+    m = Move(*targets, clock)
+    yield m
+    m.close()
+
+
+def rows(ledger: Ledger) -> list[LedgerRow]:
+    return ledger.store.copy_page(None, 10_000)
+
+
+def events(ledger: Ledger) -> list[tuple[object, ...]]:
+    return sorted(
+        (e.principal, e.key, e.superseded_generation, e.current_generation, e.computed_status, e.fenced_at)
+        for e in ledger.fenced()
+    )
+
+
+def order(ledger: Ledger, key: str, status: int = 201, body: bytes = b'{"id":1}', principal: str = "acct_A"):  # type: ignore[no-untyped-def]
+    headers = {"content-type": "application/json", "location": f"/orders/{key}"}
+    return ledger.handle(principal, key, "POST", "/orders", {}, BODY, lambda b: (status, headers, body))
+
+
+def a_live_ledger(m: Move) -> None:
+    """Completed rows (text, binary and empty bodies), a fresh pending row,
+    a stale one, a row taken over, and the fenced-out event of its late owner."""
+    order(m.source, "text", body='{"name":"Zoë"}'.encode())
+    order(m.source, "binary", body=b"\xff\x00\x80raw")
+    order(m.source, "empty", status=204, body=b"")
+    order(m.source, "other-principal", principal="acct_B")
+    m.source.claim("acct_A", "stale", "fp-stale")
+    late = m.source.claim("acct_A", "taken", "fp-taken")
+    m.clock.advance(POLICY.pending_ttl_ms + 1)
+    winner = m.source.takeover("acct_A", "taken", "fp-taken")
+    assert winner is not None and winner.generation == 2
+    m.source.complete(winner, 201, {}, b"winner")
+    assert not m.source.complete(late, 201, {}, b"loser").stored
+    m.source.claim("acct_A", "fresh", "fp-fresh")
+
+
+def test_a_copy_carries_every_row_token_timestamp_and_fenced_event_exactly(move: Move) -> None:
+    a_live_ledger(move)
+    result = move.copy()
+    assert (result.rows_read, result.inserted, result.updated, result.unchanged) == (7, 7, 0, 0)
+    assert (result.kept, result.conflicts) == ((), ())
+    assert (result.fenced_read, result.fenced_copied, result.fenced_unchanged) == (1, 1, 0)
+    assert sorted(rows(move.destination)) == sorted(rows(move.source))
+    assert {r.status for r in rows(move.destination)} == {"pending", "completed"}
+    assert all(r.token is not None for r in rows(move.destination))
+    assert events(move.destination) == events(move.source) == [("acct_A", "taken", 1, 2, 201, move.clock.now)]
+
+
+def test_replays_on_the_destination_return_the_same_bytes_and_headers_as_on_the_source(move: Move) -> None:
+    a_live_ledger(move)
+    move.copy()
+    for principal, key in [("acct_A", "text"), ("acct_A", "binary"), ("acct_A", "empty"), ("acct_B", "other-principal")]:
+        before = order(move.source, key, principal=principal, status=500, body=b"ran again")
+        after = order(move.destination, key, principal=principal, status=500, body=b"ran again")
+        assert before.outcome is after.outcome is Outcome.REPLAYED
+        assert after.wire == before.wire
+    assert order(move.destination, "binary", status=500).body == b"\xff\x00\x80raw"
+    # A pending key is still in progress on the destination, not run again.
+    assert move.destination.handle("acct_A", "fresh", "POST", "/orders", {}, b"", lambda b: (500, {}, b"")).status == 409
+
+
+def test_running_the_copy_again_writes_nothing_and_then_only_what_changed(move: Move) -> None:
+    a_live_ledger(move)
+    move.copy()
+    again = move.copy()
+    assert (again.rows_read, again.inserted, again.updated, again.unchanged) == (7, 0, 0, 7)
+    assert (again.fenced_copied, again.fenced_unchanged, again.kept, again.conflicts) == (0, 1, (), ())
+    move.clock.advance(1000)
+    order(move.source, "new-after-first-copy")
+    changed = move.copy()
+    assert (changed.rows_read, changed.inserted, changed.updated, changed.unchanged) == (8, 1, 0, 7)
+    assert sorted(rows(move.destination)) == sorted(rows(move.source))
+
+
+def test_a_row_completed_on_the_source_after_the_first_copy_is_updated_by_the_second(move: Move) -> None:
+    reservation = move.source.claim("acct_A", "k1", "fp")
+    assert reservation is not None
+    move.copy()
+    move.clock.advance(500)
+    assert move.source.complete(reservation, 201, {"location": "/orders/1"}, b"done").stored
+    second = move.copy()
+    assert (second.inserted, second.updated, second.unchanged) == (0, 1, 0)
+    (row,) = rows(move.destination)
+    assert (row.status, row.response_body, row.updated_at) == ("completed", b"done", move.clock.now)
+
+
+def test_a_row_taken_over_in_the_destination_is_kept_and_the_summary_says_why(move: Move) -> None:
+    move.source.claim("acct_A", "k1", "fp")
+    move.copy()
+    move.clock.advance(POLICY.pending_ttl_ms + 1)
+    newer = move.destination.takeover("acct_A", "k1", "fp")
+    assert newer is not None and newer.generation == 2
+    move.destination.complete(newer, 201, {}, b"from the destination")
+    kept_before = rows(move.destination)
+    result = move.copy()
+    assert (result.inserted, result.updated, result.unchanged, result.conflicts) == (0, 0, 0, ())
+    (kept,) = result.kept
+    assert (kept.principal, kept.key, kept.reason) == ("acct_A", "k1", KeptReason.HIGHER_GENERATION)
+    assert (kept.source_generation, kept.destination_generation) == (1, 2)
+    assert rows(move.destination) == kept_before
+
+
+def test_a_row_completed_in_the_destination_is_kept_over_the_sources_pending_one(move: Move) -> None:
+    reservation = move.source.claim("acct_A", "k1", "fp")
+    assert reservation is not None
+    move.copy()
+    assert move.destination.complete(reservation, 201, {}, b"finished after the move").stored
+    result = move.copy()
+    assert [(k.key, k.reason) for k in result.kept] == [("k1", KeptReason.COMPLETED)]
+    assert rows(move.destination)[0].response_body == b"finished after the move"
+
+
+def test_a_key_holding_another_request_in_the_destination_is_a_conflict_and_not_overwritten(move: Move) -> None:
+    order(move.source, "k1")
+    move.destination.claim("acct_A", "k1", "another-fingerprint")
+    held = rows(move.destination)
+    result = move.copy()
+    assert (result.inserted, result.updated, result.unchanged, result.kept) == (0, 0, 0, ())
+    (conflict,) = result.conflicts
+    assert (conflict.principal, conflict.key) == ("acct_A", "k1")
+    assert conflict.destination_fingerprint == "another-fingerprint"
+    assert conflict.source_fingerprint == fingerprint("POST", "/orders", {}, BODY)
+    assert not result.complete
+    assert rows(move.destination) == held
+
+
+def test_a_dry_run_writes_nothing_and_counts_what_a_copy_would_do(move: Move) -> None:
+    a_live_ledger(move)
+    order(move.destination, "binary", body=b"already here, another answer")
+    before = rows(move.destination)
+    result = move.copy(dry_run=True)
+    assert result.dry_run
+    assert (result.rows_read, result.inserted, result.updated, result.unchanged) == (7, 6, 0, 0)
+    assert [(k.key, k.reason) for k in result.kept] == [("binary", KeptReason.WRITTEN_LATER)]
+    assert (result.fenced_copied, result.fenced_unchanged) == (1, 0)
+    assert rows(move.destination) == before
+    assert events(move.destination) == []
+
+
+def test_an_owner_that_began_before_the_move_stores_its_answer_on_the_destination(move: Move) -> None:
+    ticket = move.source.begin("acct_A", "k1", "POST", "/orders", {}, BODY)
+    move.copy()
+    answer = move.destination.finish(ticket, 201, {"location": "/orders/1"}, b"made")  # type: ignore[arg-type]
+    assert (answer.outcome, answer.status, answer.body) == (Outcome.EXECUTED, 201, b"made")
+    replay = order(move.destination, "k1", status=500, body=b"ran twice")
+    assert (replay.outcome, replay.body, replay.header("location")) == (Outcome.REPLAYED, b"made", "/orders/1")
+
+
+def test_an_owner_superseded_before_the_move_is_fenced_out_on_the_destination(move: Move) -> None:
+    late = move.source.begin("acct_A", "k1", "POST", "/orders", {}, BODY)
+    move.clock.advance(POLICY.pending_ttl_ms + 1)
+    newer = move.source.begin("acct_A", "k1", "POST", "/orders", {}, BODY)
+    assert newer.outcome is Outcome.TAKEN_OVER  # type: ignore[union-attr]
+    move.copy()
+    answer = move.destination.finish(late, 201, {}, b"late")  # type: ignore[arg-type]
+    assert answer.outcome is Outcome.FENCED_OUT
+    assert events(move.destination) == [("acct_A", "k1", 1, 2, 201, move.clock.now)]
+    (row,) = rows(move.destination)
+    assert (row.status, row.generation) == ("pending", 2)
+    assert move.destination.finish(newer, 201, {}, b"winner").outcome is Outcome.TAKEN_OVER  # type: ignore[arg-type]
+
+
+def test_an_owner_whose_key_was_released_and_claimed_again_is_fenced_by_its_token_on_the_destination(move: Move) -> None:
+    first = move.source.claim("acct_A", "k1", "fp")
+    assert first is not None
+    move.copy()
+    assert move.source.release(first)
+    move.clock.advance(10)
+    second = move.source.claim("acct_A", "k1", "fp")
+    assert second is not None and second.generation == first.generation == 1
+    assert move.copy().updated == 1  # same generation, same status, written later
+    assert not move.destination.complete(first, 201, {}, b"stale owner").stored
+    assert move.destination.complete(second, 201, {}, b"current owner").stored
+
+
+def test_a_copy_of_more_rows_than_one_batch_reads_page_by_page_and_misses_none(move: Move) -> None:
+    for i in range(23):
+        move.source.claim(f"acct_{i % 3}", f"k-{i:02d}", "fp")
+    seen: list[CopyProgress] = []
+    result = move.copy(batch=5, on_progress=seen.append)
+    assert [p.rows_read for p in seen] == [5, 10, 15, 20, 23]
+    assert (result.rows_read, result.inserted) == (23, 23)
+    assert sorted(rows(move.destination)) == sorted(rows(move.source))
+    assert move.copy(batch=5).unchanged == 23
+
+
+def test_the_source_is_only_read(move: Move, targets: tuple[str, str]) -> None:
+    a_live_ledger(move)
+    on_file = not targets[0].startswith("postgresql://")
+    digest = hashlib.sha256(Path(targets[0]).read_bytes()).hexdigest() if on_file else None
+    before = (rows(move.source), events(move.source))
+    assert move.copy().copied == 7
+    assert move.copy().unchanged == 7
+    assert (rows(move.source), events(move.source)) == before
+    if on_file:
+        assert hashlib.sha256(Path(targets[0]).read_bytes()).hexdigest() == digest
+    # What the copies read from refuses any write.
+    with pytest.raises(ReadOnlyDatabaseError):
+        move.reader.claim("acct_A", "new", "fp")
+
+
+def test_a_destination_without_the_current_schema_is_refused(targets: tuple[str, str], clock: FakeClock) -> None:
+    source = Ledger.open(targets[0], clock=clock)
+    source.init()
+    destination = Ledger.open(targets[1], clock=clock)
+    try:
+        with pytest.raises(SchemaMissingError):
+            source.copy_to(destination)
+    finally:
+        source.close()
+        destination.close()
