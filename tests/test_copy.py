@@ -10,16 +10,19 @@ engine is one more pair there and its entry in TARGETS."""
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from idemctl import Ledger, Outcome, Policy, ReadOnlyDatabaseError, SchemaMissingError, fingerprint
+from idemctl.cli import app
 from idemctl.copying import CopyProgress, KeptReason
 from idemctl.storage.store import LedgerRow
-from tests.helpers import FakeClock, postgres_test_schema
+from tests.helpers import FakeClock, clean_env, postgres_test_schema
 
 COPY_PAIRS = [
     ("sqlite", "postgres"),
@@ -290,3 +293,141 @@ def test_a_destination_without_the_current_schema_is_refused(targets: tuple[str,
     finally:
         source.close()
         destination.close()
+
+
+# -- the command ------------------------------------------------------------------------
+
+
+def idemctl(*args: str):  # type: ignore[no-untyped-def]
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.fixture
+def cli_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    clean_env(monkeypatch, tmp_path)
+
+
+def test_the_command_copies_once_then_finds_everything_already_there(
+    move: Move, targets: tuple[str, str], cli_env: None
+) -> None:
+    a_live_ledger(move)
+    source, destination = move.source.describe(), move.destination.describe()
+    first = idemctl("--db", targets[0], "copy", "--to", targets[1])
+    assert (first.exit_code, first.stderr) == (0, "")  # no progress bar when stderr is not a terminal
+    assert first.stdout == (
+        f"copied 7 of 7 row(s) from {source} to {destination} (7 new, 0 updated), 0 already there, "
+        "0 kept newer in the destination, 0 conflict(s); fenced-out log: 1 of 1 event(s) copied\n"
+    )
+    again = idemctl("--db", targets[0], "copy", "--to", targets[1], "--batch", "2")
+    assert (again.exit_code, again.stderr) == (0, "")
+    assert again.stdout == (
+        f"copied 0 of 7 row(s) from {source} to {destination} (0 new, 0 updated), 7 already there, "
+        "0 kept newer in the destination, 0 conflict(s); fenced-out log: 0 of 1 event(s) copied\n"
+    )
+    assert sorted(rows(move.destination)) == sorted(rows(move.source))
+
+
+def test_the_command_names_each_kept_row_and_why_and_exits_0(move: Move, targets: tuple[str, str], cli_env: None) -> None:
+    move.source.claim("acct_A", "k1", "fp")
+    move.copy()
+    move.clock.advance(POLICY.pending_ttl_ms + 1)
+    assert move.destination.takeover("acct_A", "k1", "fp") is not None
+    done = idemctl("--db", targets[0], "copy", "--to", targets[1])
+    assert done.exit_code == 0
+    assert done.stdout.splitlines()[1:] == [
+        "kept acct_A/k1 (generation 2 in the destination, 1 in the source): "
+        "the destination's row has a higher generation (taken over there)"
+    ]
+    assert "0 new, 0 updated), 0 already there, 1 kept newer in the destination, 0 conflict(s)" in done.stdout
+
+
+def test_the_command_reports_conflicts_escaped_and_exits_1(move: Move, targets: tuple[str, str], cli_env: None) -> None:
+    principal = "acct_\x1b[31mred"
+    order(move.source, "k1", principal=principal)
+    move.destination.claim(principal, "k1", "another-fingerprint")
+    done = idemctl("--db", targets[0], "copy", "--to", targets[1])
+    assert done.exit_code == 1
+    assert "\x1b" not in done.stdout + done.stderr
+    assert "1 conflict(s)" in done.stdout
+    assert done.stdout.splitlines()[1].startswith(
+        "conflict acct_\\x1b[31mred/k1: the destination holds another request under this key (fingerprint anoth"
+    )
+    assert done.stderr == (
+        "1 key(s) hold another request in the destination and were not copied: inspect both rows before moving\n"
+    )
+    as_json = idemctl("--db", targets[0], "copy", "--to", targets[1], "--json")
+    assert as_json.exit_code == 1
+    doc = json.loads(as_json.stdout)
+    assert doc["conflicts"] == [
+        {
+            "principal": principal,
+            "key": "k1",
+            "source_fingerprint": fingerprint("POST", "/orders", {}, BODY),
+            "destination_fingerprint": "another-fingerprint",
+        }
+    ]
+    assert (doc["copied"], doc["unchanged"], doc["kept_newer"]) == (0, 0, [])
+
+
+def test_the_command_json_summary(move: Move, targets: tuple[str, str], cli_env: None) -> None:
+    a_live_ledger(move)
+    done = idemctl("--db", targets[0], "copy", "--to", targets[1], "--json", "--batch", "3")
+    assert (done.exit_code, done.stderr) == (0, "")
+    assert json.loads(done.stdout) == {
+        "source": move.source.describe(),
+        "destination": move.destination.describe(),
+        "dry_run": False,
+        "rows_read": 7,
+        "copied": 7,
+        "inserted": 7,
+        "updated": 0,
+        "unchanged": 0,
+        "kept_newer": [],
+        "conflicts": [],
+        "fenced_read": 1,
+        "fenced_copied": 1,
+        "fenced_unchanged": 0,
+    }
+
+
+def test_the_command_dry_run_writes_nothing(move: Move, targets: tuple[str, str], cli_env: None) -> None:
+    a_live_ledger(move)
+    done = idemctl("--db", targets[0], "copy", "--to", targets[1], "--dry-run")
+    assert done.exit_code == 0
+    assert done.stdout.startswith("would copy 7 of 7 row(s)")
+    assert "fenced-out log: 1 of 1 event(s) would be copied\ndry run: nothing written\n" in done.stdout
+    assert rows(move.destination) == [] and events(move.destination) == []
+
+
+def test_the_command_refuses_an_uninitialised_destination_unless_told_to_init_it(
+    targets: tuple[str, str], clock: FakeClock, cli_env: None
+) -> None:
+    source = Ledger.open(targets[0], clock=clock)
+    source.init()
+    order(source, "k1")
+    refused = idemctl("--db", targets[0], "copy", "--to", targets[1])
+    assert (refused.exit_code, refused.stdout) == (2, "")
+    assert refused.stderr.startswith("error: the destination")
+    assert refused.stderr.endswith(": pass --init to create or upgrade it\n") and refused.stderr.count("\n") == 1
+    dry = idemctl("--db", targets[0], "copy", "--to", targets[1], "--init", "--dry-run")
+    assert dry.exit_code == 2 and "a dry run writes nothing, not even a schema" in dry.stderr
+    done = idemctl("--db", targets[0], "copy", "--to", targets[1], "--init")
+    assert done.exit_code == 0 and "copied 1 of 1 row(s)" in done.stdout
+    destination = Ledger.open(targets[1], clock=clock)
+    try:
+        assert order(destination, "k1", status=500).outcome is Outcome.REPLAYED
+    finally:
+        destination.close()
+        source.close()
+
+
+def test_the_command_refuses_a_bad_batch_and_a_missing_destination_as_usage_errors(tmp_path: Path, cli_env: None) -> None:
+    source = Ledger.open(str(tmp_path / "source.db"))
+    source.init()
+    source.close()
+    no_to = idemctl("--db", "source.db", "copy")
+    assert no_to.exit_code == 2 and "--to" in no_to.stderr and no_to.stdout == ""
+    zero = idemctl("--db", "source.db", "copy", "--to", "other.db", "--batch", "0")
+    assert zero.exit_code == 2 and "--batch" in zero.stderr
+    onto_itself = idemctl("--db", "source.db", "copy", "--to", "source.db")
+    assert onto_itself.exit_code == 2 and onto_itself.stderr == "error: cannot copy source.db onto itself\n"

@@ -29,7 +29,7 @@ def _open_destination(url: str, busy_timeout_ms: int, *, init: bool, dry_run: bo
     try:
         destination = Ledger.open(url, create=writes, busy_timeout_ms=busy_timeout_ms)
     except SchemaMissingError as exc:  # a SQLite file that does not exist
-        raise UserError(f"the destination: {exc}; {how}") from None
+        raise UserError(f"the destination: {exc}: {how}") from None
     try:
         if writes:
             destination.init()
