@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
@@ -110,6 +112,7 @@ def a_live_ledger(m: Move) -> None:
     order(m.source, "other-principal", principal="acct_B")
     m.source.claim("acct_A", "stale", "fp-stale")
     late = m.source.claim("acct_A", "taken", "fp-taken")
+    assert late is not None
     m.clock.advance(POLICY.pending_ttl_ms + 1)
     winner = m.source.takeover("acct_A", "taken", "fp-taken")
     assert winner is not None and winner.generation == 2
@@ -234,7 +237,7 @@ def test_an_owner_superseded_before_the_move_is_fenced_out_on_the_destination(mo
     late = move.source.begin("acct_A", "k1", "POST", "/orders", {}, BODY)
     move.clock.advance(POLICY.pending_ttl_ms + 1)
     newer = move.source.begin("acct_A", "k1", "POST", "/orders", {}, BODY)
-    assert newer.outcome is Outcome.TAKEN_OVER  # type: ignore[union-attr]
+    assert newer.outcome is Outcome.TAKEN_OVER
     move.copy()
     answer = move.destination.finish(late, 201, {}, b"late")  # type: ignore[arg-type]
     assert answer.outcome is Outcome.FENCED_OUT
@@ -255,6 +258,97 @@ def test_an_owner_whose_key_was_released_and_claimed_again_is_fenced_by_its_toke
     assert move.copy().updated == 1  # same generation, same status, written later
     assert not move.destination.complete(first, 201, {}, b"stale owner").stored
     assert move.destination.complete(second, 201, {}, b"current owner").stored
+
+
+def test_a_destination_row_taken_over_between_the_read_and_the_write_is_not_overwritten(
+    move: Move, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reservation = move.source.claim("acct_A", "k1", "fp")
+    assert reservation is not None
+    move.copy()
+    assert move.source.complete(reservation, 201, {}, b"from the source").stored
+    move.clock.advance(POLICY.pending_ttl_ms + 1)
+    read = move.destination.store.rows_at
+    raced: list[int] = []
+
+    def read_then_a_takeover_lands(keys):  # type: ignore[no-untyped-def]
+        seen = read(keys)
+        if not raced:
+            taken = move.destination.takeover("acct_A", "k1", "fp")
+            raced.append(taken.generation if taken else 0)
+        return seen
+
+    monkeypatch.setattr(move.destination.store, "rows_at", read_then_a_takeover_lands)
+    result = move.copy()
+    assert raced == [2]
+    assert (result.inserted, result.updated, result.unchanged) == (0, 0, 0)
+    assert [(k.key, k.reason, k.destination_generation) for k in result.kept] == [
+        ("k1", KeptReason.HIGHER_GENERATION, 2)
+    ]
+    (row,) = rows(move.destination)
+    assert (row.status, row.generation, row.response_body) == ("pending", 2, None)
+
+
+def test_a_key_claimed_in_the_destination_between_the_read_and_the_insert_is_not_overwritten(
+    move: Move, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    order(move.source, "k1")
+    read = move.destination.store.rows_at
+    raced: list[bool] = []
+
+    def read_then_a_claim_lands(keys):  # type: ignore[no-untyped-def]
+        seen = read(keys)
+        if not raced:
+            raced.append(move.destination.claim("acct_A", "k1", "another-fingerprint") is not None)
+        return seen
+
+    monkeypatch.setattr(move.destination.store, "rows_at", read_then_a_claim_lands)
+    result = move.copy()
+    assert raced == [True]
+    assert (result.inserted, result.updated, [c.key for c in result.conflicts]) == (0, 0, ["k1"])
+    (row,) = rows(move.destination)
+    assert (row.fingerprint, row.status) == ("another-fingerprint", "pending")
+
+
+def test_a_copy_while_the_source_takes_requests_then_a_second_one_after_they_stop_misses_nothing(
+    move: Move,
+) -> None:
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def app_thread(n: int) -> None:
+        try:
+            i = 0
+            while not stop.is_set() or i < 20:
+                key = f"t{n}-{i:04d}"
+                ticket = move.source.begin(f"acct_{n}", key, "POST", "/orders", {}, BODY)
+                move.source.finish(ticket, 201, {}, f"answer {key}".encode())  # type: ignore[arg-type]
+                i += 1
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=app_thread, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        while len(rows(move.source)) < 30:
+            time.sleep(0.01)
+        live = move.copy(batch=7)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert errors == []
+    final = move.copy(batch=7)
+    written = rows(move.source)
+    assert live.rows_read >= 30 and final.rows_read == len(written) >= 60
+    # The live copy inserted what existed page by page; the second inserts
+    # the rest and completes the rows that were still pending then.
+    assert (live.updated, live.kept, final.kept, final.conflicts) == (0, (), (), ())
+    assert final.inserted == len(written) - live.inserted
+    assert final.updated + final.unchanged == live.inserted
+    assert sorted(rows(move.destination)) == sorted(written)
+    assert move.copy().unchanged == len(written)
 
 
 def test_a_copy_of_more_rows_than_one_batch_reads_page_by_page_and_misses_none(move: Move) -> None:
