@@ -239,6 +239,31 @@ WHERE NOT EXISTS (SELECT 1 FROM idemctl_fenced_out WHERE {_SAME_EVENT})
 RETURNING id
 """
 
+# The same two statements with one array per column (Dialect.batch_arrays).
+_COLUMN_TYPES = {
+    "principal": "TEXT",
+    "key": "TEXT",
+    "fingerprint": "TEXT",
+    "status": "TEXT",
+    "generation": "INTEGER",
+    "token": "BIGINT",
+    "response_status": "INTEGER",
+    "response_body": "BYTEA",
+    "response_headers": "TEXT",
+    "created_at": "BIGINT",
+    "updated_at": "BIGINT",
+}
+_COPY_INSERT_ARRAYS = f"""
+INSERT INTO idempotency_keys ({", ".join(COPY_COLUMNS)})
+SELECT * FROM unnest({", ".join(f"CAST(:{c} AS {_COLUMN_TYPES[c]}[])" for c in COPY_COLUMNS)})
+ON CONFLICT (principal, key) DO NOTHING
+RETURNING principal, key
+"""
+_ROWS_AT_ARRAYS = f"""
+SELECT {", ".join(COPY_COLUMNS)} FROM idempotency_keys
+WHERE (principal, key) IN (SELECT * FROM unnest(CAST(:principals AS TEXT[]), CAST(:keys AS TEXT[])))
+"""
+
 COUNT_ROWS = "SELECT count(*) FROM idempotency_keys"
 
 
@@ -603,8 +628,29 @@ class Store:
 
     def _full_row(self, values: tuple[Any, ...]) -> LedgerRow:
         principal, key, fp, status, generation, token, rstatus, rbody, rheaders, created, updated = values
+        # A copy decodes every row of both ledgers: the common case is checked
+        # in one expression, the detailed checks only run when it fails.
+        if (
+            type(principal) is str
+            and type(key) is str
+            and type(fp) is str
+            and type(status) is str
+            and type(generation) is int
+            and type(created) is int
+            and type(updated) is int
+            and (token is None or type(token) is int)
+            and (rstatus is None or type(rstatus) is int)
+            and (rheaders is None or type(rheaders) is str)
+            and (rbody is None or type(rbody) is bytes)
+        ):
+            return LedgerRow._make(values)
+        if not isinstance(principal, str) or not isinstance(key, str):
+            raise MalformedRowError(principal, key, "principal and key must be text")
+        for name, value in (("fingerprint", fp), ("status", status), ("response_headers", rheaders)):
+            if value is not None and not isinstance(value, str):
+                raise MalformedRowError(principal, key, f"{name} {value!r} is not text")
         try:
-            body = _exact_bytes(self.dialect.read_body(rbody))
+            body = _exact_bytes(rbody)
         except TypeError:
             raise MalformedRowError(principal, key, f"response_body {rbody!r} is neither text nor bytes") from None
         return LedgerRow(
@@ -638,14 +684,18 @@ class Store:
         (an OR of primary-key lookups: every engine answers it from the index)."""
         if not keys:
             return {}
-        params: dict[str, Any] = {}
-        tests = []
-        for i, (principal, key) in enumerate(keys):
-            params[f"p{i}"], params[f"k{i}"] = principal, key
-            tests.append(f"(principal = :p{i} AND key = :k{i})")
-        sql = f"SELECT {', '.join(COPY_COLUMNS)} FROM idempotency_keys WHERE {' OR '.join(tests)}"
-        # Spelled without the cache: the text differs with the number of keys.
-        rows = self.engine.read(self._spell(sql), params)
+        if self.dialect.batch_arrays:
+            principals, names = zip(*keys, strict=True)
+            rows = self._read(_ROWS_AT_ARRAYS, {"principals": list(principals), "keys": list(names)})
+        else:
+            params: dict[str, Any] = {}
+            tests = []
+            for i, (principal, key) in enumerate(keys):
+                params[f"p{i}"], params[f"k{i}"] = principal, key
+                tests.append(f"(principal = :p{i} AND key = :k{i})")
+            sql = f"SELECT {', '.join(COPY_COLUMNS)} FROM idempotency_keys WHERE {' OR '.join(tests)}"
+            # Spelled without the cache: the text differs with the number of keys.
+            rows = self.engine.read(self._spell(sql), params)
         found = (self._full_row(values) for values in rows)
         return {row.where: row for row in found}
 
@@ -659,6 +709,11 @@ class Store:
         if not rows:
             return set()
         self._guard()
+        if self.dialect.batch_arrays:
+            columns: dict[str, Any] = {name: list(c) for name, c in zip(COPY_COLUMNS, zip(*rows, strict=True), strict=True)}
+            bind = self.dialect.bind_body
+            columns["response_body"] = [bind(_as_stored(body)) for body in columns["response_body"]]
+            return {(str(p), str(k)) for p, k in self._write(_COPY_INSERT_ARRAYS, columns)}
         params: dict[str, Any] = {}
         values = []
         for i, row in enumerate(rows):
