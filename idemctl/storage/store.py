@@ -710,7 +710,8 @@ class Store:
             return set()
         self._guard()
         if self.dialect.batch_arrays:
-            columns: dict[str, Any] = {name: list(c) for name, c in zip(COPY_COLUMNS, zip(*rows, strict=True), strict=True)}
+            by_column = zip(*rows, strict=True)
+            columns: dict[str, Any] = {name: list(c) for name, c in zip(COPY_COLUMNS, by_column, strict=True)}
             bind = self.dialect.bind_body
             columns["response_body"] = [bind(_as_stored(body)) for body in columns["response_body"]]
             return {(str(p), str(k)) for p, k in self._write(_COPY_INSERT_ARRAYS, columns)}
