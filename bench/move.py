@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with open(args.out, encoding="utf-8") as f:
         results = json.load(f)
-    results["benchmarks"]["copy"] = res
+    results["benchmarks"]["move"] = res
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(results, f, indent=1, sort_keys=False)
         f.write("\n")
