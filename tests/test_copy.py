@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -525,3 +526,41 @@ def test_the_command_refuses_a_bad_batch_and_a_missing_destination_as_usage_erro
     assert zero.exit_code == 2 and "--batch" in zero.stderr
     onto_itself = idemctl("--db", "source.db", "copy", "--to", "source.db")
     assert onto_itself.exit_code == 2 and onto_itself.stderr == "error: cannot copy source.db onto itself\n"
+
+
+def test_a_ledger_the_recipe_wrote_is_copied_with_no_token_and_no_fenced_log(
+    targets: tuple[str, str], clock: FakeClock
+) -> None:
+    from idemctl.schema import schema_files
+
+    recipe = schema_files("postgres" if targets[0].startswith("postgresql://") else "sqlite")[0].sql
+    row = ("acct_A", "k1", fingerprint("POST", "/orders", {}, BODY), "completed", 1, 201, b"made", "{}", 1000, 2000)
+    insert = (
+        "INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, response_status,"
+        " response_body, response_headers, created_at, updated_at) VALUES (%s)"
+    )
+    if targets[0].startswith("postgresql://"):
+        import psycopg
+
+        with psycopg.connect(targets[0], autocommit=True) as conn:
+            conn.execute(recipe)
+            conn.execute(insert % ", ".join(["%s"] * 10), row)
+    else:
+        with sqlite3.connect(targets[0]) as conn:
+            conn.executescript(recipe)
+            conn.execute(insert % ", ".join(["?"] * 10), (*row[:6], "made", *row[7:]))
+        conn.close()
+    source = Ledger.open(targets[0], clock=clock, readonly=True)
+    destination = Ledger.open(targets[1], clock=clock)
+    try:
+        assert source.schema_version() == 0
+        destination.init()
+        result = source.copy_to(destination)
+        assert (result.inserted, result.fenced_read) == (1, 0)
+        (copied,) = rows(destination)
+        assert (copied.token, copied.generation, copied.response_body, copied.updated_at) == (None, 1, b"made", 2000)
+        clock.now = 3000
+        assert order(destination, "k1", status=500).wire[2] == b"made"
+    finally:
+        source.close()
+        destination.close()
