@@ -243,7 +243,12 @@ def _copy_page(page: Sequence[LedgerRow], destination: Store, tally: _Tally, dry
     late = [row for row in absent if row.where not in inserted]
     now_there = destination.rows_at([row.where for row in late])
     newer.extend(row for row in late if row.where in now_there and tally.settle(row, now_there[row.where]))
-    for row in newer:
+    updated = destination.copy_update(newer)
+    tally.updated += len(updated)
+    # Refused by the UPDATE's WHERE, or gone again since: look once more.
+    again = [row for row in newer if row.where not in updated]
+    again += [row for row in late if row.where not in now_there]
+    for row in again:
         _write_newer(row, destination, tally)
 
 
@@ -253,11 +258,12 @@ _RETRIES = 3
 
 
 def _write_newer(row: LedgerRow, destination: Store, tally: _Tally) -> None:
-    for _ in range(_RETRIES):
-        if destination.copy_update(row):
+    """A row whose UPDATE refused it: the destination's row changed since it
+    was read. Decide again against what is there now."""
+    for attempt in range(_RETRIES):
+        if attempt and destination.copy_update([row]):
             tally.updated += 1
             return
-        # Its WHERE refused: the destination's row changed since it was read.
         current = destination.rows_at([row.where]).get(row.where)
         if current is None:
             if destination.copy_insert([row]):

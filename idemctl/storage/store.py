@@ -217,7 +217,7 @@ SET status = :status, generation = :generation, token = :token, response_status 
     created_at = :created_at, updated_at = :updated_at
 WHERE principal = :principal AND key = :key AND fingerprint = :fingerprint
   AND (generation < :generation
-       OR (generation = :generation AND status = 'pending' AND CAST(:completed AS INTEGER) = 1)
+       OR (generation = :generation AND status = 'pending' AND :status = 'completed')
        OR (generation = :generation AND status = :status AND updated_at < :updated_at))
 RETURNING generation
 """
@@ -233,8 +233,7 @@ _SAME_EVENT = """principal = :principal AND key = :key AND superseded_generation
 COPY_FENCED = f"""
 INSERT INTO idemctl_fenced_out
   (principal, key, superseded_generation, current_generation, computed_status, fenced_at)
-SELECT :principal, :key, CAST(:superseded AS INTEGER), CAST(:current AS INTEGER),
-       CAST(:status AS INTEGER), CAST(:fenced_at AS BIGINT)
+SELECT :principal, :key, :superseded, CAST(:current AS INTEGER), :status, :fenced_at
 WHERE NOT EXISTS (SELECT 1 FROM idemctl_fenced_out WHERE {_SAME_EVENT})
 RETURNING id
 """
@@ -258,6 +257,18 @@ INSERT INTO idempotency_keys ({", ".join(COPY_COLUMNS)})
 SELECT * FROM unnest({", ".join(f"CAST(:{c} AS {_COLUMN_TYPES[c]}[])" for c in COPY_COLUMNS)})
 ON CONFLICT (principal, key) DO NOTHING
 RETURNING principal, key
+"""
+_COPY_UPDATE_ARRAYS = f"""
+UPDATE idempotency_keys AS t
+SET status = s.status, generation = s.generation, token = s.token, response_status = s.response_status,
+    response_body = s.response_body, response_headers = s.response_headers,
+    created_at = s.created_at, updated_at = s.updated_at
+FROM unnest({", ".join(f"CAST(:{c} AS {_COLUMN_TYPES[c]}[])" for c in COPY_COLUMNS)}) AS s ({", ".join(COPY_COLUMNS)})
+WHERE t.principal = s.principal AND t.key = s.key AND t.fingerprint = s.fingerprint
+  AND (t.generation < s.generation
+       OR (t.generation = s.generation AND t.status = 'pending' AND s.status = 'completed')
+       OR (t.generation = s.generation AND t.status = s.status AND t.updated_at < s.updated_at))
+RETURNING t.principal, t.key
 """
 _ROWS_AT_ARRAYS = f"""
 SELECT {", ".join(COPY_COLUMNS)} FROM idempotency_keys
@@ -704,17 +715,21 @@ class Store:
         params[f"response_body{suffix}"] = self.dialect.bind_body(_as_stored(row.response_body))
         return params
 
+    def _columns(self, rows: Sequence[LedgerRow]) -> dict[str, Any]:
+        """The rows as one list per column (Dialect.batch_arrays)."""
+        by_column = zip(*rows, strict=True)
+        columns: dict[str, Any] = {name: list(c) for name, c in zip(COPY_COLUMNS, by_column, strict=True)}
+        bind = self.dialect.bind_body
+        columns["response_body"] = [bind(_as_stored(body)) for body in columns["response_body"]]
+        return columns
+
     def copy_insert(self, rows: Sequence[LedgerRow]) -> set[tuple[str, str]]:
         """Insert the rows that are absent, in one statement; which ones it inserted."""
         if not rows:
             return set()
         self._guard()
         if self.dialect.batch_arrays:
-            by_column = zip(*rows, strict=True)
-            columns: dict[str, Any] = {name: list(c) for name, c in zip(COPY_COLUMNS, by_column, strict=True)}
-            bind = self.dialect.bind_body
-            columns["response_body"] = [bind(_as_stored(body)) for body in columns["response_body"]]
-            return {(str(p), str(k)) for p, k in self._write(_COPY_INSERT_ARRAYS, columns)}
+            return {(str(p), str(k)) for p, k in self._write(_COPY_INSERT_ARRAYS, self._columns(rows))}
         params: dict[str, Any] = {}
         values = []
         for i, row in enumerate(rows):
@@ -723,12 +738,18 @@ class Store:
         sql = _COPY_INSERT.format(columns=", ".join(COPY_COLUMNS), values=", ".join(values))
         return {(str(p), str(k)) for p, k in self.engine.write(self._spell(sql), params)}
 
-    def copy_update(self, row: LedgerRow) -> bool:
-        """Overwrite the stored version of this row if it is older (COPY_UPDATE's WHERE)."""
+    def copy_update(self, rows: Sequence[LedgerRow]) -> set[tuple[str, str]]:
+        """Overwrite the stored versions of these rows that are older (COPY_UPDATE's
+        WHERE); which ones it overwrote. With arrays, one statement for all;
+        else one statement a row, all in one turn of the engine's writers."""
+        if not rows:
+            return set()
         self._guard()
-        params = self._bind_row(row)
-        params["completed"] = 1 if row.status == Status.COMPLETED.value else 0
-        return bool(self._write(COPY_UPDATE, params))
+        if self.dialect.batch_arrays:
+            return {(str(p), str(k)) for p, k in self._write(_COPY_UPDATE_ARRAYS, self._columns(rows))}
+        sql = self.sql(COPY_UPDATE)
+        done = self.engine.write_turn([(sql, self._bind_row(row)) for row in rows])
+        return {row.where for row, returned in zip(rows, done, strict=True) if returned}
 
     def fenced_page(self, after: int, limit: int) -> list[FencedEvent]:
         """At most `limit` fenced-out events with an id above `after`, by id."""
