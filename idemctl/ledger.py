@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from email.utils import formatdate
 
-from . import decision, functions, responses
+from . import copying, decision, functions, responses
 from .errors import (
     AnswerNotStoredError,
     IdemctlError,
@@ -861,6 +861,41 @@ class Ledger:
         if fenced_retention_ms <= 0:
             raise PolicyError(f"fenced-out log retention must be > 0 ms, got {fenced_retention_ms}")
         return fenced_retention_ms
+
+    # -- moving to another ledger -----------------------------------------------------
+    def copy_to(
+        self,
+        destination: Ledger,
+        *,
+        batch: int = copying.DEFAULT_COPY_BATCH,
+        dry_run: bool = False,
+        on_progress: Callable[[copying.CopyProgress], object] | None = None,
+    ) -> copying.CopyResult:
+        """Copy every row (pending and completed, with its generation, token,
+        timestamps and stored answer) and the fenced-out log into
+        `destination`, on any engine, `batch` rows at a time; this ledger is
+        only read. A destination row that is newer is kept, one that holds
+        another request under the same key is a conflict; neither is
+        overwritten. Running it again writes only what changed since. The
+        destination must be initialised (:meth:`init`). See docs/runbook.md
+        for moving a live ledger without losing a key.
+
+        >>> old, new = Ledger.open(":memory:"), Ledger.open(":memory:")
+        >>> _ = old.init(), new.init()
+        >>> _ = old.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b"made"))
+        >>> result = old.copy_to(new)
+        >>> result.copied, old.copy_to(new).unchanged
+        (1, 1)
+        >>> new.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (500, {}, b"")).body
+        b'made'
+        """
+        return copying.copy_ledger(
+            self.store, destination.store, batch=batch, dry_run=dry_run, on_progress=on_progress
+        )
+
+    def count_rows(self) -> int:
+        """How many rows the ledger holds (one count: a progress bar's total)."""
+        return self.store.count_rows()
 
     # -- operator side --------------------------------------------------------------------
     def view(self, row: StoredRow, *, now: int | None = None) -> RowView:
