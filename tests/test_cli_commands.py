@@ -350,7 +350,7 @@ def test_fenced_lists_events_newest_first_filtered_by_principal_and_since(make_l
 
 
 # -- stats -----------------------------------------------------------------------------------
-def test_stats_counts_rows_by_state_backlog_and_fenced_events(make_ledger, ledger_target, at):
+def test_stats_counts_rows_by_state_expired_and_fenced_events(make_ledger, ledger_target, at):
     ledger = make_ledger()
     seed_pending(ledger, at)  # fresh, stale (2 min), stale (1 h), completed
     taken_over_row(ledger, at, ago_ms=3 * HOUR)  # completed, taken over, one fenced event
@@ -367,7 +367,7 @@ def test_stats_counts_rows_by_state_backlog_and_fenced_events(make_ledger, ledge
 
     text = cli("stats", "--db", ledger_target)
     assert text.exit_code == 0 and text.stderr == ""
-    assert re.search(r"^  past retention\s+1  \(sweep backlog\)$", text.stdout, re.M)
+    assert re.search(r"^  expired\s+1  \(past the 1 d retention: the sweep deletes them\)$", text.stdout, re.M)
     assert re.search(r"^  pending, stale\s+2  \(the next retry takes over\)$", text.stdout, re.M)
     assert re.search(r"^fenced-out events\s+1$", text.stdout, re.M)
 
@@ -375,7 +375,7 @@ def test_stats_counts_rows_by_state_backlog_and_fenced_events(make_ledger, ledge
 def test_stats_thresholds_make_a_cron_check_exit_1_with_one_line(make_ledger, ledger_target, at):
     ledger = make_ledger()
     taken_over_row(ledger, at)
-    ok = cli("stats", "--max-fenced", "1", "--max-backlog", "0", "--db", ledger_target)
+    ok = cli("stats", "--max-fenced", "1", "--max-expired", "0", "--db", ledger_target)
     assert ok.exit_code == 0
     failed = cli("stats", "--max-fenced", "0", "--max-stale", "0", "--json", "--db", ledger_target)
     assert failed.exit_code == 1

@@ -78,7 +78,7 @@ def test_watch_piped_prints_one_line_per_refresh(tmp_path):
     assert len(lines) == 3
     for line in lines:
         assert line.split(" ", 1)[1] == (
-            "rows=3 pending_fresh=0 pending_stale=1 completed=2 past_retention=0 taken_over=1 fenced_out=1"
+            "rows=3 pending_fresh=0 pending_stale=1 completed=2 expired=0 taken_over=1 fenced_out=1"
         )
 
 
