@@ -360,3 +360,53 @@ def test_sweep_dry_run_refuses_options_it_would_ignore(tmp_path, option):
 def test_interrupt_and_pipe_exit_codes_are_in_the_help():
     text = " ".join(CliRunner().invoke(app, ["--help"], env={"COLUMNS": "300"}).stdout.split())
     assert "130 interrupted (Ctrl-C)" in text and "141 the reader of stdout went away (a closed pipe)" in text
+
+
+# -- small things a newcomer trips on --------------------------------------------------------------
+def test_a_duration_reads_the_same_wherever_it_is_shown(tmp_path):
+    db = tmp_path / "l.db"
+    with Ledger.open(db, clock=lambda: wall_clock_ms() - 1500) as ledger:
+        ledger.init()
+        ledger.complete(ledger.claim("acct_A", "order-42", "fp"), 201, {}, b"{}")  # type: ignore[arg-type]
+    state = json.loads(cli("--db", str(db), "inspect", "order-42", "-p", "acct_A", "--json").stdout)["state_text"]
+    # A day less a second or two is the 1 d retention the policy line shows, not "23 h 59 min".
+    assert state.startswith("completed 2 s ago: replayed until ") and "(in 1 d);" in state
+    assert "policy             TTL 30 s, retention 1 d" in cli("--db", str(db), "stats").stdout.splitlines()
+
+
+FILL_SCENARIO = """
+name = "big-backlog"
+principal = "acct_B"
+
+[[step]]
+do = "fill"
+count = 1500
+expect = "filled"
+"""
+
+
+@pytest.mark.slow
+def test_a_long_fill_shows_its_progress_on_a_terminal_and_nothing_piped(tmp_path):
+    scenario = tmp_path / "big.toml"
+    scenario.write_text(FILL_SCENARIO)
+    piped = subprocess.run([str(IDEMCTL), "simulate", "--file", str(scenario)], capture_output=True, text=True, timeout=120)
+    assert (piped.returncode, piped.stderr) == (0, "")
+    assert "1500 completed rows acct_B/" in piped.stdout
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [str(IDEMCTL), "simulate", "--file", str(scenario)], stdout=subprocess.DEVNULL, stderr=slave,
+        env={**os.environ, "TERM": "xterm", "COLUMNS": "100"},
+    )
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    assert proc.wait(120) == 0
+    assert b"step 1: fill" in seen and b"/1500" in seen
