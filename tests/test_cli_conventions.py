@@ -410,3 +410,29 @@ def test_a_long_fill_shows_its_progress_on_a_terminal_and_nothing_piped(tmp_path
     os.close(master)
     assert proc.wait(120) == 0
     assert b"step 1: fill" in seen and b"/1500" in seen
+
+
+def test_ctrl_c_at_the_purge_prompt_exits_130_and_purges_nothing(tmp_path, monkeypatch):
+    import typer
+
+    db = tmp_path / "l.db"
+    ledger_with(db, expired=1)
+
+    def ctrl_c_at_the_prompt(*args: object, **kwargs: object) -> bool:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise typer.Abort() from None  # what click's prompt does with Ctrl-C
+
+    monkeypatch.setattr(typer, "confirm", ctrl_c_at_the_prompt)
+    result = cli("--db", str(db), "purge", "old-0000", "--principal", "acct_A")
+    assert (result.exit_code, result.stderr) == (130, "\n")
+    with Ledger.open(db, create=False) as ledger:
+        assert ledger.lookup("acct_A", "old-0000") is not None
+
+
+@pytest.mark.parametrize("option", [["--db", "x.db"], ["--ttl", "10s"]])
+def test_fingerprint_refuses_ledger_options_without_a_key(option):
+    result = cli("fingerprint", "-X", "POST", "--path", "/orders", *option)
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == f"error: {option[0]} only applies with --key (to compare with a stored row)\n"

@@ -223,7 +223,7 @@ class IdemctlGroup(TyperGroup):
         except typer.Abort as exc:
             if not standalone_mode:
                 raise
-            if isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C while the options were read
+            if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):  # Ctrl-C at a prompt or parsing
                 sys.exit(EXIT_INTERRUPTED)
             say_error("aborted")
             sys.exit(EXIT_NO)

@@ -228,8 +228,10 @@ def _confirmed(principal: str, key: str) -> bool:
         confirmed = typer.confirm(
             f"Purge {visible(principal)}/{key}? The client's next retry will run the mutation again", err=True
         )
-    except typer.Abort:
+    except typer.Abort as exc:
         typer.echo(err=True)  # end the prompt's line
+        if isinstance(exc.__context__, KeyboardInterrupt):  # Ctrl-C at the prompt: as anywhere else
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         say_no("not purged: no confirmation (pass --yes to skip the prompt)")
         return False
     if not confirmed:
