@@ -144,7 +144,7 @@ def test_read_commands_work_on_a_recipe_only_database_and_write_nothing(tmp_path
     assert inspect.exit_code == 0
     assert re.search(r"^generation\s+2 \(taken over once\)$", inspect.stdout, re.M)
     assert inspect.stdout.rstrip().endswith(
-        "fenced-out events: not recorded (this ledger has only the recipe's table; `idemctl init` adds the log)"
+        f"fenced-out events: not recorded (this ledger has only the recipe's table; `idemctl --db {db} init` adds the log)"
     )
     pending = json.loads(cli("pending", "--json", "--db", str(db)).stdout)
     assert [(r["key"], r["takes_over_now"]) for r in pending["rows"]] == [("stuck", True)]
@@ -163,7 +163,7 @@ def test_fenced_on_a_recipe_only_database_says_nothing_records_them(tmp_path):
     conn.close()
     result = cli("fenced", "--db", str(db))
     assert result.exit_code == 0
-    assert result.stdout == "no fenced-out log: this ledger has only the recipe's table; `idemctl init` adds it\n"
+    assert result.stdout == f"no fenced-out log: this ledger has only the recipe's table; `idemctl --db {db} init` adds it\n"
     as_json = json.loads(cli("fenced", "--json", "--db", str(db)).stdout)
     assert (as_json["fenced_log"], as_json["events"]) == (False, [])
 
@@ -178,7 +178,7 @@ def test_inspect_completed_taken_over_row_shows_state_generation_response_and_fe
     lines = [line.rstrip() for line in out.splitlines()]
     assert lines[0] == "acct_A / order-42"
     assert re.search(
-        r"^state\s+completed 3 h ago: replayed until \S+:\d\dZ \(in 20 h 59 min\); the sweep may delete it after that$", out, re.M
+        r"^state\s+completed 3 h ago: replayed until \S+:\d\dZ \(in 21 h\); the sweep may delete it after that$", out, re.M
     )
     assert re.search(r"^status\s+completed$", out, re.M)
     assert re.search(r"^generation\s+2 \(taken over once\)$", out, re.M)
@@ -188,7 +188,7 @@ def test_inspect_completed_taken_over_row_shows_state_generation_response_and_fe
     assert re.search(r"^\s+location: /orders/42$", out, re.M)
     assert '"by": "B"' in out  # the body, pretty-printed
     assert "fenced-out events (1): a late owner's answer was not stored" in out
-    assert re.search(r"^\s*\S+Z\s+2 h 59 min ago\s+1\s+2\s+201$", out, re.M)
+    assert re.search(r"^\s*\S+Z\s+3 h ago\s+1\s+2\s+201$", out, re.M)
 
 
 def test_inspect_pending_row_says_how_long_retries_get_409_and_who_takes_over(make_ledger, ledger_target, at):

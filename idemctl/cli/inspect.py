@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.text import Text
 
 from ..durations import human_duration
 from ..errors import MalformedRowError
@@ -40,6 +41,7 @@ from .core import (
     app,
     duration_param,
     from_command_line,
+    hint_command,
     in_range,
     list_cap,
     not_found,
@@ -225,7 +227,9 @@ def fenced(
         return
     out = console()
     if not fenced_log:
-        out.print("no fenced-out log: this ledger has only the recipe's table; `idemctl init` adds it")
+        out.print(
+            Text(f"no fenced-out log: this ledger has only the recipe's table; `{hint_command('init')}` adds it")
+        )
         return
     if not events:
         out.print("no fenced-out events" + (f" in the last {human_duration(since)}" if since is not None else ""))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -59,8 +60,9 @@ def _inspect_hint(timeline: Timeline, target: str | None) -> str:
         return ""
     last = inspected[-1]
     # A URL is not echoed back: it may carry a password.
-    where = "<the same URL>" if target is not None and "://" in target else timeline.database
-    return f"; see it with: idemctl inspect {last.key} --principal {last.principal} --db {where}"
+    where = "<the same URL>" if target is not None and "://" in target else shlex.quote(timeline.database)
+    key, principal = shlex.quote(last.key or ""), shlex.quote(last.principal or "")
+    return f"; see it with: idemctl inspect {key} --principal {principal} --db {where}"
 
 
 @app.command(

@@ -28,7 +28,7 @@ from ..render import body_kind, state_words, takeovers_words, visible
 from ..responses import header_problem, stored_header_pairs
 from ..scenario import Op
 from ..simulate import Event, Timeline
-from .core import EXIT_INTERRUPTED
+from .core import EXIT_INTERRUPTED, hint_command
 from .output import PIPE_WIDTH, console
 
 # A long listing is printed as a run of tables of this many rows (the header
@@ -141,7 +141,7 @@ def print_row(console: Console, view: RowView, events: Sequence[FencedEvent], fe
         console.print(
             Text(
                 "fenced-out events: not recorded (this ledger has only the recipe's table; "
-                "`idemctl init` adds the log)"
+                f"`{hint_command('init')}` adds the log)"
             )
         )
     else:
@@ -329,7 +329,7 @@ def _watch_view(where: str, st: Stats, first: Stats, policy: Policy) -> Table:
     new_fenced = st.fenced_out_events - first.fenced_out_events
     since = f"since {iso(first.now)}: "
     if new_fenced > 0:
-        alert = since + f"{new_fenced} new fenced-out event(s): see idemctl fenced --since 1h"
+        alert = since + f"{new_fenced} new fenced-out event(s): see {hint_command('fenced --since 1h')}"
         grid.add_row(Text("watching", style="bold red"), Text(alert, style="bold red"))
     else:
         grid.add_row("watching", since + f"no new fenced-out events; expired {st.expired - first.expired:+d}")
