@@ -8,7 +8,7 @@ output; the other modules hold the commands, grouped by what they do."""
 
 from __future__ import annotations
 
-from .core import EXIT_INTERRUPTED, EXIT_NO, EXIT_OK, EXIT_USAGE, app, main
+from .core import EXIT_INTERRUPTED, EXIT_NO, EXIT_OK, EXIT_PIPE_CLOSED, EXIT_USAGE, app, main
 from .views import PENDING_TABLE_CHUNK
 
 # Importing a command module registers its commands on `app`, and
@@ -21,4 +21,13 @@ from . import fingerprint as fingerprint  # fingerprint
 from . import simulate as simulate  # simulate
 # isort: on
 
-__all__ = ["EXIT_INTERRUPTED", "EXIT_NO", "EXIT_OK", "EXIT_USAGE", "PENDING_TABLE_CHUNK", "app", "main"]
+__all__ = [
+    "EXIT_INTERRUPTED",
+    "EXIT_NO",
+    "EXIT_OK",
+    "EXIT_PIPE_CLOSED",
+    "EXIT_USAGE",
+    "PENDING_TABLE_CHUNK",
+    "app",
+    "main",
+]
