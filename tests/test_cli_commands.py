@@ -166,6 +166,9 @@ def test_fenced_on_a_recipe_only_database_says_nothing_records_them(tmp_path):
     assert result.stdout == f"no fenced-out log: this ledger has only the recipe's table; `idemctl --db {db} init` adds it\n"
     as_json = json.loads(cli("fenced", "--json", "--db", str(db)).stdout)
     assert (as_json["fenced_log"], as_json["events"]) == (False, [])
+    as_lines = cli("fenced", "--nl", "--db", str(db))
+    assert (as_lines.exit_code, as_lines.stdout) == (0, "")
+    assert as_lines.stderr == f"no fenced-out log: this ledger has only the recipe's table; `idemctl --db {db} init` adds it\n"
 
 
 # -- inspect -----------------------------------------------------------------------------------

@@ -210,6 +210,8 @@ def fenced(
             )
             emit_json_lines(event_json(e) for e in streamed)
             _say_more(streamed.truncated, limit)
+            if not ledger.has_fenced_log():  # no lines, and why: nothing records them here
+                say_no(f"no fenced-out log: this ledger has only the recipe's table; `{hint_command('init')}` adds it")
             return
         events = list(
             ledger.fenced(
