@@ -567,9 +567,10 @@ def stats_prometheus(database: str, stats: Stats, policy: Policy) -> str:
     idemctl_ledger_rows{ledger=":memory:",state="pending_fresh"} 0
     """
     label = 'ledger="' + database.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-    oldest_pending = None if stats.oldest_pending_at is None else max(0, stats.now - stats.oldest_pending_at) / 1000
+    # 0 when nothing is pending: an alert on a series that vanished would go silent.
+    oldest_pending = 0 if stats.oldest_pending_at is None else max(0, stats.now - stats.oldest_pending_at) / 1000
     one, taken, fenced = f"{{{label}}}", stats.taken_over, stats.fenced_out_events
-    gauges: list[tuple[str, str, list[tuple[str, float | None]]]] = [
+    gauges: list[tuple[str, str, list[tuple[str, int | float | None]]]] = [
         (
             "idemctl_ledger_rows",
             "Rows in the ledger by state, as idemctl stats counts them.",
@@ -593,7 +594,7 @@ def stats_prometheus(database: str, stats: Stats, policy: Policy) -> str:
         if not present:
             continue
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
-        lines += [f"{name}{labels} {value:g}" for labels, value in present]
+        lines += [f"{name}{labels} {_sample(value)}" for labels, value in present]
     return "\n".join(lines) + "\n"
 
 
@@ -680,3 +681,15 @@ def copy_words(result: CopyResult) -> str:
     if result.dry_run:
         lines.append("dry run: nothing written")
     return "\n".join(lines)
+
+
+def _sample(value: float) -> str:
+    """A sample value in the exposition format, every digit kept (`:g` would
+    write 48054272 as 4.80543e+07).
+
+    >>> _sample(48_054_272), _sample(30.0), _sample(12.345)
+    ('48054272', '30', '12.345')
+    """
+    if isinstance(value, int):
+        return str(value)
+    return str(int(value)) if value.is_integer() else repr(value)
