@@ -3,11 +3,13 @@ generation, token, timestamps and stored answer, and the fenced-out log.
 
 The source is only read, a page at a time in primary-key order. Each page
 is compared with the destination's rows of the same keys (one read), and
-only what differs is written: absent rows in one insert-if-absent statement,
-older versions one guarded UPDATE each. The statements' own conflict clause
-and WHERE decide, so a row the destination holds in a newer version is never
-overwritten, whatever happened since it was read. Running the copy again
-writes only what changed since; with nothing changed it writes nothing."""
+only what differs is written, gathered up to a batch: absent rows in one
+insert-if-absent statement, older versions in one guarded UPDATE (one a
+row on engines without arrays). The statements' own conflict clause and
+WHERE decide row by row, so a row the destination holds in a newer version
+is never overwritten, whatever happened since it was read. Running the copy
+again writes only what changed since; with nothing changed it writes
+nothing."""
 
 from __future__ import annotations
 
