@@ -609,7 +609,10 @@ def _move(res: dict[str, Any]) -> list[str]:
         "The floor moves the rows and nothing else; the copy also compares every row with the destination's, "
         "writes only what differs through statements that never overwrite a newer row, and copies the "
         "fenced-out log. Peak RSS stays flat whatever the size: the copy holds one batch at a time. "
-        "The cutover procedure (docs/runbook.md) pauses writers only for the last pass.",
+        "The paused pass costs about what reading and comparing every row costs (the second line), however few "
+        "rows changed: the [cutover procedure](runbook.md#moving-the-ledger-to-another-database) pauses writers "
+        "only for it. With the load average far above the core count, every figure here, the floor's included, "
+        "is slower than on an idle machine; the ratios are what carries over.",
     ]
     return out
 
