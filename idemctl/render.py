@@ -22,6 +22,7 @@ from .policy import Policy
 from .responses import NULL_BODY_STATUSES, OVERSIZE_STATUS
 
 if TYPE_CHECKING:  # the simulator renders its timelines with this module
+    from .replication import FailoverCheck
     from .simulate import Event, Timeline
 
 # Candidates for escaping: everything but printable ASCII. Which of them are
@@ -405,6 +406,25 @@ def pending_json(
         (view_json(v) for v in views),
         lambda: {"truncated": truncated()},
     )
+
+
+def failover_check_json(check: FailoverCheck) -> dict[str, Any]:
+    """`doctor --json`: the replication settings read and what they mean."""
+    s = check.settings
+    replication = None
+    if s is not None:
+        replication = {
+            "synchronous_commit": s.synchronous_commit,
+            "synchronous_standby_names": s.synchronous_standby_names,
+            "in_recovery": s.in_recovery,
+            "standbys": list(s.standbys),
+        }
+    return {
+        "ledger": check.where,
+        "ok": check.ok,
+        "replication": replication,
+        "findings": [{"severity": f.severity.value, "message": f.message} for f in check.findings],
+    }
 
 
 def fenced_json(now: int, truncated: bool, fenced_log: bool, events: Iterable[FencedEvent]) -> dict[str, Any]:
