@@ -569,7 +569,50 @@ def render(r: dict[str, Any]) -> str:
     if "peers" in b:  # optional: only a run with --peers has it
         gap = _gap("peers", b["peers"])
         parts += ([gap] if gap else _peers(b["peers"])) + [""]
+    if "inflight" in b:  # optional: only a run with --only inflight has it
+        gap = _gap("inflight", b["inflight"])
+        parts += ([gap] if gap else _inflight(b["inflight"])) + [""]
     return "\n".join(parts).rstrip() + "\n"
+
+
+def _inflight(res: dict[str, Any]) -> list[str]:
+    """(8)/(10) in flight: idemctl and idemkit through their ASGI middleware
+    on PostgreSQL at 1, 10 and 50 requests in flight, against the raw
+    asynchronous floor of the same rounds."""
+    kit = "idemkit" in res["levels"][next(iter(res["levels"]))]["first"]
+    head = "| (8)/(10) ASGI + PostgreSQL, in flight | kind | raw async floor/s | idemctl/s | ÷ floor |"
+    rule = "|---|---|---|---|---|"
+    if kit:
+        head += " idemkit/s | ÷ floor | idemctl ÷ idemkit |"
+        rule += "---|---|---|"
+    lines = [head, rule]
+    for level, row in res["levels"].items():
+        for kind in ("first", "replay"):
+            c = row[kind]
+            cells = [f"{level}", "first calls" if kind == "first" else "replays", _sp(c["floor"], 0)]
+            cells += [_sp(c["idemctl"], 0), _sp(c["idemctl_vs_floor"])]
+            if kit:
+                cells += [_sp(c["idemkit"], 0), _sp(c["idemkit_vs_floor"]), _sp(c["idemctl_vs_idemkit"])]
+            lines.append("| " + " | ".join(cells) + " |")
+    v = res.get("versions", {})
+    lag, threads = res["lag_50_first_ms"], res["lag_50_first_threads_ms"]
+    lines += [
+        "",
+        f"{res['rounds']} alternated rounds of {res['requests_per_round']} requests per variant and level "
+        f"(median and min–max); pools of {res['pool_max_size']} connections; psycopg {v.get('psycopg')}"
+        + (f", idemkit {v.get('idemkit')} (asyncpg {v.get('asyncpg')})" if kit else "")
+        + ". The floor runs idemctl's own statements on psycopg's AsyncConnection: a first call is the claim "
+        "and the fenced completion, a replay the claim that finds the key and the primary-key lookup.",
+        "",
+        "| (8) event-loop lag: a 1 ms ticker, 50 first calls in flight through idemctl's middleware "
+        "| lag p50 ms | p99 ms | max ms |",
+        "|---|---|---|---|",
+        f"| statements awaited on the loop (PostgreSQL's asynchronous store) | {_n(lag['p50_ms'], 2)} "
+        f"| {_n(lag['p99_ms'], 2)} | {_n(lag['max_ms'], 2)} |",
+        f"| statements handed to the default executor | {_n(threads['p50_ms'], 2)} "
+        f"| {_n(threads['p99_ms'], 2)} | {_n(threads['max_ms'], 2)} |",
+    ]
+    return lines
 
 
 INTRO = """\
