@@ -9,6 +9,9 @@ completion; a replay: the claim that finds the key, and the primary-key
 lookup). Every variant runs once per round, in rotating order, so that
 drift hits all of them; the figure is the median round.
 
+Profile: where the time of idemctl's requests and the floor's goes at 10
+in flight (cProfile's internal time by package), after the rounds.
+
 Event-loop lag: a ticker coroutine sleeping 1 ms on the same loop, while 50
 first calls are in flight through idemctl's middleware, with the ledger's
 statements awaited on the loop, then handed to the default executor."""
@@ -71,6 +74,48 @@ async def _lag_under(level: int, n: int, one: Go) -> dict[str, float]:
     await tick
     lags.sort()
     return {"p50_ms": percentile(lags, 50), "p99_ms": percentile(lags, 99), "max_ms": lags[-1] if lags else 0.0}
+
+
+def _group(filename: str, name: str) -> str:
+    if filename == "~" and ("epoll" in name or "select" in name):
+        return "waiting for the server (epoll)"
+    for part, group in (
+        ("/idemctl/", "idemctl"),
+        ("/psycopg_pool/", "psycopg_pool"),
+        ("/psycopg/", "psycopg"),
+        ("/asyncio/", "asyncio"),
+        ("/bench/", "the bench's caller and app"),
+    ):
+        if part in filename:
+            return group
+    return "C calls and the rest" if filename == "~" else "other Python"
+
+
+async def _profile(n: int, level: int, one: Go) -> dict[str, Any]:
+    """Where the time of `n` requests at `level` in flight goes (cProfile,
+    internal time by package), and idemctl's own heaviest functions."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    await _in_flight(n, level, one)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    total = sum(tt for (_, _, tt, _, _) in stats.values()) or 1.0
+    groups: dict[str, float] = {}
+    ours: list[tuple[float, str]] = []
+    for (filename, line, name), (_, _, tt, _, _) in stats.items():
+        group = _group(filename, name)
+        groups[group] = groups.get(group, 0.0) + tt
+        if group == "idemctl":
+            ours.append((tt, f"{filename.rsplit('/idemctl/', 1)[-1]}:{line}({name})"))
+    ours.sort(reverse=True)
+    return {
+        "us_per_request": round(total / n * 1e6, 1),
+        "share": {g: round(t / total, 3) for g, t in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "idemctl_top": [{"function": f, "us_per_request": round(t / n * 1e6, 1)} for t, f in ours[:8]],
+    }
 
 
 async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -150,6 +195,13 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
                 tag = f"{rep}-{level}"
                 rates[name].append(await _in_flight(n, int(level), lambda i, go=go, tag=tag: go(i, tag)))
                 await ours.wait_idle()
+        profile = {
+            "first": await _profile(n, 10, lambda i: via(ours, f"idemctl-profile-{i}")),
+            "replay": await _profile(n, 10, lambda i: via(ours, f"idemctl-seed-{i % seeds}")),
+            "floor_first": await _profile(n, 10, lambda i: floor_first(i, "profile")),
+            "floor_replay": await _profile(n, 10, lambda i: floor_replay(i, "profile")),
+        }
+        await ours.wait_idle()
         lag = await _lag_under(50, n, lambda i: via(ours, f"idemctl-lag-{i}"))
         await ours.wait_idle()
         # The same with the ledger's statements handed to the default
@@ -164,6 +216,7 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
             "levels": {},
             "lag_50_first_ms": lag,
             "lag_50_first_threads_ms": lag_threads,
+            "profile_10_in_flight": profile,
         }
         for level in LEVELS:
             row: dict[str, Any] = {}

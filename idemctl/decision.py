@@ -56,6 +56,10 @@ class Call:
         return await getattr(store, self.name)(*self.args)
 
 
+# The store operations that write nothing.
+_READS = frozenset({"lookup", "database_now"})
+
+
 @dataclass(frozen=True)
 class Pause:
     """Wait this many seconds before the next poll; nothing is held meanwhile."""
@@ -313,8 +317,16 @@ async def _run_on(steps: Steps[T], store: AsyncStore, orphaned: Callable[[T], ob
         if isinstance(op, Pause):
             await asyncio.sleep(op.seconds)  # cancelled here: nothing is held
             continue
-        # Shielded: a cancelled caller does not cut a statement off half-way
-        # (its connection would be lost, and a claim's outcome unknown).
+        if op.name in _READS:
+            # A read cut off by a cancellation leaves nothing behind: no
+            # shield (and no task of its own) needed.
+            try:
+                value = await op.run_async(store)
+            except Exception as exc:
+                error = exc
+            continue
+        # Shielded: a cancelled caller does not cut a write off half-way
+        # (a claim's outcome would be unknown, and could not be released).
         landing = asyncio.ensure_future(op.run_async(store))
         try:
             value = await asyncio.shield(landing)
