@@ -842,6 +842,69 @@ def _notes(b: dict[str, Any]) -> list[str]:
         notes += _asgi_notes(asg)
     if gc := _ok(b, "group_commit"):
         notes.append(_group_commit_note(gc))
+    if fl := _ok(b, "inflight"):
+        notes += _inflight_notes(fl)
+    return notes
+
+
+# The aims of the asynchronous path: ahead of idemkit at every level, and
+# near the raw asynchronous floor at 10 in flight.
+INFLIGHT_AIMS = {"vs_idemkit": 1.5, "vs_floor_first": 0.8, "vs_floor_replay": 0.7}
+
+
+def _inflight_notes(res: dict[str, Any]) -> list[str]:
+    levels = res["levels"]
+    kit = "idemctl_vs_idemkit" in levels[next(iter(levels))]["first"]
+    parts = []
+    if kit:
+        per = ", ".join(
+            f"{lv}: {row['first']['idemctl_vs_idemkit']['median']:.2f}× / {row['replay']['idemctl_vs_idemkit']['median']:.2f}×"
+            for lv, row in levels.items()
+        )
+        parts.append(f"idemctl ÷ idemkit, first calls / replays, by requests in flight: {per}")
+    ten = levels.get("10")
+    if ten:
+        parts.append(
+            f"at 10 in flight idemctl runs at {ten['first']['idemctl_vs_floor']['median']:.2f}× the raw async floor "
+            f"for first calls and {ten['replay']['idemctl_vs_floor']['median']:.2f}× for replays"
+        )
+    missed = []
+    for lv, row in levels.items():
+        for kind in ("first", "replay"):
+            if kit and row[kind]["idemctl_vs_idemkit"]["median"] < INFLIGHT_AIMS["vs_idemkit"]:
+                missed.append(f"{kind} ÷ idemkit at {lv}")
+    if ten and ten["first"]["idemctl_vs_floor"]["median"] < INFLIGHT_AIMS["vs_floor_first"]:
+        missed.append("first ÷ floor at 10")
+    if ten and ten["replay"]["idemctl_vs_floor"]["median"] < INFLIGHT_AIMS["vs_floor_replay"]:
+        missed.append("replay ÷ floor at 10")
+    lag, threads = res["lag_50_first_ms"], res["lag_50_first_threads_ms"]
+    note = (
+        f"- **ASGI + PostgreSQL in flight (8)/(10).** With the ledger's statements awaited on the loop, {'; '.join(parts)} "
+        f"(aims: ≥ {INFLIGHT_AIMS['vs_idemkit']:g}× idemkit everywhere, ≥ {INFLIGHT_AIMS['vs_floor_first']:g}× / "
+        f"≥ {INFLIGHT_AIMS['vs_floor_replay']:g}× the floor at 10; "
+        + ("all met)." if not missed else f"not met: {', '.join(missed)}).")
+        + f" Under 50 first calls in flight the 1 ms ticker wakes late by {lag['p99_ms']:.1f} ms at p99 with the "
+        f"statements on the loop, {threads['p99_ms']:.1f} ms with them in the executor."
+    )
+    notes = [note]
+    profile = res.get("profile_10_in_flight")
+    if profile and missed:
+        lines = []
+        for name, label in (
+            ("first", "idemctl, first calls"),
+            ("floor_first", "floor, first calls"),
+            ("replay", "idemctl, replays"),
+            ("floor_replay", "floor, replays"),
+        ):
+            p = profile[name]
+            shares = ", ".join(f"{g} {v * 100:.0f} %" for g, v in p["share"].items() if v >= 0.02)
+            lines.append(f"{label}: {p['us_per_request']:.0f} µs of profiled time a request ({shares})")
+        top = ", ".join(f"`{t['function']}` {t['us_per_request']:.0f} µs" for t in profile["replay"]["idemctl_top"][:5])
+        notes.append(
+            "- **What is left (profile at 10 in flight, cProfile's internal time by package).** "
+            + "; ".join(lines)
+            + f". idemctl's heaviest functions on a replay: {top}."
+        )
     return notes
 
 
