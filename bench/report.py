@@ -596,9 +596,18 @@ def _inflight(res: dict[str, Any]) -> list[str]:
             lines.append("| " + " | ".join(cells) + " |")
     v = res.get("versions", {})
     lag, threads = res["lag_50_first_ms"], res["lag_50_first_threads_ms"]
+    measured = res.get("measured")
+    when = ""
+    if measured:  # published beside a page measured at another time: its own conditions
+        load = "/".join(f"{x:.1f}" for x in measured["loadavg_start"])
+        when = (
+            f"Measured {measured['started_utc']} at commit `{measured['commit']}`, load average {load} "
+            f"({measured['conditions']}). "
+        )
     lines += [
         "",
-        f"{res['rounds']} alternated rounds of {res['requests_per_round']} requests per variant and level "
+        when
+        + f"{res['rounds']} alternated rounds of {res['requests_per_round']} requests per variant and level "
         f"(median and min–max); pools of {res['pool_max_size']} connections; psycopg {v.get('psycopg')}"
         + (f", idemkit {v.get('idemkit')} (asyncpg {v.get('asyncpg')})" if kit else "")
         + ". The floor runs idemctl's own statements on psycopg's AsyncConnection: a first call is the claim "
