@@ -19,7 +19,20 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from . import asgi, contention, cycle, group_commit, growth, memory, middleware, peers, postgres, report, sweep
+from . import (
+    asgi,
+    contention,
+    cycle,
+    group_commit,
+    growth,
+    inflight,
+    memory,
+    middleware,
+    peers,
+    postgres,
+    report,
+    sweep,
+)
 from .common import Context, filesystem_of, machine_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -39,8 +52,10 @@ BENCHMARKS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "group_commit": group_commit.run,
     # Optional: runs only with --peers (or --only peers), since it needs the peers installed.
     "peers": peers.run,
+    # ASGI + PostgreSQL with 1, 10 and 50 requests in flight, beside idemkit when installed.
+    "inflight": inflight.run,
 }
-OPTIONAL = {"peers"}
+OPTIONAL = {"peers", "inflight"}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -570,6 +570,9 @@ def render(r: dict[str, Any]) -> str:
     if "peers" in b:  # optional: only a run with --peers has it
         gap = _gap("peers", b["peers"])
         parts += ([gap] if gap else _peers(b["peers"])) + [""]
+    if "inflight" in b:  # optional: only a run with --only inflight has it
+        gap = _gap("inflight", b["inflight"])
+        parts += ([gap] if gap else _inflight(b["inflight"])) + [""]
     if "move" in b:  # measured in a run of its own: python -m bench.move
         gap = _gap("move", b["move"])
         parts += ([gap] if gap else _move(b["move"])) + [""]
@@ -615,6 +618,56 @@ def _move(res: dict[str, Any]) -> list[str]:
         "is slower than on an idle machine; the ratios are what carries over.",
     ]
     return out
+
+
+
+def _inflight(res: dict[str, Any]) -> list[str]:
+    """(8)/(10) in flight: idemctl and idemkit through their ASGI middleware
+    on PostgreSQL at 1, 10 and 50 requests in flight, against the raw
+    asynchronous floor of the same rounds."""
+    kit = "idemkit" in res["levels"][next(iter(res["levels"]))]["first"]
+    head = "| (8)/(10) ASGI + PostgreSQL, in flight | kind | raw async floor/s | idemctl/s | ÷ floor |"
+    rule = "|---|---|---|---|---|"
+    if kit:
+        head += " idemkit/s | ÷ floor | idemctl ÷ idemkit |"
+        rule += "---|---|---|"
+    lines = [head, rule]
+    for level, row in res["levels"].items():
+        for kind in ("first", "replay"):
+            c = row[kind]
+            cells = [f"{level}", "first calls" if kind == "first" else "replays", _sp(c["floor"], 0)]
+            cells += [_sp(c["idemctl"], 0), _sp(c["idemctl_vs_floor"])]
+            if kit:
+                cells += [_sp(c["idemkit"], 0), _sp(c["idemkit_vs_floor"]), _sp(c["idemctl_vs_idemkit"])]
+            lines.append("| " + " | ".join(cells) + " |")
+    v = res.get("versions", {})
+    lag, threads = res["lag_50_first_ms"], res["lag_50_first_threads_ms"]
+    measured = res.get("measured")
+    when = ""
+    if measured:  # published beside a page measured at another time: its own conditions
+        load = "/".join(f"{x:.1f}" for x in measured["loadavg_start"])
+        when = (
+            f"Measured {measured['started_utc']} at commit `{measured['commit']}`, load average {load} "
+            f"({measured['conditions']}). "
+        )
+    lines += [
+        "",
+        when
+        + f"{res['rounds']} alternated rounds of {res['requests_per_round']} requests per variant and level "
+        f"(median and min–max); pools of {res['pool_max_size']} connections; psycopg {v.get('psycopg')}"
+        + (f", idemkit {v.get('idemkit')} (asyncpg {v.get('asyncpg')})" if kit else "")
+        + ". The floor runs idemctl's own statements on psycopg's AsyncConnection: a first call is the claim "
+        "and the fenced completion, a replay the claim that finds the key and the primary-key lookup.",
+        "",
+        "| (8) event-loop lag: a 1 ms ticker, 50 first calls in flight through idemctl's middleware "
+        "| lag p50 ms | p99 ms | max ms |",
+        "|---|---|---|---|",
+        f"| statements awaited on the loop (PostgreSQL's asynchronous store) | {_n(lag['p50_ms'], 2)} "
+        f"| {_n(lag['p99_ms'], 2)} | {_n(lag['max_ms'], 2)} |",
+        f"| statements handed to the default executor | {_n(threads['p50_ms'], 2)} "
+        f"| {_n(threads['p99_ms'], 2)} | {_n(threads['max_ms'], 2)} |",
+    ]
+    return lines
 
 
 INTRO_HEAD = """\
@@ -909,6 +962,69 @@ def _notes(b: dict[str, Any]) -> list[str]:
         notes += _asgi_notes(asg)
     if gc := _ok(b, "group_commit"):
         notes.append(_group_commit_note(gc))
+    if fl := _ok(b, "inflight"):
+        notes += _inflight_notes(fl)
+    return notes
+
+
+# The aims of the asynchronous path: ahead of idemkit at every level, and
+# near the raw asynchronous floor at 10 in flight.
+INFLIGHT_AIMS = {"vs_idemkit": 1.5, "vs_floor_first": 0.8, "vs_floor_replay": 0.7}
+
+
+def _inflight_notes(res: dict[str, Any]) -> list[str]:
+    levels = res["levels"]
+    kit = "idemctl_vs_idemkit" in levels[next(iter(levels))]["first"]
+    parts = []
+    if kit:
+        per = ", ".join(
+            f"{lv}: {row['first']['idemctl_vs_idemkit']['median']:.2f}× / {row['replay']['idemctl_vs_idemkit']['median']:.2f}×"
+            for lv, row in levels.items()
+        )
+        parts.append(f"idemctl ÷ idemkit, first calls / replays, by requests in flight: {per}")
+    ten = levels.get("10")
+    if ten:
+        parts.append(
+            f"at 10 in flight idemctl runs at {ten['first']['idemctl_vs_floor']['median']:.2f}× the raw async floor "
+            f"for first calls and {ten['replay']['idemctl_vs_floor']['median']:.2f}× for replays"
+        )
+    missed = []
+    for lv, row in levels.items():
+        for kind in ("first", "replay"):
+            if kit and row[kind]["idemctl_vs_idemkit"]["median"] < INFLIGHT_AIMS["vs_idemkit"]:
+                missed.append(f"{kind} ÷ idemkit at {lv}")
+    if ten and ten["first"]["idemctl_vs_floor"]["median"] < INFLIGHT_AIMS["vs_floor_first"]:
+        missed.append("first ÷ floor at 10")
+    if ten and ten["replay"]["idemctl_vs_floor"]["median"] < INFLIGHT_AIMS["vs_floor_replay"]:
+        missed.append("replay ÷ floor at 10")
+    lag, threads = res["lag_50_first_ms"], res["lag_50_first_threads_ms"]
+    note = (
+        f"- **ASGI + PostgreSQL in flight (8)/(10).** With the ledger's statements awaited on the loop, {'; '.join(parts)} "
+        f"(aims: ≥ {INFLIGHT_AIMS['vs_idemkit']:g}× idemkit everywhere, ≥ {INFLIGHT_AIMS['vs_floor_first']:g}× / "
+        f"≥ {INFLIGHT_AIMS['vs_floor_replay']:g}× the floor at 10; "
+        + ("all met)." if not missed else f"not met: {', '.join(missed)}).")
+        + f" Under 50 first calls in flight the 1 ms ticker wakes late by {lag['p99_ms']:.1f} ms at p99 with the "
+        f"statements on the loop, {threads['p99_ms']:.1f} ms with them in the executor."
+    )
+    notes = [note]
+    profile = res.get("profile_10_in_flight")
+    if profile and missed:
+        lines = []
+        for name, label in (
+            ("first", "idemctl, first calls"),
+            ("floor_first", "floor, first calls"),
+            ("replay", "idemctl, replays"),
+            ("floor_replay", "floor, replays"),
+        ):
+            p = profile[name]
+            shares = ", ".join(f"{g} {v * 100:.0f} %" for g, v in p["share"].items() if v >= 0.02)
+            lines.append(f"{label}: {p['us_per_request']:.0f} µs of profiled time a request ({shares})")
+        top = ", ".join(f"`{t['function']}` {t['us_per_request']:.0f} µs" for t in profile["replay"]["idemctl_top"][:5])
+        notes.append(
+            "- **What is left (profile at 10 in flight, cProfile's internal time by package).** "
+            + "; ".join(lines)
+            + f". idemctl's heaviest functions on a replay: {top}."
+        )
     return notes
 
 

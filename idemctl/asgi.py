@@ -241,6 +241,9 @@ class IdempotencyMiddleware:
         return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") == "lifespan":
+            await self.app(scope, receive, self._closing_on_shutdown(send))
+            return
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
@@ -292,6 +295,19 @@ class IdempotencyMiddleware:
             raise
         await self._send(send, delivery)
 
+    def _closing_on_shutdown(self, send: Send) -> Send:
+        # The ledger's connections of this loop (PostgreSQL's asynchronous
+        # pool) close with the app, before the server hears it is done.
+        async def forward(message: Message) -> None:
+            if message.get("type") == "lifespan.shutdown.complete":
+                try:
+                    await self.ledger.aclose()
+                except Exception:
+                    log.exception("closing the ledger's connections at shutdown failed")
+            await send(message)
+
+        return forward
+
     async def _run_and_finish(self, scope: Scope, receive: Receive, ticket: Ticket, who: str) -> Delivery:
         inner = capturable_scope(scope)
         inner[PRINCIPAL_SCOPE_KEY] = who
@@ -313,7 +329,7 @@ class IdempotencyMiddleware:
             captured.check_complete()
         except BaseException:
             release = self.release_on_error(scope) if callable(self.release_on_error) else bool(self.release_on_error)
-            await self._in_thread(self.gate.abandon, ticket, release=release)
+            await self.gate.abandon_async(ticket, release=release, in_thread=self._in_thread)
             raise
         return await self.gate.finish_async(ticket, capture, self._in_thread)
 
@@ -343,12 +359,12 @@ class IdempotencyMiddleware:
             await send({"type": "http.response.body", "body": answer.body, "more_body": False})
         except OSError as exc:  # the client left: its answer is stored for the retry
             log.info("client left before its answer (status %d) was sent: %s", answer.status, exc)
-        sweep = self.gate.sweep_after(delivery)
+        sweep = self.gate.sweep_after_async(delivery, self._in_thread)
         if sweep is not None:
-            # After the answer, off the loop, never awaited by the request;
-            # replays, 409s and a resting sweep cost no hand-off at all.
-            loop = asyncio.get_running_loop()
-            self._keep(loop.run_in_executor(self.executor, sweep))
+            # After the answer, never awaited by the request (on the loop on
+            # PostgreSQL, in a worker thread on SQLite); replays, 409s and a
+            # resting sweep cost nothing at all.
+            self._keep(asyncio.ensure_future(sweep()))
 
 
 __all__ = ["PRINCIPAL_SCOPE_KEY", "IdempotencyMiddleware", "header_fields", "request_target", "scope_headers"]

@@ -1,11 +1,15 @@
 """The one decision loop, shared by HTTP requests and idempotent functions.
 
 Claim, or look up and branch: each step is one atomic statement of the
-store, and nothing is held between them. The loop is a generator that yields
-the pauses of an in-progress wait instead of sleeping, so one loop serves two
-drivers: :func:`run` sleeps in the calling thread (WSGI, scripts, workers),
-:func:`run_async` runs each step's statements in a worker thread and sleeps
-on the event loop, so a waiting duplicate holds no thread while it waits.
+store, and nothing is held between them. The loop does no I/O itself: it
+yields what it needs, a :class:`Call` of the store (claim, lookup, takeover,
+the clock when the clock is the database's) or a :class:`Pause` of an
+in-progress wait, and is sent the result. So one loop serves every driver:
+:func:`run` calls the store and sleeps in the calling thread (WSGI, scripts,
+workers); :func:`run_async` awaits an asynchronous store's statements on the
+event loop (PostgreSQL), or runs the steps between two pauses in a worker
+thread (SQLite), and sleeps on the loop, so a waiting duplicate holds no
+thread while it waits.
 
 >>> from idemctl import Ledger
 >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
@@ -21,19 +25,52 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .outcomes import Outcome, Reservation, Status, StoredRow
 from .policy import Policy
 from .storage import Store
 from .storage.store import new_token
 
+if TYPE_CHECKING:
+    from .storage.aio import AsyncStore
+
 log = logging.getLogger("idemctl")
 
 T = TypeVar("T")
-#: A decision in the making: yields the seconds to pause before the next
-#: poll, returns its result.
-Steps = Generator[float, None, T]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One operation of the store the loop needs: ``store.<name>(*args)``
+    synchronously, or the asynchronous store's method of the same name."""
+
+    store: Store
+    name: str
+    args: tuple[Any, ...] = ()
+
+    def run(self) -> Any:
+        return getattr(self.store, self.name)(*self.args)
+
+    async def run_async(self, store: AsyncStore) -> Any:
+        return await getattr(store, self.name)(*self.args)
+
+
+# The store operations that write nothing.
+_READS = frozenset({"lookup", "database_now"})
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Wait this many seconds before the next poll; nothing is held meanwhile."""
+
+    seconds: float
+
+
+Op = Call | Pause
+#: A decision (or any ledger work) in the making: yields the operations it
+#: needs, is sent their results (a Pause's is None), returns its result.
+Steps = Generator[Op, Any, T]
 InThread = Callable[..., Awaitable[Any]]
 
 _FIRST_PAUSE_S = 0.005
@@ -96,11 +133,11 @@ def decide(
     deadline: float | None = None
     expired_races = 0
     while True:
-        now = int(clock())
-        generation = store.claim(principal, key, fingerprint, token, now)
+        now = yield from now_steps(store, clock)
+        generation = yield Call(store, "claim", (principal, key, fingerprint, token, now))
         if generation is not None:
             return Claimed(Reservation(principal, key, generation, fingerprint, token), Outcome.EXECUTED, now)
-        row = store.lookup(principal, key)
+        row = yield Call(store, "lookup", (principal, key))
         if row is None:
             return Vanished(now)
         expired_before = now - policy.retention_ms
@@ -110,7 +147,9 @@ def decide(
             # atomically; if the row changed meanwhile (swept, or another
             # request took it), decide afresh.
             stale_before = now - policy.pending_ttl_ms
-            generation = store.takeover(principal, key, fingerprint, token, now, stale_before, expired_before)
+            generation = yield Call(
+                store, "takeover", (principal, key, fingerprint, token, now, stale_before, expired_before)
+            )
             if generation is not None:
                 return Claimed(Reservation(principal, key, generation, fingerprint, token), Outcome.EXECUTED, now)
             expired_races += 1
@@ -122,7 +161,8 @@ def decide(
         if row.status is Status.COMPLETED:
             return Completed(row, now)
         stale_before = now - policy.pending_ttl_ms
-        generation = store.takeover(principal, key, fingerprint, token, now, stale_before, expired_before)
+        args = (principal, key, fingerprint, token, now, stale_before, expired_before)
+        generation = yield Call(store, "takeover", args)
         if generation is not None:
             log.warning("took over stale reservation principal=%s key=%s as generation %d", principal, key, generation)
             return Claimed(Reservation(principal, key, generation, fingerprint, token), Outcome.TAKEN_OVER, now)
@@ -147,23 +187,46 @@ def _wait_for_change(
     stale; False once the deadline passes first."""
     pause = _FIRST_PAUSE_S
     while (left := deadline - time.monotonic()) > 0:
-        yield min(pause, left)
+        yield Pause(min(pause, left))
         pause = min(pause * 2, _LONGEST_PAUSE_S)
-        row = store.lookup(principal, key)
+        row = yield Call(store, "lookup", (principal, key))
         if row is None or row.status is not Status.PENDING or row.generation != generation:
             return True
-        if row.updated_at < int(clock()) - policy.pending_ttl_ms:
+        if row.updated_at < (yield from now_steps(store, clock)) - policy.pending_ttl_ms:
             return True  # stale now: deciding again takes it over
     return False
 
 
+def now_steps(store: Store, clock: Callable[[], int]) -> Steps[int]:
+    """The time by `clock`: the database's clock is a statement like any
+    other (asked through the driver), any other clock is called here."""
+    if clock == store.database_now:
+        return int((yield Call(store, "database_now")))
+    return int(clock())
+
+
+def _resume(steps: Steps[Any], value: Any, error: Exception | None) -> Op:
+    # An operation's error is raised inside the steps, where it happened.
+    return steps.throw(error) if error is not None else steps.send(value)
+
+
 def run(steps: Steps[T]) -> T:
-    """Drive a decision in this thread, sleeping through its pauses."""
-    try:
-        while True:
-            time.sleep(next(steps))
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
+    """Drive steps in this thread: call the store, sleep through the pauses."""
+    value: Any = None
+    error: Exception | None = None
+    while True:
+        try:
+            op = _resume(steps, value, error)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        value, error = None, None
+        if isinstance(op, Pause):
+            time.sleep(op.seconds)
+            continue
+        try:
+            value = op.run()
+        except Exception as exc:
+            error = exc
 
 
 @dataclass(frozen=True)
@@ -174,22 +237,53 @@ class _Step:
 
 
 def _advance(steps: Steps[Any]) -> _Step:
-    # StopIteration cannot cross a Future: the result travels in a value.
-    try:
-        return _Step(next(steps), False, None)
-    except StopIteration as done:
-        return _Step(0.0, True, done.value)
+    """Every operation up to the next pause (or the end), in this thread:
+    one hand-off to a worker thread runs them all. StopIteration cannot
+    cross a Future: the result travels in a value."""
+    value: Any = None
+    error: Exception | None = None
+    while True:
+        try:
+            op = _resume(steps, value, error)
+        except StopIteration as done:
+            return _Step(0.0, True, done.value)
+        if isinstance(op, Pause):
+            return _Step(op.seconds, False, None)
+        value, error = None, None
+        try:
+            value = op.run()
+        except Exception as exc:
+            error = exc
+
+
+def _settled(outcome: object) -> object:
+    """What `orphaned` returned, with any steps it returned run here."""
+    if isinstance(outcome, Generator):
+        return run(outcome)
+    return outcome
 
 
 async def run_async(
-    steps: Steps[T], in_thread: InThread, *, orphaned: Callable[[T], object] | None = None
+    steps: Steps[T],
+    in_thread: InThread,
+    *,
+    orphaned: Callable[[T], object] | None = None,
+    store: AsyncStore | None = None,
 ) -> T:
-    """Drive a decision from an event loop: each step's statements run in a
-    worker thread through `in_thread(fn, *args)`, and the pauses between
-    polls are ``asyncio.sleep``, so any number of waiting duplicates hold no
-    thread. If the caller is cancelled while a step's statements run, the
-    step still lands in its thread; `orphaned(result)` then gets its result
-    (to release a claim nobody will use), called in a worker thread."""
+    """Drive steps from an event loop; the pauses between polls are
+    ``asyncio.sleep``, so any number of waiting duplicates hold no thread.
+
+    With an asynchronous `store`, each operation is awaited on it, on this
+    loop, with no hand-off to a thread. Without one, the operations between
+    two pauses run in a worker thread through `in_thread(fn, *args)`, in one
+    hand-off.
+
+    If the caller is cancelled while an operation runs, the operation still
+    lands; `orphaned(result)` then gets the decision's result (to release a
+    claim nobody will use). It may return steps (the release), which are
+    driven the same way."""
+    if store is not None:
+        return await _run_on(steps, store, orphaned)
     while True:
         step = asyncio.ensure_future(in_thread(_advance, steps))
         try:
@@ -203,17 +297,112 @@ async def run_async(
         await asyncio.sleep(advanced.pause)  # cancelled here: nothing was claimed, nothing is held
 
 
+async def drive(steps: Steps[T], in_thread: InThread, store: AsyncStore | None) -> T:
+    """Steps with no pause in them (a completion, a release, a sweep): on the
+    asynchronous store when there is one, else in one worker-thread hand-off."""
+    if store is None:
+        return await in_thread(run, steps)  # type: ignore[no-any-return]
+    return await _run_on(steps, store, None)
+
+
+async def _run_on(steps: Steps[T], store: AsyncStore, orphaned: Callable[[T], object] | None) -> T:
+    value: Any = None
+    error: Exception | None = None
+    while True:
+        try:
+            op = _resume(steps, value, error)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        value, error = None, None
+        if isinstance(op, Pause):
+            await asyncio.sleep(op.seconds)  # cancelled here: nothing is held
+            continue
+        if op.name in _READS:
+            # A read cut off by a cancellation leaves nothing behind: no
+            # shield (and no task of its own) needed.
+            try:
+                value = await op.run_async(store)
+            except Exception as exc:
+                error = exc
+            continue
+        # Shielded: a cancelled caller does not cut a write off half-way
+        # (a claim's outcome would be unknown, and could not be released).
+        landing = asyncio.ensure_future(op.run_async(store))
+        try:
+            value = await asyncio.shield(landing)
+        except asyncio.CancelledError:
+            if orphaned is not None:
+                _keep(asyncio.ensure_future(_finish_orphan(steps, landing, store, orphaned)))
+            else:
+                _keep(landing)
+            raise
+        except Exception as exc:
+            error = exc
+
+
+async def _finish_orphan(
+    steps: Steps[Any], landing: asyncio.Future[Any], store: AsyncStore, orphaned: Callable[[Any], object]
+) -> None:
+    """A cancelled decision: once its operation lands, go on up to the next
+    pause (nothing is held across a pause) or the end, and hand a result to
+    `orphaned`, as the thread path does with a step that lands."""
+    try:
+        value: Any = await landing
+        error: Exception | None = None
+    except Exception as exc:
+        value, error = None, exc
+    try:
+        while True:
+            try:
+                op = _resume(steps, value, error)
+            except StopIteration as done:
+                outcome = orphaned(done.value)
+                if isinstance(outcome, Generator):
+                    await _run_on(outcome, store, None)
+                return
+            if isinstance(op, Pause):
+                steps.close()
+                return
+            value, error = None, None
+            try:
+                value = await op.run_async(store)
+            except Exception as exc:
+                error = exc
+    except Exception:
+        log.exception("releasing the claim of a cancelled request failed")
+
+
+def _keep(future: asyncio.Future[Any]) -> None:
+    # Kept referenced by the loop until it finishes.
+    _orphans.add(future)
+    future.add_done_callback(_orphans.discard)
+
+
 def _adopt(future: asyncio.Future[_Step], in_thread: InThread, orphaned: Callable[[Any], object]) -> None:
     if future.cancelled() or future.exception() is not None:
         return
     advanced = future.result()
     if advanced.done:
-        # Kept referenced by the loop until it finishes; its errors are logged by `orphaned`.
-        _orphans.add(task := asyncio.ensure_future(in_thread(orphaned, advanced.value)))
-        task.add_done_callback(_orphans.discard)
+        # Its errors are logged by `orphaned`.
+        _keep(asyncio.ensure_future(in_thread(lambda value: _settled(orphaned(value)), advanced.value)))
 
 
 _orphans: set[asyncio.Future[Any]] = set()
 
 
-__all__ = ["Busy", "Claimed", "Completed", "Decision", "Reused", "Steps", "Vanished", "decide", "run", "run_async"]
+__all__ = [
+    "Busy",
+    "Call",
+    "Claimed",
+    "Completed",
+    "Decision",
+    "Pause",
+    "Reused",
+    "Steps",
+    "Vanished",
+    "decide",
+    "drive",
+    "now_steps",
+    "run",
+    "run_async",
+]

@@ -115,7 +115,7 @@ def idempotent_route(
         return await _call(endpoint, kwargs)
 
     async def abandon(ticket: Ticket) -> None:
-        await run_in_threadpool(gate.abandon, ticket, release=release_on_error)
+        await gate.abandon_async(ticket, release=release_on_error, in_thread=run_in_threadpool)
 
     class IdempotentRoute(APIRoute):
         def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
@@ -252,7 +252,7 @@ def _response(delivery: Delivery, gate: Gate, background: BackgroundTask | None)
         (name.lower().encode("latin-1"), value.encode("latin-1"))
         for name, value in wire_headers(answer, replayed_header=gate.replayed_header)
     ]
-    sweep = gate.sweep_after(delivery)
+    sweep = gate.sweep_after_async(delivery, run_in_threadpool)
     if background is not None or sweep is not None:
         # Starlette runs them after the answer has gone out, in this order.
         tasks = BackgroundTasks()

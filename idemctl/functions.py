@@ -284,16 +284,18 @@ class IdempotentCall:
 
     async def __aenter__(self) -> IdempotentCall:
         self._enter()
-        # Statements run in a worker thread, waits on the loop; a task
-        # cancelled while its claim is under way releases that claim.
-        made = await decision.run_async(self._steps(), asyncio.to_thread, orphaned=self._release_orphan)
+        # Statements on the ledger's asynchronous store (PostgreSQL) or in a
+        # worker thread (SQLite), waits on the loop; a task cancelled while
+        # its claim is under way releases that claim.
+        store = self.ledger.async_store()
+        made = await decision.run_async(self._steps(), asyncio.to_thread, orphaned=self._release_orphan, store=store)
         self._take(made)
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await asyncio.to_thread(self._end, exc)
+        await decision.drive(self._end_steps(exc), asyncio.to_thread, self.ledger.async_store())
 
     # -- the steps --------------------------------------------------------------------
     def _enter(self) -> None:
@@ -317,33 +319,36 @@ class IdempotentCall:
     def _take(self, made: decision.Decision) -> None:
         started = self._decide_started
         if isinstance(made, decision.Reused):
-            self._publish(Outcome.REUSED, None, started, None)
+            self._publish(Outcome.REUSED, None, started, None, at=made.now)
             raise KeyReusedError(self.principal, self.key)
         if isinstance(made, decision.Busy):
-            self._publish(Outcome.IN_PROGRESS, made.row.generation, started, None)
+            self._publish(Outcome.IN_PROGRESS, made.row.generation, started, None, at=made.now)
             raise CallInProgressError(self.principal, self.key, made.row.generation, made.takeover_in_ms)
         self._ledger_s = time.perf_counter() - started
         self._owned_at = time.perf_counter()
         if isinstance(made, decision.Completed):
             self.value = self._stored_value(made.row)
             self.outcome, self.generation = Outcome.REPLAYED, made.row.generation
-            self._publish(Outcome.REPLAYED, self.generation, started, None)
+            self._publish(Outcome.REPLAYED, self.generation, started, None, at=made.now)
             return
         assert isinstance(made, decision.Claimed)  # Vanished is decided again by _steps
         self._reservation, self._started_at = made.reservation, made.now
         self.outcome, self.generation = made.outcome, made.reservation.generation
 
-    def _release_orphan(self, made: decision.Decision) -> None:
+    def _release_orphan(self, made: decision.Decision) -> decision.Steps[None]:
         if isinstance(made, decision.Claimed):
             try:
-                self.ledger.release(made.reservation)
+                yield from self.ledger.release_steps(made.reservation)
             except IdemctlError as exc:
                 log.error("could not release the claim of a cancelled call principal=%s key=%s: %s",
                           self.principal, self.key, exc)
 
-    def _publish(self, outcome: Outcome, generation: int | None, started: float, app_s: float | None) -> None:
+    def _publish(
+        self, outcome: Outcome, generation: int | None, started: float, app_s: float | None, *, at: int | None = None
+    ) -> None:
         ledger_ms = (self._ledger_s + time.perf_counter() - started) * 1000
-        at = self._started_at if self._started_at is not None else self.ledger.now()
+        # The decision's own time: with the database's clock, asking again would be a statement.
+        at = at if at is not None else self._started_at if self._started_at is not None else self.ledger.now()
         self.ledger.publish(
             Event(
                 outcome,
@@ -360,6 +365,9 @@ class IdempotentCall:
         )
 
     def _end(self, exc: BaseException | None) -> None:
+        decision.run(self._end_steps(exc))
+
+    def _end_steps(self, exc: BaseException | None) -> decision.Steps[None]:
         reservation = self._reservation
         if reservation is None or self._ended:
             return
@@ -369,11 +377,11 @@ class IdempotentCall:
             release = bool(policy(exc) if callable(policy) else policy)
             ticket = Ticket(reservation, self.outcome or Outcome.EXECUTED, b"", self._started_at, "CALL", self._name,
                             self._ledger_s * 1000, self._owned_at)
-            self.ledger.abandon(ticket, release=release)
+            yield from self.ledger.abandon_steps(ticket, release=release)
             return
-        self._complete(reservation, None if self._result is None else self._result[0])
+        yield from self._complete(reservation, None if self._result is None else self._result[0])
 
-    def _complete(self, reservation: Reservation, value: Any) -> None:
+    def _complete(self, reservation: Reservation, value: Any) -> decision.Steps[None]:
         try:
             data = self.serializer.dumps(value)
             if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -382,10 +390,10 @@ class IdempotentCall:
             # It ran: a row left pending would run it again after the TTL.
             type_name = type(value).__qualname__
             note = {"error": _NOT_SERIALIZABLE, "type": type_name}
-            self._finish(reservation, NOT_STORED_STATUS, JSON.dumps(note))
+            yield from self._finish(reservation, NOT_STORED_STATUS, JSON.dumps(note))
             raise ResultNotSerializableError(self.principal, self.key, type_name, str(exc)) from exc
         data = bytes(data)
-        done = self._finish(reservation, STORED_STATUS, data)
+        done = yield from self._finish(reservation, STORED_STATUS, data)
         if done.oversize:
             raise ResultTooLargeError(self.principal, self.key, len(data), self.ledger.policy.body_cap_bytes)
         if not done.stored:
@@ -394,16 +402,17 @@ class IdempotentCall:
             self.outcome, self.event = Outcome.FENCED_OUT, done.event
         self.value = self._load(data)
 
-    def _finish(self, reservation: Reservation, status: int, body: bytes) -> Completion:
+    def _finish(self, reservation: Reservation, status: int, body: bytes) -> decision.Steps[Completion]:
         app_s = time.perf_counter() - self._owned_at
         started = time.perf_counter()
-        done = self.ledger.complete(reservation, status, None, body)
+        done = yield from self.ledger.complete_steps(reservation, status, None, body)
         decided = (self.outcome or Outcome.EXECUTED) if done.stored else Outcome.FENCED_OUT
         self._publish(decided, reservation.generation, started, app_s)
         # The request path's housekeeping: one bounded sweep batch at the
         # call's own `now` (none while nothing can expire); it never raises.
         outcome = self.outcome if done.stored and self.outcome is not None else Outcome.FENCED_OUT
-        self.ledger.after_response(Answer(status, (), b"", outcome, reservation.generation, self._started_at))
+        answer = Answer(status, (), b"", outcome, reservation.generation, self._started_at)
+        yield from self.ledger.after_response_steps(answer)
         return done
 
     def _stored_value(self, row: StoredRow) -> Any:

@@ -230,13 +230,15 @@ class Gate:
         body: bytes,
         in_thread: InThread,
     ) -> Answer | Ticket:
-        """`Ledger.begin` from an event loop: statements in a worker thread
-        through `in_thread`, the waits of an in-progress duplicate on the
-        loop. A request cancelled while its claim is under way releases it."""
+        """`Ledger.begin` from an event loop: statements awaited on the
+        ledger's asynchronous store (PostgreSQL), or in a worker thread
+        through `in_thread` (SQLite); the waits of an in-progress duplicate
+        on the loop. A request cancelled while its claim is under way releases it."""
         ledger = self.ledger
         steps = ledger.begin_steps(who, key, method, target, headers, body)
+        orphaned = functools.partial(_release_orphan, ledger)
         try:
-            return await decision.run_async(steps, in_thread, orphaned=functools.partial(_release_orphan, ledger))
+            return await decision.run_async(steps, in_thread, orphaned=orphaned, store=ledger.async_store())
         except StorageError as exc:
             return self._unavailable(exc, method, target)
 
@@ -266,8 +268,10 @@ class Gate:
 
     async def finish_async(self, ticket: Ticket, capture: Capture, in_thread: InThread) -> Delivery:
         status, headers, body = capture.answer()
+        ledger = self.ledger
         try:
-            return Delivery(await in_thread(self.ledger.finish, ticket, status, headers, body), True)
+            steps = ledger.finish_steps(ticket, status, headers, body)
+            return Delivery(await decision.drive(steps, in_thread, ledger.async_store()), True)
         except AnswerNotStoredError as exc:
             self._not_stored(exc, ticket)
             return Delivery(exc.answer, False)
@@ -290,6 +294,11 @@ class Gate:
         """The app raised: leave the reservation for a takeover, or release it."""
         self.ledger.abandon(ticket, release=release)
 
+    async def abandon_async(self, ticket: Ticket, *, release: bool, in_thread: InThread) -> None:
+        """`abandon` from an event loop (see `finish_async`)."""
+        ledger = self.ledger
+        await decision.drive(ledger.abandon_steps(ticket, release=release), in_thread, ledger.async_store())
+
     def sweep_after(self, delivery: Delivery) -> Callable[[], None] | None:
         """The post-response housekeeping to run once `delivery` is sent, or
         None when there is nothing to do (no statement, no hand-off)."""
@@ -306,12 +315,34 @@ class Gate:
 
         return sweep
 
+    def sweep_after_async(self, delivery: Delivery, in_thread: InThread) -> Callable[[], Awaitable[None]] | None:
+        """`sweep_after` for an event loop: awaited on the asynchronous
+        store, or handed to a worker thread through `in_thread`."""
+        sweep = self.sweep_after(delivery)
+        if sweep is None:
+            return None
+        ledger = self.ledger
+        store = ledger.async_store()
+        if store is None:
+            return functools.partial(in_thread, sweep)
+        answer = delivery.answer
 
-def _release_orphan(ledger: Ledger, result: Answer | Ticket) -> None:
+        async def sweep_on_loop() -> None:
+            try:
+                await decision.drive(ledger.after_response_steps(answer), in_thread, store)
+            except Exception:  # the answer is out; a failed sweep must not turn into a 500
+                self.log.exception("post-response housekeeping failed")
+
+        return sweep_on_loop
+
+
+def _release_orphan(ledger: Ledger, result: Answer | Ticket) -> decision.Steps[None] | None:
     """A request cancelled while its claim was under way: nobody will run
-    the mutation, so the claim goes at once instead of blocking its key."""
+    the mutation, so the claim goes at once instead of blocking its key
+    (the release's steps, run by the driver that ran the claim)."""
     if isinstance(result, Ticket) and result.reservation is not None:
-        ledger.abandon(result, release=True)
+        return ledger.abandon_steps(result, release=True)
+    return None
 
 
 def replied(answer: Answer) -> Delivery:

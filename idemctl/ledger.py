@@ -6,10 +6,12 @@ decision that matters is inside the WHERE clause of one statement."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from email.utils import formatdate
 
@@ -58,6 +60,7 @@ from .outcomes import (
 )
 from .policy import Policy
 from .storage import DEFAULT_FILE_MODE, Store, is_postgres_url, open_engine
+from .storage.aio import AsyncStore
 from .storage.store import derive_state, new_token
 
 log = logging.getLogger("idemctl")
@@ -108,6 +111,9 @@ class Ledger:
         self._listeners_lock = threading.Lock()
         # Until when this process's post-response sweep has nothing to do.
         self._sweep_rests_until = 0
+        # The asynchronous request path, one store per event loop (see async_store).
+        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncStore] = weakref.WeakKeyDictionary()
+        self._async_lock = threading.Lock()
 
     # -- events -------------------------------------------------------------------------
     def subscribe(self, listener: Callable[[Event], object]) -> Callable[[], None]:
@@ -224,6 +230,14 @@ class Ledger:
     def close(self) -> None:
         if self.leases is not None:
             self.leases.close()
+        with self._async_lock:
+            stores = list(self._async.items())
+            self._async.clear()
+        for loop, store in stores:
+            if loop.is_closed() or not loop.is_running():
+                store.abandon()
+            else:  # its loop runs in another thread: close it there, the asynchronous way
+                asyncio.run_coroutine_threadsafe(store.aclose(), loop)
         self.store.close()
 
     def _renew(self, held: list[Reservation]) -> int:
@@ -238,6 +252,43 @@ class Ledger:
         if self.leases is not None and reservation is not None:
             self.leases.drop(reservation)
 
+    def async_store(self) -> AsyncStore | None:
+        """The asynchronous request path for the running event loop, opened
+        on first use: on PostgreSQL, psycopg's asynchronous connections in
+        a pool of this loop's own, running the same statements as the
+        synchronous path (the ASGI middleware, the FastAPI route class and
+        async idempotent functions use it). None on SQLite, whose driver
+        has no asynchronous I/O: there they run in worker threads. Close it
+        with :meth:`aclose` (say in the app's lifespan shutdown).
+
+        >>> import asyncio
+        >>> asyncio.run(Ledger.open(":memory:").aclose()) is None
+        True
+        """
+        open_async = getattr(self.store.engine, "open_async", None)
+        if open_async is None:
+            return None
+        loop = asyncio.get_running_loop()
+        store = self._async.get(loop)
+        if store is not None:
+            return store
+        with self._async_lock:
+            store = self._async.get(loop)
+            if store is None:
+                # Pools of loops that have ended cannot be closed by them any more.
+                for gone in [other for other in self._async if other.is_closed()]:
+                    self._async.pop(gone).abandon()
+                store = self._async[loop] = AsyncStore(self.store, open_async())
+            return store
+
+    async def aclose(self) -> None:
+        """Close the running event loop's asynchronous connections (see
+        :meth:`async_store`); the next request on this loop opens them again."""
+        with self._async_lock:
+            store = self._async.pop(asyncio.get_running_loop(), None)
+        if store is not None:
+            await store.aclose()
+
     def describe(self) -> str:
         """Where the ledger lives, safe to print (a URL without its password).
 
@@ -248,6 +299,9 @@ class Ledger:
 
     def now(self) -> int:
         return int(self.clock())
+
+    def _now_steps(self) -> decision.Steps[int]:
+        return (yield from decision.now_steps(self.store, self.clock))
 
     # -- schema ---------------------------------------------------------------------
     def init(self, *, dry_run: bool = False) -> InitResult:
@@ -308,10 +362,11 @@ class Ledger:
         headers: HeadersLike | None,
         body: bytes | bytearray | memoryview,
     ) -> decision.Steps[Answer | Ticket]:
-        """:meth:`begin` as steps, for a driver that waits its own way: it
-        yields the seconds to pause between the polls of an in-progress wait
-        and returns what `begin` returns. `idemctl.decision.run` sleeps in
-        the calling thread; `run_async` waits on an event loop.
+        """:meth:`begin` as steps, for a driver that does its I/O its own way:
+        it yields the store operations it needs and the pauses between the
+        polls of an in-progress wait, and returns what `begin` returns.
+        `idemctl.decision.run` runs them in the calling thread; `run_async`
+        from an event loop.
 
         >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
         >>> decision.run(ledger.begin_steps("acct_1", "k9", "POST", "/orders", {}, b"")).outcome
@@ -468,6 +523,16 @@ class Ledger:
         >>> answer.outcome, answer.header("location"), answer.body
         (<Outcome.EXECUTED: 'executed'>, '/orders/8', b'ok')
         """
+        return decision.run(self.finish_steps(ticket, status, headers, body))
+
+    def finish_steps(
+        self,
+        ticket: Ticket,
+        status: int,
+        headers: HeadersLike | None,
+        body: bytes | bytearray | memoryview | str | responses.OversizeBody,
+    ) -> decision.Steps[Answer]:
+        """:meth:`finish` as steps (see :meth:`begin_steps`)."""
         reservation = ticket.reservation
         if reservation is None:
             if isinstance(body, responses.OversizeBody):
@@ -483,7 +548,7 @@ class Ledger:
         # sentinel is the ledger's own, and is stored like any kept answer.
         if keep is not None and not keep(status, computed[1]):
             # Not an answer to keep (say a 503): release, so the retry runs again.
-            self._release_quietly(reservation)
+            yield from self._release_quietly(reservation)
             answer = Answer(*computed, Outcome.NOT_KEPT, reservation.generation, ticket.started_at)
             self._finished(ticket, answer.outcome, answer.status, mark, app_ms)
             return answer
@@ -491,8 +556,8 @@ class Ledger:
             # Inside the guard: with clock="database", reading the clock is a
             # statement too, and any storage failure after the mutation ran
             # must hand back the answer it computed.
-            stamp = self.now()
-            done = self._store_answer(reservation, stored, computed, stamp)
+            stamp = yield from self._now_steps()
+            done = yield from self._store_answer(reservation, stored, computed, stamp)
         except StorageError as exc:
             answer = Answer(*computed, ticket.outcome, reservation.generation, ticket.started_at)
             self._finished(ticket, Outcome.NOT_STORED, answer.status, mark, app_ms)
@@ -535,6 +600,10 @@ class Ledger:
         >>> ledger.lookup("acct_1", "k3") is None
         True
         """
+        decision.run(self.abandon_steps(ticket, release=release))
+
+    def abandon_steps(self, ticket: Ticket, *, release: bool = False) -> decision.Steps[None]:
+        """:meth:`abandon` as steps (see :meth:`begin_steps`)."""
         reservation = ticket.reservation
         if reservation is None:
             return
@@ -542,7 +611,7 @@ class Ledger:
         app_ms = (time.perf_counter() - ticket.issued) * 1000 if ticket.issued else None
         mark = time.perf_counter()
         if release:
-            self._release_quietly(reservation)
+            yield from self._release_quietly(reservation)
         self._finished(ticket, Outcome.FAILED, None, mark, app_ms)
 
     def handle(
@@ -604,6 +673,10 @@ class Ledger:
         >>> ledger.after_response(answer).deleted
         0
         """
+        return decision.run(self.after_response_steps(answer))
+
+    def after_response_steps(self, answer: Answer) -> decision.Steps[SweepResult | None]:
+        """:meth:`after_response` as steps (see :meth:`begin_steps`)."""
         now = answer.started_at
         if now is None or answer.outcome not in _SWEEPS_AFTER:
             return None
@@ -611,7 +684,7 @@ class Ledger:
             # The last probe showed nothing can expire before then: no statement at all.
             return SweepResult(0, 0, now - self.policy.retention_ms, now - self.policy.fenced_retention_ms, 0)
         try:
-            result = self.sweep(now=now)
+            result: SweepResult = yield decision.Call(self.store, "sweep", self._sweep_args(now, None, None, None))
         except IdemctlError as exc:
             log.warning("post-response sweep failed: %s", exc)
             return None
@@ -689,9 +762,22 @@ class Ledger:
         >>> ledger.complete(reservation, 201, {}, b"again").stored  # already completed
         False
         """
+        return decision.run(self.complete_steps(reservation, status, headers, body, now=now))
+
+    def complete_steps(
+        self,
+        reservation: Reservation,
+        status: int,
+        headers: HeadersLike | None,
+        body: bytes | bytearray | memoryview | str,
+        *,
+        now: int | None = None,
+    ) -> decision.Steps[Completion]:
+        """:meth:`complete` as steps (see :meth:`begin_steps`)."""
         self._drop(reservation)
         stored, answer = self._prepare(reservation, status, headers, body)
-        return self._store_answer(reservation, stored, answer, self.now() if now is None else now)
+        stamp = (yield from self._now_steps()) if now is None else now
+        return (yield from self._store_answer(reservation, stored, answer, stamp))
 
     def _prepare(
         self,
@@ -720,22 +806,13 @@ class Ledger:
         stored: responses.ToStore,
         answer: tuple[int, responses.Headers, bytes],
         stamp: int,
-    ) -> Completion:
-        ok = self.store.complete(
-            reservation.principal,
-            reservation.key,
-            reservation.generation,
-            reservation.token,
-            stored.status,
-            stored.body,
-            stored.headers_json,
-            stamp,
-        )
+    ) -> decision.Steps[Completion]:
+        who = (reservation.principal, reservation.key, reservation.generation)
+        args = (*who, reservation.token, stored.status, stored.body, stored.headers_json, stamp)
+        ok = yield decision.Call(self.store, "complete", args)
         event = None
         if not ok:
-            event = self.store.record_fenced(
-                reservation.principal, reservation.key, reservation.generation, stored.status, stamp
-            )
+            event = yield decision.Call(self.store, "record_fenced", (*who, stored.status, stamp))
             log.error(
                 "fenced out: principal=%s key=%s generation=%d was superseded by generation %s; "
                 "its answer (status %d) was not stored and the mutation may have run twice — "
@@ -759,12 +836,17 @@ class Ledger:
         >>> ledger.release(reservation), ledger.release(reservation)
         (True, False)
         """
-        self._drop(reservation)
-        return self.store.release(reservation.principal, reservation.key, reservation.generation, reservation.token)
+        return decision.run(self.release_steps(reservation))
 
-    def _release_quietly(self, reservation: Reservation) -> None:
+    def release_steps(self, reservation: Reservation) -> decision.Steps[bool]:
+        """:meth:`release` as steps (see :meth:`begin_steps`)."""
+        self._drop(reservation)
+        args = (reservation.principal, reservation.key, reservation.generation, reservation.token)
+        return bool((yield decision.Call(self.store, "release", args)))
+
+    def _release_quietly(self, reservation: Reservation) -> decision.Steps[None]:
         try:
-            self.release(reservation)
+            yield from self.release_steps(reservation)
         except IdemctlError as exc:
             log.error("could not release principal=%s key=%s: %s", reservation.principal, reservation.key, exc)
 
@@ -787,11 +869,16 @@ class Ledger:
         (2, 1)
         """
         now = self.now() if now is None else now
+        return self.store.sweep(*self._sweep_args(now, batch, retention_ms, fenced_retention_ms))
+
+    def _sweep_args(
+        self, now: int, batch: int | None, retention_ms: int | None, fenced_retention_ms: int | None
+    ) -> tuple[int, int, int, int]:
         batch = self.policy.sweep_batch if batch is None else batch
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise PolicyError(f"sweep batch must be >= 1, got {batch}")
         cutoff = now - self._retention(retention_ms)
-        return self.store.sweep(now, cutoff, now - self._fenced_retention(fenced_retention_ms), batch)
+        return now, cutoff, now - self._fenced_retention(fenced_retention_ms), batch
 
     def drain(
         self,

@@ -114,3 +114,22 @@ def test_quick_run_with_peers_adds_them_to_only_and_renders_the_peers_section(tm
         assert heading in text and heading in proc.stdout, heading
     assert "idemkit 1.0.2" in text or f"idemkit {peers['versions']['idemkit']}" in text
     assert "non-durable reference (Redis without persistence)" in text
+
+
+def test_quick_in_flight_run_measures_every_level_and_renders_its_tables(tmp_path):
+    out = tmp_path / "inflight.json"
+    run = [sys.executable, "-m", "bench", "--dir", str(tmp_path / "work"), "--out", str(out)]
+    proc = subprocess.run([*run, "--quick", "--only", "inflight"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())["benchmarks"]["inflight"]
+    if "missing" in res:  # no PostgreSQL driver here: a gap, never silently dropped
+        assert not os.environ.get("CI"), res["missing"]
+        assert "_inflight: **gap**" in proc.stdout
+        return
+    assert "error" not in res, res
+    assert list(res["levels"]) == ["1", "10", "50"]
+    for row in res["levels"].values():
+        assert set(row) == {"first", "replay"}
+        assert all(cell["idemctl"]["n"] == res["rounds"] for cell in row.values())
+    for heading in ("| (8)/(10) ASGI + PostgreSQL, in flight |", "| (8) event-loop lag: a 1 ms ticker, 50 first"):
+        assert heading in proc.stdout, heading

@@ -19,6 +19,7 @@ from idemctl import Ledger, Outcome, Policy
 from idemctl.asgi import IdempotencyMiddleware
 from idemctl.errors import UnsupportedFunctionError
 from idemctl.fastapi import idempotent_route
+from idemctl.storage.aio import AsyncStore
 
 ORDER = b'{"sku":"tea"}'
 
@@ -99,17 +100,33 @@ def test_fifty_waiting_duplicates_hold_no_executor_thread_and_get_one_identical_
     assert sorted(runs) == ["other", "slow"]
 
 
-def test_a_request_cancelled_while_its_claim_runs_leaves_no_claim_behind(make_ledger):
+def test_a_request_cancelled_while_its_claim_runs_leaves_no_claim_behind(make_ledger, monkeypatch):
     ledger = make_ledger()
-    entered, proceed = threading.Event(), threading.Event()
+    # Until the claim has landed, "no row" proves nothing.
+    entered, proceed, landed = threading.Event(), threading.Event(), threading.Event()
     claim = ledger.store.claim
 
     def slow_claim(*args, **kwargs):  # type: ignore[no-untyped-def]
         entered.set()
         proceed.wait(10)
-        return claim(*args, **kwargs)
+        try:
+            return claim(*args, **kwargs)
+        finally:
+            landed.set()
 
     ledger.store.claim = slow_claim  # type: ignore[method-assign]
+    # PostgreSQL's claim runs on the loop (the asynchronous store): held there.
+    async_claim = AsyncStore.claim
+
+    async def slow_async_claim(self, *args):  # type: ignore[no-untyped-def]
+        entered.set()
+        await asyncio.get_running_loop().run_in_executor(None, proceed.wait, 10)
+        try:
+            return await async_claim(self, *args)
+        finally:
+            landed.set()
+
+    monkeypatch.setattr(AsyncStore, "claim", slow_async_claim)
 
     async def orders(scope, receive, send):  # type: ignore[no-untyped-def]
         raise AssertionError("the mutation must not run")
@@ -124,7 +141,7 @@ def test_a_request_cancelled_while_its_claim_runs_leaves_no_claim_behind(make_le
         proceed.set()
         for _ in range(200):  # the orphaned claim lands in its thread, then is released
             await asyncio.sleep(0.02)
-            if ledger.lookup("acct_A", "k-cancel") is None and not _orphans_pending():
+            if landed.is_set() and ledger.lookup("acct_A", "k-cancel") is None and not _orphans_pending():
                 break
 
     asyncio.run(scenario())
@@ -366,16 +383,31 @@ def test_a_callable_returning_a_coroutine_is_refused_at_its_call_and_its_key_is_
     assert ledger.lookup("billing", "pay_2") is None
 
 
-def test_a_task_cancelled_while_its_call_is_claiming_leaves_no_orphan_claim(ledger):
-    entered, proceed = threading.Event(), threading.Event()
+def test_a_task_cancelled_while_its_call_is_claiming_leaves_no_orphan_claim(ledger, monkeypatch):
+    # Until the claim has landed, "no row" proves nothing.
+    entered, proceed, landed = threading.Event(), threading.Event(), threading.Event()
     claim = ledger.store.claim
 
     def slow_claim(*args, **kwargs):  # type: ignore[no-untyped-def]
         entered.set()
         proceed.wait(10)
-        return claim(*args, **kwargs)
+        try:
+            return claim(*args, **kwargs)
+        finally:
+            landed.set()
 
     ledger.store.claim = slow_claim  # type: ignore[method-assign]
+    async_claim = AsyncStore.claim
+
+    async def slow_async_claim(self, *args):  # type: ignore[no-untyped-def]
+        entered.set()
+        await asyncio.get_running_loop().run_in_executor(None, proceed.wait, 10)
+        try:
+            return await async_claim(self, *args)
+        finally:
+            landed.set()
+
+    monkeypatch.setattr(AsyncStore, "claim", slow_async_claim)
 
     async def work() -> None:
         async with ledger.idempotent_call(principal="billing", key="pay_3", args={"amount": 1}, release_on_error=False):
@@ -390,7 +422,7 @@ def test_a_task_cancelled_while_its_call_is_claiming_leaves_no_orphan_claim(ledg
         proceed.set()
         for _ in range(200):
             await asyncio.sleep(0.02)
-            if ledger.lookup("billing", "pay_3") is None and not _orphans_pending():
+            if landed.is_set() and ledger.lookup("billing", "pay_3") is None and not _orphans_pending():
                 break
 
     asyncio.run(scenario())

@@ -7,16 +7,20 @@ clause is re-checked against the row version that writer committed.
 
 Connections come from a psycopg_pool.ConnectionPool that is opened on first
 use and belongs to one process: after a fork the child builds its own pool
-and never touches the parent's sockets."""
+and never touches the parent's sockets. An event loop gets its own
+AsyncConnectionPool (AsyncPostgresEngine) for the asynchronous request path:
+the same statements and the same errors, awaited instead of run in a thread."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 from urllib.parse import quote, unquote, urlsplit
@@ -25,7 +29,7 @@ import psycopg
 import psycopg.sql
 from psycopg import errors as pgerrors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
+from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolClosed, PoolTimeout
 
 from ..errors import (
     ConnectionFailedError,
@@ -396,6 +400,11 @@ class PostgresEngine:
         reason = self._scrub(_libpq_reason(str(last))) if last is not None else "no maintenance database"
         raise DatabaseNotCreatedError(self.describe(), name, role, reason)
 
+    def open_async(self) -> AsyncPostgresEngine:
+        """The request path of this engine for the running event loop (see
+        AsyncPostgresEngine); it connects on its first statement."""
+        return AsyncPostgresEngine(self)
+
     def close(self) -> None:
         # As on SQLite, a closed backend that is used again reconnects.
         with self._lock:
@@ -601,3 +610,141 @@ class _PostgresTx:
                 "response bodies as bytea; convert it first: ALTER TABLE idempotency_keys ALTER COLUMN response_body "
                 "TYPE bytea USING convert_to(response_body, 'UTF8')"
             )
+
+
+# -- the asynchronous engine: the same statements on psycopg's async connections --------
+
+
+class _AsyncPooledConnection(psycopg.AsyncConnection[tuple[Any, ...]]):
+    """The asynchronous twin of _PooledConnection, with its one kept cursor."""
+
+    statement_cursor: psycopg.AsyncCursor[tuple[Any, ...]] | None = None
+
+
+class AsyncPostgresEngine:
+    """The request path of a PostgresEngine on one event loop: psycopg's
+    AsyncConnection in a psycopg_pool.AsyncConnectionPool with the same
+    settings (URL, pool sizes, timeouts, session options) and the same error
+    translation; a statement waits on the loop, never in a thread. Nothing
+    connects until the first statement; `aclose` closes the pool."""
+
+    dialect = POSTGRES
+
+    def __init__(self, engine: PostgresEngine) -> None:
+        self.engine = engine
+        self._pool: AsyncConnectionPool[_AsyncPooledConnection] | None = None
+        self._opening: asyncio.Lock | None = None
+        # Every connection the pool made, so that `abandon` can close their
+        # sockets without the loop (once the loop is gone).
+        self._made: weakref.WeakSet[_AsyncPooledConnection] = weakref.WeakSet()
+
+    def describe(self) -> str:
+        return self.engine.describe()
+
+    async def _current_pool(self) -> AsyncConnectionPool[_AsyncPooledConnection]:
+        pool = self._pool
+        if pool is not None:
+            return pool
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            if self._pool is None:
+                self._pool = await self._new_pool()
+            return self._pool
+
+    async def _new_pool(self) -> AsyncConnectionPool[_AsyncPooledConnection]:
+        engine = self.engine
+        # As the synchronous pool: a direct connection first, for libpq's reason.
+        try:
+            conn = await psycopg.AsyncConnection.connect(engine._conninfo, autocommit=True)
+        except psycopg.Error as exc:
+            raise engine._translate(exc, connecting=True) from exc
+        await conn.close()
+
+        async def remember(made: _AsyncPooledConnection) -> None:
+            self._made.add(made)
+
+        pool = AsyncConnectionPool(
+            engine._conninfo,
+            connection_class=_AsyncPooledConnection,
+            kwargs={"autocommit": True},
+            # Connections are made as the loop needs them, never ahead: the
+            # pool's workers swallow a cancellation while they connect, and
+            # a loop ending then (asyncio.run returning) would wait forever.
+            min_size=0,
+            max_size=engine.pool_max_size,
+            timeout=engine.pool_timeout_s,
+            name=f"idemctl-async-{os.getpid()}",
+            configure=remember,
+            open=False,
+        )
+        await pool.open()
+        return pool
+
+    async def execute(self, sql: str, params: Params) -> Rows:
+        """One auto-committed statement (read or write); its rows."""
+        pool = await self._current_pool()
+        try:
+            conn = await pool.getconn()
+        except psycopg.Error as exc:
+            raise self.engine._translate(exc) from exc
+        try:
+            cur = conn.statement_cursor
+            if cur is None:
+                cur = conn.statement_cursor = conn.cursor()
+            await cur.execute(sql, params)
+            rows: Rows = await cur.fetchall()
+            return rows
+        except psycopg.Error as exc:
+            conn.statement_cursor = None
+            if conn.broken:
+                await self._drop_broken_idle(pool)
+            raise self.engine._translate(exc) from exc
+        finally:
+            await pool.putconn(conn)
+
+    async def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[Rows]:
+        pool = await self._current_pool()
+        try:
+            async with pool.connection() as conn:
+                out: list[Rows] = []
+                for sql, params in statements:
+                    cur = await conn.execute(sql, params)
+                    out.append(await cur.fetchall())
+                return out
+        except psycopg.Error as exc:
+            raise self.engine._translate(exc) from exc
+
+    async def table_names(self, names: Iterable[str]) -> set[str]:
+        rows = await self.execute(_EXISTING, {"names": list(names)})
+        return set(rows[0][0] or []) if rows else set()
+
+    @staticmethod
+    async def _drop_broken_idle(pool: AsyncConnectionPool[_AsyncPooledConnection]) -> None:
+        # See PostgresEngine._drop_broken_idle.
+        try:
+            await pool.check()
+        except Exception:
+            log.debug("checking the pool's idle connections failed", exc_info=True)
+
+    async def aclose(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+    def abandon(self) -> None:
+        """Close the sockets of a pool whose event loop is gone (it cannot
+        be closed the asynchronous way any more)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            # Its workers died with their loop: nothing is left to stop when
+            # the pool is collected (which would call into the closed loop).
+            pool._closed = True
+        for conn in list(self._made):
+            with contextlib.suppress(Exception):
+                conn.pgconn.finish()
+
+
+_EXISTING = (
+    "SELECT array_agg(name) FILTER (WHERE to_regclass(name) IS NOT NULL) FROM unnest(%(names)s::text[]) AS name"
+)

@@ -10,8 +10,9 @@ and spelled for an engine by its dialect."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from ..errors import MalformedRowError, SchemaTooNewError
 from ..outcomes import (
@@ -27,7 +28,9 @@ from ..outcomes import (
     SweepResult,
 )
 from ..schema import SCHEMA_VERSION, schema_files
-from .engine import Engine, SchemaTx
+from .engine import Engine, Rows, SchemaTx
+
+R = TypeVar("R")
 
 LEDGER_TABLE = "idempotency_keys"
 FENCED_TABLE = "idemctl_fenced_out"
@@ -348,6 +351,9 @@ def _as_stored(body: bytes | None) -> str | bytes | None:
     except UnicodeDecodeError:
         return body
 
+def _database_ms(rows: Rows) -> int:
+    return int(rows[0][0])
+
 
 def new_token() -> int:
     """A fencing token: random, positive, fits a signed 64-bit column."""
@@ -362,6 +368,62 @@ def _int(value: object, what: str, principal: object, key: object, *, nullable: 
     if isinstance(value, float) and value.is_integer():
         return int(value)
     raise MalformedRowError(principal, key, f"{what} {value!r} is not an integer")
+
+
+# -- one statement, whichever way it runs ---------------------------------------------
+# Each request-path method of Store is split in two halves: `*_statement`
+# builds a Statement (the text as the engine spells it, its parameters, and
+# how its rows decode), and the method itself runs it with `Store.run`. The
+# asynchronous store (storage/aio.py) runs the very same Statements on an
+# asynchronous connection: the SQL and its decoding exist once, only the
+# execution differs.
+
+
+@dataclass(frozen=True)
+class Statement(Generic[R]):
+    """One statement ready to run: spelled, bound, and how its rows decode.
+    A `write` runs only after the store's schema guard."""
+
+    sql: str
+    params: Mapping[str, Any]
+    decode: Callable[[Rows], R]
+    write: bool
+
+
+@dataclass(frozen=True)
+class Turn:
+    """Statements that run together in one turn of the engine's writers
+    (`Engine.write_turn`); the sweep's deletes."""
+
+    statements: Sequence[tuple[str, Mapping[str, Any]]]
+
+
+#: The sweep as steps: it yields a read (a Statement) or a Turn and is sent
+#: the rows (a list of rows per statement for a Turn); it returns its result.
+SweepSteps = Generator["Statement[Rows] | Turn", Any, SweepResult]
+
+
+def _rows(rows: Rows) -> Rows:
+    return rows
+
+
+def _first_int(rows: Rows) -> int | None:
+    return int(rows[0][0]) if rows else None
+
+
+def _any_row(rows: Rows) -> bool:
+    return bool(rows)
+
+
+def _fenced_event(rows: Rows) -> FencedEvent | None:
+    return FencedEvent(*rows[0]) if rows else None
+
+
+def _version(rows: Rows) -> int:
+    return int(rows[0][0]) if rows and rows[0][0] is not None else 0
+
+
+VERSION = f"SELECT max(version) FROM {VERSION_TABLE}"
 
 
 class Store:
@@ -420,9 +482,19 @@ class Store:
     def drain_batch(self) -> int:
         return self.dialect.drain_batch
 
+    def run(self, statement: Statement[R]) -> R:
+        """Run a built statement on this store's engine and decode its rows."""
+        if statement.write:
+            self._guard()
+            return statement.decode(self.engine.write(statement.sql, statement.params))
+        return statement.decode(self.engine.read(statement.sql, statement.params))
+
+    def database_now_statement(self) -> Statement[int]:
+        return Statement(self.sql(self.dialect.now_sql), {}, _database_ms, False)
+
     def database_now(self) -> int:
         """The database server's clock in ms since the epoch (one round trip)."""
-        return int(self._read(self.dialect.now_sql)[0][0])
+        return self.run(self.database_now_statement())
 
     def decode_row(self, values: tuple[Any, ...]) -> StoredRow:
         """A row as stored, or MalformedRowError naming what is wrong with it."""
@@ -481,8 +553,7 @@ class Store:
             return None
         if VERSION_TABLE not in tables:
             return 0
-        rows = read(f"SELECT max(version) FROM {VERSION_TABLE}")
-        return int(rows[0][0]) if rows and rows[0][0] is not None else 0
+        return _version(read(VERSION))
 
     def schema_version(self) -> int | None:
         """None: no ledger table; 0: the recipe's table only; N: idemctl schema N."""
@@ -539,22 +610,28 @@ class Store:
         return result
 
     # -- request path -----------------------------------------------------------------
-    def claim(self, principal: str, key: str, fingerprint: str, token: int, now: int) -> int | None:
-        self._guard()
+    # Each step: `*_statement` builds it, the method of the step's own name runs it.
+    def claim_statement(
+        self, principal: str, key: str, fingerprint: str, token: int, now: int
+    ) -> Statement[int | None]:
         params = {"principal": principal, "key": key, "fingerprint": fingerprint, "token": token, "now": now}
-        rows = self._write(CLAIM, params)
-        return int(rows[0][0]) if rows else None
+        return Statement(self.sql(CLAIM), params, _first_int, True)
 
-    def lookup(self, principal: str, key: str) -> StoredRow | None:
-        rows = self._read(LOOKUP, {"principal": principal, "key": key})
+    def claim(self, principal: str, key: str, fingerprint: str, token: int, now: int) -> int | None:
+        return self.run(self.claim_statement(principal, key, fingerprint, token, now))
+
+    def lookup_statement(self, principal: str, key: str) -> Statement[StoredRow | None]:
+        return Statement(self.sql(LOOKUP), {"principal": principal, "key": key}, self._decode_first_row, False)
+
+    def _decode_first_row(self, rows: Rows) -> StoredRow | None:
         return self.decode_row(rows[0]) if rows else None
 
-    def takeover(
+    def lookup(self, principal: str, key: str) -> StoredRow | None:
+        return self.run(self.lookup_statement(principal, key))
+
+    def takeover_statement(
         self, principal: str, key: str, fingerprint: str, token: int, now: int, stale_before: int, expired_before: int
-    ) -> int | None:
-        """A stale reservation of this request, or any row past retention,
-        as the next generation (see TAKEOVER); None when neither."""
-        self._guard()
+    ) -> Statement[int | None]:
         params = {
             "principal": principal,
             "key": key,
@@ -564,8 +641,37 @@ class Store:
             "stale_before": stale_before,
             "expired_before": expired_before,
         }
-        rows = self._write(TAKEOVER, params)
-        return int(rows[0][0]) if rows else None
+        return Statement(self.sql(TAKEOVER), params, _first_int, True)
+
+    def takeover(
+        self, principal: str, key: str, fingerprint: str, token: int, now: int, stale_before: int, expired_before: int
+    ) -> int | None:
+        """A stale reservation of this request, or any row past retention,
+        as the next generation (see TAKEOVER); None when neither."""
+        return self.run(self.takeover_statement(principal, key, fingerprint, token, now, stale_before, expired_before))
+
+    def complete_statement(
+        self,
+        principal: str,
+        key: str,
+        generation: int,
+        token: int | None,
+        status: int,
+        body: str | bytes | None,
+        headers_json: str,
+        now: int,
+    ) -> Statement[bool]:
+        params = {
+            "principal": principal,
+            "key": key,
+            "generation": generation,
+            "token": token,
+            "status": status,
+            "body": self.dialect.bind_body(body),
+            "headers": headers_json,
+            "now": now,
+        }
+        return Statement(self.sql(COMPLETE), params, _any_row, True)
 
     def complete(
         self,
@@ -578,23 +684,21 @@ class Store:
         headers_json: str,
         now: int,
     ) -> bool:
-        self._guard()
-        params = {
-            "principal": principal,
-            "key": key,
-            "generation": generation,
-            "token": token,
-            "status": status,
-            "body": self.dialect.bind_body(body),
-            "headers": headers_json,
-            "now": now,
-        }
-        return bool(self._write(COMPLETE, params))
+        return self.run(self.complete_statement(principal, key, generation, token, status, body, headers_json, now))
+
+    def release_statement(self, principal: str, key: str, generation: int, token: int | None) -> Statement[bool]:
+        params = {"principal": principal, "key": key, "generation": generation, "token": token}
+        return Statement(self.sql(RELEASE), params, _any_row, True)
 
     def release(self, principal: str, key: str, generation: int, token: int | None) -> bool:
-        self._guard()
-        params = {"principal": principal, "key": key, "generation": generation, "token": token}
-        return bool(self._write(RELEASE, params))
+        return self.run(self.release_statement(principal, key, generation, token))
+
+    def record_fenced_statement(
+        self, principal: str, key: str, generation: int, computed_status: int, now: int
+    ) -> Statement[FencedEvent | None]:
+        """Only for a ledger with the fenced-out log (`has_fenced_log`)."""
+        params = {"principal": principal, "key": key, "generation": generation, "status": computed_status, "now": now}
+        return Statement(self.sql(RECORD_FENCED), params, _fenced_event, True)
 
     def renew(self, held: Sequence[tuple[str, str, int, int | None]], now: int) -> int:
         """Move `updated_at` to `now` for every (principal, key, generation,
@@ -617,30 +721,44 @@ class Store:
     ) -> FencedEvent | None:
         if not self.has_fenced_log():
             return None
-        params = {"principal": principal, "key": key, "generation": generation, "status": computed_status, "now": now}
-        rows = self._write(RECORD_FENCED, params)
-        return FencedEvent(*rows[0]) if rows else None
+        return self.run(self.record_fenced_statement(principal, key, generation, computed_status, now))
 
     # -- sweep ------------------------------------------------------------------------------
     def sweep(self, now: int, cutoff: int, fenced_cutoff: int, limit: int) -> SweepResult:
         """At most `limit` expired rows and `limit` expired fenced-out events,
-        in one turn of the engine's writer queue. First one indexed read of
+        in one turn of the engine's writer queue (see `sweep_steps`)."""
+        self._guard()
+        steps = self.sweep_steps(now, cutoff, fenced_cutoff, limit, self.has_fenced_log())
+        sent: Any = None
+        while True:
+            try:
+                step = steps.send(sent)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            if isinstance(step, Turn):
+                sent = self.engine.write_turn(step.statements)
+            else:
+                sent = self.engine.read(step.sql, step.params)
+
+    def sweep_steps(self, now: int, cutoff: int, fenced_cutoff: int, limit: int, fenced_log: bool) -> SweepSteps:
+        """The sweep's statements as steps, run by `sweep` here and by the
+        asynchronous store: it yields a read or a Turn and is sent its rows.
+        First one indexed read of
         the oldest timestamps: when nothing is past retention it deletes
         nothing, takes no write lock, and says in `quiet_for_ms` how long
         nothing can be (rows only get newer). While a backlog drains (the
         last batch was full) the read is skipped. Not check-then-act: each
-        DELETE decides on its own."""
-        self._guard()
+        DELETE decides on its own. `fenced_log`: whether the ledger has the
+        fenced-out log (the caller asks `has_fenced_log`, its own way)."""
         if self._draining:
             self._draining = False
-            keys, _ = self._delete_batch(cutoff, limit, self._sweep_from, None)
+            keys, _ = yield from self._delete_batch(cutoff, limit, self._sweep_from, None)
             if keys:
                 return SweepResult(keys, 0, cutoff, fenced_cutoff)
-        fenced_log = self.has_fenced_log()
         probe = self.sql(OLDEST_WITH_FENCED if fenced_log else OLDEST)
         after = self._sweep_from
         while True:
-            oldest = self.engine.read(probe, {"after": after})[0]
+            oldest = (yield Statement(probe, {"after": after}, _rows, False))[0]
             oldest_row = oldest[0]
             oldest_event = oldest[1] if fenced_log else None
             # With no row (or event), the first one to expire is one written from now on.
@@ -657,15 +775,17 @@ class Store:
             return SweepResult(0, 0, cutoff, fenced_cutoff, min(row_headroom, event_headroom))
         fenced_cutoff_due = fenced_cutoff if fenced_log and event_headroom <= 0 else None
         if row_headroom > 0:
-            (events,) = self.engine.write_turn([self._fenced_batch(fenced_cutoff, limit)])
+            (events,) = yield Turn([self._fenced_batch(fenced_cutoff, limit)])
             return SweepResult(0, len(events), cutoff, fenced_cutoff)
-        keys, fenced = self._delete_batch(cutoff, limit, int(oldest_row), fenced_cutoff_due)
+        keys, fenced = yield from self._delete_batch(cutoff, limit, int(oldest_row), fenced_cutoff_due)
         return SweepResult(keys, fenced, cutoff, fenced_cutoff)
 
     def _fenced_batch(self, cutoff: int, limit: int) -> tuple[str, Mapping[str, Any]]:
         return self.sql(SWEEP_FENCED), {"cutoff": cutoff, "limit": limit}
 
-    def _delete_batch(self, cutoff: int, limit: int, after: int, fenced_cutoff: int | None) -> tuple[int, int]:
+    def _delete_batch(
+        self, cutoff: int, limit: int, after: int, fenced_cutoff: int | None
+    ) -> Generator[Turn, Any, tuple[int, int]]:
         """One batch of expired rows from `after` on, and one of the
         fenced-out log's when `fenced_cutoff` is given, in one turn; it
         remembers where the rows' batch ended."""
@@ -673,7 +793,7 @@ class Store:
         statements: list[tuple[str, Mapping[str, Any]]] = [(self.sql(self.dialect.sweep_keys), batch)]
         if fenced_cutoff is not None:
             statements.append(self._fenced_batch(fenced_cutoff, limit))
-        results = self.engine.write_turn(statements)
+        results = yield Turn(statements)
         keys, newest = self.dialect.sweep_tally(results[0])
         if newest is not None:
             self._sweep_from = newest
