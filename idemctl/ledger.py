@@ -56,7 +56,7 @@ from .outcomes import (
     Verdict,
 )
 from .policy import Policy
-from .storage import DEFAULT_FILE_MODE, Store, is_postgres_url, open_engine
+from .storage import DEFAULT_FILE_MODE, Store, is_server_url, open_engine
 from .storage.store import derive_state, new_token
 
 log = logging.getLogger("idemctl")
@@ -170,7 +170,7 @@ class Ledger:
         file_mode: int = DEFAULT_FILE_MODE,
         group_commit: bool = False,
     ) -> Ledger:
-        """Open a ledger: a SQLite file path or a ``postgresql://`` URL.
+        """Open a ledger: a SQLite file path, a ``postgresql://`` or a ``mysql://`` URL.
 
         Opening never creates anything: :meth:`init` creates the schema (and
         a SQLite file, with permission bits ``file_mode``: owner-only 0o600
@@ -198,7 +198,7 @@ class Ledger:
             group_commit=group_commit,
         )
         store = Store(engine)
-        if not is_postgres_url(target):
+        if not is_server_url(target):
             # A file's schema is checked at open (it costs no connection):
             # a ledger written by a newer idemctl is refused before any use.
             try:

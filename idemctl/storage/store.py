@@ -3,17 +3,20 @@
 The store is the one SQL core: request-path steps are one auto-committed
 statement each, operator reads and the sweep are bounded statements, and
 the schema decision of `init` is made here. An engine (storage/sqlite.py,
-storage/postgres.py) only runs statements: its connections, its locking and
-its error classes. Statements are written once with ``:name`` parameters
-and spelled for an engine by its dialect."""
+storage/postgres.py, storage/mysql.py) only runs statements: its
+connections, its locking and its error classes. Statements are written once
+with ``:name`` parameters and spelled for an engine by its dialect; an
+engine without RETURNING (MariaDB, MySQL) runs the forms written for it
+below, which decide in the same WHERE clauses."""
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from ..errors import MalformedRowError, SchemaTooNewError
+from ..errors import InvalidPrincipalError, MalformedRowError, SchemaTooNewError, StorageError
 from ..outcomes import (
     FencedEvent,
     InitAction,
@@ -116,6 +119,11 @@ OLDEST_WITH_FENCED = (
 # Below every timestamp a ledger holds: an index walk from the start.
 FROM_THE_START = -(2**62)
 
+INSERT_VERSION = (
+    "INSERT INTO idemctl_schema_version (version, applied_at) VALUES (:version, :now)"
+    " ON CONFLICT DO NOTHING RETURNING version"
+)
+
 COUNT_EXPIRED = "SELECT count(*) FROM idempotency_keys WHERE updated_at < :cutoff"
 COUNT_FENCED_EXPIRED = "SELECT count(*) FROM idemctl_fenced_out WHERE fenced_at < :cutoff"
 COUNT_FENCED = "SELECT count(*) FROM idemctl_fenced_out"
@@ -170,6 +178,81 @@ WHERE principal = :principal AND key = :key
 RETURNING {ROW_COLUMNS}
 """
 
+# -- engines without RETURNING (MariaDB, MySQL) ----------------------------------------
+# MariaDB has RETURNING on INSERT and DELETE but not on UPDATE; MySQL has
+# none. One set of forms serves both: the engine hands back one row per
+# affected row, holding LAST_INSERT_ID(), so the affected-row count answers
+# "did this statement decide for me" and a form that must return a value
+# sets it with LAST_INSERT_ID(expr) inside the same statement. Every
+# decision stays in the same WHERE clause as above.
+
+
+def _without_returning(sql: str) -> str:
+    """A statement whose RETURNING only said "a row matched": its
+    affected-row count says the same."""
+    return re.sub(r"\s*RETURNING [^;]*\Z", "\n", sql)
+
+
+# A no-op update of a duplicate affects no row (the driver does not set
+# CLIENT_FOUND_ROWS), so exactly the claim that inserted gets a row back.
+# Not INSERT IGNORE: that would also turn a value the column cannot hold
+# into a warning.
+MYSQL_CLAIM = """
+INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, token, created_at, updated_at)
+VALUES (:principal, :key, :fingerprint, 'pending', LAST_INSERT_ID(1), :token, :now, :now)
+ON DUPLICATE KEY UPDATE generation = generation
+"""
+
+# The new generation travels back through LAST_INSERT_ID(expr), set by the
+# very assignment the WHERE allowed.
+MYSQL_TAKEOVER = """
+UPDATE idempotency_keys
+SET generation = LAST_INSERT_ID(generation + 1), token = :token, updated_at = :now
+WHERE principal = :principal AND key = :key AND status = 'pending'
+  AND fingerprint = :fingerprint AND updated_at < :stale_before
+"""
+
+# The event's id comes back as LAST_INSERT_ID(); the event is read back by
+# it (the log is append-only: the row cannot change in between).
+MYSQL_RECORD_FENCED = """
+INSERT INTO idemctl_fenced_out
+  (principal, key, superseded_generation, current_generation, computed_status, fenced_at)
+VALUES (:principal, :key, :generation,
+        (SELECT generation FROM idempotency_keys WHERE principal = :principal AND key = :key),
+        :status, :now)
+"""
+FENCED_EVENT = f"SELECT {EVENT_COLUMNS} FROM idemctl_fenced_out WHERE id = :id"
+
+MYSQL_SWEEP_FENCED = """
+DELETE FROM idemctl_fenced_out WHERE fenced_at < :cutoff ORDER BY fenced_at LIMIT :limit
+"""
+
+# Purge without RETURNING: read the row, then delete exactly that version of
+# it (token, generation, status and updated_at in the WHERE, with the
+# refusal of a fresh pending row): a row that changed in between is not
+# deleted, and is read again.
+PURGE_READ = f"SELECT {ROW_COLUMNS}, token FROM idempotency_keys WHERE principal = :principal AND key = :key"
+PURGE_VERSION = """
+DELETE FROM idempotency_keys
+WHERE principal = :principal AND key = :key AND token <=> :token AND generation = :generation
+  AND status = :status AND updated_at = :updated_at
+  AND (status <> 'pending' OR :stale_before IS NULL OR updated_at < :stale_before)
+"""
+PURGE_TRIES = 10
+
+WITHOUT_RETURNING: Mapping[str, str] = {
+    CLAIM: MYSQL_CLAIM,
+    TAKEOVER: MYSQL_TAKEOVER,
+    COMPLETE: _without_returning(COMPLETE),
+    RELEASE: _without_returning(RELEASE),
+    RECORD_FENCED: MYSQL_RECORD_FENCED,
+    SWEEP_FENCED: MYSQL_SWEEP_FENCED,
+    INSERT_VERSION: (
+        "INSERT INTO idemctl_schema_version (version, applied_at) VALUES (:version, :now)"
+        " ON DUPLICATE KEY UPDATE version = version"
+    ),
+}
+
 
 def new_token() -> int:
     """A fencing token: random, positive, fits a signed 64-bit column."""
@@ -223,7 +306,10 @@ class Store:
         """A statement as this engine spells it (cached: the hot path asks twice a request)."""
         spelled = self._sql.get(text)
         if spelled is None:
-            spelled = self._sql[text] = self._spell(text)
+            form = text if self.dialect.returning else WITHOUT_RETURNING.get(text, text)
+            if not self.dialect.returning and "RETURNING" in form:
+                raise StorageError(f"no form for {self.dialect.name} of: {' '.join(text.split())}")
+            spelled = self._sql[text] = self._spell(form)
         return spelled
 
     def _read(self, text: str, params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
@@ -249,6 +335,8 @@ class Store:
     def decode_row(self, values: tuple[Any, ...]) -> StoredRow:
         """A row as stored, or MalformedRowError naming what is wrong with it."""
         principal, key, fp, status, generation, rstatus, rbody, rheaders, created, updated = values
+        text = self.dialect.read_text
+        principal, key, fp = text(principal), text(key), text(fp)
         if not isinstance(principal, str) or not isinstance(key, str):
             raise MalformedRowError(principal, key, "principal and key must be text")
         try:
@@ -335,13 +423,7 @@ class Store:
             for f in schema_files(self.dialect.name):
                 if f.version > floor:
                     tx.script(f.sql)
-            mine = tx.execute(
-                self.sql(
-                    f"INSERT INTO {VERSION_TABLE} (version, applied_at) VALUES (:version, :now)"
-                    " ON CONFLICT DO NOTHING RETURNING version"
-                ),
-                {"version": SCHEMA_VERSION, "now": now},
-            )
+            mine = tx.execute(self.sql(INSERT_VERSION), {"version": SCHEMA_VERSION, "now": now})
             if not mine:
                 # Another init decided from the same state and committed first
                 # (with no version table there was nothing to lock); our
@@ -356,6 +438,13 @@ class Store:
     # -- request path -----------------------------------------------------------------
     def claim(self, principal: str, key: str, fingerprint: str, token: int, now: int) -> int | None:
         self._guard()
+        limit = self.dialect.max_principal_bytes
+        if limit is not None and len(principal.encode("utf-8")) > limit:
+            # Refused before any statement, as for the principals no engine can store.
+            raise InvalidPrincipalError(
+                f"principal is {len(principal.encode('utf-8'))} bytes in UTF-8; "
+                f"a {self.dialect.name} ledger stores principals of up to {limit} bytes"
+            )
         params = {"principal": principal, "key": key, "fingerprint": fingerprint, "token": token, "now": now}
         rows = self._write(CLAIM, params)
         return int(rows[0][0]) if rows else None
@@ -415,7 +504,14 @@ class Store:
             return None
         params = {"principal": principal, "key": key, "generation": generation, "status": computed_status, "now": now}
         rows = self._write(RECORD_FENCED, params)
-        return FencedEvent(*rows[0]) if rows else None
+        if rows and not self.dialect.returning:
+            rows = self._read(FENCED_EVENT, {"id": rows[0][0]})
+        return self._event(rows[0]) if rows else None
+
+    def _event(self, values: tuple[Any, ...]) -> FencedEvent:
+        decoded = list(values)
+        decoded[1:3] = [self.dialect.read_text(v) for v in values[1:3]]
+        return FencedEvent(*decoded)
 
     # -- sweep ------------------------------------------------------------------------------
     def sweep(self, now: int, cutoff: int, fenced_cutoff: int, limit: int) -> SweepResult:
@@ -528,7 +624,7 @@ class Store:
             sql += " LIMIT :limit"
             params["limit"] = limit
         for values in self._read(sql, params):
-            yield FencedEvent(*values)
+            yield self._event(values)
 
     def stats(self, now: int, stale_before: int, expired_before: int) -> Stats:
         counts = self._read(STATS, {"stale_before": stale_before, "expired_before": expired_before})[0]
@@ -552,6 +648,8 @@ class Store:
 
     def purge(self, principal: str, key: str, stale_before: int | None) -> PurgeResult:
         self._guard()
+        if not self.dialect.returning:
+            return self._purge_by_version(principal, key, stale_before)
         rows = self._write(PURGE, {"principal": principal, "key": key, "stale_before": stale_before})
         if rows:
             return PurgeResult(PurgeOutcome.PURGED, self.decode_row(rows[0]))
@@ -559,3 +657,25 @@ class Store:
         if row is None:
             return PurgeResult(PurgeOutcome.NOT_FOUND, None)
         return PurgeResult(PurgeOutcome.REFUSED_FRESH_PENDING, row)
+
+    def _purge_by_version(self, principal: str, key: str, stale_before: int | None) -> PurgeResult:
+        where = {"principal": principal, "key": key}
+        seen = self._read(PURGE_READ, where)
+        for _ in range(PURGE_TRIES):
+            if not seen:
+                return PurgeResult(PurgeOutcome.NOT_FOUND, None)
+            *values, token = seen[0]
+            row = self.decode_row(tuple(values))
+            _, _, _, status, generation, _, _, _, _, updated = values
+            version = {"token": token, "generation": generation, "status": status, "updated_at": updated}
+            if self._write(PURGE_VERSION, {**where, **version, "stale_before": stale_before}):
+                return PurgeResult(PurgeOutcome.PURGED, row)
+            again = self._read(PURGE_READ, where)
+            if again == seen:
+                # The same version is still there: the WHERE refused it.
+                return PurgeResult(PurgeOutcome.REFUSED_FRESH_PENDING, row)
+            seen = again
+        # Rewritten under us every time: as busy as a fresh reservation.
+        if not seen:
+            return PurgeResult(PurgeOutcome.NOT_FOUND, None)
+        return PurgeResult(PurgeOutcome.REFUSED_FRESH_PENDING, self.decode_row(tuple(seen[0][:-1])))
