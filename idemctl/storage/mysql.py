@@ -470,7 +470,16 @@ class MysqlEngine:
         with self._connection() as pooled:
             cur = pooled.conn.cursor(pymysql.cursors.SSCursor)
             cur.execute(sql, params)
-            yield from cur
+            try:
+                yield from cur
+            except GeneratorExit:
+                # Stopped early: the connection is closed with its rows unread,
+                # so the cursor must not try to read them when collected.
+                result = getattr(cur, "_result", None)
+                if result is not None:
+                    result.unbuffered_active = False
+                cur._result = None
+                raise
             cur.close()
 
     def table_names(self, names: Iterable[str]) -> set[str]:
