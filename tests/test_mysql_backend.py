@@ -672,3 +672,17 @@ def test_purge_deletes_exactly_the_row_it_read_and_refuses_a_fresh_pending_one(m
     purged = ledger.purge("acct", "fresh")
     assert purged.outcome is PurgeOutcome.PURGED and purged.row.key == "fresh"  # type: ignore[union-attr]
     assert ledger.purge("acct", "fresh").outcome is PurgeOutcome.NOT_FOUND
+
+
+def test_idemctl_db_and_the_cli_take_a_mysql_url_like_a_path(ledger_target: str, make_ledger) -> None:
+    from typer.testing import CliRunner
+
+    from idemctl.cli import app
+    from idemctl.config import Settings
+
+    make_ledger().claim("acct", "k", "fp")
+    with Settings.from_env({"IDEMCTL_DB": ledger_target}).open_ledger() as ledger:
+        assert isinstance(ledger.store.engine, MysqlEngine) and ledger.lookup("acct", "k") is not None
+    done = CliRunner().invoke(app, ["inspect", "k", "-p", "acct", "--json"], env={"IDEMCTL_DB": ledger_target})
+    assert done.exit_code == 0, done.stderr
+    assert json.loads(done.stdout)["status"] == "pending"
