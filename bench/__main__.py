@@ -19,7 +19,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from . import asgi, contention, cycle, group_commit, growth, memory, middleware, peers, postgres, report, sweep
+from . import asgi, contention, cycle, group_commit, growth, memory, middleware, mysql, peers, postgres, report, sweep
 from .common import Context, filesystem_of, machine_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "sweep": sweep.run,
     "memory": memory.run,
     "postgres": postgres.run,
+    "mysql": mysql.run,
     "asgi": asgi.run,
     "group_commit": group_commit.run,
     # Optional: runs only with --peers (or --only peers), since it needs the peers installed.
