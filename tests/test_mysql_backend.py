@@ -322,6 +322,20 @@ def test_a_connection_killed_while_the_app_runs_keeps_the_answer_and_the_reserva
     assert post(middleware, "k2")[0].startswith("201")
 
 
+def test_a_connection_idle_past_the_ping_interval_is_checked_first_and_a_dead_one_costs_no_request(
+    ledger: Ledger, db, monkeypatch
+) -> None:
+    # What wait_timeout does to a quiet process's pooled connections.
+    from idemctl.storage import mysql
+
+    idle = thread_id(ledger)
+    monkeypatch.setattr(mysql, "IDLE_PING_S", 0.0)
+    db.execute(f"KILL {idle}")
+    wait_until(lambda: db.execute("SELECT 1 FROM information_schema.processlist WHERE id = %s", (idle,)) == 0)
+    assert ledger.claim("acct", "k", "fp") is not None
+    assert thread_id(ledger) != idle
+
+
 def test_when_the_server_drops_every_pooled_connection_only_one_statement_fails(ledger_target: str, db) -> None:
     ledger = Ledger.open(ledger_target + "?pool_max_size=4")
     ledger.init()
