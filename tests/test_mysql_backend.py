@@ -700,3 +700,18 @@ def test_idemctl_db_and_the_cli_take_a_mysql_url_like_a_path(ledger_target: str,
     done = CliRunner().invoke(app, ["inspect", "k", "-p", "acct", "--json"], env={"IDEMCTL_DB": ledger_target})
     assert done.exit_code == 0, done.stderr
     assert json.loads(done.stdout)["status"] == "pending"
+
+
+def test_rows_written_by_other_programs_are_named_when_malformed_never_a_traceback(ledger: Ledger, db) -> None:
+    from idemctl import MalformedRowError
+
+    db.execute(
+        "INSERT INTO idempotency_keys (principal, `key`, fingerprint, status, generation, created_at, updated_at)"
+        " VALUES ('acct', 'k', 'fp', 'done', 1, 1, 1), (X'FF61', 'k', 'fp', 'pending', 1, 1, 1)"
+    )
+    with pytest.raises(MalformedRowError, match=r"key='k': status 'done' is neither pending nor completed$"):
+        ledger.get("acct", "k")
+    seen: list[MalformedRowError] = []
+    assert list(ledger.pending(on_malformed=seen.append)) == []
+    (bad,) = seen
+    assert bad.principal == b"\xffa" and "principal and key must be text" in str(bad)
