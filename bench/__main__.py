@@ -28,6 +28,7 @@ from . import (
     inflight,
     memory,
     middleware,
+    mysql,
     peers,
     postgres,
     report,
@@ -48,6 +49,7 @@ BENCHMARKS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "sweep": sweep.run,
     "memory": memory.run,
     "postgres": postgres.run,
+    "mysql": mysql.run,
     "asgi": asgi.run,
     "group_commit": group_commit.run,
     # Optional: runs only with --peers (or --only peers), since it needs the peers installed.

@@ -26,7 +26,7 @@ FORK = mp.get_context("fork")
 
 
 def _worker(path: str, synchronous: str, queue: bool, index: int, start_at: float, seconds: float, out) -> None:
-    if path.startswith("postgresql://"):
+    if path.startswith(("postgresql://", "mysql://")):
         ledger = Ledger.open(path)
     else:
         ledger = Ledger.open(path, synchronous=synchronous, write_queue=queue)

@@ -59,7 +59,7 @@ from .outcomes import (
     Verdict,
 )
 from .policy import Policy
-from .storage import DEFAULT_FILE_MODE, Store, is_postgres_url, open_engine
+from .storage import DEFAULT_FILE_MODE, Store, is_server_url, open_engine
 from .storage.aio import AsyncStore
 from .storage.store import derive_state, new_token
 
@@ -183,7 +183,7 @@ class Ledger:
         file_mode: int = DEFAULT_FILE_MODE,
         group_commit: bool = False,
     ) -> Ledger:
-        """Open a ledger: a SQLite file path or a ``postgresql://`` URL.
+        """Open a ledger: a SQLite file path, a ``postgresql://`` or a ``mysql://`` URL.
 
         Opening never creates anything: :meth:`init` creates the schema (and
         a SQLite file, with permission bits ``file_mode``: owner-only 0o600
@@ -211,7 +211,7 @@ class Ledger:
             group_commit=group_commit,
         )
         store = Store(engine)
-        if not is_postgres_url(target):
+        if not is_server_url(target):
             # A file's schema is checked at open (it costs no connection):
             # a ledger written by a newer idemctl is refused before any use.
             try:
@@ -976,6 +976,13 @@ class Ledger:
         >>> new.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (500, {}, b"")).body
         b'made'
         """
+        for side in (self, destination):
+            if not side.store.dialect.returning:
+                # Its statements decide row by row through RETURNING, which MariaDB/MySQL lack.
+                raise StorageError(
+                    f"idemctl copy does not yet read or write {side.store.dialect.name} ledgers "
+                    f"({side.describe()}); copy between SQLite and PostgreSQL ledgers"
+                )
         return copying.copy_ledger(
             self.store, destination.store, batch=batch, dry_run=dry_run, on_progress=on_progress
         )

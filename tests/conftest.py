@@ -9,18 +9,22 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from idemctl import Ledger, Policy
-from tests.helpers import FakeClock, postgres_test_schema
+from tests.helpers import FakeClock, mysql_test_database, postgres_test_schema
 
 # The suite runs with --doctest-modules (for the library's examples); these
 # are support modules, not tests, and some start servers' apps on import.
 collect_ignore = ["helpers.py", "django_site.py", "e2e"]
 
-BACKENDS = ["sqlite", "postgres"]
+BACKENDS = ["sqlite", "postgres", "mysql"]
 
 # The PostgreSQL half runs against this server; CI fails when it is missing,
 # anywhere else those tests are skipped with one reason.
 POSTGRES_URL_ENV = "IDEMCTL_TEST_POSTGRES_URL"
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
+# The MariaDB/MySQL half: a server where this user may create databases
+# (one per test, dropped afterwards); same rules as PostgreSQL's.
+MYSQL_URL_ENV = "IDEMCTL_TEST_MYSQL_URL"
+DEFAULT_MYSQL_URL = "mysql://root@127.0.0.1:3306/test"
 
 
 @pytest.fixture
@@ -89,6 +93,33 @@ def redis_server() -> str:
     return url
 
 
+@pytest.fixture(scope="session")
+def mysql_server() -> str:
+    """The MariaDB/MySQL test server's URL (its database is only used to
+    connect); skips (fails under CI) when it is unusable."""
+    url = os.environ.get(MYSQL_URL_ENV, DEFAULT_MYSQL_URL)
+    reason = None
+    try:
+        from idemctl.storage.mysql import MysqlEngine
+    except ImportError as exc:
+        reason = f"MariaDB/MySQL tests need the driver: pip install -e '.[mysql]' ({exc.name} is missing)"
+    else:
+        from idemctl import StorageError
+
+        probe = MysqlEngine(url, busy_timeout_ms=3000)
+        try:
+            probe.read("SELECT 1", {})
+        except StorageError as exc:
+            reason = f"{exc} (set {MYSQL_URL_ENV} to use another server)"
+        finally:
+            probe.close()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs the MariaDB half of the suite: {reason}", pytrace=False)
+        pytest.skip(reason)
+    return url
+
+
 @pytest.fixture
 def ledger_target(backend_name: str, tmp_path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Where a fresh, empty ledger lives for this test (a path or a URL)."""
@@ -96,6 +127,8 @@ def ledger_target(backend_name: str, tmp_path, request: pytest.FixtureRequest, m
         yield str(tmp_path / "ledger.db")
     elif backend_name == "postgres":
         yield from postgres_test_schema(request.getfixturevalue("postgres_server"), monkeypatch)
+    elif backend_name == "mysql":
+        yield from mysql_test_database(request.getfixturevalue("mysql_server"), monkeypatch)
     else:  # pragma: no cover
         raise AssertionError(backend_name)
 

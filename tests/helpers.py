@@ -99,3 +99,41 @@ def postgres_test_schema(base: str, monkeypatch: pytest.MonkeyPatch) -> Iterator
                 (app,),
             )
             admin.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+def mysql_test_database(base: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A database of its own on the MariaDB/MySQL test server for one test,
+    as a URL, so processes started by the test reach the same isolated
+    ledger. Dropped afterwards, after ending every connection still in it."""
+    import pymysql
+
+    from idemctl.storage import mysql
+
+    probe = mysql.MysqlEngine(base)
+    name = f"t_{secrets.token_hex(6)}"
+    url = base.split("?", 1)[0].rsplit("/", 1)[0] + f"/{name}" + (f"?{base.split('?', 1)[1]}" if "?" in base else "")
+
+    def admin() -> pymysql.connections.Connection:
+        return pymysql.connect(**{**probe._connect_kwargs, "database": None})
+
+    with contextlib.closing(admin()) as conn, conn.cursor() as cur:
+        cur.execute(f"CREATE DATABASE {name} CHARACTER SET utf8mb4 COLLATE utf8mb4_bin")
+    opened: list[mysql.MysqlEngine] = []
+    real_init = mysql.MysqlEngine.__init__
+
+    def tracking_init(self: mysql.MysqlEngine, *args: object, **kwargs: object) -> None:
+        real_init(self, *args, **kwargs)  # type: ignore[arg-type]
+        opened.append(self)
+
+    monkeypatch.setattr(mysql.MysqlEngine, "__init__", tracking_init)
+    try:
+        yield url
+    finally:
+        for engine in opened:
+            engine.close()
+        with contextlib.closing(admin()) as conn, conn.cursor() as cur:
+            cur.execute("SELECT id FROM information_schema.processlist WHERE db = %s AND id <> CONNECTION_ID()", (name,))
+            for (thread_id,) in cur.fetchall():
+                with contextlib.suppress(pymysql.MySQLError):
+                    cur.execute(f"KILL {int(thread_id)}")
+            cur.execute(f"DROP DATABASE IF EXISTS {name}")

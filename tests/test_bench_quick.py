@@ -39,6 +39,7 @@ def test_quick_benchmark_run_exits_0_and_renders_every_table(tmp_path):
         "sweep",
         "memory",
         "postgres",
+        "mysql",
         "asgi",
         "group_commit",
     ]
@@ -70,6 +71,7 @@ def test_quick_benchmark_run_exits_0_and_renders_every_table(tmp_path):
     assert "quick mode: not figures" in table
     # PostgreSQL is measured when its server answers, and otherwise shown as a gap, never silently dropped.
     assert ("| (7) PostgreSQL |" in table) or ("_postgres: **gap**" in table)
+    assert ("| (7b) MariaDB |" in table) or ("_mysql: **gap**" in table)
     # The big backlog copies are removed as soon as the sweep benchmark is done with them.
     assert not (tmp_path / "work" / "backlog.db").exists()
 

@@ -172,16 +172,22 @@ def test_an_unknown_scenario_names_the_built_in_ones():
         (["stats", "--ttl", "0ms"], "error: --ttl must be longer than 0 s, got 0ms"),
         (["--retention", "10ms", "stats"], "error: --retention (10 ms) must be longer than --ttl (30 s)"),
         (["sweep", "--fenced-retention", "0s"], "error: --fenced-retention must be longer than 0 s, got 0s"),
-        (["--db", "", "stats"], "error: --db is empty: give a ledger file path or a postgresql:// URL"),
-        (["stats", "--db", " "], "error: --db is empty: give a ledger file path or a postgresql:// URL"),
-        (["init", "--db", ""], "error: --db is empty: give a ledger file path or a postgresql:// URL"),
-        (["simulate", "happy", "--db", ""], "error: --db is empty: give a ledger file path or a postgresql:// URL"),
-        (["--db", "mysql://x/y", "stats"], "error: unsupported ledger URL mysql://…: use a file path or postgresql://"),
+        (["--db", "", "stats"], "error: --db is empty: give a ledger file path, a postgresql:// or a mysql:// URL"),
+        (["stats", "--db", " "], "error: --db is empty: give a ledger file path, a postgresql:// or a mysql:// URL"),
+        (["init", "--db", ""], "error: --db is empty: give a ledger file path, a postgresql:// or a mysql:// URL"),
+        (["simulate", "happy", "--db", ""], "error: --db is empty: give a ledger file path, a postgresql:// or a mysql:// URL"),
+        (["--db", "oracle://x/y", "stats"], "error: unsupported ledger URL oracle://…: use a file path, postgresql:// or mysql://"),
     ],
     ids=lambda v: v if isinstance(v, str) else " ".join(v[:2]),
 )
 def test_operator_mistakes_are_one_line(args, line):
     assert fails(args) == line
+
+
+def test_an_unreachable_mysql_server_is_one_line_without_the_password():
+    pytest.importorskip("pymysql")
+    line = fails(["--db", "mysql://app:s3cret@127.0.0.1:1/test?connect_timeout=2", "stats"])
+    assert line.startswith("error: cannot reach MySQL at mysql://app@127.0.0.1:1/test: ") and "s3cret" not in line
 
 
 def test_sweep_retention_not_longer_than_the_ttl_is_refused(tmp_path):

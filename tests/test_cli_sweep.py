@@ -139,12 +139,12 @@ def test_sweep_retention_override_deletes_younger_rows(make_ledger, ledger_targe
     assert ledger.stats().total == 0
 
 
-def test_sweep_without_batch_size_drains_in_250s_on_sqlite_and_5000s_on_postgres(make_ledger, ledger_target, clock):
+def test_sweep_without_batch_size_drains_in_250s_on_sqlite_and_5000s_on_server_engines(make_ledger, ledger_target, clock):
     ledger = make_ledger()
     backlog(ledger, clock, expired=260, fresh=1)
     doc = json.loads(sweep("--json", "--db", ledger_target).stdout)
-    # SQLite: 250 + 10, then the empty batch that proves it drained; PostgreSQL: 260, then the empty one.
-    expected = {"sqlite": (250, 3), "postgres": (5000, 2)}[ledger.store.dialect.name]
+    # SQLite: 250 + 10, then the empty batch that proves it drained; PostgreSQL, MariaDB: 260, then the empty one.
+    expected = {"sqlite": (250, 3), "postgres": (5000, 2), "mysql": (5000, 2)}[ledger.store.dialect.name]
     assert (doc["batch_size"], doc["batches"], doc["deleted"], doc["stopped"]) == (*expected, 260, "drained")
     assert ledger.drain_batch == expected[0]
     assert ledger.stats().total == 1

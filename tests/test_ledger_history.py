@@ -209,7 +209,7 @@ def _read_journals(journal_dir: Path) -> list[dict]:
     return entries
 
 
-@pytest.mark.parametrize("backend_name", ["sqlite", "sqlite-group", "postgres"])
+@pytest.mark.parametrize("backend_name", ["sqlite", "sqlite-group", "postgres", "mysql"])
 def test_history_of_killed_and_stalling_workers_keeps_one_stored_answer_per_key_and_logs_every_fenced_out_run(
     backend_name: str, ledger_target: str, tmp_path: Path
 ) -> None:

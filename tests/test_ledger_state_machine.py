@@ -525,7 +525,7 @@ SETTINGS = {
         report_multiple_bugs=False,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     )
-    for backend, examples in (("sqlite", 300), ("sqlite-group", 300), ("postgres", 150))
+    for backend, examples in (("sqlite", 300), ("sqlite-group", 300), ("postgres", 150), ("mysql", 100))
 }
 
 
@@ -559,7 +559,7 @@ MUST_HAVE_SEEN = {
 }
 
 
-@pytest.mark.parametrize("backend_name", ["sqlite", "sqlite-group", "postgres"])
+@pytest.mark.parametrize("backend_name", ["sqlite", "sqlite-group", "postgres", "mysql"])
 def test_ledger_agrees_with_the_contract_model_under_random_claims_takeovers_completions_releases_purges_and_sweeps(
     backend_name: str, ledger_target: str
 ) -> None:

@@ -37,6 +37,7 @@ def test_wheel_contains_schema_and_py_typed(wheel):
     assert "idemctl/schema/sqlite/0002_idemctl_v1.sql" in names
     assert "idemctl/schema/postgres/0001_recipe.sql" in names
     assert "idemctl/schema/postgres/0002_idemctl_v1.sql" in names
+    assert "idemctl/schema/mysql/0001_idemctl_v2.sql" in names
     assert "idemctl/py.typed" in names
     assert (ROOT / "schema" / "sqlite" / "0001_recipe.sql").read_bytes() == zipfile.ZipFile(wheel).read(
         "idemctl/schema/sqlite/0001_recipe.sql"

@@ -75,8 +75,8 @@ def test_missing_parent_directory_is_a_clear_error(tmp_path):
 
 
 def test_unknown_url_scheme_is_a_storage_error(tmp_path):
-    with pytest.raises(StorageError, match=r"unsupported ledger URL mysql://"):
-        Ledger.open("mysql://root@localhost/db")
+    with pytest.raises(StorageError, match=r"^unsupported ledger URL oracle://…: use a file path, postgresql:// or mysql://$"):
+        Ledger.open("oracle://root@localhost/db")
 
 
 def test_read_only_open_refuses_writes_but_reads(tmp_path, clock):

@@ -289,7 +289,7 @@ app = typer.Typer(
     name="idemctl",
     cls=IdemctlGroup,
     help=(
-        "Inspect, sweep and repair an Idempotency-Key ledger (SQLite file or postgresql:// URL).\n\n"
+        "Inspect, sweep and repair an Idempotency-Key ledger (SQLite file, postgresql:// or mysql:// URL).\n\n"
         "Example: idemctl inspect order-42 --principal acct_A --db idempotency.db"
     ),
     epilog=EXIT_CODES_HELP + "\n\n" + ESCAPING_HELP,
@@ -449,7 +449,7 @@ def _global(
         typer.Option(
             "--db",
             metavar="PATH|URL",
-            help="Ledger: a SQLite file or a postgresql:// URL." + env_help(config.ENV_DB, config.DEFAULT_DB),
+            help="Ledger: a SQLite file, postgresql:// or mysql:// URL." + env_help(config.ENV_DB, config.DEFAULT_DB),
             show_default=False,
         ),
     ] = None,
@@ -506,7 +506,7 @@ def from_command_line(ctx: typer.Context, name: str) -> bool:
 
 def _db(value: str | None) -> str | None:
     if value is not None and not value.strip():
-        raise UserError("--db is empty: give a ledger file path or a postgresql:// URL")
+        raise UserError("--db is empty: give a ledger file path, a postgresql:// or a mysql:// URL")
     return value
 
 

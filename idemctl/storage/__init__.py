@@ -1,7 +1,8 @@
 """Storage: one SQL core (store.py) over an engine per database.
 
 `open_engine` picks the engine from the target's form: a file path (or
-":memory:") is SQLite, a ``postgresql://`` URL is PostgreSQL."""
+":memory:") is SQLite, a ``postgresql://`` URL is PostgreSQL, a
+``mysql://`` or ``mariadb://`` URL is MariaDB/MySQL."""
 
 from __future__ import annotations
 
@@ -13,10 +14,20 @@ from .sqlite import DEFAULT_FILE_MODE, SqliteEngine
 from .store import Store
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+MYSQL_SCHEMES = ("mysql://", "mariadb://")
 
 
 def is_postgres_url(target: str | os.PathLike[str]) -> bool:
     return isinstance(target, str) and target.startswith(POSTGRES_SCHEMES)
+
+
+def is_mysql_url(target: str | os.PathLike[str]) -> bool:
+    return isinstance(target, str) and target.startswith(MYSQL_SCHEMES)
+
+
+def is_server_url(target: str | os.PathLike[str]) -> bool:
+    """A database server's URL (nothing connects before the first statement), not a file."""
+    return is_postgres_url(target) or is_mysql_url(target)
 
 
 def open_engine(
@@ -30,14 +41,14 @@ def open_engine(
     file_mode: int = DEFAULT_FILE_MODE,
     group_commit: bool = False,
 ) -> Engine:
-    """The engine for a SQLite file path or a postgresql:// URL.
+    """The engine for a SQLite file path, a postgresql:// or a mysql:// URL.
     `synchronous`, `write_queue`, `file_mode` and `group_commit` are SQLite settings.
 
     >>> open_engine(":memory:").dialect.name
     'sqlite'
     """
     if not isinstance(target, (str, os.PathLike)):
-        raise StorageError(f"a ledger is a file path or a postgresql:// URL, got {type(target).__name__}")
+        raise StorageError(f"a ledger is a file path or a postgresql:// or mysql:// URL, got {type(target).__name__}")
     if is_postgres_url(target):
         try:
             from .postgres import PostgresEngine
@@ -46,8 +57,18 @@ def open_engine(
                 f"PostgreSQL support needs the driver: pip install 'idemctl[postgres]' ({exc.name} is missing)"
             ) from exc
         return PostgresEngine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
+    if is_mysql_url(target):
+        try:
+            from .mysql import MysqlEngine
+        except ImportError as exc:  # the driver lives behind the `mysql` extra
+            raise StorageError(
+                f"MariaDB/MySQL support needs the driver: pip install 'idemctl[mysql]' ({exc.name} is missing)"
+            ) from exc
+        return MysqlEngine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
     if isinstance(target, str) and "://" in target:
-        raise StorageError(f"unsupported ledger URL {target.split('://', 1)[0]}://…: use a file path or postgresql://")
+        raise StorageError(
+            f"unsupported ledger URL {target.split('://', 1)[0]}://…: use a file path, postgresql:// or mysql://"
+        )
     return SqliteEngine(
         target,
         create=create,
@@ -60,4 +81,4 @@ def open_engine(
     )
 
 
-__all__ = ["DEFAULT_FILE_MODE", "Engine", "Store", "is_postgres_url", "open_engine"]
+__all__ = ["DEFAULT_FILE_MODE", "Engine", "Store", "is_mysql_url", "is_postgres_url", "is_server_url", "open_engine"]

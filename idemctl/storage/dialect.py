@@ -2,8 +2,9 @@
 
 Every statement is written once, in storage/store.py, with ``:name``
 parameters; a dialect says how an engine spells parameters, how it bounds a
-DELETE (neither engine has ``DELETE … LIMIT``) and how it binds response
-bodies. Adding an engine means one more value here and one engine class."""
+DELETE (SQLite and PostgreSQL have no ``DELETE … LIMIT``), how it binds
+response bodies and whether its statements can hand rows back with
+RETURNING. Adding an engine means one more value here and one engine class."""
 
 from __future__ import annotations
 
@@ -21,6 +22,31 @@ def _keep(sql: str) -> str:
 
 def _pyformat(sql: str) -> str:
     return _NAMED.sub(r"%(\1)s", sql)
+
+
+# `key` is a reserved word in MariaDB and MySQL (and only there): quoted
+# wherever it stands as the column's name, never as the parameter `:key`.
+_KEY_COLUMN = re.compile(r"(?<![:\w`])key(?![\w`])")
+
+
+def _mysql_spelling(sql: str) -> str:
+    return _pyformat(_KEY_COLUMN.sub("`key`", sql))
+
+
+def _text_as_is(value: object) -> object:
+    return value
+
+
+def _text_from_utf8(value: object) -> object:
+    # Principals and keys sit in VARBINARY columns (compared byte for byte,
+    # trailing spaces included): their UTF-8 comes back as text; bytes that
+    # are not UTF-8 stay bytes, which decoding reports as a malformed row.
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            return bytes(value)
+    return value
 
 
 def _body_as_is(body: object) -> object:
@@ -85,6 +111,22 @@ SELECT count(*), max(updated_at) FROM gone
 """
 
 
+# MariaDB and MySQL bound a DELETE natively, walking idx_..._updated_at
+# oldest first; under READ COMMITTED a row a takeover refreshed while this
+# waited for its lock is re-read and no longer matches the cutoff. Without
+# RETURNING (MySQL has none on DELETE) only the count comes back: the walk
+# starts at `:after` from the probe, which InnoDB's purge keeps cheap.
+_MYSQL_SWEEP_KEYS = """
+DELETE FROM idempotency_keys WHERE updated_at >= :after AND updated_at < :cutoff
+ORDER BY updated_at LIMIT :limit
+"""
+
+
+def _tally_affected(rows: list[tuple[Any, ...]]) -> tuple[int, int | None]:
+    # One row per deleted row (see Dialect.returning), no timestamps.
+    return len(rows), None
+
+
 def _tally_row(rows: list[tuple[Any, ...]]) -> tuple[int, int | None]:
     count, newest = rows[0]
     return int(count), None if newest is None else int(newest)
@@ -110,6 +152,15 @@ class Dialect:
     # array per column that the server unnests, where parsing and planning
     # thousands of placeholders would cost more than the statement itself.
     batch_arrays: bool = False
+    # False: the engine has no RETURNING, and store.py runs its own forms of
+    # the statements that need one; the engine hands back one row per
+    # affected row holding LAST_INSERT_ID(), through which those forms
+    # return the one value they must (storage/engine.py, Engine.write).
+    returning: bool = True
+    # How principals, keys and fingerprints come back from the driver.
+    read_text: Callable[[object], object] = _text_as_is
+    # The longest principal (UTF-8 bytes) the primary key can hold; None: any.
+    max_principal_bytes: int | None = None
 
 
 SQLITE = Dialect(
@@ -141,4 +192,22 @@ POSTGRES = Dialect(
     # 500 OR tests cost PostgreSQL's planner ~0.1 s a statement, and psycopg
     # as long to parse 5,500 placeholders; two arrays cost neither.
     batch_arrays=True,
+)
+
+MYSQL = Dialect(
+    name="mysql",  # MariaDB and MySQL alike
+    params=_mysql_spelling,
+    sweep_keys=_MYSQL_SWEEP_KEYS,
+    sweep_tally=_tally_affected,
+    bind_body=_body_as_bytes,
+    read_body=_body_text_or_bytes,
+    # Row locks as on PostgreSQL: a batch locks only the expired rows it deletes.
+    drain_batch=5000,
+    # The session's time zone is UTC (storage/mysql.py): no DST fold.
+    now_sql="SELECT CAST(FLOOR(UNIX_TIMESTAMP(NOW(3)) * 1000) AS SIGNED)",
+    returning=False,
+    read_text=_text_from_utf8,
+    # schema/mysql: principal VARBINARY(1024) + key VARBINARY(255) is well
+    # inside InnoDB's 3072-byte index key limit.
+    max_principal_bytes=1024,
 )

@@ -41,7 +41,9 @@ class Engine(Protocol):
         """One statement that writes nothing."""
 
     def write(self, sql: str, params: Params) -> Rows:
-        """One auto-committed statement; its RETURNING rows."""
+        """One auto-committed statement; its RETURNING rows. An engine
+        without RETURNING (dialect.returning is False) gives one row
+        (LAST_INSERT_ID(),) per affected row instead."""
 
     def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[Rows]:
         """Each statement's RETURNING rows, all run in one turn of the writers."""

@@ -3,18 +3,21 @@
 The store is the one SQL core: request-path steps are one auto-committed
 statement each, operator reads and the sweep are bounded statements, and
 the schema decision of `init` is made here. An engine (storage/sqlite.py,
-storage/postgres.py) only runs statements: its connections, its locking and
-its error classes. Statements are written once with ``:name`` parameters
-and spelled for an engine by its dialect."""
+storage/postgres.py, storage/mysql.py) only runs statements: its
+connections, its locking and its error classes. Statements are written once
+with ``:name`` parameters and spelled for an engine by its dialect; an
+engine without RETURNING (MariaDB, MySQL) runs the forms written for it
+below, which decide in the same WHERE clauses."""
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from ..errors import MalformedRowError, SchemaTooNewError
+from ..errors import InvalidPrincipalError, MalformedRowError, SchemaTooNewError, StorageError
 from ..outcomes import (
     FencedEvent,
     InitAction,
@@ -107,12 +110,13 @@ RETURNING generation
 RENEW_MAX = 512
 
 
-def renew_text(size: int) -> str:
+def renew_text(size: int, returning: bool = True) -> str:
     values = ", ".join(f"(:p{i}, :k{i}, :g{i}, :t{i})" for i in range(size))
     return (
         "UPDATE idempotency_keys SET updated_at = :now"
         f" WHERE status = 'pending' AND (principal, key, generation, token) IN (VALUES {values})"
-        " RETURNING generation"
+        # Without RETURNING the engine hands back one row per affected row.
+        + (" RETURNING generation" if returning else "")
     )
 
 
@@ -147,6 +151,11 @@ OLDEST_WITH_FENCED = (
 )
 # Below every timestamp a ledger holds: an index walk from the start.
 FROM_THE_START = -(2**62)
+
+INSERT_VERSION = (
+    "INSERT INTO idemctl_schema_version (version, applied_at) VALUES (:version, :now)"
+    " ON CONFLICT DO NOTHING RETURNING version"
+)
 
 COUNT_EXPIRED = "SELECT count(*) FROM idempotency_keys WHERE updated_at < :cutoff"
 COUNT_FENCED_EXPIRED = "SELECT count(*) FROM idemctl_fenced_out WHERE fenced_at < :cutoff"
@@ -201,6 +210,88 @@ WHERE principal = :principal AND key = :key
   AND (status <> 'pending' OR CAST(:stale_before AS BIGINT) IS NULL OR updated_at < :stale_before)
 RETURNING {ROW_COLUMNS}
 """
+
+# -- engines without RETURNING (MariaDB, MySQL) ----------------------------------------
+# MariaDB has RETURNING on INSERT and DELETE but not on UPDATE; MySQL has
+# none. One set of forms serves both: the engine hands back one row per
+# affected row, holding LAST_INSERT_ID(), so the affected-row count answers
+# "did this statement decide for me" and a form that must return a value
+# sets it with LAST_INSERT_ID(expr) inside the same statement. Every
+# decision stays in the same WHERE clause as above.
+
+
+def _without_returning(sql: str) -> str:
+    """A statement whose RETURNING only said "a row matched": its
+    affected-row count says the same."""
+    return re.sub(r"\s*RETURNING [^;]*\Z", "\n", sql)
+
+
+# A no-op update of a duplicate affects no row (the driver does not set
+# CLIENT_FOUND_ROWS), so exactly the claim that inserted gets a row back.
+# Not INSERT IGNORE: that would also turn a value the column cannot hold
+# into a warning.
+MYSQL_CLAIM = """
+INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, token, created_at, updated_at)
+VALUES (:principal, :key, :fingerprint, 'pending', LAST_INSERT_ID(1), :token, :now, :now)
+ON DUPLICATE KEY UPDATE generation = generation
+"""
+
+# TAKEOVER's two kinds, decided in the same WHERE. The new generation travels
+# back through LAST_INSERT_ID(expr), set by the very assignment the WHERE
+# allowed. MySQL assigns left to right, each assignment seeing the ones
+# before it: created_at reads the old updated_at, so updated_at comes last.
+MYSQL_TAKEOVER = """
+UPDATE idempotency_keys
+SET created_at = CASE WHEN updated_at < :expired_before THEN :now ELSE created_at END,
+    generation = LAST_INSERT_ID(generation + 1), token = :token,
+    fingerprint = :fingerprint, status = 'pending',
+    response_status = NULL, response_body = NULL, response_headers = NULL,
+    updated_at = :now
+WHERE principal = :principal AND key = :key
+  AND ((status = 'pending' AND fingerprint = :fingerprint AND updated_at < :stale_before)
+       OR updated_at < :expired_before)
+"""
+
+# The event's id comes back as LAST_INSERT_ID(); the event is read back by
+# it (the log is append-only: the row cannot change in between).
+MYSQL_RECORD_FENCED = """
+INSERT INTO idemctl_fenced_out
+  (principal, key, superseded_generation, current_generation, computed_status, fenced_at)
+VALUES (:principal, :key, :generation,
+        (SELECT generation FROM idempotency_keys WHERE principal = :principal AND key = :key),
+        :status, :now)
+"""
+FENCED_EVENT = f"SELECT {EVENT_COLUMNS} FROM idemctl_fenced_out WHERE id = :id"
+
+MYSQL_SWEEP_FENCED = """
+DELETE FROM idemctl_fenced_out WHERE fenced_at < :cutoff ORDER BY fenced_at LIMIT :limit
+"""
+
+# Purge without RETURNING: read the row, then delete exactly that version of
+# it (token, generation, status and updated_at in the WHERE, with the
+# refusal of a fresh pending row): a row that changed in between is not
+# deleted, and is read again.
+PURGE_READ = f"SELECT {ROW_COLUMNS}, token FROM idempotency_keys WHERE principal = :principal AND key = :key"
+PURGE_VERSION = """
+DELETE FROM idempotency_keys
+WHERE principal = :principal AND key = :key AND token <=> :token AND generation = :generation
+  AND status = :status AND updated_at = :updated_at
+  AND (status <> 'pending' OR :stale_before IS NULL OR updated_at < :stale_before)
+"""
+PURGE_TRIES = 10
+
+WITHOUT_RETURNING: Mapping[str, str] = {
+    CLAIM: MYSQL_CLAIM,
+    TAKEOVER: MYSQL_TAKEOVER,
+    COMPLETE: _without_returning(COMPLETE),
+    RELEASE: _without_returning(RELEASE),
+    RECORD_FENCED: MYSQL_RECORD_FENCED,
+    SWEEP_FENCED: MYSQL_SWEEP_FENCED,
+    INSERT_VERSION: (
+        "INSERT INTO idemctl_schema_version (version, applied_at) VALUES (:version, :now)"
+        " ON DUPLICATE KEY UPDATE version = version"
+    ),
+}
 
 
 # -- copying a ledger to another: every statement reads one page or writes one batch --------
@@ -463,7 +554,10 @@ class Store:
         """A statement as this engine spells it (cached: the hot path asks twice a request)."""
         spelled = self._sql.get(text)
         if spelled is None:
-            spelled = self._sql[text] = self._spell(text)
+            form = text if self.dialect.returning else WITHOUT_RETURNING.get(text, text)
+            if not self.dialect.returning and "RETURNING" in form:
+                raise StorageError(f"no form for {self.dialect.name} of: {' '.join(text.split())}")
+            spelled = self._sql[text] = self._spell(form)
         return spelled
 
     def _read(self, text: str, params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
@@ -499,6 +593,8 @@ class Store:
     def decode_row(self, values: tuple[Any, ...]) -> StoredRow:
         """A row as stored, or MalformedRowError naming what is wrong with it."""
         principal, key, fp, status, generation, rstatus, rbody, rheaders, created, updated = values
+        text = self.dialect.read_text
+        principal, key, fp = text(principal), text(key), text(fp)
         if not isinstance(principal, str) or not isinstance(key, str):
             raise MalformedRowError(principal, key, "principal and key must be text")
         try:
@@ -591,13 +687,7 @@ class Store:
             for f in schema_files(self.dialect.name):
                 if f.version > floor:
                     tx.script(f.sql)
-            mine = tx.execute(
-                self.sql(
-                    f"INSERT INTO {VERSION_TABLE} (version, applied_at) VALUES (:version, :now)"
-                    " ON CONFLICT DO NOTHING RETURNING version"
-                ),
-                {"version": SCHEMA_VERSION, "now": now},
-            )
+            mine = tx.execute(self.sql(INSERT_VERSION), {"version": SCHEMA_VERSION, "now": now})
             if not mine:
                 # Another init decided from the same state and committed first
                 # (with no version table there was nothing to lock); our
@@ -614,6 +704,13 @@ class Store:
     def claim_statement(
         self, principal: str, key: str, fingerprint: str, token: int, now: int
     ) -> Statement[int | None]:
+        limit = self.dialect.max_principal_bytes
+        if limit is not None and len(principal.encode("utf-8")) > limit:
+            # Refused before any statement, as for the principals no engine can store.
+            raise InvalidPrincipalError(
+                f"principal is {len(principal.encode('utf-8'))} bytes in UTF-8; "
+                f"a {self.dialect.name} ledger stores principals of up to {limit} bytes"
+            )
         params = {"principal": principal, "key": key, "fingerprint": fingerprint, "token": token, "now": now}
         return Statement(self.sql(CLAIM), params, _first_int, True)
 
@@ -713,7 +810,7 @@ class Store:
             params: dict[str, Any] = {"now": now}
             for i, (principal, key, generation, token) in enumerate(chunk):
                 params.update({f"p{i}": principal, f"k{i}": key, f"g{i}": generation, f"t{i}": token})
-            renewed += len(self._write(renew_text(size), params))
+            renewed += len(self._write(renew_text(size, self.dialect.returning), params))
         return renewed
 
     def record_fenced(
@@ -721,7 +818,17 @@ class Store:
     ) -> FencedEvent | None:
         if not self.has_fenced_log():
             return None
+        if not self.dialect.returning:
+            # No RETURNING: the insert hands back the event's id; the event is read back by it.
+            params = {"principal": principal, "key": key, "generation": generation}
+            rows = self._write(RECORD_FENCED, {**params, "status": computed_status, "now": now})
+            return self._event(self._read(FENCED_EVENT, {"id": rows[0][0]})[0]) if rows else None
         return self.run(self.record_fenced_statement(principal, key, generation, computed_status, now))
+
+    def _event(self, values: tuple[Any, ...]) -> FencedEvent:
+        decoded = list(values)
+        decoded[1:3] = [self.dialect.read_text(v) for v in values[1:3]]
+        return FencedEvent(*decoded)
 
     # -- sweep ------------------------------------------------------------------------------
     def sweep(self, now: int, cutoff: int, fenced_cutoff: int, limit: int) -> SweepResult:
@@ -984,7 +1091,7 @@ class Store:
             sql += " LIMIT :limit"
             params["limit"] = limit
         for values in self._read(sql, params):
-            yield FencedEvent(*values)
+            yield self._event(values)
 
     def stats(self, now: int, stale_before: int, expired_before: int) -> Stats:
         counts = self._read(STATS, {"stale_before": stale_before, "expired_before": expired_before})[0]
@@ -1008,6 +1115,8 @@ class Store:
 
     def purge(self, principal: str, key: str, stale_before: int | None) -> PurgeResult:
         self._guard()
+        if not self.dialect.returning:
+            return self._purge_by_version(principal, key, stale_before)
         rows = self._write(PURGE, {"principal": principal, "key": key, "stale_before": stale_before})
         if rows:
             return PurgeResult(PurgeOutcome.PURGED, self.decode_row(rows[0]))
@@ -1015,6 +1124,28 @@ class Store:
         if row is None:
             return PurgeResult(PurgeOutcome.NOT_FOUND, None)
         return PurgeResult(PurgeOutcome.REFUSED_FRESH_PENDING, row)
+
+    def _purge_by_version(self, principal: str, key: str, stale_before: int | None) -> PurgeResult:
+        where = {"principal": principal, "key": key}
+        seen = self._read(PURGE_READ, where)
+        for _ in range(PURGE_TRIES):
+            if not seen:
+                return PurgeResult(PurgeOutcome.NOT_FOUND, None)
+            *values, token = seen[0]
+            row = self.decode_row(tuple(values))
+            _, _, _, status, generation, _, _, _, _, updated = values
+            version = {"token": token, "generation": generation, "status": status, "updated_at": updated}
+            if self._write(PURGE_VERSION, {**where, **version, "stale_before": stale_before}):
+                return PurgeResult(PurgeOutcome.PURGED, row)
+            again = self._read(PURGE_READ, where)
+            if again == seen:
+                # The same version is still there: the WHERE refused it.
+                return PurgeResult(PurgeOutcome.REFUSED_FRESH_PENDING, row)
+            seen = again
+        # Rewritten under us every time: as busy as a fresh reservation.
+        if not seen:
+            return PurgeResult(PurgeOutcome.NOT_FOUND, None)
+        return PurgeResult(PurgeOutcome.REFUSED_FRESH_PENDING, self.decode_row(tuple(seen[0][:-1])))
 
 
 def _event_params(event: FencedEvent) -> dict[str, Any]:
