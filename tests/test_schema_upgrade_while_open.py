@@ -20,7 +20,9 @@ def recipe_only(target: str) -> None:
     """A ledger holding the recipe's table alone (schema version 0)."""
     engine = open_engine(target)
     recipe = schema_files(engine.dialect.name)[0]
-    assert recipe.version == 0
+    if recipe.version != 0:
+        engine.close()
+        pytest.skip(f"a {engine.dialect.name} ledger never held the recipe's table alone: it is born at schema 2")
     engine.migrate(lambda tx: tx.script(recipe.sql), write=True)
     engine.close()
 

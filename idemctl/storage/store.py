@@ -799,8 +799,9 @@ class Store:
 
     def renew(self, held: Sequence[tuple[str, str, int, int | None]], now: int) -> int:
         """Move `updated_at` to `now` for every (principal, key, generation,
-        token) still pending as held; how many rows were renewed. One
-        statement per RENEW_MAX reservations."""
+        token) still pending as held; how many rows were renewed (on
+        MariaDB/MySQL, rows whose `updated_at` changed). One statement per
+        RENEW_MAX reservations."""
         self._guard()
         renewed = 0
         for start in range(0, len(held), RENEW_MAX):
