@@ -22,6 +22,21 @@ def _sp(s: dict[str, Any] | None, digits: int = 2) -> str:
     return f"{_n(s['median'], digits)} ({_n(s['min'], digits)}–{_n(s['max'], digits)})"
 
 
+def measured_apart(res: dict[str, Any]) -> list[str]:
+    """The line saying when a benchmark merged into the results was measured."""
+    m = res.get("measured")
+    if not m:
+        return []
+    load = "/".join(f"{x:.1f}" for x in m.get("loadavg", ()))
+    conditions = (m.get("conditions") or "").rstrip()
+    tail = f" {conditions}" + ("" if conditions.endswith((".", "!", "?")) else ".") if conditions else ""
+    return [
+        f"_Measured apart from the rest of this run: {m['started_utc']} at commit `{m['commit']}`, "
+        f"load average {load} at the end._{tail}",
+        "",
+    ]
+
+
 def _gap(name: str, res: dict[str, Any] | None) -> str | None:
     if res is None:
         return f"_{name}: not run._"
@@ -242,6 +257,52 @@ def _memory(sw: dict[str, Any] | None, mem: dict[str, Any] | None) -> list[str]:
             f"| {mem['rss_after_first_tenth_mib']:.1f} MiB after the first tenth | {mem['ratio_end_to_first_tenth']:.3f} "
             f"(+{mem['growth_mib']:.1f} MiB) |"
         )
+    return out
+
+
+def _instructions(res: dict[str, Any]) -> list[str]:
+    aims = res["aims"]
+    out = [
+        f"Counted by valgrind's callgrind over {res['requests_per_segment']} requests per row, after "
+        f"{res['warm_up']} warm-up requests (SQLite, `synchronous=OFF`, 1 KiB bodies in and out, Python "
+        f"{res['python']}, commit `{res['commit']}`). Instruction counts are the same on a busy machine as on an "
+        "idle one: they are the headline, and a change that adds work to the request path shows here as a number.",
+        "",
+        "| (0) instructions per request | ours | floor | ours ÷ floor | the app alone | the adapter's own |",
+        "|---|---|---|---|---|---|",
+    ]
+    floors = {"raw_first": f"{_n(res['raw_first'])} (raw pair)", "raw_replay": f"{_n(res['raw_replay'])} (claim attempt + SELECT)"}
+    for row in res["rows"]:
+        if row["name"].startswith("raw_"):
+            continue
+        out.append(
+            f"| {row['what']} | {_n(row['instructions'])} | {floors[row['floor']]} | {row['ratio']:.2f} "
+            f"| {_n(row.get('app_alone'))} | {_n(row.get('adapter_own'))} |"
+        )
+    out += [
+        "",
+        "Where a first call's instructions go (each phase counted alone with the arguments a request passes it; "
+        "the rest is what is left of the whole):",
+        "",
+        "| (0) phase of a first call | instructions | raw statement |",
+        "|---|---|---|",
+    ]
+    for ph in res["phases"]:
+        out.append(f"| {ph['phase']} | {_n(ph['instructions'])} | {_n(ph.get('raw'))} |")
+    lib = res.get("sqlite_library") or {}
+    if lib:
+        out += [
+            "",
+            "Of these, SQLite's own library (callgrind's inclusive cost of `sqlite3_step` and "
+            f"`sqlite3_prepare_v2`): {_n(lib.get('handle_first'))} a first call ({_n(lib.get('raw_first'))} raw), "
+            f"{_n(lib.get('handle_replay'))} a replay ({_n(lib.get('raw_replay'))} raw).",
+        ]
+    held = lambda got, aim: "holds" if got is not None and got <= aim else "**missed**"  # noqa: E731
+    out += [
+        "",
+        f"Aims: first calls ≤ {aims['first_aim']}× raw: {aims['first_ratio']:.2f}, {held(aims['first_ratio'], aims['first_aim'])}; "
+        f"replays ≤ {aims['replay_aim']}×: {aims['replay_ratio']:.2f}, {held(aims['replay_ratio'], aims['replay_aim'])}.",
+    ]
     return out
 
 
@@ -541,6 +602,9 @@ def _peer_fact_notes(facts: dict[str, Any]) -> list[str]:
 def render(r: dict[str, Any]) -> str:
     b = r["benchmarks"]
     parts: list[str] = [_machine(r), ""]
+    if "instructions" in b:  # results from before it existed have no such section
+        gap = _gap("instructions", b["instructions"])
+        parts += ([gap] if gap else measured_apart(b["instructions"]) + _instructions(b["instructions"])) + [""]
     sections = [
         ("cycle", _cycle),
         ("middleware", _middleware),
@@ -553,16 +617,16 @@ def render(r: dict[str, Any]) -> str:
         if gap:
             parts += [gap, ""]
             continue
-        parts += fn(b[name]) + [""]
+        parts += measured_apart(b[name]) + fn(b[name]) + [""]
     sw = b.get("sweep") if b.get("sweep") and "error" not in b["sweep"] else None
     mem = b.get("memory") if b.get("memory") and "error" not in b["memory"] else None
     parts += _memory(sw, mem) + [""]
     if b.get("memory") and "error" in b["memory"]:
         parts += [_gap("memory", b["memory"]) or "", ""]
     gap = _gap("postgres", b.get("postgres"))
-    parts += ([gap] if gap else _postgres(b["postgres"])) + [""]
+    parts += ([gap] if gap else measured_apart(b["postgres"]) + _postgres(b["postgres"])) + [""]
     gap = _gap("asgi", b.get("asgi"))
-    parts += ([gap] if gap else _asgi(b["asgi"])) + [""]
+    parts += ([gap] if gap else measured_apart(b["asgi"]) + _asgi(b["asgi"])) + [""]
     if "group_commit" in b:  # results from before it existed have no such section
         gap = _gap("group_commit", b["group_commit"])
         parts += ([gap] if gap else _group_commit(b["group_commit"])) + [""]
@@ -572,8 +636,49 @@ def render(r: dict[str, Any]) -> str:
     return "\n".join(parts).rstrip() + "\n"
 
 
+TITLE = "# Performance\n"
+
+
+def _usable(res: dict[str, Any] | None) -> bool:
+    return res is not None and "missing" not in res and "error" not in res
+
+
+def glance(b: dict[str, Any]) -> str:
+    """What a user wants first: the cost of a request, and what to choose."""
+    out = ["## At a glance", ""]
+    ins = b.get("instructions")
+    if _usable(ins):
+        first = next(r for r in ins["rows"] if r["name"] == "handle_first")
+        replay = next(r for r in ins["rows"] if r["name"] == "handle_replay")
+        out += [
+            f"- **Cost per request, in CPU work** (0): a first call through `Ledger.handle` is "
+            f"{_n(first['instructions'])} instructions, {first['ratio']:.2f}× the "
+            f"{_n(ins['raw_first'])} of its two raw statements through `sqlite3`; a replay "
+            f"{_n(replay['instructions'])}, {replay['ratio']:.2f}× a raw claim attempt + primary-key SELECT. "
+            "These counts do not move with the machine's load: a change that makes them grow is a regression.",
+        ]
+    cyc = b.get("cycle")
+    if _usable(cyc):
+        full, normal = cyc["full"], cyc["normal"]
+        out += [
+            f"- **In seconds** (1), on one core: `handle` runs at {full['handle']['ratio']['median']:.2f}× the raw "
+            f"statement pair under `synchronous=FULL` ({_n(full['handle']['ops_per_s']['median'])} requests/s), "
+            f"{normal['handle']['ratio']['median']:.2f}× under NORMAL ({_n(normal['handle']['ops_per_s']['median'])}/s).",
+        ]
+    out += [
+        "- **Which engine**: SQLite for one host (any number of worker processes on it); PostgreSQL when "
+        "several hosts share one ledger, or when the app's data already lives there (7).",
+        "- **Which settings on SQLite**: `synchronous=FULL` (the default) is what makes a stored answer survive "
+        "a power cut; on it the fsync is most of a request, and `group_commit=True` lets threads of one process "
+        "share it (9). `synchronous=NORMAL` survives an application crash but can lose the last commits on "
+        "power loss, and runs several times faster. Keep the writer queue on (the default) when several "
+        "processes write.",
+        "",
+    ]
+    return "\n".join(out)
+
 INTRO = """\
-# Performance
+## How the figures are measured
 
 An idempotency ledger sits on every mutating request, so its cost is part of
 every API call. `bench/` measures that cost against a floor measured in the
@@ -595,6 +700,7 @@ This page is written by `python -m bench --report` from
 python -m bench            # the whole suite, about 11 minutes on 2 cores; writes bench/results/latest.json
 python -m bench --peers    # the same, then idemctl beside idemkit and Powertools (10): pip install -e '.[bench]'
 python -m bench --report   # renders this page from bench/results/latest.json
+python -m bench --instructions  # (0) alone, with valgrind: merged into latest.json, page re-rendered
 python -m bench --quick    # every benchmark at tiny sizes, ~20 s: checks the harness, says nothing about speed
 ```
 
@@ -928,7 +1034,7 @@ def _asgi_notes(res: dict[str, Any]) -> list[str]:
 def render_page(r: dict[str, Any]) -> str:
     """All of docs/performance.md."""
     notes = _notes(r["benchmarks"])
-    parts = [INTRO, render(r)]
+    parts = [TITLE, glance(r["benchmarks"]), INTRO, render(r)]
     if notes:
         parts += ["## Reading the tables\n", "\n".join(notes) + "\n"]
     parts.append(WRITER_QUEUE)
