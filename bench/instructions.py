@@ -48,7 +48,7 @@ def available() -> str | None:
 
 
 # -- the child: the workload under callgrind ------------------------------------------
-def _child(workdir: str, n: int, quick: bool, manifest: str) -> None:
+def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = True) -> None:
     import asyncio
     import io
 
@@ -179,6 +179,11 @@ def _child(workdir: str, n: int, quick: bool, manifest: str) -> None:
         raw.execute(RAW_COMPLETE, {"principal": principal, "key": key, "token": 1, "now": now + 1, **done}).fetchall()
 
     segment("raw_complete", raw_complete, what="raw fenced completion statement")
+
+    if not adapters:
+        with open(manifest, "w", encoding="utf-8") as f:
+            json.dump({"segments": segments, "dumps": dumps}, f)
+        return
 
     # -- the adapters: each around the least app of its framework, and that app alone
     def start_response(status: str, headers: list[Any], exc_info: Any = None) -> Any:
@@ -457,4 +462,5 @@ def _summarise(per: dict[str, float], sqlite_share: dict[str, float], segments: 
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "quick", sys.argv[4])
+    # mode: "full", "quick", or "ledger" (no adapters: a quicker look while working on the ledger)
+    _child(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "quick", sys.argv[4], adapters=sys.argv[3] != "ledger")
