@@ -11,11 +11,11 @@ import json
 import logging
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .errors import InvalidResponseError
-from .fingerprint import HeadersLike, as_body_bytes, header_pairs
+from .fingerprint import HeadersLike, as_body_bytes
 from .policy import Policy
 
 NULL_BODY_STATUSES = frozenset({204, 205, 304})
@@ -37,12 +37,21 @@ _FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
 _FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*\Z")
 _SPLITTING = re.compile(r"[\r\n\x00]")
 _LOGGED_CHARS = 200  # a dropped value is quoted in the log up to this many characters
+# Pairs already found sendable: most answers repeat the same few headers
+# (content-type), and every replay checks its row's again. Bounded: emptied
+# when full. Only str pairs that passed every check are ever added.
+_SENDABLE: set[tuple[str, str]] = set()
+_SENDABLE_MAX = 1024
 
 
 # Compact separators: identical to the recipe's JSON.stringify output, so
 # rows and error bodies are byte-compatible with the Worker's. Built once:
 # json.dumps with any option builds a new encoder on every call.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
+# The JSON string encoder _ENCODER uses (ensure_ascii=False).
+_string = json.encoder.encode_basestring
 
 
 def _dumps(payload: object) -> str:
@@ -94,8 +103,17 @@ def header_problem(name: object, value: object) -> str | None:
     >>> header_problem("location", "/orders/42") is None
     True
     """
+    if type(name) is str and type(value) is str and (name, value) in _SENDABLE:
+        return None
     if not isinstance(name, str) or not _FIELD_NAME.match(name):
         return "its name is not a valid HTTP field name"
+    if isinstance(value, str) and _FIELD_VALUE.match(value):
+        # A valid value has no CR, LF or NUL either (they are not field-value characters).
+        if type(name) is str and type(value) is str:  # a subclass could hash or compare its own way
+            if len(_SENDABLE) >= _SENDABLE_MAX:
+                _SENDABLE.clear()
+            _SENDABLE.add((name, value))
+        return None
     if not isinstance(value, str):
         return f"its value is a JSON {_json_type(value)}, not a string"
     if _SPLITTING.search(value):
@@ -194,12 +212,17 @@ def replayable_pairs(headers: HeadersLike | None, names: Iterable[str]) -> list[
     >>> replayable_pairs([("Set-Cookie", "a=1"), ("Location", "/x"), ("set-cookie", "b=2")], ["location", "set-cookie"])
     [('location', '/x'), ('set-cookie', 'a=1'), ('set-cookie', 'b=2')]
     """
-    wanted: dict[str, list[str]] = {n.lower(): [] for n in names}
-    for name, value in header_pairs(headers):
-        bucket = wanted.get(name.lower())
-        if bucket is not None:
-            bucket.append(value.strip(" \t\r\n"))
-    return [(name, value) for name, values in wanted.items() for value in values]
+    wanted: dict[str, list[str] | None] = dict.fromkeys(n.lower() for n in names)
+    if headers is not None:
+        # One pass over the headers, and no pair list: this runs on every completion.
+        for name, value in headers.items() if isinstance(headers, Mapping) else headers:
+            lname = str(name).lower()
+            if lname in wanted:
+                bucket = wanted[lname]
+                if bucket is None:
+                    bucket = wanted[lname] = []
+                bucket.append(str(value).strip(" \t\r\n"))
+    return [(name, value) for name, values in wanted.items() if values for value in values]
 
 
 def headers_to_json(pairs: Iterable[tuple[str, str]]) -> str:
@@ -213,7 +236,13 @@ def headers_to_json(pairs: Iterable[tuple[str, str]]) -> str:
     grouped: dict[str, list[str]] = {}
     for name, value in pairs:
         grouped.setdefault(name, []).append(value)
-    return _dumps({name: values[0] if len(values) == 1 else values for name, values in grouped.items()})
+    # What _dumps writes for this object of strings, without building an
+    # encoder for it on every completion: the string encoder is the one it uses.
+    fields = [
+        f"{_string(name)}:{_string(values[0]) if len(values) == 1 else '[' + ','.join(map(_string, values)) + ']'}"
+        for name, values in grouped.items()
+    ]
+    return "{" + ",".join(fields) + "}"
 
 
 def stored_header_pairs(headers_json: str | None) -> list[tuple[str, object]]:

@@ -4,10 +4,12 @@ those columns (`from_stored`) sends, for every shape of answer."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from idemctl import Ledger, Policy
-from idemctl.responses import OversizeBody, from_stored, to_store
+from idemctl.responses import OversizeBody, from_stored, header_problem, headers_to_json, to_store
 
 POLICY = Policy(
     replayable_headers=("content-type", "location", "set-cookie", "x-note"),
@@ -50,3 +52,19 @@ def test_a_first_answer_and_its_replay_through_the_ledger_are_equal_for_a_repeat
         (("location", "/o/1"), ("set-cookie", "a=1"), ("set-cookie", "b=2")),
         b"made",
     )
+
+
+def test_the_stored_headers_column_is_the_compact_json_object_for_any_strings():
+    pairs = [("a", "1"), ("a", '2 "quoted" \\ back'), ("b", "\x01 caf\xe9 \u2028")]
+    grouped = {"a": ["1", '2 "quoted" \\ back'], "b": "\x01 caf\xe9 \u2028"}
+    expected = json.dumps(grouped, separators=(",", ":"), ensure_ascii=False)
+    assert headers_to_json(pairs) == expected
+    assert headers_to_json([]) == "{}"
+
+
+def test_a_foreign_row_with_nested_header_values_replays_without_them_every_time(caplog):
+    row = '{"location":[["/x"]],"content-type":{"a":1},"x-note":"kept"}'
+    for _ in range(2):  # the second time as well: nothing about a bad pair is remembered as good
+        assert from_stored(200, "ok", row) == (200, (("x-note", "kept"),), b"ok")
+    assert header_problem("x-note", "kept") is None
+    assert header_problem("location", "/x\r\nSet-Cookie: a=1") == "its value contains CR, LF or NUL"
