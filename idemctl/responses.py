@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from .errors import InvalidResponseError
 from .fingerprint import HeadersLike, as_body_bytes
+from .outcomes import quick_init
 from .policy import Policy
 
 NULL_BODY_STATUSES = frozenset({204, 205, 304})
@@ -66,6 +67,7 @@ class OversizeBody:
     size: int
 
 
+@quick_init
 @dataclass(frozen=True)
 class ToStore:
     """The three response columns of a completed row, and the answer they
