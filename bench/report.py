@@ -349,8 +349,8 @@ Savings kept, each counted before and after (instructions per request, `Ledger.h
 | change | first call | replay |
 |---|---|---|
 | before (`8eabe71`) | 463 388 | 313 796 |
-| an `Event` built only when a listener or the INFO log hears it (events phase 20 816 → 0 for routine outcomes); the first answer built from the stored columns' own checked pairs and bytes, not by decoding the JSON and checking every header again (store phase −33 000); control characters in the request line found by one regex, not a Python step per character (fingerprint phase −12 500); the JSON encoder built once; a free writer queue taken without reading the clock twice | 399 370 | 283 333 |
-| fingerprint and replayable headers picked in one pass with no list of every pair; the headers column written with JSON's own string encoder instead of an encoder object per answer; a header pair once found sendable not matched against three patterns again (a bounded memo) | 379 125 | 274 145 |
+| an `Event` built only when a listener or the INFO log hears it (events phase 20 816 → 0 for routine outcomes); the first answer built from the stored columns' own checked pairs and bytes, not by decoding the JSON and checking every header again (store phase −33 000); control characters in the request line found by one regex, not a Python step per character (fingerprint phase −12 500) | 399 370 | 283 333 |
+| the JSON encoder built once; a free writer queue taken without reading the clock twice; fingerprint and replayable headers picked in one pass with no list of every pair; the headers column written with JSON's own string encoder instead of an encoder object per answer; a header pair once found sendable not matched against three patterns again (a bounded memo) | 379 125 | 274 145 |
 | the values built per request (answer, ticket, reservation, row, completion, stored columns, event) filled in one step instead of one `object.__setattr__` call per field | 352 267 | 260 158 |
 
 Tried and not kept: Python's built-in `_sha256` instead of OpenSSL's (54 000
