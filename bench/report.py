@@ -803,7 +803,7 @@ python -m bench            # the whole suite, about 11 minutes on 2 cores; write
 python -m bench --peers    # the same, then idemctl beside idemkit and Powertools (10): pip install -e '.[bench]'
 python -m bench --report   # renders this page from bench/results/latest.json
 python -m bench --instructions  # (0) alone, with valgrind: merged into latest.json, page re-rendered
-python -m bench --quick    # every benchmark at tiny sizes, ~20 s: checks the harness, says nothing about speed
+python -m bench --quick    # every benchmark at tiny sizes, about 2 minutes (valgrind starting Python is most of it): checks the harness only
 ```
 
 The database files go to a fresh directory under the system temporary
@@ -816,6 +816,10 @@ came out.
 
 ## The floors
 
+0. **Instructions**: the raw statements of (1), counted by valgrind's
+   callgrind in the same process as the ledger (`synchronous=OFF`, so that
+   no fsync hides the CPU); each adapter also against its framework's least
+   app alone, so what is left over is the adapter's own.
 1. **Request cycle**: a claim `INSERT … ON CONFLICT DO NOTHING RETURNING`
    plus a fenced `UPDATE … RETURNING` storing a 1 KiB body; for replays and
    409s, a primary-key `SELECT`.
