@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report.render(results))
     if args.merge and not args.quick:
         report.write_page(args.page, results)
-    log(f"results written to {out_path} ({results['elapsed_s']} s in all)")
+    log(f"results written to {out_path} ({round(time.perf_counter() - t_all, 1)} s in all)")
     if created and not args.quick:
         shutil.rmtree(workdir, ignore_errors=True)
     elif created:
