@@ -315,6 +315,15 @@ def aims(b: dict[str, Any]) -> str:
             ok = got <= bound if at_most else got >= bound
             verdict, shown = ("yes" if ok else "**no**"), (f"{got:.0f}" if bound >= 100 else f"{got:.2f}")
         out.append(f"| {label} | {where} | {shown} | {'≤' if at_most else '≥'} {bound:g} | {verdict} |")
+    apart = [b[name]["measured"] for name in ("cycle", "asgi", "postgres") if _usable(b.get(name)) and "measured" in b[name]]
+    if apart:
+        loads = [x for m in apart for x in m.get("loadavg", ())]
+        out += [
+            "",
+            f"The seconds were measured apart from the whole run below, while other work kept the machine busy "
+            f"(load average {min(loads):.0f}–{max(loads):.0f} at the end of each): their ratios are lower and "
+            "noisier than on an idle machine. The instruction counts are not affected by load.",
+        ]
     out += ["", LEFT_OVER, ""]
     return "\n".join(out)
 
@@ -349,7 +358,7 @@ Savings kept, each counted before and after (instructions per request, `Ledger.h
 | change | first call | replay |
 |---|---|---|
 | before (`8eabe71`) | 463 388 | 313 796 |
-| an `Event` built only when a listener or the INFO log hears it (events phase 20 816 → 0 for routine outcomes); the first answer built from the stored columns' own checked pairs and bytes, not by decoding the JSON and checking every header again (store phase −33 000); control characters in the request line found by one regex, not a Python step per character (fingerprint phase −12 500) | 399 370 | 283 333 |
+| an `Event` built only when a listener or the INFO log hears it (events phase 20 816 → about 5 000, the check alone, for routine outcomes); the first answer built from the stored columns' own checked pairs and bytes, not by decoding the JSON and checking every header again (store phase −33 000); control characters in the request line found by one regex, not a Python step per character (fingerprint phase −12 500) | 399 370 | 283 333 |
 | the JSON encoder built once; a free writer queue taken without reading the clock twice; fingerprint and replayable headers picked in one pass with no list of every pair; the headers column written with JSON's own string encoder instead of an encoder object per answer; a header pair once found sendable not matched against three patterns again (a bounded memo) | 379 125 | 274 145 |
 | the values built per request (answer, ticket, reservation, row, completion, stored columns, event) filled in one step instead of one `object.__setattr__` call per field | 352 267 | 260 158 |
 
@@ -765,7 +774,8 @@ def glance(b: dict[str, Any]) -> str:
         out += [
             f"- **In seconds** (1), on one core: `handle` runs at {full['handle']['ratio']['median']:.2f}× the raw "
             f"statement pair under `synchronous=FULL` ({_n(full['handle']['ops_per_s']['median'])} requests/s), "
-            f"{normal['handle']['ratio']['median']:.2f}× under NORMAL ({_n(normal['handle']['ops_per_s']['median'])}/s).",
+            f"{normal['handle']['ratio']['median']:.2f}× under NORMAL ({_n(normal['handle']['ops_per_s']['median'])}/s)"
+            + (" (measured apart, on a busy machine: see the note at (1))." if cyc.get("measured") else "."),
         ]
     out += [
         "- **Which engine**: SQLite for one host (any number of worker processes on it); PostgreSQL when "
