@@ -1,6 +1,8 @@
 """Run the benchmark suite: `python -m bench` (full, about 11 minutes on 2
-cores), `python -m bench --quick` (every benchmark at tiny sizes, well under
-a minute; checks the harness, says nothing about speed) and
+cores), `python -m bench --quick` (every benchmark at tiny sizes, about two
+minutes, most of it valgrind starting Python; checks the harness, says
+nothing about speed), `python -m bench --instructions` (the request path
+counted by callgrind, merged into the published results) and
 `python -m bench --report` (write docs/performance.md from
 bench/results/latest.json without measuring anything). `--peers` adds the
 peers side by side (idemkit, Powertools; `pip install -e '.[bench]'`)."""
@@ -26,6 +28,7 @@ from . import (
     group_commit,
     growth,
     inflight,
+    instructions,
     memory,
     middleware,
     mysql,
@@ -52,6 +55,7 @@ BENCHMARKS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "mysql": mysql.run,
     "asgi": asgi.run,
     "group_commit": group_commit.run,
+    "instructions": instructions.run,
     # Optional: runs only with --peers (or --only peers), since it needs the peers installed.
     "peers": peers.run,
     # ASGI + PostgreSQL with 1, 10 and 50 requests in flight, beside idemkit when installed.
@@ -64,6 +68,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that the harness works, nothing else")
     p.add_argument("--report", action="store_true", help="only write the performance page (--page) from --out")
+    p.add_argument(
+        "--instructions",
+        action="store_true",
+        help="only the instruction counts (valgrind callgrind), merged into --out and rendered into --page",
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other benchmarks already in --out and replace only those run now (each keeps its own stamp)",
+    )
     p.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
     p.add_argument(
         "--peers",
@@ -94,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     only = {n.strip() for n in args.only.split(",") if n.strip()}
+    if args.instructions:
+        only, args.merge = only | {"instructions"}, True
     unknown = only - set(BENCHMARKS)
     if unknown:
         print(f"unknown benchmark(s): {', '.join(sorted(unknown))}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
@@ -136,17 +152,32 @@ def main(argv: list[str] | None = None) -> int:
             res = {"error": f"{type(exc).__name__}: {exc}"}
             failed.append(name)
         res["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        if args.merge:
+            # Measured apart from the run the rest of the file holds: the page says when and where.
+            res["measured"] = {
+                "started_utc": datetime.fromtimestamp(time.time() - res["elapsed_s"], UTC).isoformat(timespec="seconds"),
+                "commit": results["machine"]["commit"],
+                "loadavg": os.getloadavg(),
+                "conditions": args.conditions,
+            }
         results["benchmarks"][name] = res
         log(f"[{name}] {'FAILED' if name in failed else 'done'} in {res['elapsed_s']} s")
     results["finished_utc"] = datetime.now(UTC).isoformat(timespec="seconds")
     results["elapsed_s"] = round(time.perf_counter() - t_all, 1)
     results["machine"]["loadavg_end"] = os.getloadavg()
+    if args.merge and os.path.exists(out_path):
+        with open(out_path, encoding="utf-8") as f:
+            published: dict[str, Any] = json.load(f)
+        published["benchmarks"].update(results["benchmarks"])
+        results = published
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump(results, f, indent=1, sort_keys=False)
         f.write("\n")
     print(report.render(results))
-    log(f"results written to {out_path} ({results['elapsed_s']} s in all)")
+    if args.merge and not args.quick:
+        report.write_page(args.page, results)
+    log(f"results written to {out_path} ({round(time.perf_counter() - t_all, 1)} s in all)")
     if created and not args.quick:
         shutil.rmtree(workdir, ignore_errors=True)
     elif created:

@@ -4,7 +4,6 @@ of docs/performance.md: `render` gives the tables alone (what a run prints),
 
 from __future__ import annotations
 
-import textwrap
 from typing import Any
 
 
@@ -21,6 +20,21 @@ def _sp(s: dict[str, Any] | None, digits: int = 2) -> str:
     if not s:
         return "–"
     return f"{_n(s['median'], digits)} ({_n(s['min'], digits)}–{_n(s['max'], digits)})"
+
+
+def measured_apart(res: dict[str, Any]) -> list[str]:
+    """The line saying when a benchmark merged into the results was measured."""
+    m = res.get("measured")
+    if not m:
+        return []
+    load = "/".join(f"{x:.1f}" for x in m.get("loadavg", ()))
+    conditions = (m.get("conditions") or "").rstrip()
+    tail = f" {conditions}" + ("" if conditions.endswith((".", "!", "?")) else ".") if conditions else ""
+    return [
+        f"_Measured apart from the rest of this run: {m['started_utc']} at commit `{m['commit']}`, "
+        f"load average {load} at the end._{tail}",
+        "",
+    ]
 
 
 def _gap(name: str, res: dict[str, Any] | None) -> str | None:
@@ -243,6 +257,163 @@ def _memory(sw: dict[str, Any] | None, mem: dict[str, Any] | None) -> list[str]:
             f"| {mem['rss_after_first_tenth_mib']:.1f} MiB after the first tenth | {mem['ratio_end_to_first_tenth']:.3f} "
             f"(+{mem['growth_mib']:.1f} MiB) |"
         )
+    return out
+
+
+def _get(res: Any, *path: str) -> Any:
+    for name in path:
+        if not isinstance(res, dict) or name not in res:
+            return None
+        res = res[name]
+    return res
+
+
+def aims(b: dict[str, Any]) -> str:
+    """The request path's aims, each with what this run measured."""
+    ins = b.get("instructions")
+    if not _usable(ins):
+        return ""
+    a = ins["aims"]
+    rows: list[tuple[str, str, float | None, float, bool]] = [
+        # (aim, where, measured, bound, measured must be at most the bound)
+        ("first call ÷ raw pair, in instructions", "(0)", a["first_ratio"], a["first_aim"], True),
+        ("replay ÷ raw claim attempt + SELECT, in instructions", "(0)", a["replay_ratio"], a["replay_aim"], True),
+    ]
+    seconds = [
+        ("`handle` ÷ raw pair, FULL, in seconds", "(1)", ("cycle", "full", "handle", "ratio", "median"), 0.95, False),
+        ("`handle` ÷ raw pair, NORMAL, in seconds", "(1)", ("cycle", "normal", "handle", "ratio", "median"), 0.85, False),
+        (
+            "replay ÷ raw claim attempt + SELECT, in seconds",
+            "(1)",
+            ("cycle", "paths", "replay", "ratio_vs_claim_attempt_and_select", "median"),
+            0.6,
+            False,
+        ),
+        ("ASGI adapter's own µs per first call, NORMAL", "(8)", ("asgi", "normal", "first", "overhead_us", "median"), 100, True),
+        (
+            "FastAPI inside the middleware ÷ both floors",
+            "(8)",
+            ("asgi", "normal", "fastapi", "middleware_first", "ratio_to_both", "median"),
+            0.9,
+            False,
+        ),
+        ("PostgreSQL `handle` ÷ raw psycopg pair", "(7)", ("postgres", "cycle", "handle", "ratio", "median"), 0.95, False),
+        ("PostgreSQL replay ÷ raw PK SELECT", "(7)", ("postgres", "cycle", "replay", "ratio", "median"), 0.6, False),
+    ]
+    for label, where, path, bound, at_most in seconds:
+        rows.append((label, where, _get(b, *path), bound, at_most))
+    out = [
+        "## The request path's aims",
+        "",
+        "| aim | section | measured | bound | holds |",
+        "|---|---|---|---|---|",
+    ]
+    for label, where, got, bound, at_most in rows:
+        if got is None:
+            verdict, shown = "not measured", "–"
+        else:
+            ok = got <= bound if at_most else got >= bound
+            verdict, shown = ("yes" if ok else "**no**"), (f"{got:.0f}" if bound >= 100 else f"{got:.2f}")
+        out.append(f"| {label} | {where} | {shown} | {'≤' if at_most else '≥'} {bound:g} | {verdict} |")
+    apart = [b[name]["measured"] for name in ("cycle", "asgi", "postgres") if _usable(b.get(name)) and "measured" in b[name]]
+    if apart:
+        loads = [x for m in apart for x in m.get("loadavg", ())]
+        out += [
+            "",
+            f"The seconds were measured apart from the whole run below, while other work kept the machine busy "
+            f"(load average {min(loads):.0f}–{max(loads):.0f} at the end of each): their ratios are lower and "
+            "noisier than on an idle machine. The instruction counts are not affected by load.",
+        ]
+    out += ["", LEFT_OVER, ""]
+    return "\n".join(out)
+
+
+LEFT_OVER = """\
+What is left, and why. The SQLite library does the same work under the
+ledger as under the raw statements (callgrind's inclusive cost of
+`sqlite3_step`, below (0)): everything above the raw figures is Python. Of
+it, the sha256 of the fingerprint is about 35 000 instructions a request
+(1 KiB body), a fifth of the raw pair by itself: the raw floor never hashes,
+and the contract cannot do without it. The rest is CPython's price per
+operation, about 500 instructions a function call: validating the key,
+principal and request line, picking headers, building the stored columns
+and the answer, and the store's plumbing around each statement (parameters,
+the writer queue, decoding a row). The savings kept (listed in (0)) removed
+what did nothing for the contract; what remains is each check and value
+the contract needs once. A first call's bound of 1.6× leaves about 100 000
+instructions for all of it, sha256 included, which Python cannot reach
+without dropping checks. In seconds, the fsync of a FULL commit hides much
+of this; under NORMAL and on replays it shows. The ASGI adapter hands each
+first call to a worker thread twice (claim, then store and sweep), each
+hand-off a thread switch and a future: one hand-off per request needs the
+asynchronous decision path to carry the claim and the sweep probe together,
+which is a change to the decision loop and the gate, not to the ledger."""
+
+
+# What each saving on the request path bought, counted as (0) counts (30
+# requests a row, ledger rows only) at the commit before and after it.
+SAVINGS = """\
+Savings kept, each counted before and after (instructions per request, `Ledger.handle`):
+
+| change | first call | replay |
+|---|---|---|
+| before (`8eabe71`) | 463 388 | 313 796 |
+| an `Event` built only when a listener or the INFO log hears it (events phase 20 816 → about 5 000, the check alone, for routine outcomes); the first answer built from the stored columns' own checked pairs and bytes, not by decoding the JSON and checking every header again (store phase −33 000); control characters in the request line found by one regex, not a Python step per character (fingerprint phase −12 500) | 399 370 | 283 333 |
+| the JSON encoder built once; a free writer queue taken without reading the clock twice; fingerprint and replayable headers picked in one pass with no list of every pair; the headers column written with JSON's own string encoder instead of an encoder object per answer; a header pair once found sendable not matched against three patterns again (a bounded memo) | 379 125 | 274 145 |
+| the values built per request (answer, ticket, reservation, row, completion, stored columns, event) filled in one step instead of one `object.__setattr__` call per field | 352 267 | 260 158 |
+
+Tried and not kept: Python's built-in `_sha256` instead of OpenSSL's (54 000
+instructions for 1 KiB against 35 000); copying a prepared sha256 object
+instead of making one (no difference in time). Not done: one pre-built
+statement per step, since the store's cache already hands back the spelled
+text for a dictionary lookup (the store's whole plumbing around a statement,
+parameters included, is about 3 000 instructions)."""
+
+
+def _instructions(res: dict[str, Any]) -> list[str]:
+    aims = res["aims"]
+    out = [
+        f"Counted by valgrind's callgrind over {res['requests_per_segment']} requests per row, after "
+        f"{res['warm_up']} warm-up requests (SQLite, `synchronous=OFF`, 1 KiB bodies in and out, Python "
+        f"{res['python']}, commit `{res['commit']}`). Instruction counts are the same on a busy machine as on an "
+        "idle one: they are the headline, and a change that adds work to the request path shows here as a number.",
+        "",
+        "| (0) instructions per request | ours | floor | ours ÷ floor | the app alone | the adapter's own |",
+        "|---|---|---|---|---|---|",
+    ]
+    floors = {"raw_first": f"{_n(res['raw_first'])} (raw pair)", "raw_replay": f"{_n(res['raw_replay'])} (claim attempt + SELECT)"}
+    for row in res["rows"]:
+        if row["name"].startswith("raw_"):
+            continue
+        out.append(
+            f"| {row['what']} | {_n(row['instructions'])} | {floors[row['floor']]} | {row['ratio']:.2f} "
+            f"| {_n(row.get('app_alone'))} | {_n(row.get('adapter_own'))} |"
+        )
+    out += [
+        "",
+        "Where a first call's instructions go (each phase counted alone with the arguments a request passes it; "
+        "the rest is what is left of the whole):",
+        "",
+        "| (0) phase of a first call | instructions | raw statement |",
+        "|---|---|---|",
+    ]
+    for ph in res["phases"]:
+        out.append(f"| {ph['phase']} | {_n(ph['instructions'])} | {_n(ph.get('raw'))} |")
+    lib = res.get("sqlite_library") or {}
+    if lib:
+        out += [
+            "",
+            "Of these, SQLite's own library (callgrind's inclusive cost of `sqlite3_step` and "
+            f"`sqlite3_prepare_v2`): {_n(lib.get('handle_first'))} a first call ({_n(lib.get('raw_first'))} raw), "
+            f"{_n(lib.get('handle_replay'))} a replay ({_n(lib.get('raw_replay'))} raw).",
+        ]
+    out += ["", SAVINGS]
+    held = lambda got, aim: "holds" if got is not None and got <= aim else "**missed**"  # noqa: E731
+    out += [
+        "",
+        f"Aims: first calls ≤ {aims['first_aim']}× raw: {aims['first_ratio']:.2f}, {held(aims['first_ratio'], aims['first_aim'])}; "
+        f"replays ≤ {aims['replay_aim']}×: {aims['replay_ratio']:.2f}, {held(aims['replay_ratio'], aims['replay_aim'])}.",
+    ]
     return out
 
 
@@ -576,6 +747,9 @@ def _peer_fact_notes(facts: dict[str, Any]) -> list[str]:
 def render(r: dict[str, Any]) -> str:
     b = r["benchmarks"]
     parts: list[str] = [_machine(r), ""]
+    if "instructions" in b:  # results from before it existed have no such section
+        gap = _gap("instructions", b["instructions"])
+        parts += ([gap] if gap else measured_apart(b["instructions"]) + _instructions(b["instructions"])) + [""]
     sections = [
         ("cycle", _cycle),
         ("middleware", _middleware),
@@ -588,19 +762,19 @@ def render(r: dict[str, Any]) -> str:
         if gap:
             parts += [gap, ""]
             continue
-        parts += fn(b[name]) + [""]
+        parts += measured_apart(b[name]) + fn(b[name]) + [""]
     sw = b.get("sweep") if b.get("sweep") and "error" not in b["sweep"] else None
     mem = b.get("memory") if b.get("memory") and "error" not in b["memory"] else None
     parts += _memory(sw, mem) + [""]
     if b.get("memory") and "error" in b["memory"]:
         parts += [_gap("memory", b["memory"]) or "", ""]
     gap = _gap("postgres", b.get("postgres"))
-    parts += ([gap] if gap else _postgres(b["postgres"])) + [""]
+    parts += ([gap] if gap else measured_apart(b["postgres"]) + _postgres(b["postgres"])) + [""]
     if "mysql" in b:  # results from before it existed have no such section
         gap = _gap("mysql", b["mysql"])
         parts += ([gap] if gap else _mysql(b["mysql"])) + [""]
     gap = _gap("asgi", b.get("asgi"))
-    parts += ([gap] if gap else _asgi(b["asgi"])) + [""]
+    parts += ([gap] if gap else measured_apart(b["asgi"]) + _asgi(b["asgi"])) + [""]
     if "group_commit" in b:  # results from before it existed have no such section
         gap = _gap("group_commit", b["group_commit"])
         parts += ([gap] if gap else _group_commit(b["group_commit"])) + [""]
@@ -707,6 +881,45 @@ def _inflight(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _usable(res: dict[str, Any] | None) -> bool:
+    return res is not None and "missing" not in res and "error" not in res
+
+
+def glance(b: dict[str, Any]) -> str:
+    """What a user wants first: the cost of a request, and what to choose."""
+    out = ["## At a glance", ""]
+    ins = b.get("instructions")
+    if _usable(ins):
+        first = next(r for r in ins["rows"] if r["name"] == "handle_first")
+        replay = next(r for r in ins["rows"] if r["name"] == "handle_replay")
+        out += [
+            f"- **Cost per request, in CPU work** (0): a first call through `Ledger.handle` is "
+            f"{_n(first['instructions'])} instructions, {first['ratio']:.2f}× the "
+            f"{_n(ins['raw_first'])} of its two raw statements through `sqlite3`; a replay "
+            f"{_n(replay['instructions'])}, {replay['ratio']:.2f}× a raw claim attempt + primary-key SELECT. "
+            "These counts do not move with the machine's load: a change that makes them grow is a regression.",
+        ]
+    cyc = b.get("cycle")
+    if _usable(cyc):
+        full, normal = cyc["full"], cyc["normal"]
+        out += [
+            f"- **In seconds** (1), on one core: `handle` runs at {full['handle']['ratio']['median']:.2f}× the raw "
+            f"statement pair under `synchronous=FULL` ({_n(full['handle']['ops_per_s']['median'])} requests/s), "
+            f"{normal['handle']['ratio']['median']:.2f}× under NORMAL ({_n(normal['handle']['ops_per_s']['median'])}/s)"
+            + (" (measured apart, on a busy machine: see the note at (1))." if cyc.get("measured") else "."),
+        ]
+    out += [
+        "- **Which engine**: SQLite for one host (any number of worker processes on it); PostgreSQL when "
+        "several hosts share one ledger, or when the app's data already lives there (7).",
+        "- **Which settings on SQLite**: `synchronous=FULL` (the default) is what makes a stored answer survive "
+        "a power cut; on it the fsync is most of a request, and `group_commit=True` lets threads of one process "
+        "share it (9). `synchronous=NORMAL` survives an application crash but can lose the last commits on "
+        "power loss, and runs several times faster. Keep the writer queue on (the default) when several "
+        "processes write.",
+        "",
+    ]
+    return "\n".join(out)
+
 INTRO_HEAD = """\
 # Performance
 
@@ -714,63 +927,6 @@ An idempotency ledger sits on every mutating request, so its cost is part of
 every API call. First what that means for a deployment, from the run below;
 then how it is measured, and every table.
 """
-
-
-def _in_short(r: dict[str, Any]) -> str:
-    """What a user wants to know first, computed from the run: what a request
-    costs, which engine, which settings. A bullet whose figures the run lacks
-    (a partial run) is left out."""
-    b = r["benchmarks"]
-    bullets: list[str] = []
-
-    def ms(ops_per_s: float) -> str:
-        return f"{1000 / ops_per_s:.2f} ms"
-
-    try:
-        full = b["middleware"]["full"]["middleware_ops_per_s"]["median"]
-        normal = b["middleware"]["normal"]["middleware_ops_per_s"]["median"]
-        replay = b["cycle"]["paths"]["replay"]["ops_per_s"]["median"]
-        pg = b["postgres"]["cycle"]["handle_after"]["ops_per_s"]["median"]
-        pg_replay = b["postgres"]["cycle"]["replay"]["ops_per_s"]["median"]
-        bullets.append(
-            "- **What a request costs.** The ledger's whole part of a request that runs its mutation (the claim, "
-            f"the stored answer, the sweep batch after it: what the middleware does) takes about **{ms(full)}** on "
-            f"SQLite with the default `synchronous=FULL` (one fsync per request), **{ms(normal)}** with "
-            f'`synchronous="NORMAL"`, and **{ms(pg)}** on PostgreSQL on the same machine. A replay or a 409 '
-            f"takes about {ms(replay)} on SQLite and {ms(pg_replay)} on PostgreSQL. Your mutation's own time "
-            "comes on top."
-        )
-        bullets.append(
-            "- **Which engine.** SQLite, the default, when the API runs on one host: any number of worker "
-            "processes share the one file. PostgreSQL when several hosts must share one ledger "
-            f"([when to move](postgres.md#when-to-move)); on one host it is slower ({pg:,.0f} against "
-            f"{full:,.0f} requests/s here under FULL)."
-        )
-    except (KeyError, TypeError, ZeroDivisionError):
-        pass
-    try:
-        configs = b["contention"]["configs"]
-        worst = {
-            (c["write_queue"], c["workers"]): c["latency"]["max_ms"] for c in configs if c["synchronous"] == "FULL"
-        }
-        most = max(n for _, n in worst)
-        full = b["middleware"]["full"]["middleware_ops_per_s"]["median"]
-        normal = b["middleware"]["normal"]["middleware_ops_per_s"]["median"]
-        bullets.append(
-            "- **Which settings.** Keep `synchronous=FULL` unless losing the last transactions on a power failure "
-            f'(never on a process crash) is acceptable: `"NORMAL"` did {normal / full:.1f}× the requests per '
-            "second. Keep the writer queue (`write_queue=True`, the default) when several processes write: with "
-            f"{most} processes the slowest request took {worst[(True, most)]:,.0f} ms with it and "
-            f"{worst[(False, most)]:,.0f} ms without. `group_commit=True` pays off for many threads of one "
-            "process ((9)). A large backlog drains with `idemctl sweep`, whose default batch keeps the requests "
-            "beside it served ((5))."
-        )
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        pass
-    if not bullets:
-        return ""
-    wrapped = [textwrap.fill(b, width=78, subsequent_indent="  ", break_on_hyphens=False) for b in bullets]
-    return "## In short\n\n" + "\n".join(wrapped) + "\n"
 
 
 INTRO = """\
@@ -795,7 +951,8 @@ This page is written by `python -m bench --report` from
 python -m bench            # the whole suite, about 11 minutes on 2 cores; writes bench/results/latest.json
 python -m bench --peers    # the same, then idemctl beside idemkit and Powertools (10): pip install -e '.[bench]'
 python -m bench --report   # renders this page from bench/results/latest.json
-python -m bench --quick    # every benchmark at tiny sizes, ~20 s: checks the harness, says nothing about speed
+python -m bench --instructions  # (0) alone, with valgrind: merged into latest.json, page re-rendered
+python -m bench --quick    # every benchmark at tiny sizes, about 2 minutes (valgrind starting Python is most of it): checks the harness only
 ```
 
 The database files go to a fresh directory under the system temporary
@@ -809,6 +966,10 @@ came out.
 
 ## The floors
 
+0. **Instructions**: the raw statements of (1), counted by valgrind's
+   callgrind in the same process as the ledger (`synchronous=OFF`, so that
+   no fsync hides the CPU); each adapter also against its framework's least
+   app alone, so what is left over is the adapter's own.
 1. **Request cycle**: a claim `INSERT … ON CONFLICT DO NOTHING RETURNING`
    plus a fenced `UPDATE … RETURNING` storing a 1 KiB body; for replays and
    409s, a primary-key `SELECT`.
@@ -1196,8 +1357,7 @@ def _asgi_notes(res: dict[str, Any]) -> list[str]:
 def render_page(r: dict[str, Any]) -> str:
     """All of docs/performance.md."""
     notes = _notes(r["benchmarks"])
-    summary = _in_short(r)
-    parts = [INTRO_HEAD, *([summary] if summary else []), INTRO, render(r)]
+    parts = [INTRO_HEAD, glance(r["benchmarks"]), aims(r["benchmarks"]), INTRO, render(r)]
     if notes:
         parts += ["## Reading the tables\n", "\n".join(notes) + "\n"]
     parts.append(WRITER_QUEUE)

@@ -111,12 +111,22 @@ def header_pairs(headers: HeadersLike | None) -> list[tuple[str, str]]:
 
 def header_values(headers: HeadersLike | None, names: Iterable[str]) -> dict[str, str | None]:
     """Fetch-style lookup: each wanted name (lower case) maps to its values,
-    each trimmed of HTTP whitespace and joined with ", ", or None when absent."""
-    wanted = {n.lower(): [] for n in names}  # type: dict[str, list[str]]
-    for name, value in header_pairs(headers):
-        bucket = wanted.get(name.lower())
-        if bucket is not None:
-            bucket.append(value.strip(_HTTP_WHITESPACE))
+    each trimmed of HTTP whitespace and joined with ", ", or None when absent.
+
+    >>> header_values([("Accept", "a"), ("accept", " b ")], ["accept", "x-api-version"])
+    {'accept': 'a, b', 'x-api-version': None}
+    """
+    wanted = dict.fromkeys(n.lower() for n in names)  # type: dict[str, list[str] | None]
+    if headers is not None:
+        # One pass over the headers, and no pair list: this runs on every request.
+        items = headers.items() if isinstance(headers, Mapping) else headers
+        for name, value in items:
+            lname = str(name).lower()
+            if lname in wanted:
+                bucket = wanted[lname]
+                if bucket is None:
+                    bucket = wanted[lname] = []
+                bucket.append(str(value).strip(_HTTP_WHITESPACE))
     return {n: (", ".join(v) if v else None) for n, v in wanted.items()}
 
 
@@ -145,11 +155,15 @@ def fingerprint(
     'fc4d6d6663d197e95ef43ecc071614db7227f117beb78b985980d692380c7654'
     """
     raw = as_body_bytes(body)
-    names = tuple(n.lower() for n in names)
-    values = header_values(headers, names)
+    names = names if isinstance(names, tuple) else tuple(names)
+    values = header_values(headers, names)  # its keys: `names` lower-cased, in order
     lines = [method.upper(), path_and_query]
-    lines.extend(f"{n}:{values[n] or ''}" for n in names)
-    digest = hashlib.sha256("\n".join(lines).encode("utf-8") + b"\n")
+    if len(values) == len(names):
+        lines.extend(f"{n}:{v or ''}" for n, v in values.items())
+    else:  # a name given twice counts twice, as it always has
+        lines.extend(f"{n.lower()}:{values[n.lower()] or ''}" for n in names)
+    lines.append("")  # the header block ends with a newline
+    digest = hashlib.sha256("\n".join(lines).encode("utf-8"))
     digest.update(raw)
     return digest.hexdigest()
 

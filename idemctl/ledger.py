@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import threading
 import time
 import weakref
@@ -144,6 +145,12 @@ class Ledger:
         integrations that decide outside `begin`/`finish` (idempotent
         functions use it). Never raises because of a listener."""
         self._emit(event)
+
+    def _heard(self, outcome: Outcome) -> bool:
+        """Whether an event of this outcome reaches anyone: a listener, or
+        the `idemctl.events` log. When not, the request path builds no Event
+        at all (most requests of an app without metrics)."""
+        return bool(self._listeners) or (outcome not in _QUIET and events_log.isEnabledFor(logging.INFO))
 
     def _emit(self, event: Event) -> None:
         if event.outcome not in _QUIET and events_log.isEnabledFor(logging.INFO):
@@ -459,9 +466,10 @@ class Ledger:
     def _decided(
         self, answer: Answer, principal: str | None, key: str | None, method: str, path: str, ledger_ms: float
     ) -> Answer:
-        at = answer.started_at if answer.started_at is not None else self.now()
-        status, generation = answer.status, answer.generation
-        self._emit(Event(answer.outcome, principal, key, generation, method, path, status, ledger_ms, None, at))
+        if self._heard(answer.outcome):
+            at = answer.started_at if answer.started_at is not None else self.now()
+            status, generation = answer.status, answer.generation
+            self._emit(Event(answer.outcome, principal, key, generation, method, path, status, ledger_ms, None, at))
         if self.policy.problem_details and answer.outcome in _OWN_ANSWERS:
             shaped = responses.as_problem((answer.status, answer.headers, answer.body))
             return Answer(*shaped, answer.outcome, answer.generation, answer.started_at)
@@ -500,8 +508,9 @@ class Ledger:
         ('unauthenticated', 'k1')
         """
         answer = Answer(*self.shape(refusal), outcome)
-        event = Event(outcome, principal, key, None, method, path, answer.status, 0.0, None, wall_clock_ms())
-        self._emit(event)
+        if self._heard(outcome):
+            event = Event(outcome, principal, key, None, method, path, answer.status, 0.0, None, wall_clock_ms())
+            self._emit(event)
         return answer
 
     def finish(
@@ -571,6 +580,8 @@ class Ledger:
     def _finished(
         self, ticket: Ticket, outcome: Outcome, status: int | None, mark: float, app_ms: float | None
     ) -> None:
+        if not self._heard(outcome):
+            return
         reservation = ticket.reservation
         ledger_ms = ticket.ledger_ms + (time.perf_counter() - mark) * 1000
         self._emit(
@@ -798,7 +809,7 @@ class Ledger:
                 "headers" if stored.over_cap == "headers" else "body bytes",
                 cap,
             )
-        return stored, responses.from_stored(stored.status, stored.body, stored.headers_json, row=where)
+        return stored, stored.answer
 
     def _store_answer(
         self,
@@ -1287,8 +1298,12 @@ def check_principal(principal: object) -> None:
         raise InvalidPrincipalError(f"principal {principal!r} holds a NUL character")
 
 
+# C0 controls and DEL: one regex scan, not a Python step per character.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _has_control(text: str) -> bool:
-    return any(ord(c) < 0x20 or ord(c) == 0x7F for c in text)
+    return _CONTROL.search(text) is not None
 
 
 def check_request_line(method: object, path_and_query: object) -> None:

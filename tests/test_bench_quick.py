@@ -25,7 +25,7 @@ def test_quick_benchmark_run_exits_0_and_renders_every_table(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=600,  # valgrind starting Python is most of it
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -42,6 +42,7 @@ def test_quick_benchmark_run_exits_0_and_renders_every_table(tmp_path):
         "mysql",
         "asgi",
         "group_commit",
+        "instructions",
     ]
     assert [name for name, res in benchmarks.items() if "error" in res] == []
     # Everything built in this repository must be measured, never skipped.
@@ -69,6 +70,22 @@ def test_quick_benchmark_run_exits_0_and_renders_every_table(tmp_path):
     ):
         assert heading in table, heading
     assert "quick mode: not figures" in table
+    # Instructions are counted wherever valgrind is installed, and otherwise shown as a gap.
+    instructions = benchmarks["instructions"]
+    if "missing" in instructions:
+        assert "_instructions: **gap**" in table
+    else:
+        assert "| (0) instructions per request |" in table
+        assert [r["name"] for r in instructions["rows"]][:7] == [
+            "raw_first",
+            "raw_replay",
+            "handle_first",
+            "handle_after_response",
+            "handle_replay",
+            "handle_reused",
+            "handle_in_progress",
+        ]
+        assert all(r["instructions"] > 0 for r in instructions["rows"])
     # PostgreSQL is measured when its server answers, and otherwise shown as a gap, never silently dropped.
     assert ("| (7) PostgreSQL |" in table) or ("_postgres: **gap**" in table)
     assert ("| (7b) MariaDB |" in table) or ("_mysql: **gap**" in table)

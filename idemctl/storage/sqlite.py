@@ -365,10 +365,19 @@ class SqliteEngine:
         if fd is None:
             return None, False
         assert isinstance(fd, int)
+        try:
+            # A free queue (the usual case) is taken without timing a wait
+            # that did not happen.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd, False
+        except BlockingIOError:
+            pass
+        except OSError:  # e.g. ENOLCK on a file system without flock: SQLite alone decides
+            return None, False
         started = time.monotonic()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:  # e.g. ENOLCK on a file system without flock: SQLite alone decides
+        except OSError:
             return None, False
         waited_ms = int((time.monotonic() - started) * 1000)
         if waited_ms <= 0 or waited_ms * 10 < self.busy_timeout_ms:
