@@ -1105,5 +1105,7 @@ def check_request_line(method: object, path_and_query: object) -> None:
         raise InvalidRequestError(f"path must be a str, got {type(path_and_query).__name__}")
     if _has_control(path_and_query):
         raise InvalidRequestError(f"path {path_and_query!r} holds a control character")
-    if len(path_and_query) > MAX_PATH_BYTES // 4 and len(path_and_query.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+    # A str of at most a quarter of the limit in characters cannot exceed it in bytes.
+    long = len(path_and_query) > MAX_PATH_BYTES // 4
+    if long and len(path_and_query.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
         raise InvalidRequestError(f"path {path_and_query[:40]!r}... is longer than {MAX_PATH_BYTES} bytes")
