@@ -134,6 +134,48 @@ def test_the_parent_goes_on_after_a_fork_on_new_connections(tmp_path):
     ledger.close()
 
 
+def _child_reports(body) -> tuple[int, str]:
+    """Fork; the child runs `body()` (its exit code), writing what it wants
+    to say to the pipe; returns the exit code and what it said."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            signal.alarm(CHILD_DEADLINE_S)
+            code = body(lambda text: os.write(write_end, text.encode()))
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    _, status = os.waitpid(pid, 0)
+    said = os.read(read_end, 8000).decode()
+    os.close(read_end)
+    return os.waitstatus_to_exitcode(status), said
+
+
+def _refused_everywhere(ledger: Ledger, path, say) -> int:
+    """In the child: this ledger and a new one on the same file both refuse."""
+    messages = []
+    try:
+        ledger.handle("acct", "child", "POST", "/o", {}, b"x", ok)
+    except StorageError as exc:
+        messages.append(str(exc))
+    try:
+        Ledger.open(path)
+    except StorageError as exc:
+        messages.append(str(exc))
+    say("\n".join(messages))
+    return 0 if len(messages) == 2 and messages[0] == messages[1] else 7
+
+
+def refusal(path, why: str) -> str:
+    return (
+        f"this process was forked while {why} in the parent process, so SQLite's state for {path} was copied "
+        "mid-statement and no connection to it is safe here: fork when no listing is open and no write is "
+        "stuck, or open the ledger only after fork (in each child)"
+    )
+
+
 def test_a_child_forked_while_a_listing_is_read_refuses_the_ledger_with_what_to_do(tmp_path):
     path = tmp_path / "ledger.db"
     ledger = Ledger.open(path)
@@ -141,34 +183,36 @@ def test_a_child_forked_while_a_listing_is_read_refuses_the_ledger_with_what_to_
     for i in range(3):
         ledger.claim("acct", f"k{i}", "fp")
     listing = ledger.pending()
-    next(listing)  # a listing is open, on its own connection
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        code = 1
-        try:
-            try:
-                ledger.handle("acct", "child", "POST", "/o", {}, b"x", ok)
-            except StorageError as exc:
-                os.write(write_end, str(exc).encode())
-                code = 0
-            # A ledger opened in the child works.
-            fresh = Ledger.open(path)
-            if fresh.handle("acct", "child", "POST", "/o", {}, b"x", ok).outcome is not Outcome.EXECUTED:
-                code = 6
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    _, status = os.waitpid(pid, 0)
-    message = os.read(read_end, 4000).decode()
-    os.close(read_end)
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert message == (
-        f"the ledger {path} was being listed (pending rows, a stream) in the parent process when this process "
-        "was forked, so SQLite's state for it was copied mid-read: open the ledger again in this process "
-        "(Ledger.open), or fork only when no listing is open"
-    )
+    next(listing)  # a listing is open, on its own connection, mid-read
+    code, said = _child_reports(lambda say: _refused_everywhere(ledger, path, say))
+    assert code == 0, said
+    assert said == "\n".join([refusal(path, "it was being listed (pending rows, a stream)")] * 2)
     # The parent's listing and ledger are untouched.
     assert len(list(listing)) == 2
+    assert ledger.handle("acct", "parent", "POST", "/o", {}, b"x", ok).outcome is Outcome.EXECUTED
+    ledger.close()
+
+
+def test_a_fork_waits_no_longer_than_the_busy_timeout_and_that_child_refuses_the_ledger(tmp_path):
+    import fcntl
+
+    path = tmp_path / "ledger.db"
+    ledger = Ledger.open(path, busy_timeout_ms=300)
+    ledger.init()
+    # Another writer holds the writer queue: the parent's claim waits behind it.
+    fd = os.open(str(path) + "-idemctl.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    stuck: list[object] = []
+    writer = threading.Thread(target=lambda: stuck.append(ledger.claim("acct", "stuck", "fp")))
+    writer.start()
+    time.sleep(0.2)
+    code, said = _child_reports(lambda say: _refused_everywhere(ledger, path, say))
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+    writer.join()
+    assert code == 0, said
+    assert said == "\n".join([refusal(path, "a statement on it had been running for over the busy timeout")] * 2)
+    # The parent's stuck statement went through once the queue was free.
+    assert len(stuck) == 1 and stuck[0] is not None
     assert ledger.handle("acct", "parent", "POST", "/o", {}, b"x", ok).outcome is Outcome.EXECUTED
     ledger.close()

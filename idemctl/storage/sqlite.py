@@ -110,11 +110,19 @@ class _ForkGate:
             if self.forking and not self.busy:
                 self.idle.notify_all()
 
-    def hold(self) -> None:
+    def hold(self, timeout_s: float) -> bool:
+        """Keep new statements out; True once none is in flight, False if
+        some still are after `timeout_s` (a statement stuck behind another
+        process's writer)."""
         self.lock.acquire()
         self.forking = True
+        deadline = time.monotonic() + timeout_s
         while self.busy:
-            self.idle.wait()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.idle.wait(left)
+        return True
 
     def reopen(self) -> None:
         self.forking = False
@@ -124,6 +132,11 @@ class _ForkGate:
 
 # Every file-backed engine of this process, for the fork hooks below.
 _ENGINES: weakref.WeakSet[SqliteEngine] = weakref.WeakSet()
+# Ledger files this process must not use, and why: it was forked while the
+# parent was inside SQLite for them, so SQLite's per-process state for the
+# file was copied mid-statement (a new connection here would share it).
+# Inherited by this process's own children, who share the same state.
+_UNSAFE_FILES: dict[str, str] = {}
 _FORKING: list[SqliteEngine] = []
 
 
@@ -308,9 +321,10 @@ class SqliteEngine:
         self._gate = _ForkGate()
         self._streams = 0  # listings being read (each on a private connection)
         self._streams_at_fork = 0
-        # Why this engine cannot be used in this process (set in a child
-        # forked while a listing was open), or None.
-        self._unusable: str | None = None
+        self._drained_at_fork = True
+        # Why this engine cannot be used in this process (a child forked
+        # while the parent was inside SQLite for this file), or None.
+        self._unusable: str | None = None if self.memory else _UNSAFE_FILES.get(os.path.realpath(self.path))
         if self.memory:
             self._keepalive = self._conn()
         else:
@@ -447,16 +461,21 @@ class SqliteEngine:
     # for the statements in flight, closes every connection of this engine
     # (each thread opens a new one at its next statement) and lets none start
     # until the fork is done; the child starts with no connection at all.
+    # A statement can wait (for the writer queue, or in SQLite's busy
+    # handler) about one busy timeout: the fork waits that long for it, and
+    # no longer, so that fork() never hangs on another process's writer.
     def _quiesce_for_fork(self) -> None:
-        self._gate.hold()
+        drained = self._gate.hold(self.busy_timeout_ms / 1000 + 1)
         self._lock.acquire()
         self._group.lock.acquire()
-        for finalizer in self._finalizers:
-            found = finalizer.peek()
-            if found is not None:
-                found[0].pid = -1  # the thread's slot is stale: it reconnects
-            finalizer()  # closes the connection and the writer-queue descriptor
-        self._finalizers = []
+        if drained:
+            for finalizer in self._finalizers:
+                found = finalizer.peek()
+                if found is not None:
+                    found[0].pid = -1  # the thread's slot is stale: it reconnects
+                finalizer()  # closes the connection and the writer-queue descriptor
+            self._finalizers = []
+        self._drained_at_fork = drained
         self._streams_at_fork = self._streams
 
     def _resume_after_fork(self) -> None:
@@ -470,11 +489,17 @@ class SqliteEngine:
         self._lock = threading.Lock()
         self._gate = _ForkGate()
         self._streams = 0
-        if self._streams_at_fork:
-            self._unusable = (
-                f"the ledger {self.path} was being listed (pending rows, a stream) in the parent process when "
-                "this process was forked, so SQLite's state for it was copied mid-read: open the ledger again "
-                "in this process (Ledger.open), or fork only when no listing is open"
+        self._finalizers = []  # the parent's, when it could not close them: never ours to close
+        why = None
+        if not self._drained_at_fork:
+            why = "a statement on it had been running for over the busy timeout"
+        elif self._streams_at_fork:
+            why = "it was being listed (pending rows, a stream)"
+        if why is not None:
+            self._unusable = _UNSAFE_FILES[os.path.realpath(self.path)] = (
+                f"this process was forked while {why} in the parent process, so SQLite's state for "
+                f"{self.path} was copied mid-statement and no connection to it is safe here: fork when no "
+                "listing is open and no write is stuck, or open the ledger only after fork (in each child)"
             )
 
     def open_connections(self) -> int:
