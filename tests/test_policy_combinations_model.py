@@ -43,6 +43,7 @@ KEYS = ("k1", "k2")
 # with fingerprint_body="json", two without); 2 is another request.
 REQUESTS = (b'{"sku":"tea","n":1}', b'{"n":1, "sku":"tea"}', b'{"sku":"coffee","n":1}')
 REPLAYABLE = ("content-type", "location", "set-cookie")
+JSON = {"content-type": "application/json"}
 ANSWER_HEADERS = (
     (),
     (("Content-Type", "text/plain"), ("Location", "/orders/1")),
@@ -177,7 +178,7 @@ def machine_for(target: str, fake: FakeClock) -> type[RuleBasedStateMachine]:
 
             restore = self.storage_fails_when(armed)
             try:
-                answer = ledger.handle(self.principal, key, "POST", "/orders", {}, REQUESTS[request], app)
+                answer = ledger.handle(self.principal, key, "POST", "/orders", JSON, REQUESTS[request], app)
             except AnswerNotStoredError as exc:
                 answer, lost = exc.answer, True
             else:
@@ -287,7 +288,7 @@ def machine_for(target: str, fake: FakeClock) -> type[RuleBasedStateMachine]:
             assert ledger is not None
             now = self.now()
             verdict = self.verdict(key, request, now)
-            decision = ledger.begin(self.principal, key, "POST", "/orders", {}, REQUESTS[request])
+            decision = ledger.begin(self.principal, key, "POST", "/orders", JSON, REQUESTS[request])
             if verdict in ("new", "takeover"):
                 assert isinstance(decision, Ticket), f"{verdict}: got {decision}"
                 self.claimed_or_taken(key, request, now)
