@@ -25,24 +25,18 @@ import asyncio
 import functools
 import inspect
 import logging
-import re
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from . import responses
-from .errors import AnswerNotStoredError, LedgerUnavailableError, StorageError
+from . import gate as gates
+from .capture import Capture, CaptureError
+from .gate import BodyRefused, Delivery, Gate
 from .ledger import Ledger
-from .outcomes import Answer, Outcome, Ticket
+from .outcomes import Answer, Ticket
 from .policy import Policy
-from .wire import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
-    check_options,
-    log_not_stored,
-    wire_headers,
-)
+from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
 
 log = logging.getLogger("idemctl.asgi")
 
@@ -56,19 +50,10 @@ PrincipalResolver = Callable[[Scope], "Awaitable[str | None] | str | None"]
 T = TypeVar("T")
 
 PRINCIPAL_SCOPE_KEY = "idemctl.principal"
-_CONTENT_LENGTH = re.compile(r"[0-9]+\Z")
 # RFC 3986 pchar minus the unreserved set, as the WSGI middleware rebuilds a path.
 _PATH_SAFE = "/:@!$&'()*+,;="
 # Extensions that would let the app send a response we cannot capture.
 _UNCAPTURABLE_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend", "http.response.trailers")
-
-
-class _Refused(Exception):
-    """The request cannot be let through; carries the JSON answer to send."""
-
-    def __init__(self, answer: tuple[int, responses.Headers, bytes]) -> None:
-        super().__init__(answer[0])
-        self.answer = answer
 
 
 class _ClientGone(Exception):
@@ -108,22 +93,19 @@ def scope_headers(scope: Scope, names: Iterable[str]) -> list[tuple[str, str]]:
     return out
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope.get("headers", ()):
-        if bytes(key).lower() == name:
-            return bytes(value).decode("latin-1")
-    return None
+def header_fields(scope: Scope, name: bytes) -> list[str]:
+    """Every field of one request header, in the order sent.
+
+    >>> header_fields({"headers": [(b"idempotency-key", b"k1"), (b"Idempotency-Key", b"k2")]}, b"idempotency-key")
+    ['k1', 'k2']
+    """
+    return [bytes(v).decode("latin-1") for k, v in scope.get("headers", ()) if bytes(k).lower() == name]
 
 
 async def _read_body(receive: Receive, scope: Scope, limit: int) -> bytes:
-    """The whole request body, refused with 400/413 when it cannot be read safely."""
-    declared = _header(scope, b"content-length")
-    if declared is not None:
-        declared = declared.strip(" \t")
-        if not _CONTENT_LENGTH.match(declared):
-            raise _Refused(responses.content_length_invalid())
-        if int(declared) > limit:
-            raise _Refused(responses.body_too_large(limit))
+    """The whole request body, refused by the gate's rules when it cannot be read safely."""
+    fields = header_fields(scope, b"content-length")
+    gates.declared_length(fields[0] if fields else None, limit)
     parts: list[bytes] = []
     total = 0
     while True:
@@ -135,45 +117,50 @@ async def _read_body(receive: Receive, scope: Scope, limit: int) -> bytes:
             continue
         chunk = bytes(message.get("body", b"") or b"")
         total += len(chunk)
-        if total > limit:
-            raise _Refused(responses.body_too_large(limit))
+        gates.check_read(total, limit)
         parts.append(chunk)
         if not message.get("more_body", False):
             return b"".join(parts)
 
 
-class _Captured:
-    """The app's whole response, collected instead of sent."""
+class MessageCapture:
+    """The app's ASGI messages, fed into the gate's bounded capture."""
 
-    def __init__(self) -> None:
-        self.status: int | None = None
-        self.headers: list[tuple[str, str]] = []
-        self.chunks: list[bytes] = []
-        self.complete = False
+    def __init__(self, capture: Capture) -> None:
+        self.capture = capture
 
     async def send(self, message: Message) -> None:
         kind = message.get("type")
+        capture = self.capture
         if kind == "http.response.start":
-            if self.status is not None:
-                raise RuntimeError("the app sent http.response.start twice")
-            self.status = int(message["status"])
-            self.headers = [
-                (bytes(k).decode("latin-1"), bytes(v).decode("latin-1")) for k, v in message.get("headers", ())
-            ]
+            headers = [(bytes(k).decode("latin-1"), bytes(v).decode("latin-1")) for k, v in message.get("headers", ())]
+            capture.start(int(message["status"]), headers)
         elif kind == "http.response.body":
-            if self.status is None:
-                raise RuntimeError("the app sent a body before http.response.start")
-            if self.complete:
-                raise RuntimeError("the app sent a body after its last one")
-            self.chunks.append(bytes(message.get("body", b"") or b""))
-            self.complete = not message.get("more_body", False)
+            if capture.complete:
+                raise CaptureError("the app sent a body after its last one")
+            capture.add(bytes(message.get("body", b"") or b""))
+            capture.complete = not message.get("more_body", False)
         else:
-            raise RuntimeError(f"the app sent {kind!r}, which an idempotent response cannot carry")
+            raise CaptureError(f"the app sent {kind!r}, which an idempotent response cannot carry")
 
-    def answer(self) -> tuple[int, list[tuple[str, str]], bytes]:
-        if self.status is None or not self.complete:
-            raise RuntimeError("the app returned before it finished its response")
-        return self.status, self.headers, b"".join(self.chunks)
+    def check_complete(self) -> None:
+        if self.capture.status is None or not self.capture.complete:
+            raise CaptureError("the app returned before it finished its response")
+
+
+def capturable_scope(scope: Scope) -> Scope:
+    """A copy of `scope` without the extensions that would let the app send
+    a response the capture cannot see (a file by path, zero-copy, trailers).
+
+    >>> capturable_scope({"type": "http", "extensions": {"http.response.pathsend": {}}})["extensions"]
+    {}
+    """
+    inner = dict(scope)
+    extensions = dict(inner.get("extensions") or {})
+    for name in _UNCAPTURABLE_EXTENSIONS:
+        extensions.pop(name, None)
+    inner["extensions"] = extensions
+    return inner
 
 
 def _log_orphan_failure(future: asyncio.Future[Any]) -> None:
@@ -226,16 +213,20 @@ class IdempotencyMiddleware:
         unavailable_retry_after_ms: int = DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
         executor: Executor | None = None,
     ) -> None:
-        check_options(principal, max_body_bytes, unavailable_retry_after_ms, takes="scope (or an async one)")
+        gates.check_principal_source(principal, takes="scope (or an async one)")
+        self.gate = Gate(
+            ledger,
+            max_body_bytes=max_body_bytes,
+            replayed_header=replayed_header,
+            unavailable_retry_after_ms=unavailable_retry_after_ms,
+            logger=log,
+        )
         self.app = app
         self.ledger = ledger
         self.principal = principal
         self.exempt = exempt
         self.key_optional = key_optional
         self.release_on_error = release_on_error
-        self.max_body_bytes = max_body_bytes
-        self.replayed_header = replayed_header
-        self.unavailable_retry_after_ms = unavailable_retry_after_ms
         self.executor = executor
         # Work that outlives its request (a shielded mutation, a sweep):
         # referenced here so the loop cannot drop it half-way.
@@ -257,62 +248,53 @@ class IdempotencyMiddleware:
         if not self.policy.protects(method) or (self.exempt is not None and self.exempt(scope)):
             await self.app(scope, receive, send)
             return
-        key = _header(scope, b"idempotency-key")
+        gate = self.gate
+        target = request_target(scope)
+        key = gate.key(header_fields(scope, b"idempotency-key"), method=method, target=target)
+        if isinstance(key, Answer):
+            await self._send(send, gates.replied(key))
+            return
         if key is None and self.key_optional is not None and self.key_optional(scope):
             await self.app(scope, receive, send)
             return
 
-        who = self.principal(scope)
-        if inspect.isawaitable(who):
-            who = await who
-        if who is not None and not isinstance(who, str):
-            raise TypeError(f"principal() must return str or None, got {type(who).__name__}")
-        if not who:
-            await self._send(send, Answer(*responses.unauthenticated(), Outcome.UNAUTHENTICATED))
+        resolved = self.principal(scope)
+        if inspect.isawaitable(resolved):
+            resolved = await resolved
+        who = gate.principal(resolved, key=key, method=method, target=target)
+        if isinstance(who, Answer):
+            await self._send(send, gates.replied(who))
             return
         try:
-            body = await _read_body(receive, scope, self.max_body_bytes)
-        except _Refused as refused:
-            await self._send(send, Answer(*refused.answer, Outcome.BODY_REFUSED))
+            body = await _read_body(receive, scope, gate.max_body_bytes)
+        except BodyRefused as refused:
+            answer = gate.refused(refused, principal=who, key=key, method=method, target=target)
+            await self._send(send, gates.replied(answer))
             return
         except _ClientGone:
             log.info("client disconnected before its request body was complete; nothing was claimed")
             return
 
-        target = request_target(scope)
         headers = scope_headers(scope, self.policy.fingerprint_headers)
-        try:
-            decision = await self._in_thread(self.ledger.begin, who, key, method, target, headers, body)
-        except StorageError as exc:
-            level = logging.WARNING if isinstance(exc, LedgerUnavailableError) else logging.ERROR
-            log.log(level, "idempotency ledger unavailable, refused %s %s with 503: %s", method, target, exc)
-            unavailable = responses.unavailable(self.unavailable_retry_after_ms)
-            await self._send(send, Answer(*unavailable, Outcome.UNAVAILABLE))
-            return
+        decision = await gate.begin_async(who, key, method, target, headers, body, self._in_thread)
         if isinstance(decision, Answer):
-            await self._send(send, decision)
+            await self._send(send, gates.replied(decision))
             return
 
         # Run and complete as one task the request cannot cancel: a client
         # that leaves mid-mutation must find its answer stored when it retries.
-        work = asyncio.ensure_future(self._run_and_finish(scope, receive, decision, who, key))
+        work = asyncio.ensure_future(self._run_and_finish(scope, receive, decision, who))
         self._keep(work)
         try:
-            answer, sweep = await asyncio.shield(work)
+            delivery = await asyncio.shield(work)
         except asyncio.CancelledError:
             work.add_done_callback(_log_orphan_failure)
             raise
-        await self._send(send, answer, sweep=sweep)
+        await self._send(send, delivery)
 
-    async def _run_and_finish(
-        self, scope: Scope, receive: Receive, ticket: Ticket, who: str, key: str | None
-    ) -> tuple[Answer, bool]:
-        inner = dict(scope)
+    async def _run_and_finish(self, scope: Scope, receive: Receive, ticket: Ticket, who: str) -> Delivery:
+        inner = capturable_scope(scope)
         inner[PRINCIPAL_SCOPE_KEY] = who
-        extensions = dict(inner.get("extensions") or {})
-        for name in _UNCAPTURABLE_EXTENSIONS:
-            extensions.pop(name, None)
-        inner["extensions"] = extensions
         delivered = False
 
         async def replay_body() -> Message:
@@ -324,21 +306,16 @@ class IdempotencyMiddleware:
                 return {"type": "http.request", "body": ticket.body, "more_body": False}
             return await receive()
 
-        captured = _Captured()
+        capture = self.gate.capture()
+        captured = MessageCapture(capture)
         try:
             await self.app(inner, replay_body, captured.send)
-            status, out_headers, out_body = captured.answer()
+            captured.check_complete()
         except BaseException:
             release = self.release_on_error(scope) if callable(self.release_on_error) else bool(self.release_on_error)
-            await self._in_thread(self.ledger.abandon, ticket, release=release)
+            await self._in_thread(self.gate.abandon, ticket, release=release)
             raise
-        try:
-            return await self._in_thread(self.ledger.finish, ticket, status, out_headers, out_body), True
-        except AnswerNotStoredError as exc:
-            # As in the WSGI middleware: the client gets what the app computed,
-            # shaped as a stored answer, rather than an invitation to run it again.
-            log_not_stored(log, exc, who, key)
-            return exc.answer, False
+        return await self.gate.finish_async(ticket, capture, self._in_thread)
 
     async def wait_idle(self) -> None:
         """Wait until this event loop's background work is done: mutations
@@ -355,21 +332,23 @@ class IdempotencyMiddleware:
     def _forget(self, future: asyncio.Future[Any]) -> None:
         self._background.discard(future)
 
-    async def _send(self, send: Send, answer: Answer, *, sweep: bool = True) -> None:
+    async def _send(self, send: Send, delivery: Delivery) -> None:
+        answer = delivery.answer
         headers = [
             (name.lower().encode("latin-1"), value.encode("latin-1"))
-            for name, value in wire_headers(answer, replayed_header=self.replayed_header)
+            for name, value in wire_headers(answer, replayed_header=self.gate.replayed_header)
         ]
         try:
             await send({"type": "http.response.start", "status": answer.status, "headers": headers})
             await send({"type": "http.response.body", "body": answer.body, "more_body": False})
         except OSError as exc:  # the client left: its answer is stored for the retry
             log.info("client left before its answer (status %d) was sent: %s", answer.status, exc)
-        if sweep and self.ledger.sweep_due(answer):
+        sweep = self.gate.sweep_after(delivery)
+        if sweep is not None:
             # After the answer, off the loop, never awaited by the request;
             # replays, 409s and a resting sweep cost no hand-off at all.
             loop = asyncio.get_running_loop()
-            self._keep(loop.run_in_executor(self.executor, self.ledger.after_response, answer))
+            self._keep(loop.run_in_executor(self.executor, sweep))
 
 
-__all__ = ["PRINCIPAL_SCOPE_KEY", "IdempotencyMiddleware", "request_target", "scope_headers"]
+__all__ = ["PRINCIPAL_SCOPE_KEY", "IdempotencyMiddleware", "header_fields", "request_target", "scope_headers"]

@@ -28,6 +28,7 @@ their own. Needs the `django` extra.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -45,17 +46,14 @@ from django.http import HttpResponse, RawPostDataException, UnreadablePostError
 from django.utils.module_loading import import_string
 
 from . import asgi, responses
+from . import gate as gates
+from .capture import Capture
 from .config import Settings
-from .errors import AnswerNotStoredError, LedgerUnavailableError, StorageError
+from .gate import BodyRefused, Delivery, Gate
 from .ledger import Ledger
 from .outcomes import Answer, InitResult, Outcome, Ticket
 from .policy import Policy
-from .wire import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
-    log_not_stored,
-    wire_headers,
-)
+from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
 from .wsgi import PRINCIPAL_ENVIRON_KEY, environ_headers, request_target, status_line
 
 log = logging.getLogger("idemctl.django")
@@ -81,7 +79,6 @@ KEY_REQUIRED = "key_required"
 _MODE_ATTR = "idemctl_mode"
 _STATE_ATTR = "_idemctl_state"
 _ANSWER_ATTR = "_idemctl_answer"
-_CONTENT_LENGTH = re.compile(r"[0-9]+\Z")
 
 V = TypeVar("V")
 ExemptPath = str | re.Pattern[str] | Callable[[Any], bool]
@@ -167,6 +164,17 @@ class Config:
 
     def release(self, request: Any) -> bool:
         return bool(self.release_on_error(request)) if callable(self.release_on_error) else self.release_on_error
+
+    @functools.cached_property
+    def gate(self) -> Gate:
+        """The gate every protected request of this configuration goes through."""
+        return Gate(
+            self.ledger,
+            max_body_bytes=self.max_body_bytes,
+            replayed_header=self.replayed_header,
+            unavailable_retry_after_ms=self.unavailable_retry_after_ms,
+            logger=log,
+        )
 
 
 def _policy(env: Settings, raw: Mapping[str, Any]) -> Policy:
@@ -359,12 +367,6 @@ def _uses_mixin(view_func: Any) -> bool:
 
 
 # -- one request: body, decision, completion -----------------------------------------------
-class _Refused(Exception):
-    def __init__(self, answer: tuple[int, responses.Headers, bytes]) -> None:
-        super().__init__(answer[0])
-        self.answer = answer
-
-
 def _is_asgi(request: Any) -> bool:
     return isinstance(getattr(request, "scope", None), dict)
 
@@ -382,25 +384,20 @@ def _request_target(request: Any) -> str:
 
 
 def _read_body(request: Any, limit: int) -> bytes:
-    """The request body, refused (400, 411, 413) as the WSGI middleware refuses it."""
+    """The request body, refused (400, 411, 413) by the gate's rules."""
     meta = request.META
-    declared = str(meta.get("CONTENT_LENGTH", "") or "").strip(" \t")
-    if declared:
-        if not _CONTENT_LENGTH.match(declared):
-            raise _Refused(responses.content_length_invalid())
-        if int(declared) > limit:
-            raise _Refused(responses.body_too_large(limit))
-    elif meta.get("HTTP_TRANSFER_ENCODING") and not _is_asgi(request):
+    declared = gates.declared_length(meta.get("CONTENT_LENGTH"), limit)
+    if declared is None and meta.get("HTTP_TRANSFER_ENCODING") and not _is_asgi(request):
         # Django reads a WSGI body by its Content-Length alone: a chunked one
         # would reach the view (and the fingerprint) empty.
-        raise _Refused(responses.length_required())
+        raise gates.length_required()
     try:
         body = request.body
     except RequestDataTooBig:
-        raise _Refused(responses.body_too_large(int(django_conf.settings.DATA_UPLOAD_MAX_MEMORY_SIZE))) from None
+        raise BodyRefused(responses.body_too_large(int(django_conf.settings.DATA_UPLOAD_MAX_MEMORY_SIZE))) from None
     except UnreadablePostError as exc:
         log.info("client disconnected mid-body: %s", exc)
-        raise _Refused(responses.body_incomplete()) from None
+        raise gates.incomplete() from None
     except RawPostDataException:
         raise ImproperlyConfigured(
             "the request body was parsed as a stream (request.POST of a multipart body) before idemctl could "
@@ -408,10 +405,8 @@ def _read_body(request: Any, limit: int) -> bytes:
         ) from None
     if not isinstance(body, bytes):
         raise TypeError(f"request.body must be bytes, got {type(body).__name__}")
-    if len(body) > limit:
-        raise _Refused(responses.body_too_large(limit))
-    if declared and len(body) != int(declared):
-        raise _Refused(responses.body_incomplete())
+    gates.check_read(len(body), limit)
+    gates.check_complete(len(body), declared)
     return body
 
 
@@ -422,41 +417,40 @@ def _buffer_multipart(request: Any, limit: int) -> None:
     bodies are read by their parsers through request.body anyway."""
     if not str(request.META.get("CONTENT_TYPE", "")).lower().startswith("multipart/"):
         return
-    with contextlib.suppress(_Refused):  # answered when the request is decided, if its view is protected
+    with contextlib.suppress(BodyRefused):  # answered when the request is decided, if its view is protected
         _read_body(request, limit)
 
 
 def _begin(config: Config, request: Any, who: object) -> Answer | Ticket:
-    """The ledger's decision for a protected request (Django's HttpRequest)."""
-    if who is not None and not isinstance(who, str):
-        raise TypeError(f"the principal callable must return str or None, got {type(who).__name__}")
-    if not who:
-        return Answer(*responses.unauthenticated(), Outcome.UNAUTHENTICATED)
+    """The gate's decision for a protected request (Django's HttpRequest)."""
+    gate = config.gate
+    method = str(request.method).upper()
+    target = _request_target(request)
+    # Django's handlers join repeated header fields before the view sees them.
+    key = request.META.get("HTTP_IDEMPOTENCY_KEY")
+    principal = gate.principal(who, key=key, method=method, target=target)
+    if isinstance(principal, Answer):
+        return principal
     try:
         body = _read_body(request, config.max_body_bytes)
-    except _Refused as refused:
-        return Answer(*refused.answer, Outcome.BODY_REFUSED)
-    target = _request_target(request)
+    except BodyRefused as refused:
+        return gate.refused(refused, principal=principal, key=key, method=method, target=target)
     headers = environ_headers(request.META, config.policy.fingerprint_headers)
-    key = request.META.get("HTTP_IDEMPOTENCY_KEY")
-    method = str(request.method).upper()
-    try:
-        return config.ledger().begin(who, key, method, target, headers, body)
-    except StorageError as exc:
-        # Fail closed: an unprotected mutation is worse than a refused one.
-        level = logging.WARNING if isinstance(exc, LedgerUnavailableError) else logging.ERROR
-        log.log(level, "idempotency ledger unavailable, refused %s %s with 503: %s", method, target, exc)
-        return Answer(*responses.unavailable(config.unavailable_retry_after_ms), Outcome.UNAVAILABLE)
+    return gate.begin(principal, key, method, target, headers, body)
 
 
-def _captured(response: Any) -> tuple[int, list[tuple[str, str]], bytes]:
-    """A Django response as status, headers and its whole body (a streamed
-    one is consumed), its resources closed as a server would close them."""
+def _capture(response: Any, capture: Capture) -> None:
+    """A Django response fed into the bounded capture (a streamed one is
+    consumed), its resources closed as a server would close them."""
     try:
-        body = b"".join(response) if response.streaming else bytes(response.content)
         headers = [(str(k), str(v)) for k, v in response.items()]
         headers += [("Set-Cookie", morsel.output(header="").strip()) for morsel in response.cookies.values()]
-        return int(response.status_code), headers, body
+        capture.start(int(response.status_code), headers)
+        if response.streaming:
+            for chunk in response:
+                capture.add(chunk)
+        else:
+            capture.add(bytes(response.content))
     finally:
         # What response.close() does, minus the request_finished signal: the
         # request is not finished, the answer built from it is still to go out.
@@ -469,41 +463,36 @@ def _captured(response: Any) -> tuple[int, list[tuple[str, str]], bytes]:
                 log.exception("closing the view's response failed")
 
 
-def _complete(ledger: Ledger, ticket: Ticket, response: Any) -> tuple[Answer, bool]:
-    """Store the view's answer; the answer to send, and whether to sweep after it."""
-    status, headers, body = _captured(response)
+def _complete(config: Config, ticket: Ticket, response: Any, request: Any) -> Delivery:
+    """Store the view's answer: what to send, and whether to sweep after it."""
+    capture = config.gate.capture()
     try:
-        return ledger.finish(ticket, status, headers, body), True
-    except AnswerNotStoredError as exc:
-        # As in the WSGI middleware: the client gets what the view computed,
-        # shaped as a stored answer, rather than an invitation to run it again.
-        reservation = ticket.reservation
-        who = reservation.principal if reservation else None
-        log_not_stored(log, exc, who, reservation.key if reservation else None)
-        return exc.answer, False
-
-
-def _sweep_after(ledger: Ledger, answer: Answer) -> Callable[[], None]:
-    def sweep() -> None:
-        try:
-            ledger.after_response(answer)
-        except Exception:  # the answer is already out; a failed sweep must not turn into a 500
-            log.exception("post-response housekeeping failed")
-
-    return sweep
+        _capture(response, capture)
+    except BaseException:
+        # A stream that fails after the view returned: the view's failure.
+        config.gate.abandon(ticket, release=config.release(request))
+        raise
+    return config.gate.finish(ticket, capture)
 
 
 def answer_response(answer: Answer, *, replayed_header: bool = False, sweep: Ledger | None = None) -> HttpResponse:
     """An Answer as a Django response carrying exactly the WSGI middleware's
     status line, headers and body. With `sweep`, the bounded sweep runs
     when the server closes the response, after the answer has gone out."""
+    gate = Gate(sweep, replayed_header=replayed_header) if sweep is not None else None
+    return _response(Delivery(answer, sweep is not None), replayed_header, gate)
+
+
+def _response(delivery: Delivery, replayed_header: bool, gate: Gate | None) -> HttpResponse:
+    answer = delivery.answer
     response = HttpResponse(answer.body, status=answer.status)
     response.reason_phrase = status_line(answer.status)[4:]
     del response["Content-Type"]  # HttpResponse's default; the answer says what it has
     for name, value in wire_headers(answer, replayed_header=replayed_header):
         response[name] = value
-    if sweep is not None and answer.started_at is not None:
-        response._resource_closers.append(_sweep_after(sweep, answer))
+    sweep = gate.sweep_after(delivery) if gate is not None else None
+    if sweep is not None:
+        response._resource_closers.append(sweep)
     setattr(response, _ANSWER_ATTR, True)
     return response
 
@@ -511,7 +500,7 @@ def answer_response(answer: Answer, *, replayed_header: bool = False, sweep: Led
 class _State:
     """One request's passage through the middleware."""
 
-    __slots__ = ("answer", "config", "decided", "ledger", "path_exempt", "raised", "ticket")
+    __slots__ = ("answer", "config", "decided", "path_exempt", "raised", "ticket")
 
     def __init__(self, config: Config, path_exempt: bool) -> None:
         self.config = config
@@ -519,13 +508,12 @@ class _State:
         self.decided = False
         self.answer: Answer | None = None
         self.ticket: Ticket | None = None
-        self.ledger: Ledger | None = None
         self.raised = False
 
     def abandon(self, request: Any) -> None:
         ticket, self.ticket = self.ticket, None
-        if ticket is not None and self.ledger is not None:
-            self.ledger.abandon(ticket, release=self.config.release(request))
+        if ticket is not None:
+            self.config.gate.abandon(ticket, release=self.config.release(request))
 
 
 def _note_exception(sender: object, request: Any = None, **kwargs: Any) -> None:
@@ -590,16 +578,14 @@ class IdempotencyMiddleware:
             state.abandon(request)
             raise
         if state.answer is not None:
-            return answer_response(state.answer, replayed_header=config.replayed_header, sweep=state.ledger)
+            return _response(gates.replied(state.answer), config.replayed_header, config.gate)
         if state.ticket is None:
             return response
         if state.raised:
             state.abandon(request)
             return response
         ticket, state.ticket = state.ticket, None
-        assert state.ledger is not None
-        answer, sweep = _complete(state.ledger, ticket, response)
-        return answer_response(answer, replayed_header=config.replayed_header, sweep=state.ledger if sweep else None)
+        return _response(_complete(config, ticket, response, request), config.replayed_header, config.gate)
 
     def process_view(self, request: Any, view_func: Any, view_args: Any, view_kwargs: Any) -> Any:
         state = getattr(request, _STATE_ATTR, None)
@@ -622,12 +608,10 @@ class IdempotencyMiddleware:
             if decision.outcome is Outcome.UNAUTHENTICATED:
                 _hint_drf(view_func, request)
             state.answer = decision
-            state.ledger = config.ledger() if decision.started_at is not None else None
             # A stand-in that skips the view; __call__ sends the answer itself,
             # so inner middleware cannot make it differ from a first answer.
             return HttpResponse(status=decision.status)
         state.ticket = decision
-        state.ledger = config.ledger()
         request.META[PRINCIPAL_ENVIRON_KEY] = who  # as the WSGI middleware puts it in the environ
         return None
 
@@ -694,10 +678,9 @@ class IdempotencyMixin:
         who = config.principal(request)
         decision = _begin(config, django_request, who)
         if isinstance(decision, Answer):
-            sweep = config.ledger() if decision.started_at is not None else None
-            raise _Answered(answer_response(decision, replayed_header=config.replayed_header, sweep=sweep))
+            raise _Answered(_response(gates.replied(decision), config.replayed_header, config.gate))
         state = _State(config, False)
-        state.ticket, state.ledger = decision, config.ledger()
+        state.ticket = decision
         self._idemctl_state = state
         django_request.META[PRINCIPAL_ENVIRON_KEY] = who
 
@@ -713,14 +696,14 @@ class IdempotencyMixin:
         parent: Any = super()
         response = parent.finalize_response(request, response, *args, **kwargs)
         state = self._idemctl_state
-        if state is None or state.ticket is None or state.ledger is None:
+        if state is None or state.ticket is None:
             return response
         if callable(getattr(response, "render", None)) and not getattr(response, "is_rendered", True):
             response = response.render()
         ticket, self._idemctl_state = state.ticket, None
-        answer, sweep = _complete(state.ledger, ticket, response)
         config = state.config
-        return answer_response(answer, replayed_header=config.replayed_header, sweep=state.ledger if sweep else None)
+        delivery = _complete(config, ticket, response, getattr(request, "_request", request))
+        return _response(delivery, config.replayed_header, config.gate)
 
 
 __all__ = [

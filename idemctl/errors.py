@@ -202,6 +202,18 @@ class UnserializableArgumentsError(IdemctlError, TypeError):
         )
 
 
+class UnsupportedFunctionError(IdemctlError, TypeError):
+    """A function that cannot be made idempotent: calling it does not do the
+    work but returns a generator (or an async generator), whose body would
+    run after the call was stored, or never. Refused when decorated, or at
+    the first call before anything is claimed."""
+
+    def __init__(self, name: str, problem: str) -> None:
+        super().__init__(f"{name} cannot be made idempotent: {problem}")
+        self.name = name
+        self.problem = problem
+
+
 class ResultNotStoredError(IdemctlError):
     """An idempotent function ran, but its return value could not be stored.
     The call is complete (it never runs again under this key): its first

@@ -25,6 +25,7 @@ WSGI middleware send theirs. Needs the `asgi` extra (FastAPI).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -32,32 +33,30 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from fastapi import Depends, Request, Response
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.routing import APIRoute
-from starlette.background import BackgroundTask
+from starlette.background import BackgroundTask, BackgroundTasks
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
-from . import responses
-from .asgi import request_target, scope_headers
-from .errors import AnswerNotStoredError, LedgerUnavailableError, StorageError
+from . import gate as gates
+from .asgi import MessageCapture, capturable_scope, header_fields, request_target, scope_headers
+from .capture import Capture
+from .gate import BodyRefused, Delivery, Gate
 from .ledger import Ledger
-from .outcomes import Answer, Outcome, Ticket
-from .wire import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
-    log_not_stored,
-    wire_headers,
-)
+from .outcomes import Answer, Ticket
+from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
 
 log = logging.getLogger("idemctl.fastapi")
 
 _TICKET = "idemctl_ticket"
 _REQUEST_PARAM = "idemctl_request_"
-_PRINCIPAL_PARAM = "idemctl_principal_"
+_PRINCIPAL_PARAM = "idemctl_caller"
 _ORIGINAL = "__idemctl_endpoint__"
 
 
 class _Immediate(Exception):
-    """The ledger answered without running the endpoint (replay, 400, 401, 409, 503)."""
+    """The gate answered without running the endpoint (replay, 400, 401, 409, 413, 503)."""
 
     def __init__(self, answer: Answer) -> None:
         super().__init__(answer.status)
@@ -76,28 +75,47 @@ def idempotent_route(
     """An `APIRoute` class that puts every route of a router under the
     Idempotency-Key contract. Methods the ledger's Policy does not protect
     pass through. `principal` is a FastAPI dependency returning the
-    caller's principal (str) or None (401)."""
+    caller's principal (str) or None (401).
 
-    async def wrap_endpoint(endpoint: Callable[..., Any], request: Request, who: str | None, kwargs: Any) -> Any:
+    What the endpoint answers after the claim is its answer, stored and
+    replayed: any Starlette response (plain, JSON, streaming, file), an
+    ``HTTPException`` it raises (rendered by the app's handler for it),
+    and its ``BackgroundTasks``, which run once after the first answer and
+    never on a replay."""
+    gates.check_principal_source(principal, takes="FastAPI dependency")
+    gate = Gate(
+        ledger,
+        max_body_bytes=max_body_bytes,
+        replayed_header=replayed_header,
+        unavailable_retry_after_ms=unavailable_retry_after_ms,
+        logger=log,
+    )
+
+    async def wrap_endpoint(endpoint: Callable[..., Any], request: Request, who: object, kwargs: Any) -> Any:
         method = request.method.upper()
         if not ledger.policy.protects(method):
             return await _call(endpoint, kwargs)
-        body = await request.body()
-        if len(body) > max_body_bytes:
-            raise _Immediate(Answer(*responses.body_too_large(max_body_bytes), Outcome.BODY_REFUSED))
-        path = request_target(request.scope)
-        headers = scope_headers(request.scope, ledger.policy.fingerprint_headers)
-        key = request.headers.get("idempotency-key")
+        scope = request.scope
+        target = request_target(scope)
+        key = gate.key(header_fields(scope, b"idempotency-key"), method=method, target=target)
+        if isinstance(key, Answer):
+            raise _Immediate(key)
+        caller = gate.principal(who, key=key, method=method, target=target)
+        if isinstance(caller, Answer):
+            raise _Immediate(caller)
         try:
-            decision = await run_in_threadpool(ledger.begin, who, key, method, path, headers, body)
-        except StorageError as exc:
-            level = logging.WARNING if isinstance(exc, LedgerUnavailableError) else logging.ERROR
-            log.log(level, "idempotency ledger unavailable, refused %s %s with 503: %s", method, path, exc)
-            raise _Immediate(Answer(*responses.unavailable(unavailable_retry_after_ms), Outcome.UNAVAILABLE)) from exc
+            body = await _read_body(request, gate.max_body_bytes)
+        except BodyRefused as refused:
+            raise _Immediate(gate.refused(refused, principal=caller, key=key, method=method, target=target)) from None
+        headers = scope_headers(scope, ledger.policy.fingerprint_headers)
+        decision = await gate.begin_async(caller, key, method, target, headers, body, run_in_threadpool)
         if isinstance(decision, Answer):
             raise _Immediate(decision)
         request.state.idemctl_ticket = decision
         return await _call(endpoint, kwargs)
+
+    async def abandon(ticket: Ticket) -> None:
+        await run_in_threadpool(gate.abandon, ticket, release=release_on_error)
 
     class IdempotentRoute(APIRoute):
         def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
@@ -113,28 +131,49 @@ def idempotent_route(
                 try:
                     response = await original(request)
                 except _Immediate as immediate:
-                    return _response(immediate.answer, replayed_header, sweep=None)
+                    return _response(gates.replied(immediate.answer), gate, None)
+                except HTTPException as exc:
+                    ticket = getattr(request.state, _TICKET, None)
+                    if not isinstance(ticket, Ticket):
+                        raise  # before the claim (a dependency's): nothing was claimed
+                    # After the claim it is the endpoint's answer, like any other.
+                    try:
+                        response = await _rendered(request, exc)
+                    except BaseException:
+                        await abandon(ticket)
+                        raise
                 except BaseException:
                     ticket = getattr(request.state, _TICKET, None)
-                    if ticket is not None:
-                        await run_in_threadpool(ledger.abandon, ticket, release=release_on_error)
+                    if isinstance(ticket, Ticket):
+                        await abandon(ticket)
                     raise
                 ticket = getattr(request.state, _TICKET, None)
                 if not isinstance(ticket, Ticket):
                     return response  # not protected: FastAPI's own response
-                status, headers, body = await _captured(response)
+                # The endpoint's background work runs once, after the first
+                # answer is sent; a replay never carries it.
+                background, response.background = response.background, None
+                capture = gate.capture()
                 try:
-                    answer = await run_in_threadpool(ledger.finish, ticket, status, headers, body)
-                except AnswerNotStoredError as exc:
-                    reservation = ticket.reservation
-                    who = reservation.principal if reservation else None
-                    log_not_stored(log, exc, who, reservation.key if reservation else None)
-                    return _response(exc.answer, replayed_header, sweep=None)
-                return _response(answer, replayed_header, sweep=ledger)
+                    await _capture(response, request.scope, capture)
+                except BaseException:
+                    await abandon(ticket)
+                    raise
+                delivery = await gate.finish_async(ticket, capture, run_in_threadpool)
+                return _response(delivery, gate, background)
 
             return handler
 
     return IdempotentRoute
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (400, 413) by the gate's rules."""
+    declared = gates.declared_length(request.headers.get("content-length"), limit)
+    body = await request.body()
+    gates.check_read(len(body), limit)
+    gates.check_complete(len(body), declared)
+    return body
 
 
 async def _call(endpoint: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
@@ -143,10 +182,45 @@ async def _call(endpoint: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
     return await run_in_threadpool(endpoint, **kwargs)
 
 
+async def _rendered(request: Request, exc: HTTPException) -> Response:
+    """The response the app's handler for this exception makes (FastAPI's
+    default one when the app registered none)."""
+    handlers: dict[Any, Callable[..., Any]] = getattr(request.app, "exception_handlers", {}) or {}
+    handler: Callable[..., Any] = http_exception_handler
+    for cls in type(exc).__mro__:
+        if cls in handlers:
+            handler = handlers[cls]
+            break
+    if inspect.iscoroutinefunction(handler):
+        response = await handler(request, exc)
+    else:
+        response = await run_in_threadpool(handler, request, exc)
+    if not isinstance(response, Response):
+        raise TypeError(f"the exception handler for {type(exc).__name__} returned {type(response).__name__}")
+    return response
+
+
+async def _capture(response: Response, scope: Any, capture: Capture) -> None:
+    """Any Starlette response (plain, streaming, file) captured through the
+    ASGI messages it sends, byte for byte, bounded by the body cap."""
+    inner = capturable_scope(scope)
+    never = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        # Nothing more arrives while the response is captured; a streaming
+        # response that listens for a disconnect waits here until it is done.
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    captured = MessageCapture(capture)
+    await response(inner, receive, captured.send)
+    captured.check_complete()
+
+
 def _with_principal(
     endpoint: Callable[..., Any],
     principal: Callable[..., Any],
-    wrap: Callable[[Callable[..., Any], Request, str | None, dict[str, Any]], Awaitable[Any]],
+    wrap: Callable[[Callable[..., Any], Request, object, dict[str, Any]], Awaitable[Any]],
 ) -> Callable[..., Any]:
     """The endpoint with two more parameters FastAPI fills in: the Request
     and the principal dependency. Its own parameters are resolved (and
@@ -164,8 +238,6 @@ def _with_principal(
     async def wrapper(**kwargs: Any) -> Any:
         request = kwargs[own] if own is not None else kwargs.pop(_REQUEST_PARAM)
         who = kwargs.pop(_PRINCIPAL_PARAM)
-        if who is not None and not isinstance(who, str):
-            raise TypeError(f"the principal dependency must return str or None, got {type(who).__name__}")
         return await wrap(endpoint, request, who, kwargs)
 
     wrapper.__signature__ = signature.replace(parameters=[*params, *extra, *tail])  # type: ignore[attr-defined]
@@ -173,27 +245,22 @@ def _with_principal(
     return wrapper
 
 
-async def _captured(response: Response) -> tuple[int, list[tuple[str, str]], bytes]:
-    """The response FastAPI built, as status, headers and the whole body."""
-    iterator = getattr(response, "body_iterator", None)
-    if iterator is not None:
-        chunks = [chunk if isinstance(chunk, bytes) else str(chunk).encode("utf-8") async for chunk in iterator]
-        body = b"".join(chunks)
-    else:
-        body = bytes(response.body)
-    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.raw_headers]
-    return response.status_code, headers, body
-
-
-def _response(answer: Answer, replayed_header: bool, *, sweep: Ledger | None) -> Response:
+def _response(delivery: Delivery, gate: Gate, background: BackgroundTask | None) -> Response:
+    answer = delivery.answer
     response = Response(content=answer.body, status_code=answer.status)
     response.raw_headers = [
         (name.lower().encode("latin-1"), value.encode("latin-1"))
-        for name, value in wire_headers(answer, replayed_header=replayed_header)
+        for name, value in wire_headers(answer, replayed_header=gate.replayed_header)
     ]
-    if sweep is not None and answer.started_at is not None:
-        # Starlette runs a sync background task in its thread pool, after the answer.
-        response.background = BackgroundTask(sweep.after_response, answer)
+    sweep = gate.sweep_after(delivery)
+    if background is not None or sweep is not None:
+        # Starlette runs them after the answer has gone out, in this order.
+        tasks = BackgroundTasks()
+        if background is not None:
+            tasks.add_task(background)
+        if sweep is not None:
+            tasks.add_task(sweep)
+        response.background = tasks
     return response
 
 

@@ -15,32 +15,89 @@ HeadersLike = Mapping[str, str] | Iterable[tuple[str, str]]
 # \Z, not $: Python's $ also matches before a trailing newline, which would
 # let "abc\n" through where the recipe's JavaScript pattern rejects it.
 _KEY_PATTERN = re.compile(r"[\x20-\x7e]{1,255}\Z")
+# RFC 8941 parameters after an sf-string: ;key[=bare-item], leniently (they are ignored).
+_SF_PARAMETERS = re.compile(r"(?:[ \t]*;[ \t]*[a-z*][a-z0-9_.*-]*(?:=[\x21-\x7e]+)?)+\Z")
 
 # Fetch's Headers trims HTTP whitespace only; str.strip() would also eat
 # vertical tabs, form feeds and Unicode spaces and change the fingerprint.
 _HTTP_WHITESPACE = " \t\r\n"
 
 
-def is_valid_key(key: object) -> bool:
-    """Whether `key` is 1-255 characters, each 0x20-0x7E, as a whole string.
+def parse_key(value: object) -> str | None:
+    r"""The key an ``Idempotency-Key`` value carries, or None when it carries
+    none that is valid.
 
-    >>> is_valid_key("550e8400-e29b-41d4-a716-446655440000"), is_valid_key("abc\\n")
-    (True, False)
+    A value that begins with ``"`` is an RFC 8941 sf-string, as the IETF
+    draft sends it: the key is the string inside (``\"`` and ``\\``
+    unescaped); parameters after it (``;name=value``) are ignored; anything
+    else after it, or a string that is not terminated, is invalid. Any
+    other value (a bare token, as Stripe's SDKs and the recipe send) is the
+    key as it is. Either way the key is 1-255 characters of 0x20-0x7E.
+
+    >>> parse_key('"8e03978e-40d5-43e8-bc93-6894a57f9324"'), parse_key("order-42")
+    ('8e03978e-40d5-43e8-bc93-6894a57f9324', 'order-42')
+    >>> parse_key('"a\\"b";v=1'), parse_key('"abc'), parse_key('""'), parse_key("abc\n")
+    ('a"b', None, None, None)
     """
-    return isinstance(key, str) and _KEY_PATTERN.match(key) is not None
+    if not isinstance(value, str):
+        return None
+    if value.startswith('"'):
+        key = _sf_string(value)
+        if key is None:
+            return None
+    else:
+        key = value
+    return key if _KEY_PATTERN.match(key) is not None else None
 
 
-def check_key(key: object) -> None:
-    """Raise InvalidKeyError unless `key` is a valid Idempotency-Key.
+def _sf_string(value: str) -> str | None:
+    """RFC 8941 §4.2.5: the string of an sf-string item, its parameters
+    ignored; None when `value` is not one."""
+    out: list[str] = []
+    i, end = 1, len(value)
+    while i < end:
+        char = value[i]
+        if char == "\\":
+            if i + 1 >= end or value[i + 1] not in '"\\':
+                return None
+            out.append(value[i + 1])
+            i += 2
+        elif char == '"':
+            rest = value[i + 1 :].rstrip(" \t")
+            if rest and not _SF_PARAMETERS.match(rest):
+                return None
+            return "".join(out)
+        elif " " <= char <= "~":
+            out.append(char)
+            i += 1
+        else:
+            return None
+    return None  # never terminated
 
-    >>> check_key("order-42")
-    >>> check_key("order 42\\n")
+
+def is_valid_key(key: object) -> bool:
+    r"""Whether `key` carries a valid key (see :func:`parse_key`).
+
+    >>> is_valid_key("550e8400-e29b-41d4-a716-446655440000"), is_valid_key("abc\n"), is_valid_key('"abc"')
+    (True, False, True)
+    """
+    return parse_key(key) is not None
+
+
+def check_key(key: object) -> str:
+    r"""The key `key` carries (see :func:`parse_key`); InvalidKeyError when none.
+
+    >>> check_key("order-42"), check_key('"order-42"')
+    ('order-42', 'order-42')
+    >>> check_key("order 42\n")
     Traceback (most recent call last):
     ...
-    idemctl.errors.InvalidKeyError: invalid Idempotency-Key 'order 42\\n': must be 1-255 printable ASCII characters
+    idemctl.errors.InvalidKeyError: invalid Idempotency-Key 'order 42\n': must be 1-255 printable ASCII characters
     """
-    if not is_valid_key(key):
+    parsed = parse_key(key)
+    if parsed is None:
         raise InvalidKeyError(f"invalid Idempotency-Key {key!r}: must be 1-255 printable ASCII characters")
+    return parsed
 
 
 def header_pairs(headers: HeadersLike | None) -> list[tuple[str, str]]:

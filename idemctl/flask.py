@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 from wsgiref.types import WSGIEnvironment
@@ -37,52 +36,33 @@ from flask import Response, current_app, request
 from werkzeug.datastructures import Headers
 from werkzeug.exceptions import ClientDisconnected
 
-from . import responses
-from .errors import AnswerNotStoredError, LedgerUnavailableError, StorageError
+from . import gate as gates
+from .capture import Capture
+from .gate import BodyRefused, Delivery, Gate
 from .ledger import Ledger
-from .outcomes import Answer, Outcome
-from .wire import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
-    check_options,
-    log_not_stored,
-    wire_headers,
-)
+from .outcomes import Answer, Ticket
+from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
 from .wsgi import PRINCIPAL_ENVIRON_KEY, environ_headers, request_target, status_line
 
 log = logging.getLogger("idemctl.flask")
 
 F = TypeVar("F", bound=Callable[..., Any])
-_CONTENT_LENGTH = re.compile(r"[0-9]+\Z")
-
-
-class _Refused(Exception):
-    def __init__(self, answer: tuple[int, responses.Headers, bytes]) -> None:
-        super().__init__(answer[0])
-        self.answer = answer
 
 
 def _read_body(limit: int) -> bytes:
-    """The request body, refused (400, 411, 413) as the WSGI middleware refuses it."""
+    """The request body, refused (400, 411, 413) by the gate's rules."""
     environ = request.environ
-    declared = str(environ.get("CONTENT_LENGTH", "") or "").strip(" \t")
-    if declared:
-        if not _CONTENT_LENGTH.match(declared):
-            raise _Refused(responses.content_length_invalid())
-        if int(declared) > limit:
-            raise _Refused(responses.body_too_large(limit))
-    elif environ.get("HTTP_TRANSFER_ENCODING") and not environ.get("wsgi.input_terminated"):
-        raise _Refused(responses.length_required())
+    declared = gates.declared_length(environ.get("CONTENT_LENGTH"), limit)
+    if declared is None and environ.get("HTTP_TRANSFER_ENCODING") and not environ.get("wsgi.input_terminated"):
+        raise gates.length_required()
     try:
         # Cached: the view reads the same bytes (get_data, get_json, form).
         body = request.get_data(cache=True)
     except ClientDisconnected as exc:
         log.info("client disconnected mid-body: %s", exc)
-        raise _Refused(responses.body_incomplete()) from None
-    if len(body) > limit:
-        raise _Refused(responses.body_too_large(limit))
-    if declared and len(body) != int(declared):
-        raise _Refused(responses.body_incomplete())
+        raise gates.incomplete() from None
+    gates.check_read(len(body), limit)
+    gates.check_complete(len(body), declared)
     return body
 
 
@@ -94,12 +74,12 @@ class _AnswerResponse(Response):
         return Headers(self.headers)
 
 
-def _captured(response: Response) -> tuple[int, list[tuple[str, str]], bytes]:
-    """The view's response as status, headers and its whole body (a streamed
-    one is consumed and closed), as a WSGI server would have received it."""
+def _capture(response: Response, capture: Capture) -> None:
+    """The view's response as a WSGI server would receive it, fed into the
+    bounded capture (a streamed one is consumed, then closed)."""
     try:
-        headers = list(response.get_wsgi_headers(request.environ).items())
-        return response.status_code, headers, b"".join(response.iter_encoded())
+        capture.start(response.status_code, response.get_wsgi_headers(request.environ).items())
+        capture.drain(response.iter_encoded())
     finally:
         response.close()
 
@@ -119,16 +99,40 @@ def idempotent(
     None``); None answers 401. Methods the ledger's Policy does not protect
     call the view untouched. The other options mean what they mean for the
     WSGI middleware. Put it under ``@app.route``."""
-    check_options(principal, max_body_bytes, unavailable_retry_after_ms, takes="()")
+    gates.check_principal_source(principal, takes="()")
+    gate = Gate(
+        ledger,
+        max_body_bytes=max_body_bytes,
+        replayed_header=replayed_header,
+        unavailable_retry_after_ms=unavailable_retry_after_ms,
+        logger=log,
+    )
 
-    def send(answer: Answer, *, sweep: bool = True) -> Response:
+    def send(delivery: Delivery) -> Response:
+        answer = delivery.answer
         response = _AnswerResponse(answer.body)
         response.status = status_line(answer.status)
-        response.headers = Headers(wire_headers(answer, replayed_header=replayed_header))
-        if sweep and answer.started_at is not None:
+        response.headers = Headers(wire_headers(answer, replayed_header=gate.replayed_header))
+        sweep = gate.sweep_after(delivery)
+        if sweep is not None:
             # Werkzeug calls it when the server closes the response: after the answer.
-            response.call_on_close(lambda: ledger.after_response(answer))
+            response.call_on_close(sweep)
         return response
+
+    def run(view: Callable[..., Any], ticket: Ticket, args: Any, kwargs: Any) -> Delivery:
+        capture = gate.capture()
+        try:
+            try:
+                result = view(*args, **kwargs)
+            except Exception as exc:
+                # What Flask makes of it (abort(404), a registered error
+                # handler) is the answer; an unhandled one propagates.
+                result = current_app.handle_user_exception(exc)
+            _capture(current_app.make_response(result), capture)
+        except BaseException:
+            gate.abandon(ticket, release=release_on_error)
+            raise
+        return gate.finish(ticket, capture)
 
     def decorate(view: F) -> F:
         @functools.wraps(view)
@@ -136,46 +140,22 @@ def idempotent(
             method = request.method.upper()
             if not ledger.policy.protects(method):
                 return view(*args, **kwargs)
-            who = principal()
-            if who is not None and not isinstance(who, str):
-                raise TypeError(f"principal() must return str or None, got {type(who).__name__}")
-            if not who:
-                return send(Answer(*responses.unauthenticated(), Outcome.UNAUTHENTICATED))
-            try:
-                body = _read_body(max_body_bytes)
-            except _Refused as refused:
-                return send(Answer(*refused.answer, Outcome.BODY_REFUSED))
             target = request_target(request.environ)
-            headers = environ_headers(request.environ, ledger.policy.fingerprint_headers)
+            # Werkzeug joins repeated header fields before the view sees them.
             key = request.environ.get("HTTP_IDEMPOTENCY_KEY")
+            who = gate.principal(principal(), key=key, method=method, target=target)
+            if isinstance(who, Answer):
+                return send(gates.replied(who))
             try:
-                decision = ledger.begin(who, key, method, target, headers, body)
-            except StorageError as exc:
-                # Fail closed: an unprotected mutation is worse than a refused one.
-                level = logging.WARNING if isinstance(exc, LedgerUnavailableError) else logging.ERROR
-                log.log(level, "idempotency ledger unavailable, refused %s %s with 503: %s", method, target, exc)
-                return send(Answer(*responses.unavailable(unavailable_retry_after_ms), Outcome.UNAVAILABLE))
+                body = _read_body(gate.max_body_bytes)
+            except BodyRefused as refused:
+                return send(gates.replied(gate.refused(refused, principal=who, key=key, method=method, target=target)))
+            headers = environ_headers(request.environ, ledger.policy.fingerprint_headers)
+            decision = gate.begin(who, key, method, target, headers, body)
             if isinstance(decision, Answer):
-                return send(decision)
-
+                return send(gates.replied(decision))
             request.environ[PRINCIPAL_ENVIRON_KEY] = who
-            try:
-                try:
-                    result = view(*args, **kwargs)
-                except Exception as exc:
-                    # What Flask makes of it (abort(404), a registered error
-                    # handler) is the answer; an unhandled one propagates.
-                    result = current_app.handle_user_exception(exc)
-                status, out_headers, out_body = _captured(current_app.make_response(result))
-            except BaseException:
-                ledger.abandon(decision, release=release_on_error)
-                raise
-            try:
-                answer = ledger.finish(decision, status, out_headers, out_body)
-            except AnswerNotStoredError as exc:
-                log_not_stored(log, exc, who, key)
-                return send(exc.answer, sweep=False)
-            return send(answer)
+            return send(run(view, decision, args, kwargs))
 
         return cast(F, protected)
 

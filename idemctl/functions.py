@@ -33,8 +33,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, cast
 
+from . import decision
 from .errors import (
     CallInProgressError,
+    IdemctlError,
     KeyReusedError,
     LedgerUnavailableError,
     MalformedRowError,
@@ -42,9 +44,10 @@ from .errors import (
     ResultNotStoredError,
     ResultTooLargeError,
     UnserializableArgumentsError,
+    UnsupportedFunctionError,
 )
 from .fingerprint import check_key
-from .outcomes import Answer, Completion, Event, FencedEvent, Outcome, Reservation, Status, StoredRow
+from .outcomes import Answer, Completion, Event, FencedEvent, Outcome, Reservation, StoredRow, Ticket
 
 if TYPE_CHECKING:
     from .ledger import Ledger
@@ -209,7 +212,7 @@ class IdempotentCall:
         serializer: Serializer | None = None,
         release_on_error: ReleasePolicy = False,
     ) -> None:
-        check_key(key)
+        key = check_key(key)
         self.ledger = ledger
         self.principal = principal
         self.key = key
@@ -233,6 +236,7 @@ class IdempotentCall:
         self._owned_at = 0.0
         self._result: tuple[Any] | None = None
         self._entered = False
+        self._decide_started = 0.0
         self._ended = False
 
     @property
@@ -256,9 +260,21 @@ class IdempotentCall:
             raise RuntimeError("store() was already called for this call")
         self._result = (value,)
 
+    def discard(self) -> None:
+        """Nothing of the work ran: release the reservation now, so a repeat
+        runs at once, and end the call without storing anything."""
+        reservation = self._reservation
+        if reservation is None or self._ended or self._result is not None:
+            raise RuntimeError("discard() needs a call that this block runs and has not stored")
+        self._ended = True
+        ticket = Ticket(reservation, self.outcome or Outcome.EXECUTED, b"", self._started_at, "CALL", self._name,
+                        self._ledger_s * 1000, self._owned_at)
+        self.ledger.abandon(ticket, release=True)
+
     # -- the context manager, sync and async --------------------------------------------
     def __enter__(self) -> IdempotentCall:
-        self._begin()
+        self._enter()
+        self._take(decision.run(self._steps()))
         return self
 
     def __exit__(
@@ -267,8 +283,11 @@ class IdempotentCall:
         self._end(exc)
 
     async def __aenter__(self) -> IdempotentCall:
-        # Ledger statements block: they run in a thread, never on the loop.
-        await asyncio.to_thread(self._begin)
+        self._enter()
+        # Statements run in a worker thread, waits on the loop; a task
+        # cancelled while its claim is under way releases that claim.
+        made = await decision.run_async(self._steps(), asyncio.to_thread, orphaned=self._release_orphan)
+        self._take(made)
         return self
 
     async def __aexit__(
@@ -277,23 +296,50 @@ class IdempotentCall:
         await asyncio.to_thread(self._end, exc)
 
     # -- the steps --------------------------------------------------------------------
-    def _begin(self) -> None:
+    def _enter(self) -> None:
         if self._entered:
             raise RuntimeError("an IdempotentCall is entered once; make a new one for each call")
         self._entered = True
-        started = time.perf_counter()
-        try:
-            self._decide()
-        except KeyReusedError:
+        self._decide_started = time.perf_counter()
+
+    def _steps(self) -> decision.Steps[decision.Decision]:
+        """The ledger's decision loop; a row that vanishes between the failed
+        claim and its lookup (released, purged) is decided again."""
+        for _ in range(_CLAIM_ATTEMPTS):
+            made = yield from self.ledger.decide(self.principal, self.key, self.fingerprint)
+            if not isinstance(made, decision.Vanished):
+                return made
+        raise LedgerUnavailableError(
+            f"principal={self.principal} key={self.key} vanished between claim and lookup "
+            f"{_CLAIM_ATTEMPTS} times; retry the call"
+        )
+
+    def _take(self, made: decision.Decision) -> None:
+        started = self._decide_started
+        if isinstance(made, decision.Reused):
             self._publish(Outcome.REUSED, None, started, None)
-            raise
-        except CallInProgressError as exc:
-            self._publish(Outcome.IN_PROGRESS, exc.generation, started, None)
-            raise
+            raise KeyReusedError(self.principal, self.key)
+        if isinstance(made, decision.Busy):
+            self._publish(Outcome.IN_PROGRESS, made.row.generation, started, None)
+            raise CallInProgressError(self.principal, self.key, made.row.generation, made.takeover_in_ms)
         self._ledger_s = time.perf_counter() - started
         self._owned_at = time.perf_counter()
-        if self.outcome is Outcome.REPLAYED:
+        if isinstance(made, decision.Completed):
+            self.value = self._stored_value(made.row)
+            self.outcome, self.generation = Outcome.REPLAYED, made.row.generation
             self._publish(Outcome.REPLAYED, self.generation, started, None)
+            return
+        assert isinstance(made, decision.Claimed)  # Vanished is decided again by _steps
+        self._reservation, self._started_at = made.reservation, made.now
+        self.outcome, self.generation = made.outcome, made.reservation.generation
+
+    def _release_orphan(self, made: decision.Decision) -> None:
+        if isinstance(made, decision.Claimed):
+            try:
+                self.ledger.release(made.reservation)
+            except IdemctlError as exc:
+                log.error("could not release the claim of a cancelled call principal=%s key=%s: %s",
+                          self.principal, self.key, exc)
 
     def _publish(self, outcome: Outcome, generation: int | None, started: float, app_s: float | None) -> None:
         ledger_ms = (self._ledger_s + time.perf_counter() - started) * 1000
@@ -313,66 +359,17 @@ class IdempotentCall:
             )
         )
 
-    def _decide(self) -> None:
-        ledger, principal, key, fp = self.ledger, self.principal, self.key, self.fingerprint
-        policy = ledger.policy
-        vanished = 0
-        deadline: float | None = None
-        while True:
-            now = ledger.now()
-            reservation = ledger.claim(principal, key, fp, now=now)
-            if reservation is not None:
-                self._own(reservation, Outcome.EXECUTED, now)
-                return
-            row = ledger.lookup(principal, key)
-            if row is None:
-                # Released or purged between our claim and the lookup: the next claim normally wins.
-                vanished += 1
-                if vanished == _CLAIM_ATTEMPTS:
-                    raise LedgerUnavailableError(
-                        f"principal={principal} key={key} vanished between claim and lookup {vanished} times; "
-                        "retry the call"
-                    )
-                continue
-            if row.fingerprint != fp:
-                raise KeyReusedError(principal, key)
-            if row.status is Status.COMPLETED:
-                self.value = self._stored_value(row)
-                self.outcome, self.generation = Outcome.REPLAYED, row.generation
-                return
-            reservation = ledger.takeover(principal, key, fp, now=now)
-            if reservation is not None:
-                log.warning(
-                    "took over stale reservation principal=%s key=%s as generation %d",
-                    principal,
-                    key,
-                    reservation.generation,
-                )
-                self._own(reservation, Outcome.TAKEN_OVER, now)
-                return
-            if deadline is None:
-                deadline = time.monotonic() + policy.in_progress_wait_ms / 1000
-            if not ledger._wait_for_change(principal, key, row.generation, deadline):
-                # Takeover is possible once the row is older than the TTL (`updated_at < now - ttl`).
-                wait_ms = max(0, row.updated_at + policy.pending_ttl_ms + 1 - now)
-                raise CallInProgressError(principal, key, row.generation, wait_ms)
-
-    def _own(self, reservation: Reservation, outcome: Outcome, now: int) -> None:
-        self._reservation, self._started_at = reservation, now
-        self.outcome, self.generation = outcome, reservation.generation
-
     def _end(self, exc: BaseException | None) -> None:
         reservation = self._reservation
         if reservation is None or self._ended:
             return
         self._ended = True
         if self._result is None and exc is not None:
-            app_s = time.perf_counter() - self._owned_at
-            started = time.perf_counter()
             policy = self.release_on_error
-            if policy(exc) if callable(policy) else policy:
-                self.ledger._release_quietly(reservation)
-            self._publish(Outcome.FAILED, reservation.generation, started, app_s)
+            release = bool(policy(exc) if callable(policy) else policy)
+            ticket = Ticket(reservation, self.outcome or Outcome.EXECUTED, b"", self._started_at, "CALL", self._name,
+                            self._ledger_s * 1000, self._owned_at)
+            self.ledger.abandon(ticket, release=release)
             return
         self._complete(reservation, None if self._result is None else self._result[0])
 
@@ -482,11 +479,12 @@ class IdempotentDecorator:
         self.release_on_error = release_on_error
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
-        signature = inspect.signature(fn)
-        names = self._names(signature)
         name = self.name if self.name is not None else getattr(fn, "__qualname__", None)
         if name is None:
             raise TypeError(f"{fn!r} has no __qualname__: give the call a name with name=...")
+        is_async = _kind(fn, name)
+        signature = inspect.signature(fn)
+        names = self._names(signature)
 
         def start(a: tuple[Any, ...], kw: dict[str, Any]) -> IdempotentCall:
             return IdempotentCall(
@@ -499,7 +497,7 @@ class IdempotentDecorator:
                 release_on_error=self.release_on_error,
             )
 
-        if inspect.iscoroutinefunction(fn):
+        if is_async:
             run_async = cast(Callable[..., Awaitable[Any]], fn)
 
             @functools.wraps(fn)
@@ -517,7 +515,13 @@ class IdempotentDecorator:
             call = start(a, kw)
             with call:
                 if not call.replayed:
-                    call.store(fn(*a, **kw))
+                    result = fn(*a, **kw)
+                    if _deferred(result):
+                        # Nothing of it ran: release the claim and say why, so
+                        # the key is not burned for a value that never existed.
+                        call.discard()
+                        raise UnsupportedFunctionError(name, f"it returned a {type(result).__name__}, not its value")
+                    call.store(result)
             return cast(R, call.value)
 
         return call_sync
@@ -542,6 +546,26 @@ class IdempotentDecorator:
         bound.apply_defaults()
         arguments = dict(bound.arguments)
         return arguments if names is None else {n: arguments[n] for n in names}
+
+
+def _kind(fn: Callable[..., Any], name: str) -> bool:
+    """Whether `fn` is async (a coroutine function, or an object whose
+    ``__call__`` is one); refuses generator functions of either kind."""
+    candidates = [fn]
+    if not (inspect.isfunction(fn) or inspect.ismethod(fn)):
+        candidates.append(inspect.getattr_static(type(fn), "__call__", fn))
+    for candidate in candidates:
+        if inspect.isgeneratorfunction(candidate) or inspect.isasyncgenfunction(candidate):
+            raise UnsupportedFunctionError(name, "it is a generator function: its body runs only when iterated")
+    return any(inspect.iscoroutinefunction(candidate) for candidate in candidates)
+
+
+def _deferred(result: object) -> bool:
+    """A value that is work not yet done; closed so it never runs later."""
+    if inspect.iscoroutine(result) or inspect.isgenerator(result):
+        result.close()
+        return True
+    return inspect.isawaitable(result) or inspect.isasyncgen(result)
 
 
 def _resolve(source: str | Callable[..., str], a: tuple[Any, ...], kw: dict[str, Any]) -> str:

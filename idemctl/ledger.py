@@ -11,15 +11,15 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from email.utils import formatdate
 
-from . import functions, responses
+from . import copying, decision, functions, responses
 from .errors import (
     AnswerNotStoredError,
     IdemctlError,
     InvalidPrincipalError,
     InvalidRequestError,
+    InvalidResponseError,
     MalformedRowError,
     PolicyError,
     SchemaMissingError,
@@ -32,8 +32,9 @@ from .fingerprint import (
     fingerprint,
     fingerprint_body,
     header_pairs,
-    is_valid_key,
+    parse_key,
 )
+from .leases import LeaseKeeper
 from .outcomes import (
     Answer,
     Completion,
@@ -97,6 +98,12 @@ class Ledger:
             raise PolicyError(f"clock must be a callable or 'database', got {clock!r}")
         else:
             self.clock = clock if clock is not None else wall_clock_ms
+        #: This process's live reservations, renewed together (Policy.lease_renewal), or None.
+        self.leases: LeaseKeeper | None = None
+        if self.policy.lease_renewal:
+            self.leases = LeaseKeeper(
+                self._renew, interval_s=self.policy.pending_ttl_ms / 3000, max_s=self.policy.lease_max_ms / 1000
+            )
         self._listeners: tuple[Callable[[Event], object], ...] = ()
         self._listeners_lock = threading.Lock()
         # Until when this process's post-response sweep has nothing to do.
@@ -215,7 +222,21 @@ class Ledger:
         self.close()
 
     def close(self) -> None:
+        if self.leases is not None:
+            self.leases.close()
         self.store.close()
+
+    def _renew(self, held: list[Reservation]) -> int:
+        return self.store.renew([(r.principal, r.key, r.generation, r.token) for r in held], self.now())
+
+    def _hold(self, made: decision.Decision) -> decision.Decision:
+        if self.leases is not None and isinstance(made, decision.Claimed):
+            self.leases.hold(made.reservation)
+        return made
+
+    def _drop(self, reservation: Reservation | None) -> None:
+        if self.leases is not None and reservation is not None:
+            self.leases.drop(reservation)
 
     def describe(self) -> str:
         """Where the ledger lives, safe to print (a URL without its password).
@@ -276,6 +297,26 @@ class Ledger:
         >>> ledger.begin("acct_1", "k1", "POST", "/orders", {}, b'{"sku":"x"}').outcome
         <Outcome.REPLAYED: 'replayed'>
         """
+        return decision.run(self.begin_steps(principal, key, method, path_and_query, headers, body))
+
+    def begin_steps(
+        self,
+        principal: str | None,
+        key: str | None,
+        method: str,
+        path_and_query: str,
+        headers: HeadersLike | None,
+        body: bytes | bytearray | memoryview,
+    ) -> decision.Steps[Answer | Ticket]:
+        """:meth:`begin` as steps, for a driver that waits its own way: it
+        yields the seconds to pause between the polls of an in-progress wait
+        and returns what `begin` returns. `idemctl.decision.run` sleeps in
+        the calling thread; `run_async` waits on an event loop.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> decision.run(ledger.begin_steps("acct_1", "k9", "POST", "/orders", {}, b"")).outcome
+        <Outcome.EXECUTED: 'executed'>
+        """
         policy = self.policy
         raw = as_body_bytes(body, "request body")
         if not policy.protects(method):
@@ -287,98 +328,71 @@ class Ledger:
         if key is None or key == "":
             refusal = Answer(*responses.key_required(), Outcome.KEY_REQUIRED)
             return self._decided(refusal, principal, None, method, path_and_query, 0.0)
-        if not is_valid_key(key):
+        parsed = parse_key(key)
+        if parsed is None:
             refusal = Answer(*responses.key_invalid(), Outcome.KEY_INVALID)
             return self._decided(refusal, principal, None, method, path_and_query, 0.0)
+        key = parsed  # "abc" (an sf-string, as the IETF draft sends it) and abc are one key
         check_request_line(method, path_and_query)
 
         fp_body, _ = fingerprint_body(raw, headers, policy.fingerprint_body, policy.fingerprint_ignore_fields)
         fp = fingerprint(method, path_and_query, headers, fp_body, policy.fingerprint_headers)
-        spent = 0.0
         mark = time.perf_counter()
-        now = self.now()
         try:
-            decision = self._decide(principal, key, fp, raw, now, method, path_and_query)
+            made = self._hold((yield from decision.decide(self.store, policy, self.clock, principal, key, fp)))
         except StorageError:
-            spent += time.perf_counter() - mark
-            ms = spent * 1000
-            self._emit(Event(Outcome.UNAVAILABLE, principal, key, None, method, path_and_query, 503, ms, None, now))
+            ms = (time.perf_counter() - mark) * 1000
+            at = wall_clock_ms()  # the database clock, if that is the clock, cannot be asked either
+            self._emit(Event(Outcome.UNAVAILABLE, principal, key, None, method, path_and_query, 503, ms, None, at))
             raise
-        spent += time.perf_counter() - mark
-        if isinstance(decision, Answer):
-            return self._decided(decision, principal, key, method, path_and_query, spent * 1000)
-        return replace(decision, ledger_ms=spent * 1000, issued=time.perf_counter())
+        spent_ms = (time.perf_counter() - mark) * 1000
+        if isinstance(made, decision.Claimed):
+            return Ticket(
+                made.reservation, made.outcome, raw, made.now, method, path_and_query, spent_ms, time.perf_counter()
+            )
+        return self._decided(self._answer_for(made, principal, key), principal, key, method, path_and_query, spent_ms)
 
-    def _decide(
-        self, principal: str, key: str, fp: str, raw: bytes, now: int, method: str, path: str
-    ) -> Answer | Ticket:
-        """Claim, or look up and branch: each step one statement. With
-        `in_progress_wait_ms`, a duplicate polls the row (reads only, no
-        lock held between them) and decides again once it changes."""
-        policy, store = self.policy, self.store
-        token = new_token()
-        deadline: float | None = None
-        expired_races = 0
-        while True:
-            generation = store.claim(principal, key, fp, token, now)
-            if generation is not None:
-                reservation = Reservation(principal, key, generation, fp, token)
-                return Ticket(reservation, Outcome.EXECUTED, raw, now, method, path)
-            row = store.lookup(principal, key)
-            if row is None:
-                # Swept between our failed claim and the lookup: the next try wins the claim.
-                return Answer(*responses.retry(), Outcome.RETRY, None, now)
-            expired_before = now - policy.retention_ms
-            if row.updated_at < expired_before:
-                # Past retention a row counts as absent: this request is a new
-                # operation, whatever the row held. The takeover's WHERE
-                # decides again, atomically; if the row changed meanwhile
-                # (swept, or another request took it), decide afresh.
-                generation = store.takeover(principal, key, fp, token, now, now - policy.pending_ttl_ms, expired_before)
-                if generation is not None:
-                    reservation = Reservation(principal, key, generation, fp, token)
-                    return Ticket(reservation, Outcome.EXECUTED, raw, now, method, path)
-                expired_races += 1
-                if expired_races < 3:
-                    continue
-                return Answer(*responses.retry(), Outcome.RETRY, row.generation, now)
-            if row.fingerprint != fp:
-                return Answer(*responses.reused(policy), Outcome.REUSED, row.generation, now)
-            if row.status is Status.COMPLETED:
-                status, out_headers, out_body = responses.from_stored(
-                    row.response_status, row.response_body, row.response_headers, row=(principal, key)
-                )
-                out_headers = self._with_expiry(out_headers, row.updated_at)
-                return Answer(status, out_headers, out_body, Outcome.REPLAYED, row.generation, now)
-            generation = store.takeover(principal, key, fp, token, now, now - policy.pending_ttl_ms, expired_before)
-            if generation is not None:
-                log.warning(
-                    "took over stale reservation principal=%s key=%s as generation %d", principal, key, generation
-                )
-                reservation = Reservation(principal, key, generation, fp, token)
-                return Ticket(reservation, Outcome.TAKEN_OVER, raw, now, method, path)
-            if deadline is None:
-                deadline = time.monotonic() + policy.in_progress_wait_ms / 1000
-            if not self._wait_for_change(principal, key, row.generation, deadline):
-                left_ms = max(0, row.updated_at + policy.pending_ttl_ms + 1 - now)
-                retry_ms = left_ms if policy.retry_after_from_row else policy.pending_ttl_ms
-                return Answer(*responses.in_progress(policy, retry_ms), Outcome.IN_PROGRESS, row.generation, now)
-            now = self.now()
+    def decide(self, principal: str, key: str, fingerprint: str) -> decision.Steps[decision.Decision]:
+        """The decision loop itself, for integrations with their own request
+        shape (idempotent functions): claim, or look up and branch, with the
+        policy's in-progress wait. Drive it with `idemctl.decision.run` (or
+        `run_async`); a :class:`~idemctl.decision.Claimed` result owns the
+        reservation.
 
-    def _wait_for_change(self, principal: str, key: str, generation: int, deadline: float) -> bool:
-        """Poll until the in-progress row completes, goes, changes owner or
-        turns stale (reads only: nothing is held between them); False once the
-        deadline passes first. Idempotent function calls wait the same way."""
-        pause = 0.005
-        while (left := deadline - time.monotonic()) > 0:
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 0.1)
-            row = self.store.lookup(principal, key)
-            if row is None or row.status is not Status.PENDING or row.generation != generation:
-                return True
-            if row.updated_at < self.now() - self.policy.pending_ttl_ms:
-                return True  # stale now: deciding again takes it over
-        return False
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> decision.run(ledger.decide("billing", "pay_1", "fp")).outcome
+        <Outcome.EXECUTED: 'executed'>
+        >>> type(decision.run(ledger.decide("billing", "pay_1", "other"))).__name__
+        'Reused'
+        """
+        check_principal(principal)
+        key = check_key(key)
+        return self._decide_and_hold(principal, key, fingerprint)
+
+    def _decide_and_hold(self, principal: str, key: str, fingerprint: str) -> decision.Steps[decision.Decision]:
+        made = yield from decision.decide(self.store, self.policy, self.clock, principal, key, fingerprint)
+        return self._hold(made)
+
+    def _answer_for(
+        self, made: decision.Completed | decision.Reused | decision.Busy | decision.Vanished, principal: str, key: str
+    ) -> Answer:
+        """The answer for a decision that runs nothing."""
+        if isinstance(made, decision.Vanished):
+            # Swept between our failed claim and the lookup: the next try wins the claim.
+            return Answer(*responses.retry(), Outcome.RETRY, None, made.now)
+        row = made.row
+        if isinstance(made, decision.Reused):
+            return Answer(*responses.reused(self.policy), Outcome.REUSED, row.generation, made.now)
+        if isinstance(made, decision.Busy):
+            # The recipe tells the client to come back after a whole TTL; by policy, when the row turns stale.
+            retry_ms = made.takeover_in_ms if self.policy.retry_after_from_row else self.policy.pending_ttl_ms
+            answer = responses.in_progress(self.policy, retry_ms)
+            return Answer(*answer, Outcome.IN_PROGRESS, row.generation, made.now)
+        status, out_headers, out_body = responses.from_stored(
+            row.response_status, row.response_body, row.response_headers, row=(principal, key)
+        )
+        out_headers = self._with_expiry(out_headers, row.updated_at)
+        return Answer(status, out_headers, out_body, Outcome.REPLAYED, row.generation, made.now)
 
     def _with_expiry(self, headers: tuple[tuple[str, str], ...], updated_at: int) -> tuple[tuple[str, str], ...]:
         name = self.policy.expires_header
@@ -393,6 +407,46 @@ class Ledger:
         at = answer.started_at if answer.started_at is not None else self.now()
         status, generation = answer.status, answer.generation
         self._emit(Event(answer.outcome, principal, key, generation, method, path, status, ledger_ms, None, at))
+        if self.policy.problem_details and answer.outcome in _OWN_ANSWERS:
+            shaped = responses.as_problem((answer.status, answer.headers, answer.body))
+            return Answer(*shaped, answer.outcome, answer.generation, answer.started_at)
+        return answer
+
+    def shape(self, answer: tuple[int, responses.Headers, bytes]) -> tuple[int, responses.Headers, bytes]:
+        """One of idemctl's own error answers as the policy wants it: the
+        recipe's ``{"error": ...}`` JSON, or RFC 9457 problem details with
+        ``Policy(problem_details=True)``.
+
+        >>> Ledger.open(":memory:", policy=Policy(problem_details=True)).shape(responses.key_required())[1]
+        (('content-type', 'application/problem+json'),)
+        """
+        return responses.as_problem(answer) if self.policy.problem_details else answer
+
+    def refuse(
+        self,
+        refusal: tuple[int, responses.Headers, bytes],
+        outcome: Outcome,
+        *,
+        principal: str | None,
+        key: str | None,
+        method: str,
+        path: str,
+    ) -> Answer:
+        """An answer an adapter makes before the ledger is asked (401, a body
+        it cannot read, a repeated key field), published as an event like
+        every decision of the ledger's own.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> seen = []; _ = ledger.subscribe(seen.append)
+        >>> ledger.refuse(responses.unauthenticated(), Outcome.UNAUTHENTICATED,
+        ...               principal=None, key="k1", method="POST", path="/orders").status
+        401
+        >>> seen[0].outcome.value, seen[0].key
+        ('unauthenticated', 'k1')
+        """
+        answer = Answer(*self.shape(refusal), outcome)
+        event = Event(outcome, principal, key, None, method, path, answer.status, 0.0, None, wall_clock_ms())
+        self._emit(event)
         return answer
 
     def finish(
@@ -400,7 +454,7 @@ class Ledger:
         ticket: Ticket,
         status: int,
         headers: HeadersLike | None,
-        body: bytes | bytearray | memoryview | str,
+        body: bytes | bytearray | memoryview | str | responses.OversizeBody,
     ) -> Answer:
         """Store the mutation's answer with one fenced statement and return the
         answer built from what was stored (equal to every later replay). A
@@ -416,8 +470,11 @@ class Ledger:
         """
         reservation = ticket.reservation
         if reservation is None:
+            if isinstance(body, responses.OversizeBody):
+                raise InvalidResponseError("an unprotected answer is passed through whole, never as its size")
             raw = body.encode("utf-8") if isinstance(body, str) else as_body_bytes(body, "response body")
             return Answer(status, tuple(header_pairs(headers)), raw, Outcome.PASSTHROUGH)
+        self._drop(reservation)
         app_ms = (time.perf_counter() - ticket.issued) * 1000 if ticket.issued else None
         mark = time.perf_counter()
         stored, computed = self._prepare(reservation, status, headers, body)
@@ -481,6 +538,7 @@ class Ledger:
         reservation = ticket.reservation
         if reservation is None:
             return
+        self._drop(reservation)
         app_ms = (time.perf_counter() - ticket.issued) * 1000 if ticket.issued else None
         mark = time.perf_counter()
         if release:
@@ -572,7 +630,7 @@ class Ledger:
         True
         """
         check_principal(principal)
-        check_key(key)
+        key = check_key(key)
         now = self.now() if now is None else now
         token = new_token()
         generation = self.store.claim(principal, key, fingerprint, token, now)
@@ -586,7 +644,7 @@ class Ledger:
         >>> ledger.lookup("acct_1", "k1").status
         <Status.PENDING: 'pending'>
         """
-        return self.store.lookup(principal, key)
+        return self.store.lookup(principal, parse_key(key) or key)
 
     def takeover(self, principal: str, key: str, fingerprint: str, *, now: int | None = None) -> Reservation | None:
         """Take over a pending row older than the TTL, or any row past
@@ -602,7 +660,7 @@ class Ledger:
         2
         """
         check_principal(principal)
-        check_key(key)
+        key = check_key(key)
         now = self.now() if now is None else now
         token = new_token()
         p = self.policy
@@ -631,6 +689,7 @@ class Ledger:
         >>> ledger.complete(reservation, 201, {}, b"again").stored  # already completed
         False
         """
+        self._drop(reservation)
         stored, answer = self._prepare(reservation, status, headers, body)
         return self._store_answer(reservation, stored, answer, self.now() if now is None else now)
 
@@ -639,7 +698,7 @@ class Ledger:
         reservation: Reservation,
         status: int,
         headers: HeadersLike | None,
-        body: bytes | bytearray | memoryview | str,
+        body: bytes | bytearray | memoryview | str | responses.OversizeBody,
     ) -> tuple[responses.ToStore, tuple[int, responses.Headers, bytes]]:
         """What will be stored for this answer, and the answer built from it."""
         where = (reservation.principal, reservation.key)
@@ -700,6 +759,7 @@ class Ledger:
         >>> ledger.release(reservation), ledger.release(reservation)
         (True, False)
         """
+        self._drop(reservation)
         return self.store.release(reservation.principal, reservation.key, reservation.generation, reservation.token)
 
     def _release_quietly(self, reservation: Reservation) -> None:
@@ -802,6 +862,41 @@ class Ledger:
             raise PolicyError(f"fenced-out log retention must be > 0 ms, got {fenced_retention_ms}")
         return fenced_retention_ms
 
+    # -- moving to another ledger -----------------------------------------------------
+    def copy_to(
+        self,
+        destination: Ledger,
+        *,
+        batch: int = copying.DEFAULT_COPY_BATCH,
+        dry_run: bool = False,
+        on_progress: Callable[[copying.CopyProgress], object] | None = None,
+    ) -> copying.CopyResult:
+        """Copy every row (pending and completed, with its generation, token,
+        timestamps and stored answer) and the fenced-out log into
+        `destination`, on any engine, `batch` rows at a time; this ledger is
+        only read. A destination row that is newer is kept, one that holds
+        another request under the same key is a conflict; neither is
+        overwritten. Running it again writes only what changed since. The
+        destination must be initialised (:meth:`init`). See docs/runbook.md
+        for moving a live ledger without losing a key.
+
+        >>> old, new = Ledger.open(":memory:"), Ledger.open(":memory:")
+        >>> _ = old.init(), new.init()
+        >>> _ = old.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b"made"))
+        >>> result = old.copy_to(new)
+        >>> result.copied, old.copy_to(new).unchanged
+        (1, 1)
+        >>> new.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (500, {}, b"")).body
+        b'made'
+        """
+        return copying.copy_ledger(
+            self.store, destination.store, batch=batch, dry_run=dry_run, on_progress=on_progress
+        )
+
+    def count_rows(self) -> int:
+        """How many rows the ledger holds (one count: a progress bar's total)."""
+        return self.store.count_rows()
+
     # -- operator side --------------------------------------------------------------------
     def view(self, row: StoredRow, *, now: int | None = None) -> RowView:
         """A row with its derived state at `now`."""
@@ -818,7 +913,7 @@ class Ledger:
         >>> ledger.get("acct_1", "k1").state
         <State.PENDING_FRESH: 'pending_fresh'>
         """
-        row = self.store.lookup(principal, key)
+        row = self.store.lookup(principal, parse_key(key) or key)
         return None if row is None else self.view(row, now=now)
 
     def pending(
@@ -945,6 +1040,7 @@ class Ledger:
         <PurgeOutcome.PURGED: 'purged'>
         """
         now = self.now() if now is None else now
+        key = parse_key(key) or key
         return self.store.purge(principal, key, None if force else now - self.policy.pending_ttl_ms)
 
     # -- functions: the contract for calls in workers, consumers and scripts ---------
@@ -1026,6 +1122,19 @@ class Ledger:
         )
 
 
+# The answers the ledger makes itself (never an app's, never a replay).
+_OWN_ANSWERS = frozenset(
+    {
+        Outcome.KEY_REQUIRED,
+        Outcome.KEY_INVALID,
+        Outcome.UNAUTHENTICATED,
+        Outcome.REUSED,
+        Outcome.IN_PROGRESS,
+        Outcome.RETRY,
+        Outcome.BODY_REFUSED,
+        Outcome.UNAVAILABLE,
+    }
+)
 # Requests that ran the mutation sweep one batch after their answer.
 _SWEEPS_AFTER = frozenset({Outcome.EXECUTED, Outcome.TAKEN_OVER, Outcome.FENCED_OUT})
 # Routine decisions are counted (listeners, metrics), not logged line by line.
@@ -1105,7 +1214,6 @@ def check_request_line(method: object, path_and_query: object) -> None:
         raise InvalidRequestError(f"path must be a str, got {type(path_and_query).__name__}")
     if _has_control(path_and_query):
         raise InvalidRequestError(f"path {path_and_query!r} holds a control character")
-    # A str of at most a quarter of the limit in characters cannot exceed it in bytes.
-    long = len(path_and_query) > MAX_PATH_BYTES // 4
-    if long and len(path_and_query.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+    too_long = len(path_and_query) > MAX_PATH_BYTES // 4
+    if too_long and len(path_and_query.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
         raise InvalidRequestError(f"path {path_and_query[:40]!r}... is longer than {MAX_PATH_BYTES} bytes")

@@ -64,6 +64,15 @@ class Policy:
     # fields named in fingerprint_ignore_fields (dotted paths: "meta.sent_at").
     fingerprint_body: str = "raw"
     fingerprint_ignore_fields: tuple[str, ...] = ()
+    # Answers the ledger and the adapters make themselves (400, 401, 409,
+    # 411, 413, 422, 503) as RFC 9457 application/problem+json instead of
+    # the recipe's {"error": ...}; the app's own answers are never touched.
+    problem_details: bool = False
+    # A live owner renews its reservations every third of the TTL, so a short
+    # TTL never takes over a slow but live mutation; renewal stops after
+    # lease_max_ms, so a hung one is taken over in the end (leases.py).
+    lease_renewal: bool = False
+    lease_max_ms: int = 10 * 60 * 1000
 
     def __post_init__(self) -> None:
         for name in (
@@ -75,6 +84,7 @@ class Policy:
             "header_cap_bytes",
             "reuse_status",
             "in_progress_wait_ms",
+            "lease_max_ms",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -103,6 +113,10 @@ class Policy:
             raise PolicyError(
                 f"in_progress_wait_ms ({self.in_progress_wait_ms}) must be shorter than pending_ttl_ms "
                 f"({self.pending_ttl_ms})"
+            )
+        if self.lease_max_ms <= self.pending_ttl_ms:
+            raise PolicyError(
+                f"lease_max_ms ({self.lease_max_ms}) must be longer than pending_ttl_ms ({self.pending_ttl_ms})"
             )
         if self.keep_answer is not None and not callable(self.keep_answer):
             raise PolicyError("keep_answer must be a callable (status, headers) -> bool")

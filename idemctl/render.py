@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .copying import CopyResult
 from .durations import ago, human_duration, iso
 from .outcomes import Drained, FencedEvent, Prediction, RowView, State, Stats, Status, StoredRow, Verdict
 from .policy import Policy
@@ -107,18 +108,25 @@ def state_words(view: RowView) -> str:
     >>> reservation = ledger.claim("acct_A", "k1", "fp"); t[0] = 12_000
     >>> state_words(ledger.get("acct_A", "k1"))
     'pending, 12 s old: retries get 409 for 18 s more, then the next retry takes over as generation 2'
+    >>> _ = ledger.store.renew([(reservation.principal, "k1", 1, reservation.token)], 14_000); t[0] = 15_000
+    >>> state_words(ledger.get("acct_A", "k1")).split(":")[0]
+    'pending, claimed 15 s ago, lease last renewed 1 s ago'
     >>> _ = ledger.complete(reservation, 201, {}, b"{}"); t[0] += 3 * 3_600_000
     >>> state_words(ledger.get("acct_A", "k1"))
-    'completed 3 h ago: replayed until 1970-01-02T00:00:12Z (in 21 h); the sweep may delete it after that'
+    'completed 3 h ago: replayed until 1970-01-02T00:00:15Z (in 21 h); the sweep may delete it after that'
     """
     row, now = view.row, view.now
     age = human_duration(max(0, view.age_ms))
     nxt = row.generation + 1
     if view.state is State.PENDING_FRESH:
         left = human_duration(view.takeover_in_ms or 0)
-        return (
-            f"pending, {age} old: retries get 409 for {left} more, then the next retry takes over as generation {nxt}"
-        )
+        if row.generation == 1 and row.updated_at > row.created_at:
+            # Only a lease renewal writes a pending first generation after its claim.
+            claimed = human_duration(max(0, now - row.created_at))
+            age = f"claimed {claimed} ago, lease last renewed {age} ago"
+        else:
+            age = f"{age} old"
+        return f"pending, {age}: retries get 409 for {left} more, then the next retry takes over as generation {nxt}"
     if view.state is State.PENDING_STALE:
         return (
             f"pending, {age} old, past the {human_duration(view.pending_ttl_ms)} TTL: "
@@ -587,3 +595,88 @@ def stats_prometheus(database: str, stats: Stats, policy: Policy) -> str:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
         lines += [f"{name}{labels} {value:g}" for labels, value in present]
     return "\n".join(lines) + "\n"
+
+
+def copy_json(result: CopyResult) -> dict[str, Any]:
+    """`copy --json`: what `Ledger.copy_to` copied, kept and refused.
+
+    >>> from idemctl import Ledger
+    >>> source, destination = Ledger.open(":memory:"), Ledger.open(":memory:")
+    >>> _ = source.init(), destination.init()
+    >>> doc = copy_json(source.copy_to(destination))
+    >>> doc["copied"], doc["conflicts"]
+    (0, [])
+    """
+    return {
+        "source": result.source,
+        "destination": result.destination,
+        "dry_run": result.dry_run,
+        "rows_read": result.rows_read,
+        "copied": result.copied,
+        "inserted": result.inserted,
+        "updated": result.updated,
+        "unchanged": result.unchanged,
+        "kept_newer": [
+            {
+                "principal": k.principal,
+                "key": k.key,
+                "reason": k.reason.name.lower(),
+                "why": k.reason.value,
+                "source_generation": k.source_generation,
+                "destination_generation": k.destination_generation,
+            }
+            for k in result.kept
+        ],
+        "conflicts": [
+            {
+                "principal": c.principal,
+                "key": c.key,
+                "source_fingerprint": c.source_fingerprint,
+                "destination_fingerprint": c.destination_fingerprint,
+            }
+            for c in result.conflicts
+        ],
+        "fenced_read": result.fenced_read,
+        "fenced_copied": result.fenced_copied,
+        "fenced_unchanged": result.fenced_unchanged,
+    }
+
+
+# Human output names this many kept rows and conflicts; --json lists them all.
+COPY_LISTED = 20
+
+
+def copy_words(result: CopyResult) -> str:
+    """`copy`'s summary: counts first, then the rows kept and refused, by key.
+
+    >>> from idemctl import Ledger
+    >>> source, destination = Ledger.open(":memory:"), Ledger.open(":memory:")
+    >>> _ = source.init(), destination.init()
+    >>> print(copy_words(source.copy_to(destination)))
+    copied 0 of 0 row(s) from :memory: to :memory: (0 new, 0 updated), 0 already there, 0 kept newer in the destination, 0 conflict(s); fenced-out log: 0 of 0 event(s) copied
+    """  # noqa: E501
+    verb = "would copy" if result.dry_run else "copied"
+    lines = [
+        f"{verb} {result.copied} of {result.rows_read} row(s) from {visible(result.source)} to "
+        f"{visible(result.destination)} ({result.inserted} new, {result.updated} updated), "
+        f"{result.unchanged} already there, {result.kept_newer} kept newer in the destination, "
+        f"{len(result.conflicts)} conflict(s); fenced-out log: {result.fenced_copied} of {result.fenced_read} "
+        f"event(s) {'would be copied' if result.dry_run else 'copied'}"
+    ]
+    for kept in result.kept[:COPY_LISTED]:
+        lines.append(
+            f"kept {visible(kept.principal)}/{visible(kept.key)} (generation {kept.destination_generation} in the "
+            f"destination, {kept.source_generation} in the source): {kept.reason.value}"
+        )
+    for conflict in result.conflicts[:COPY_LISTED]:
+        lines.append(
+            f"conflict {visible(conflict.principal)}/{visible(conflict.key)}: the destination holds another request "
+            f"under this key (fingerprint {conflict.destination_fingerprint[:16]}…, source "
+            f"{conflict.source_fingerprint[:16]}…); not copied"
+        )
+    hidden = max(0, len(result.kept) - COPY_LISTED) + max(0, len(result.conflicts) - COPY_LISTED)
+    if hidden:
+        lines.append(f"… and {hidden} more (--json lists them all)")
+    if result.dry_run:
+        lines.append("dry run: nothing written")
+    return "\n".join(lines)

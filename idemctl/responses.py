@@ -44,6 +44,14 @@ def _dumps(payload: object) -> str:
 
 
 @dataclass(frozen=True)
+class OversizeBody:
+    """An answer body that outgrew the cap while it was captured: only its
+    size was kept, and it is stored as the oversize sentinel."""
+
+    size: int
+
+
+@dataclass(frozen=True)
 class ToStore:
     """The three response columns of a completed row."""
 
@@ -126,6 +134,10 @@ def to_store(
     """Apply the replayable-header allowlist and the body cap. A header that
     may not be sent (see `header_problem`) is dropped and logged at ERROR;
     `row`, the (principal, key) being completed, only names it in that log."""
+    if isinstance(body, OversizeBody):
+        body, oversize = b"", True
+    else:
+        oversize = False
     if isinstance(body, str):
         body = body.encode("utf-8")
     raw = as_body_bytes(body, "response body")
@@ -136,7 +148,7 @@ def to_store(
     if len(headers_json.encode("utf-8")) > policy.header_cap_bytes:
         # Like an oversize body: nothing partial is stored, replays fail loudly.
         return ToStore(OVERSIZE_STATUS, None, "{}", True, "headers")
-    if len(raw) > policy.body_cap_bytes:
+    if oversize or len(raw) > policy.body_cap_bytes:
         # Never store a truncated body: replays fail loudly with a 500 instead.
         return ToStore(OVERSIZE_STATUS, None, headers_json, True, "body")
     column: str | bytes
@@ -222,6 +234,55 @@ def from_stored(
     return status, headers, raw
 
 
+# RFC 9457 problem types: one stable URI per error code, documented in docs/library.md.
+PROBLEM_TYPE_PREFIX = "urn:idemctl:problem:"
+PROBLEM_CONTENT_TYPE = ("content-type", "application/problem+json")
+PROBLEM_TITLES = {
+    "idempotency_key_required": "Idempotency-Key required",
+    "idempotency_key_invalid": "Idempotency-Key invalid",
+    "unauthenticated": "No authenticated principal",
+    "idempotency_key_reused": "Idempotency-Key reused for another request",
+    "idempotency_key_in_progress": "Request with this Idempotency-Key in progress",
+    "idempotency_key_retry": "Retry the request",
+    "idempotency_ledger_unavailable": "Idempotency ledger unavailable",
+    "content_length_required": "Content-Length required",
+    "content_length_invalid": "Content-Length invalid",
+    "request_body_too_large": "Request body too large",
+    "request_body_incomplete": "Request body incomplete",
+}
+_PROBLEM_DETAILS = {
+    "idempotency_key_required": "This request needs an Idempotency-Key header.",
+    "idempotency_key_reused": "This Idempotency-Key was used for a different request.",
+    "idempotency_key_in_progress": "A request with this Idempotency-Key is still running; retry later.",
+}
+
+
+def as_problem(answer: tuple[int, Headers, bytes]) -> tuple[int, Headers, bytes]:
+    """One of idemctl's own `{"error": ...}` answers as RFC 9457 problem
+    details: `type` (a URI per error), `title`, `status`, `detail`, and the
+    members the plain answer carries (`error`, `retry_after_ms`,
+    `limit_bytes`). Other headers (Retry-After) are kept.
+
+    >>> status, headers, body = as_problem(reused(Policy()))
+    >>> headers[0], json.loads(body)["type"], json.loads(body)["status"]
+    (('content-type', 'application/problem+json'), 'urn:idemctl:problem:idempotency_key_reused', 409)
+    """
+    status, headers, body = answer
+    payload = json.loads(body)
+    code = str(payload.pop("error"))
+    message = payload.pop("message", None) or _PROBLEM_DETAILS.get(code) or PROBLEM_TITLES.get(code, code) + "."
+    problem = {
+        "type": PROBLEM_TYPE_PREFIX + code,
+        "title": PROBLEM_TITLES.get(code, code),
+        "status": status,
+        "detail": message,
+        "error": code,
+        **payload,
+    }
+    kept = tuple((n, v) for n, v in headers if n != "content-type")
+    return status, (PROBLEM_CONTENT_TYPE, *kept), _dumps(problem).encode("utf-8")
+
+
 def json_error(status: int, payload: dict[str, object], extra: Headers = ()) -> tuple[int, Headers, bytes]:
     return status, (JSON_CONTENT_TYPE, *extra), _dumps(payload).encode("utf-8")
 
@@ -234,6 +295,13 @@ def key_invalid() -> tuple[int, Headers, bytes]:
     return json_error(
         400,
         {"error": "idempotency_key_invalid", "message": "Idempotency-Key must be 1-255 printable ASCII characters."},
+    )
+
+
+def key_repeated() -> tuple[int, Headers, bytes]:
+    return json_error(
+        400,
+        {"error": "idempotency_key_invalid", "message": "Send exactly one Idempotency-Key header field."},
     )
 
 

@@ -6,9 +6,6 @@ another adapter carry the same status, headers and body."""
 
 from __future__ import annotations
 
-import logging
-
-from .errors import AnswerNotStoredError
 from .outcomes import Answer, Outcome
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
@@ -35,35 +32,3 @@ def wire_headers(answer: Answer, *, replayed_header: bool = False) -> list[tuple
     if answer.status >= 200 and answer.status not in NO_LENGTH_STATUSES:
         out.append(("content-length", str(len(answer.body))))
     return out
-
-
-def check_options(principal: object, max_body_bytes: object, unavailable_retry_after_ms: object, *, takes: str) -> None:
-    """The options every adapter shares, refused the same way by each.
-
-    >>> check_options(lambda scope: None, 1024, 1000, takes="scope")
-    >>> check_options(None, 1024, 1000, takes="environ")
-    Traceback (most recent call last):
-    ...
-    TypeError: principal must be a callable environ -> str | None
-    """
-    if not callable(principal):
-        raise TypeError(f"principal must be a callable {takes} -> str | None")
-    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 0:
-        raise ValueError(f"max_body_bytes must be an integer >= 0, got {max_body_bytes!r}")
-    retry_ms = unavailable_retry_after_ms
-    if isinstance(retry_ms, bool) or not isinstance(retry_ms, int) or retry_ms < 1:
-        raise ValueError(f"unavailable_retry_after_ms must be an integer >= 1, got {retry_ms!r}")
-
-
-def log_not_stored(log: logging.Logger, exc: AnswerNotStoredError, principal: object, key: object) -> None:
-    """The ERROR line for an answer the app computed but the ledger could not
-    store: every adapter sends that answer instead of inviting a retry that
-    would run the mutation again."""
-    log.error(
-        "principal=%s key=%s: the mutation ran but its answer (status %d) could not be stored: %s — "
-        "the reservation stays pending and a retry after the TTL will run it again",
-        principal,
-        key,
-        exc.answer.status,
-        exc.cause,
-    )

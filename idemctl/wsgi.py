@@ -24,19 +24,13 @@ from types import TracebackType
 from urllib.parse import quote
 from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
-from . import responses
-from .errors import AnswerNotStoredError, LedgerUnavailableError, StorageError
+from . import gate as gates
+from .capture import Capture
+from .gate import BodyRefused, Delivery, Gate
 from .ledger import Ledger
-from .outcomes import Answer, Outcome
+from .outcomes import Answer, Ticket
 from .policy import Policy
-from .wire import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
-    REPLAYED_HEADER,
-    check_options,
-    log_not_stored,
-    wire_headers,
-)
+from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, REPLAYED_HEADER, wire_headers
 
 log = logging.getLogger("idemctl.wsgi")
 
@@ -46,21 +40,12 @@ ExcInfo = tuple[type[BaseException], BaseException, TracebackType] | tuple[None,
 PRINCIPAL_ENVIRON_KEY = "idemctl.principal"
 
 _READ_CHUNK = 64 * 1024
-_CONTENT_LENGTH = re.compile(r"[0-9]+\Z")
 _STATUS_LINE = re.compile(r"([0-9]{3}) ")
 # RFC 3986 pchar minus the unreserved set (which quote() never escapes): a
 # rebuilt path keeps the characters a client may send unescaped in a path.
 _PATH_SAFE = "/:@!$&'()*+,;="
 # RFC 9110 §15 status classes: the reason phrase of a code HTTPStatus does not know.
 _CLASS_PHRASES = {1: "Informational", 2: "Success", 3: "Redirection", 4: "Client Error", 5: "Server Error"}
-
-
-class _Refused(Exception):
-    """The request cannot be let through; carries the JSON answer to send."""
-
-    def __init__(self, answer: tuple[int, responses.Headers, bytes]) -> None:
-        super().__init__(answer[0])
-        self.answer = answer
 
 
 def request_target(environ: WSGIEnvironment) -> str:
@@ -119,23 +104,18 @@ def _read_body(environ: WSGIEnvironment, limit: int) -> bytes:
 
     Exactly `CONTENT_LENGTH` bytes; to the end of the stream when there is no
     Content-Length and the server marks the input terminated (chunked
-    uploads); empty when the request announces no body. Raises `_Refused`
-    with the JSON answer (400, 411 or 413) otherwise.
+    uploads); empty when the request announces no body. Raises
+    `BodyRefused` (400, 411 or 413) otherwise, by the gate's rules.
     """
     stream = environ["wsgi.input"]
-    declared = str(environ.get("CONTENT_LENGTH", "") or "").strip(" \t")
-    if declared:
-        if not _CONTENT_LENGTH.match(declared):
-            raise _Refused(responses.content_length_invalid())
-        length = int(declared)
-        if length > limit:
-            raise _Refused(responses.body_too_large(limit))
+    length = gates.declared_length(environ.get("CONTENT_LENGTH"), limit)
+    if length is not None:
         return _read_exactly(stream, length)
     if environ.get("wsgi.input_terminated"):
         return _read_to_end(stream, limit)
     if environ.get("HTTP_TRANSFER_ENCODING"):
         # A body is coming but the server cannot tell us where it ends.
-        raise _Refused(responses.length_required())
+        raise gates.length_required()
     return b""
 
 
@@ -147,9 +127,9 @@ def _read_exactly(stream: io.RawIOBase, length: int) -> bytes:
             chunk = stream.read(min(remaining, _READ_CHUNK))
         except OSError as exc:  # gunicorn's NoMoreData and socket errors: the client left
             log.info("client disconnected mid-body after %d of %d bytes: %s", length - remaining, length, exc)
-            raise _Refused(responses.body_incomplete()) from exc
+            raise gates.incomplete() from exc
         if not chunk:
-            raise _Refused(responses.body_incomplete())
+            raise gates.incomplete()
         parts.append(chunk)
         remaining -= len(chunk)
     return b"".join(parts)
@@ -162,12 +142,11 @@ def _read_to_end(stream: io.RawIOBase, limit: int) -> bytes:
         try:
             chunk = stream.read(_READ_CHUNK)
         except OSError as exc:
-            raise _Refused(responses.body_incomplete()) from exc
+            raise gates.incomplete() from exc
         if not chunk:
             return b"".join(parts)
         total += len(chunk)
-        if total > limit:
-            raise _Refused(responses.body_too_large(limit))
+        gates.check_read(total, limit)
         parts.append(chunk)
 
 
@@ -186,13 +165,12 @@ def status_line(status: int) -> str:
 
 
 class _Captured:
-    """The wrapped app's complete answer, collected instead of sent (PEP 3333
-    start_response / write / iterable / exc_info semantics)."""
+    """PEP 3333's start_response / write / iterable / exc_info, feeding the
+    gate's bounded capture instead of a server."""
 
-    def __init__(self) -> None:
+    def __init__(self, capture: Capture) -> None:
+        self.capture = capture
         self.status: str | None = None
-        self.headers: list[tuple[str, str]] = []
-        self.chunks: list[bytes] = []
         # What a streaming server would already have put on the wire: once a
         # non-empty chunk is out, the headers are committed.
         self.headers_sent = False
@@ -211,7 +189,8 @@ class _Captured:
         if not isinstance(status, str) or not _STATUS_LINE.match(status):
             raise ValueError(f"WSGI status must be a string like '201 Created', got {status!r}")
         self.status = status
-        self.headers = [(str(k), str(v)) for k, v in headers]
+        self.capture.status = None  # a second start_response (with exc_info) replaces the first
+        self.capture.start(int(status[:3]), headers)
         return self.write
 
     def write(self, data: bytes) -> None:
@@ -224,25 +203,24 @@ class _Captured:
             raise TypeError(f"a WSGI app must produce bytes, got {type(data).__name__}")
         if data:
             self.headers_sent = True
-            self.chunks.append(data)
+            self.capture.add(data)
 
     def consume(self, result: Iterable[bytes]) -> None:
         try:
             for chunk in result:
+                if self.status is None:
+                    raise AssertionError("the application produced a body before calling start_response()")
                 self._append(chunk)
         finally:
             close = getattr(result, "close", None)
             if close is not None:
                 close()
-
-    def answer(self) -> tuple[int, list[tuple[str, str]], bytes]:
         if self.status is None:
             raise AssertionError("the application returned without calling start_response()")
-        return int(self.status[:3]), self.headers, b"".join(self.chunks)
 
 
-def _run_app(app: WSGIApplication, environ: WSGIEnvironment, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
-    """Run the wrapped app once, its answer collected instead of sent."""
+def _run_app(app: WSGIApplication, environ: WSGIEnvironment, body: bytes, capture: Capture) -> None:
+    """Run the wrapped app once, its answer captured instead of sent."""
     environ = dict(environ)
     # The app gets the body the fingerprint covered, de-chunked, with its
     # exact length: plain PEP 3333 input, read by CONTENT_LENGTH. The
@@ -252,9 +230,8 @@ def _run_app(app: WSGIApplication, environ: WSGIEnvironment, body: bytes) -> tup
     environ["CONTENT_LENGTH"] = str(len(body))
     environ.pop("wsgi.input_terminated", None)
     environ.pop("HTTP_TRANSFER_ENCODING", None)
-    captured = _Captured()
+    captured = _Captured(capture)
     captured.consume(app(environ, captured.start_response))
-    return captured.answer()
 
 
 class _Body:
@@ -316,16 +293,20 @@ class IdempotencyMiddleware:
         replayed_header: bool = False,
         unavailable_retry_after_ms: int = DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
     ) -> None:
-        check_options(principal, max_body_bytes, unavailable_retry_after_ms, takes="environ")
+        gates.check_principal_source(principal, takes="environ")
+        self.gate = Gate(
+            ledger,
+            max_body_bytes=max_body_bytes,
+            replayed_header=replayed_header,
+            unavailable_retry_after_ms=unavailable_retry_after_ms,
+            logger=log,
+        )
         self.app = app
         self.ledger = ledger
         self.principal = principal
         self.exempt = exempt
         self.key_optional = key_optional
         self.release_on_error = release_on_error
-        self.max_body_bytes = max_body_bytes
-        self.replayed_header = replayed_header
-        self.unavailable_retry_after_ms = unavailable_retry_after_ms
 
     @property
     def policy(self) -> Policy:
@@ -335,62 +316,46 @@ class IdempotencyMiddleware:
         method = str(environ.get("REQUEST_METHOD", "GET")).upper()
         if not self.policy.protects(method) or (self.exempt is not None and self.exempt(environ)):
             return self.app(environ, start_response)
+        # A WSGI server joins repeated header fields into one value (k1,k2)
+        # before the app sees them: only one field can be seen here.
         key = environ.get("HTTP_IDEMPOTENCY_KEY")
         if key is None and self.key_optional is not None and self.key_optional(environ):
             return self.app(environ, start_response)
 
-        who = self.principal(environ)
-        if who is not None and not isinstance(who, str):
-            raise TypeError(f"principal() must return str or None, got {type(who).__name__}")
-        if not who:
-            return self._send(start_response, Answer(*responses.unauthenticated(), Outcome.UNAUTHENTICATED))
-        try:
-            body = _read_body(environ, self.max_body_bytes)
-        except _Refused as refused:
-            return self._send(start_response, Answer(*refused.answer, Outcome.BODY_REFUSED))
-
+        gate = self.gate
         target = request_target(environ)
-        headers = environ_headers(environ, self.policy.fingerprint_headers)
+        who = gate.principal(self.principal(environ), key=key, method=method, target=target)
+        if isinstance(who, Answer):
+            return self._send(start_response, gates.replied(who))
         try:
-            decision = self.ledger.begin(who, key, method, target, headers, body)
-        except StorageError as exc:
-            return self._unavailable(start_response, exc, method, target)
-        if isinstance(decision, Answer):
-            return self._send(start_response, decision)
+            body = _read_body(environ, gate.max_body_bytes)
+        except BodyRefused as refused:
+            answer = gate.refused(refused, principal=who, key=key, method=method, target=target)
+            return self._send(start_response, gates.replied(answer))
 
+        headers = environ_headers(environ, self.policy.fingerprint_headers)
+        decision = gate.begin(who, key, method, target, headers, body)
+        if isinstance(decision, Answer):
+            return self._send(start_response, gates.replied(decision))
+        return self._send(start_response, self._run(environ, who, decision))
+
+    def _run(self, environ: WSGIEnvironment, who: str, ticket: Ticket) -> Delivery:
         inner = dict(environ)
         inner[PRINCIPAL_ENVIRON_KEY] = who
+        capture = self.gate.capture()
         try:
-            status, out_headers, out_body = _run_app(self.app, inner, decision.body)
+            _run_app(self.app, inner, ticket.body, capture)
         except BaseException:
             release = self.release_on_error(environ) if callable(self.release_on_error) else bool(self.release_on_error)
-            self.ledger.abandon(decision, release=release)
+            self.gate.abandon(ticket, release=release)
             raise
-        try:
-            answer = self.ledger.finish(decision, status, out_headers, out_body)
-        except AnswerNotStoredError as exc:
-            # Telling the client to retry would invite a second run once the
-            # reservation goes stale: it gets what the app computed, shaped
-            # exactly as a stored answer, and the operator an ERROR line.
-            log_not_stored(log, exc, who, key)
-            return self._send(start_response, exc.answer, sweep=False)
-        return self._send(start_response, answer)
+        return self.gate.finish(ticket, capture)
 
     # -- answers --------------------------------------------------------------------
-    def _send(self, start_response: StartResponse, answer: Answer, *, sweep: bool = True) -> _Body:
-        start_response(status_line(answer.status), wire_headers(answer, replayed_header=self.replayed_header))
-        after = None
-        if sweep and answer.started_at is not None:
-            ledger = self.ledger
-            after = lambda: ledger.after_response(answer)  # noqa: E731
-        return _Body(answer.body, after)
-
-    def _unavailable(self, start_response: StartResponse, exc: StorageError, method: str, target: str) -> _Body:
-        # Fail closed: an unprotected mutation is worse than a refused one.
-        level = logging.WARNING if isinstance(exc, LedgerUnavailableError) else logging.ERROR
-        log.log(level, "idempotency ledger unavailable, refused %s %s with 503: %s", method, target, exc)
-        unavailable = responses.unavailable(self.unavailable_retry_after_ms)
-        return self._send(start_response, Answer(*unavailable, Outcome.UNAVAILABLE))
+    def _send(self, start_response: StartResponse, delivery: Delivery) -> _Body:
+        answer = delivery.answer
+        start_response(status_line(answer.status), wire_headers(answer, replayed_header=self.gate.replayed_header))
+        return _Body(answer.body, self.gate.sweep_after(delivery))
 
 
 __all__ = [

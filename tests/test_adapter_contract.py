@@ -546,3 +546,149 @@ def test_events_through_an_adapter_match_the_answers(client_for):
     post(client, body=b'{"sku":"coffee"}')
     post(client, key=None)
     assert seen == [Outcome.EXECUTED, Outcome.REPLAYED, Outcome.REUSED, Outcome.KEY_REQUIRED]
+
+
+# -- one gate: every answer is one event, whichever adapter made it -------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "options", "outcome", "status"),
+    [
+        ({"user": None}, {}, "unauthenticated", 401),
+        ({"body": b"12345"}, {"max_body_bytes": 4}, "body_refused", 413),
+        ({"key": None}, {}, "key_required", 400),
+    ],
+    ids=["401", "413", "400"],
+)
+def test_every_refusal_an_adapter_makes_publishes_exactly_one_event(client_for, kwargs, options, outcome, status):
+    orders = Orders()
+    client, ledger = client_for(orders, **options)
+    seen = []
+    ledger.subscribe(seen.append)
+    reply = post(client, **kwargs)
+    assert reply.status == status
+    assert [(e.outcome.value, e.status, e.method, e.path) for e in seen] == [(outcome, status, "POST", "/orders")]
+    assert orders.runs == []
+
+
+def test_an_unavailable_ledger_publishes_one_unavailable_event(adapter, tmp_path):
+    missing = Ledger.open(tmp_path / "never-initialised.db")
+    seen = []
+    missing.subscribe(seen.append)
+    reply = post(CLIENTS[adapter](missing, Orders()))
+    assert reply.status == 503
+    assert [(e.outcome.value, e.status) for e in seen] == [("unavailable", 503)]
+
+
+def test_an_answer_over_the_body_cap_is_stored_as_the_sentinel_and_never_runs_again(client_for):
+    orders = Orders()
+    client, ledger = client_for(orders, policy=Policy(body_cap_bytes=4))
+    first = post(client)
+    again = post(client)
+    assert (first.status, first.body) == (500, b"")
+    assert (again.status, again.body) == (500, b"")
+    assert len(orders.runs) == 1
+    row = ledger.lookup("acct_A", "k-1")
+    assert (row.response_status, row.body_bytes) == (500, None)
+
+
+def test_an_error_raised_after_the_claim_leaves_the_reservation_pending_and_publishes_failed(client_for):
+    orders = Orders(fail=True)
+    client, ledger = client_for(orders)
+    seen = []
+    ledger.subscribe(seen.append)
+    with pytest.raises(RuntimeError):
+        post(client)
+    assert [e.outcome.value for e in seen] == ["failed"]
+    assert ledger.lookup("acct_A", "k-1").status.value == "pending"
+
+
+# -- the key as the IETF draft sends it: an sf-string ------------------------------------------
+DRAFT_KEY = "8e03978e-40d5-43e8-bc93-6894a57f9324"
+INVALID_KEY = b'{"error":"idempotency_key_invalid","message":"Idempotency-Key must be 1-255 printable ASCII characters."}'
+
+
+def test_the_quoted_and_the_bare_key_are_one_reservation_through_every_adapter(client_for):
+    orders = Orders()
+    client, ledger = client_for(orders)
+    first = post(client, key=f'"{DRAFT_KEY}"')
+    again = post(client, key=DRAFT_KEY)
+    assert (first.status, again.status, again.body) == (201, 201, first.body)
+    assert orders.runs == [ORDER]
+    assert ledger.lookup("acct_A", DRAFT_KEY).generation == 1
+
+
+@pytest.mark.parametrize("value", ['"abc', '"a"b"', '""'])
+def test_an_invalid_sf_string_is_400_and_nothing_runs_through_every_adapter(client_for, value):
+    orders = Orders()
+    client, ledger = client_for(orders)
+    reply = post(client, key=value)
+    assert (reply.status, reply.body) == (400, INVALID_KEY)
+    assert orders.runs == [] and ledger.stats().total == 0
+
+
+def test_a_255_character_key_in_quotes_is_accepted_through_every_adapter(client_for):
+    client, ledger = client_for(Orders())
+    assert post(client, key='"' + "k" * 255 + '"').status == 201
+    assert ledger.lookup("acct_A", "k" * 255) is not None
+
+
+
+
+# -- problem details on request ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "options", "status", "code", "extra"),
+    [
+        ({"key": None}, {}, 400, "idempotency_key_required", {}),
+        ({"key": '"abc'}, {}, 400, "idempotency_key_invalid", {}),
+        ({"user": None}, {}, 401, "unauthenticated", {}),
+        ({"body": b"12345"}, {"max_body_bytes": 4}, 413, "request_body_too_large", {"limit_bytes": 4}),
+    ],
+    ids=["400-required", "400-invalid", "401", "413"],
+)
+def test_with_problem_details_every_refusal_is_problem_json(client_for, kwargs, options, status, code, extra):
+    client, _ = client_for(Orders(), policy=Policy(problem_details=True), **options)
+    reply = post(client, **kwargs)
+    problem = json.loads(reply.body)
+    assert reply.status == status
+    assert reply.header("Content-Type") == "application/problem+json"
+    assert {k: problem[k] for k in ("type", "status", "error")} == {
+        "type": f"urn:idemctl:problem:{code}",
+        "status": status,
+        "error": code,
+    }
+    assert problem["title"] and problem["detail"]
+    assert {k: problem[k] for k in extra} == extra
+
+
+def test_with_problem_details_409s_keep_retry_after_and_their_members(client_for):
+    gate = threading.Event()
+    orders = Orders(gate=gate)
+    client, _ = client_for(orders, policy=Policy(problem_details=True))
+    first: list[Reply] = []
+    runner = threading.Thread(target=lambda: first.append(post(client)))
+    runner.start()
+    try:
+        for _ in range(200):
+            if orders.runs:
+                break
+            threading.Event().wait(0.01)
+        busy = post(client)
+    finally:
+        gate.set()
+        runner.join(10)
+    reused = post(client, body=b'{"sku":"coffee"}')
+    replay = post(client)
+    assert (busy.status, busy.header("Retry-After"), busy.header("Content-Type")) == (409, "30", "application/problem+json")
+    assert json.loads(busy.body)["retry_after_ms"] == 30000
+    assert json.loads(busy.body)["type"] == "urn:idemctl:problem:idempotency_key_in_progress"
+    assert json.loads(reused.body)["type"] == "urn:idemctl:problem:idempotency_key_reused"
+    # The app's own answer is never touched, first or replayed.
+    assert (replay.status, replay.body, replay.header("Content-Type")) == (201, b'{"id":1}', "application/json")
+
+
+def test_with_problem_details_an_unavailable_ledger_is_problem_json_with_retry_after(adapter, tmp_path):
+    missing = Ledger.open(tmp_path / "never-initialised.db", policy=Policy(problem_details=True))
+    reply = post(CLIENTS[adapter](missing, Orders()))
+    assert (reply.status, reply.header("Retry-After"), reply.header("Content-Type")) == (503, "1", "application/problem+json")
+    assert json.loads(reply.body)["type"] == "urn:idemctl:problem:idempotency_ledger_unavailable"

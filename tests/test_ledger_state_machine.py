@@ -331,6 +331,21 @@ def machine_for(ledger: Ledger, clock: FakeClock, tally: Counter[str] | None = N
             if released:
                 del self.rows[key]
 
+        @precondition(lambda self: self.issued)
+        @rule(data=st.data())
+        def a_live_owner_renews_its_lease(self, data: st.DataObject) -> None:
+            # The lease keeper's statement, for any reservation ever issued:
+            # only the current owner of a pending row moves its updated_at.
+            held = data.draw(st.sampled_from(self.issued), label="renewing owner")
+            r = held.reservation
+            key = r.key
+            standing = self.standing(held.n, key)
+            renewed = ledger.store.renew([(r.principal, r.key, r.generation, r.token)], clock.now)
+            assert renewed == (1 if standing == "owner" else 0), f"{held!r} renewed {renewed} row(s), but: {standing}"
+            self.seen("renew: renewed" if renewed else "renew: refused")
+            if renewed:
+                self.rows[key].updated_at = clock.now
+
         @rule(key=st.sampled_from(KEYS), force=st.booleans())
         def purge(self, key: str, force: bool) -> None:
             row = self.rows.get(key)

@@ -19,6 +19,8 @@ from . import inspect as inspect  # inspect, pending, fenced, stats
 from . import sweep as sweep  # sweep, purge
 from . import fingerprint as fingerprint  # fingerprint
 from . import simulate as simulate  # simulate
+from . import doctor as doctor  # doctor
+from . import copy as copy  # copy
 # isort: on
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_NO", "EXIT_OK", "EXIT_USAGE", "PENDING_TABLE_CHUNK", "app", "main"]

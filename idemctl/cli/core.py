@@ -29,7 +29,7 @@ EXIT_INTERRUPTED = 130  # Ctrl-C (sweep reports what it deleted first)
 
 EXIT_CODES_HELP = (
     "[b]Exit codes[/b]: 0 done · 1 the answer is no (row not found, purge refused or declined, "
-    "fingerprint differs, a stats threshold or a simulation expectation failed) · "
+    "fingerprint differs, a stats threshold or a simulation expectation failed, copy found conflicting keys) · "
     "2 usage or database problem (bad option or key, no ledger, not a database, schema missing or newer, "
     "database locked or read-only, bad scenario) · 130 interrupted."
 )

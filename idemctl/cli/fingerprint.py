@@ -113,7 +113,7 @@ def fingerprint_cmd(
     if (key is None) != (principal is None):
         raise UserError("--key and --principal go together")
     if key is not None:
-        check_key(key)
+        key = check_key(key)
     raw = _read_body(body, body_file)
     pairs = _parse_headers(header or [])
     policy = command_policy(settings(ctx, ttl=ttl))

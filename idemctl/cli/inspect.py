@@ -62,7 +62,7 @@ def inspect(
     retention: RetentionOpt = None,
 ) -> None:
     """Everything about one reservation: state in words, generation, stored response, fenced-out events."""
-    check_key(key)
+    key = check_key(key)
     with open_ledger(ctx, db, ttl=ttl, retention=retention) as ledger:
         view = ledger.get(principal, key)
         if view is None:
@@ -162,7 +162,7 @@ def fenced(
 ) -> None:
     """Fenced-out events, newest first: late completions whose answer was not stored."""
     if key is not None:
-        check_key(key)
+        key = check_key(key)
     with open_ledger(ctx, db) as ledger:
         now = ledger.now()
         cap = list_cap(limit)

@@ -240,7 +240,7 @@ def purge(
     ttl: TtlOpt = None,
 ) -> None:
     """Delete one reservation so that the client's next retry runs the mutation again."""
-    check_key(key)
+    key = check_key(key)
     with open_ledger(ctx, db, write=True, ttl=ttl) as ledger:
         view = ledger.get(principal, key)
         if view is None:

@@ -105,6 +105,11 @@ class Dialect:
     drain_batch: int
     # The database's own clock, in ms since the epoch.
     now_sql: str
+    # How a statement carries a batch of rows (`idemctl copy`): False, one
+    # VALUES tuple or OR test per row, which every engine takes; True, one
+    # array per column that the server unnests, where parsing and planning
+    # thousands of placeholders would cost more than the statement itself.
+    batch_arrays: bool = False
 
 
 SQLITE = Dialect(
@@ -133,4 +138,7 @@ POSTGRES = Dialect(
     # commit) shrinks with its size (docs/performance.md, sweep table).
     drain_batch=5000,
     now_sql="SELECT CAST(floor(extract(epoch FROM clock_timestamp()) * 1000) AS BIGINT)",
+    # 500 OR tests cost PostgreSQL's planner ~0.1 s a statement, and psycopg
+    # as long to parse 5,500 placeholders; two arrays cost neither.
+    batch_arrays=True,
 )

@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -49,11 +50,27 @@ POOL_PARAMS = ("pool_min_size", "pool_max_size", "pool_timeout")
 DEFAULT_POOL_MIN_SIZE = 1
 DEFAULT_POOL_MAX_SIZE = 10
 DEFAULT_CONNECT_TIMEOUT_S = 5
+# Once connecting failed, statements in the next moment fail at once with that
+# error instead of each trying again: during a failover every request gets
+# its 503 without delay, and the first one after this pause that finds a host
+# accepting writes reconnects.
+RECONNECT_PAUSE_S = 0.2
 
 SQL_STORAGE_BYTES = """
 SELECT coalesce(sum(pg_total_relation_size(t)), 0)
 FROM (SELECT to_regclass(name) AS t FROM unnest(%(names)s::text[]) AS name) AS tables
 WHERE t IS NOT NULL
+"""
+
+# What decides whether a completion this server acknowledged is on a standby
+# too, as this connection's session sees it (a role or database can override
+# synchronous_commit), and which standbys stream from it now.
+SQL_REPLICATION = """
+SELECT current_setting('synchronous_commit'), current_setting('synchronous_standby_names'),
+       pg_is_in_recovery(),
+       coalesce((SELECT array_agg(application_name || '=' || coalesce(sync_state, 'unknown')
+                                  ORDER BY application_name)
+                 FROM pg_stat_replication), '{}')
 """
 
 # SQLSTATEs that mean "waited on another session past a timeout".
@@ -230,9 +247,17 @@ class PostgresEngine:
         extra: dict[str, Any] = {"options": options}
         if "connect_timeout" not in params:
             extra["connect_timeout"] = DEFAULT_CONNECT_TIMEOUT_S
+        hosts = str(params.get("host") or params.get("hostaddr") or "")
+        if "," in hosts and not readonly and "target_session_attrs" not in params:
+            # Several hosts are a primary and its standbys: only a host that
+            # accepts writes can serve the ledger, whichever one that is now.
+            extra["target_session_attrs"] = "read-write"
         self._conninfo = make_conninfo(libpq_url, **extra)
         self._lock = threading.Lock()
         self._pool: ConnectionPool[_PooledConnection] | None = None
+        # Until when (monotonic) statements fail at once, and with what: see
+        # RECONNECT_PAUSE_S.
+        self._unreachable: tuple[float, StorageError] | None = None
         self._pid = os.getpid()
         # Pools inherited across fork stay referenced and untouched: closing
         # one in the child would shut down sockets the parent still uses.
@@ -299,34 +324,71 @@ class PostgresEngine:
                     self._inherited.append(self._pool)
                 self._pool, self._pid = None, pid
             if self._pool is None:
-                self._pool = self._new_pool()
+                failed = self._unreachable
+                if failed is not None and time.monotonic() < failed[0]:
+                    # A new instance each time: threads must not share a traceback.
+                    raise type(failed[1])(str(failed[1]))
+                try:
+                    self._pool = self._new_pool()
+                except ConnectionFailedError as exc:
+                    self._unreachable = (time.monotonic() + RECONNECT_PAUSE_S, exc)
+                    raise
+                self._unreachable = None
             return self._pool
+
+    def _checkout(self) -> tuple[ConnectionPool[_PooledConnection], _PooledConnection]:
+        pool = self._current_pool()
+        try:
+            return pool, pool.getconn()
+        except PoolClosed:
+            # Another thread's failure discarded this pool between the two
+            # lines: its replacement is the one to use.
+            pool = self._current_pool()
+            return pool, pool.getconn()
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[psycopg.Connection]:
-        pool = self._current_pool()
+        # The pool's own connection() context manager, plus replacing the
+        # pool when the server closed the connection under us.
         try:
-            with pool.connection() as conn:
-                try:
-                    yield conn
-                except psycopg.Error:
-                    if conn.broken:
-                        self._drop_broken_idle(pool)
-                    raise
+            pool, conn = self._checkout()
         except psycopg.Error as exc:
             raise self._translate(exc) from exc
-
-    @staticmethod
-    def _drop_broken_idle(pool: ConnectionPool[_PooledConnection]) -> None:
-        """The server closed the connection under us. A restart or failover
-        closes every connection at once, and each idle one in the pool would
-        fail one more request before being replaced; test them now (a round
-        trip each, or an immediate error) so that only this request fails.
-        The pool takes them out of rotation while it tests them."""
         try:
-            pool.check()
-        except Exception:
-            log.debug("checking the pool's idle connections failed", exc_info=True)
+            yield conn
+        except psycopg.Error as exc:
+            error = self._translate(exc)
+            if self._server_lost(conn, error):
+                self._discard(pool, error)
+            raise error from exc
+        finally:
+            pool.putconn(conn)
+
+    def _server_lost(self, conn: psycopg.Connection[Any], error: StorageError) -> bool:
+        """Whether this connection's server can no longer serve the ledger:
+        it closed the connection, or (for a ledger that writes) it refuses
+        writes now: an old primary fenced read-only, or demoted to a standby
+        behind a name that has moved to the new primary."""
+        return conn.broken or (not self.readonly and isinstance(error, ReadOnlyDatabaseError))
+
+    def _discard(self, pool: ConnectionPool[_PooledConnection], error: StorageError) -> None:
+        """Replace the pool whose server was lost (see _server_lost). A
+        restart or failover closes every connection at once: each idle one in
+        the pool would fail one more request, and the pool's own reconnection
+        backs off (1 s, then 2, 4, ...) after the first refusal, long after a
+        promoted standby accepts writes. So the whole pool goes: the next statement
+        connects afresh, through every host of the URL, to whichever accepts
+        writes now, or fails at once while none does. Connections other
+        threads still hold are closed as they come back. A read-only server
+        also pauses reconnecting (RECONNECT_PAUSE_S): if it is still the one
+        the URL leads to, each request must not open a pool of its own."""
+        with self._lock:
+            if self._pool is not pool:
+                return  # another thread's failure already replaced it
+            self._pool = None
+            if isinstance(error, ReadOnlyDatabaseError):
+                self._unreachable = (time.monotonic() + RECONNECT_PAUSE_S, error)
+        threading.Thread(target=_close_quietly, args=(pool,), name="idemctl-pool-close", daemon=True).start()
 
     def close(self) -> None:
         # As on SQLite, a closed backend that is used again reconnects.
@@ -401,9 +463,8 @@ class PostgresEngine:
         # The request path's every step: the connection straight from the
         # pool and its kept cursor, without the pool's context manager (an
         # auto-commit connection has no transaction for it to end).
-        pool = self._current_pool()
         try:
-            conn = pool.getconn()
+            pool, conn = self._checkout()
         except psycopg.Error as exc:
             raise self._translate(exc) from exc
         try:
@@ -415,9 +476,10 @@ class PostgresEngine:
             return rows
         except psycopg.Error as exc:
             conn.statement_cursor = None
-            if conn.broken:
-                self._drop_broken_idle(pool)
-            raise self._translate(exc) from exc
+            error = self._translate(exc)
+            if self._server_lost(conn, error):
+                self._discard(pool, error)
+            raise error from exc
         finally:
             pool.putconn(conn)
 
@@ -443,6 +505,15 @@ class PostgresEngine:
         """On-disk size of the ledger's tables and indexes (pg_total_relation_size)."""
         row = self.read(SQL_STORAGE_BYTES, {"names": list(tables)})
         return int(row[0][0]) if row else None
+
+    def replication_settings(self) -> tuple[str, str, bool, tuple[str, ...]]:
+        """synchronous_commit, synchronous_standby_names, whether this server
+        is a standby, and its standbys as ``name=sync_state`` (``unknown``
+        unless the role may read pg_stat_replication's details: a superuser
+        or a member of pg_monitor)."""
+        rows = self.read(SQL_REPLICATION, {})
+        commit, names, recovering, standbys = rows[0]
+        return str(commit), str(names), bool(recovering), tuple(str(x) for x in standbys)
 
     # -- schema ------------------------------------------------------------------------
     def migrate(self, body: Callable[[_PostgresTx], T], *, write: bool) -> T:
@@ -473,6 +544,15 @@ class PostgresEngine:
                 return result
         except PoolTimeout as exc:
             raise self._translate(exc) from exc
+
+
+def _close_quietly(pool: ConnectionPool[_PooledConnection]) -> None:
+    # Off the request path: closing waits for the pool's workers, and one
+    # may be inside a connection attempt.
+    try:
+        pool.close(timeout=DEFAULT_CONNECT_TIMEOUT_S)
+    except Exception:
+        log.debug("closing a discarded pool failed", exc_info=True)
 
 
 def _existing(conn: psycopg.Connection[Any], names: list[str]) -> set[str]:

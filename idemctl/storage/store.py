@@ -10,8 +10,8 @@ and spelled for an engine by its dialect."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from ..errors import MalformedRowError, SchemaTooNewError
 from ..outcomes import (
@@ -95,6 +95,23 @@ WHERE principal = :principal AND key = :key AND generation = :generation
   AND token = :token AND status = 'pending'
 RETURNING generation
 """
+
+# A live owner's reservations, renewed together (see leases.py): each row
+# only while it is still pending under the very generation and token it was
+# claimed with, so a renewal never revives or steals a row a takeover moved
+# on. The VALUES list is padded to a power of two (the statement text is
+# cached per size).
+RENEW_MAX = 512
+
+
+def renew_text(size: int) -> str:
+    values = ", ".join(f"(:p{i}, :k{i}, :g{i}, :t{i})" for i in range(size))
+    return (
+        "UPDATE idempotency_keys SET updated_at = :now"
+        f" WHERE status = 'pending' AND (principal, key, generation, token) IN (VALUES {values})"
+        " RETURNING generation"
+    )
+
 
 # One statement: the event and the generation the row held then are read and
 # written together, so the log never disagrees with the row it describes.
@@ -181,6 +198,155 @@ WHERE principal = :principal AND key = :key
   AND (status <> 'pending' OR CAST(:stale_before AS BIGINT) IS NULL OR updated_at < :stale_before)
 RETURNING {ROW_COLUMNS}
 """
+
+
+# -- copying a ledger to another: every statement reads one page or writes one batch --------
+
+# A row with every column a copy carries: the recipe's columns and the token.
+COPY_COLUMNS = (
+    "principal",
+    "key",
+    "fingerprint",
+    "status",
+    "generation",
+    "token",
+    "response_status",
+    "response_body",
+    "response_headers",
+    "created_at",
+    "updated_at",
+)
+
+# Keyset pagination on the primary key: each page is one index range read
+# from where the last one ended, so no page costs more than the first and no
+# page is ever held open (a live source keeps taking requests meanwhile).
+# The source's own collation orders the page and the `>`, so they agree.
+_COPY_PAGE = "SELECT {columns} FROM idempotency_keys{after} ORDER BY principal, key LIMIT :limit"
+_COPY_AFTER = " WHERE (principal, key) > (:after_principal, :after_key)"
+
+# Insert if absent, many rows in one statement: the conflict clause decides
+# row by row, exactly as a claim does, so a row that appeared in the
+# destination since it was read is left alone (and looked at again).
+_COPY_INSERT = """
+INSERT INTO idempotency_keys ({columns})
+VALUES {values}
+ON CONFLICT (principal, key) DO NOTHING
+RETURNING principal, key
+"""
+
+# Overwrite only an older version of the same request: same fingerprint, and
+# a lower generation, or the same generation and completed over pending, or
+# the same status written earlier. `copying.source_is_newer` says the same
+# in Python (to skip the statement for rows that are already equal); this
+# WHERE is what decides.
+COPY_UPDATE = """
+UPDATE idempotency_keys
+SET status = :status, generation = :generation, token = :token, response_status = :response_status,
+    response_body = :response_body, response_headers = :response_headers,
+    created_at = :created_at, updated_at = :updated_at
+WHERE principal = :principal AND key = :key AND fingerprint = :fingerprint
+  AND (generation < :generation
+       OR (generation = :generation AND status = 'pending' AND :status = 'completed')
+       OR (generation = :generation AND status = :status AND updated_at < :updated_at))
+RETURNING generation
+"""
+
+# The fenced-out log's ids are each database's own: an event is the same
+# event when every other column is equal. Inserted unless already there.
+_COPY_FENCED_PAGE = f"""
+SELECT {EVENT_COLUMNS} FROM idemctl_fenced_out WHERE id > :after ORDER BY id LIMIT :limit
+"""
+_SAME_EVENT = """principal = :principal AND key = :key AND superseded_generation = :superseded
+  AND (current_generation = :current OR (current_generation IS NULL AND CAST(:current AS INTEGER) IS NULL))
+  AND computed_status = :status AND fenced_at = :fenced_at"""
+COPY_FENCED = f"""
+INSERT INTO idemctl_fenced_out
+  (principal, key, superseded_generation, current_generation, computed_status, fenced_at)
+SELECT :principal, :key, :superseded, CAST(:current AS INTEGER), :status, :fenced_at
+WHERE NOT EXISTS (SELECT 1 FROM idemctl_fenced_out WHERE {_SAME_EVENT})
+RETURNING id
+"""
+
+# The same two statements with one array per column (Dialect.batch_arrays).
+_COLUMN_TYPES = {
+    "principal": "TEXT",
+    "key": "TEXT",
+    "fingerprint": "TEXT",
+    "status": "TEXT",
+    "generation": "INTEGER",
+    "token": "BIGINT",
+    "response_status": "INTEGER",
+    "response_body": "BYTEA",
+    "response_headers": "TEXT",
+    "created_at": "BIGINT",
+    "updated_at": "BIGINT",
+}
+_COPY_INSERT_ARRAYS = f"""
+INSERT INTO idempotency_keys ({", ".join(COPY_COLUMNS)})
+SELECT * FROM unnest({", ".join(f"CAST(:{c} AS {_COLUMN_TYPES[c]}[])" for c in COPY_COLUMNS)})
+ON CONFLICT (principal, key) DO NOTHING
+RETURNING principal, key
+"""
+_COPY_UPDATE_ARRAYS = f"""
+UPDATE idempotency_keys AS t
+SET status = s.status, generation = s.generation, token = s.token, response_status = s.response_status,
+    response_body = s.response_body, response_headers = s.response_headers,
+    created_at = s.created_at, updated_at = s.updated_at
+FROM unnest({", ".join(f"CAST(:{c} AS {_COLUMN_TYPES[c]}[])" for c in COPY_COLUMNS)}) AS s ({", ".join(COPY_COLUMNS)})
+WHERE t.principal = s.principal AND t.key = s.key AND t.fingerprint = s.fingerprint
+  AND (t.generation < s.generation
+       OR (t.generation = s.generation AND t.status = 'pending' AND s.status = 'completed')
+       OR (t.generation = s.generation AND t.status = s.status AND t.updated_at < s.updated_at))
+RETURNING t.principal, t.key
+"""
+_ROWS_AT_ARRAYS = f"""
+SELECT {", ".join(COPY_COLUMNS)} FROM idempotency_keys
+WHERE (principal, key) IN (SELECT * FROM unnest(CAST(:principals AS TEXT[]), CAST(:keys AS TEXT[])))
+"""
+
+COUNT_ROWS = "SELECT count(*) FROM idempotency_keys"
+
+
+class LedgerRow(NamedTuple):
+    """A ledger row with every column a copy carries; the body is the exact
+    bytes whatever the engine's column type (None when there is none)."""
+
+    principal: str
+    key: str
+    fingerprint: str
+    status: str
+    generation: int
+    token: int | None
+    response_status: int | None
+    response_body: bytes | None
+    response_headers: str | None
+    created_at: int
+    updated_at: int
+
+    @property
+    def where(self) -> tuple[str, str]:
+        return self.principal, self.key
+
+
+def _exact_bytes(value: object) -> bytes | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(type(value).__name__)
+
+
+def _as_stored(body: bytes | None) -> str | bytes | None:
+    # What the ledger itself stores: text when the bytes are UTF-8 (so that a
+    # SQLite copy holds TEXT, as the recipe's own readers expect), else bytes.
+    if body is None:
+        return None
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError:
+        return body
 
 
 def new_token() -> int:
@@ -430,6 +596,22 @@ class Store:
         params = {"principal": principal, "key": key, "generation": generation, "token": token}
         return bool(self._write(RELEASE, params))
 
+    def renew(self, held: Sequence[tuple[str, str, int, int | None]], now: int) -> int:
+        """Move `updated_at` to `now` for every (principal, key, generation,
+        token) still pending as held; how many rows were renewed. One
+        statement per RENEW_MAX reservations."""
+        self._guard()
+        renewed = 0
+        for start in range(0, len(held), RENEW_MAX):
+            chunk = list(held[start : start + RENEW_MAX])
+            size = 1 << (len(chunk) - 1).bit_length()
+            chunk += [chunk[-1]] * (size - len(chunk))  # a repeated row matches once
+            params: dict[str, Any] = {"now": now}
+            for i, (principal, key, generation, token) in enumerate(chunk):
+                params.update({f"p{i}": principal, f"k{i}": key, f"g{i}": generation, f"t{i}": token})
+            renewed += len(self._write(renew_text(size), params))
+        return renewed
+
     def record_fenced(
         self, principal: str, key: str, generation: int, computed_status: int, now: int
     ) -> FencedEvent | None:
@@ -506,6 +688,138 @@ class Store:
             return 0
         return int(self._read(COUNT_FENCED_EXPIRED, {"cutoff": cutoff})[0][0])
 
+    # -- copying ------------------------------------------------------------------------------
+    def count_rows(self) -> int:
+        return int(self._read(COUNT_ROWS)[0][0])
+
+    def _full_row(self, values: tuple[Any, ...]) -> LedgerRow:
+        principal, key, fp, status, generation, token, rstatus, rbody, rheaders, created, updated = values
+        # A copy decodes every row of both ledgers: the common case is checked
+        # in one expression, the detailed checks only run when it fails.
+        if (
+            type(principal) is str
+            and type(key) is str
+            and type(fp) is str
+            and type(status) is str
+            and type(generation) is int
+            and type(created) is int
+            and type(updated) is int
+            and (token is None or type(token) is int)
+            and (rstatus is None or type(rstatus) is int)
+            and (rheaders is None or type(rheaders) is str)
+            and (rbody is None or type(rbody) is bytes)
+        ):
+            return LedgerRow._make(values)
+        if not isinstance(principal, str) or not isinstance(key, str):
+            raise MalformedRowError(principal, key, "principal and key must be text")
+        for name, value in (("fingerprint", fp), ("status", status), ("response_headers", rheaders)):
+            if value is not None and not isinstance(value, str):
+                raise MalformedRowError(principal, key, f"{name} {value!r} is not text")
+        try:
+            body = _exact_bytes(rbody)
+        except TypeError:
+            raise MalformedRowError(principal, key, f"response_body {rbody!r} is neither text nor bytes") from None
+        return LedgerRow(
+            principal,
+            key,
+            fp,
+            status,
+            _int(generation, "generation", principal, key) or 0,
+            _int(token, "token", principal, key, nullable=True),
+            _int(rstatus, "response_status", principal, key, nullable=True),
+            body,
+            rheaders,
+            _int(created, "created_at", principal, key) or 0,
+            _int(updated, "updated_at", principal, key) or 0,
+        )
+
+    def copy_page(self, after: tuple[str, str] | None, limit: int, *, with_token: bool = True) -> list[LedgerRow]:
+        """At most `limit` rows in primary-key order, after `after` (None: from the start).
+        A ledger older than the token column copies its rows with none."""
+        columns = ", ".join(c if c != "token" or with_token else "NULL" for c in COPY_COLUMNS)
+        params: dict[str, Any] = {"limit": limit}
+        where = ""
+        if after is not None:
+            where = _COPY_AFTER
+            params["after_principal"], params["after_key"] = after
+        rows = self._read(_COPY_PAGE.format(columns=columns, after=where), params)
+        return [self._full_row(values) for values in rows]
+
+    def rows_at(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], LedgerRow]:
+        """The rows of these (principal, key) pairs that exist, in one statement
+        (an OR of primary-key lookups: every engine answers it from the index)."""
+        if not keys:
+            return {}
+        if self.dialect.batch_arrays:
+            principals, names = zip(*keys, strict=True)
+            rows = self._read(_ROWS_AT_ARRAYS, {"principals": list(principals), "keys": list(names)})
+        else:
+            params: dict[str, Any] = {}
+            tests = []
+            for i, (principal, key) in enumerate(keys):
+                params[f"p{i}"], params[f"k{i}"] = principal, key
+                tests.append(f"(principal = :p{i} AND key = :k{i})")
+            sql = f"SELECT {', '.join(COPY_COLUMNS)} FROM idempotency_keys WHERE {' OR '.join(tests)}"
+            # Spelled without the cache: the text differs with the number of keys.
+            rows = self.engine.read(self._spell(sql), params)
+        found = (self._full_row(values) for values in rows)
+        return {row.where: row for row in found}
+
+    def _bind_row(self, row: LedgerRow, suffix: str = "") -> dict[str, Any]:
+        params: dict[str, Any] = {f"{name}{suffix}": value for name, value in zip(COPY_COLUMNS, row, strict=True)}
+        params[f"response_body{suffix}"] = self.dialect.bind_body(_as_stored(row.response_body))
+        return params
+
+    def _columns(self, rows: Sequence[LedgerRow]) -> dict[str, Any]:
+        """The rows as one list per column (Dialect.batch_arrays)."""
+        by_column = zip(*rows, strict=True)
+        columns: dict[str, Any] = {name: list(c) for name, c in zip(COPY_COLUMNS, by_column, strict=True)}
+        bind = self.dialect.bind_body
+        columns["response_body"] = [bind(_as_stored(body)) for body in columns["response_body"]]
+        return columns
+
+    def copy_insert(self, rows: Sequence[LedgerRow]) -> set[tuple[str, str]]:
+        """Insert the rows that are absent, in one statement; which ones it inserted."""
+        if not rows:
+            return set()
+        self._guard()
+        if self.dialect.batch_arrays:
+            return {(str(p), str(k)) for p, k in self._write(_COPY_INSERT_ARRAYS, self._columns(rows))}
+        params: dict[str, Any] = {}
+        values = []
+        for i, row in enumerate(rows):
+            params.update(self._bind_row(row, f"_{i}"))
+            values.append("(" + ", ".join(f":{name}_{i}" for name in COPY_COLUMNS) + ")")
+        sql = _COPY_INSERT.format(columns=", ".join(COPY_COLUMNS), values=", ".join(values))
+        return {(str(p), str(k)) for p, k in self.engine.write(self._spell(sql), params)}
+
+    def copy_update(self, rows: Sequence[LedgerRow]) -> set[tuple[str, str]]:
+        """Overwrite the stored versions of these rows that are older (COPY_UPDATE's
+        WHERE); which ones it overwrote. With arrays, one statement for all;
+        else one statement a row, all in one turn of the engine's writers."""
+        if not rows:
+            return set()
+        self._guard()
+        if self.dialect.batch_arrays:
+            return {(str(p), str(k)) for p, k in self._write(_COPY_UPDATE_ARRAYS, self._columns(rows))}
+        sql = self.sql(COPY_UPDATE)
+        done = self.engine.write_turn([(sql, self._bind_row(row)) for row in rows])
+        return {row.where for row, returned in zip(rows, done, strict=True) if returned}
+
+    def fenced_page(self, after: int, limit: int) -> list[FencedEvent]:
+        """At most `limit` fenced-out events with an id above `after`, by id."""
+        if not self.has_fenced_log():
+            return []
+        return [FencedEvent(*values) for values in self._read(_COPY_FENCED_PAGE, {"after": after, "limit": limit})]
+
+    def copy_fenced(self, event: FencedEvent) -> bool:
+        """Record this event unless an equal one is there already."""
+        self._guard()
+        return bool(self._write(COPY_FENCED, _event_params(event)))
+
+    def has_event(self, event: FencedEvent) -> bool:
+        return bool(self._read(f"SELECT 1 FROM idemctl_fenced_out WHERE {_SAME_EVENT}", _event_params(event)))
+
     # -- operator side ----------------------------------------------------------------------------
     def iter_pending(
         self,
@@ -581,3 +895,14 @@ class Store:
         if row is None:
             return PurgeResult(PurgeOutcome.NOT_FOUND, None)
         return PurgeResult(PurgeOutcome.REFUSED_FRESH_PENDING, row)
+
+
+def _event_params(event: FencedEvent) -> dict[str, Any]:
+    return {
+        "principal": event.principal,
+        "key": event.key,
+        "superseded": event.superseded_generation,
+        "current": event.current_generation,
+        "status": event.computed_status,
+        "fenced_at": event.fenced_at,
+    }

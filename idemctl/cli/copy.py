@@ -1,0 +1,115 @@
+"""`copy`: every row and fenced-out event of the --db ledger into another one."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..copying import DEFAULT_COPY_BATCH, MAX_COPY_BATCH, CopyProgress
+from ..errors import SchemaMissingError
+from ..ledger import Ledger
+from ..render import copy_json, copy_words
+from ..schema import SCHEMA_VERSION
+from .core import EXIT_NO, DbOpt, IdemctlCommand, JsonOpt, UserError, app, in_range, open_ledger, settings
+from .output import emit_json, say_no
+
+
+def _open_destination(url: str, busy_timeout_ms: int, *, init: bool, dry_run: bool) -> Ledger:
+    if not url.strip():
+        raise UserError("--to is empty: give a ledger file path or a postgresql:// URL")
+    how = (
+        "run `idemctl --db DESTINATION init` first (a dry run writes nothing, not even a schema)"
+        if dry_run
+        else "pass --init to create or upgrade it"
+    )
+    writes = init and not dry_run
+    try:
+        destination = Ledger.open(url, create=writes, busy_timeout_ms=busy_timeout_ms)
+    except SchemaMissingError as exc:  # a SQLite file that does not exist
+        raise UserError(f"the destination: {exc}: {how}") from None
+    try:
+        if writes:
+            destination.init()
+        version = destination.schema_version()
+        if version is None or version < SCHEMA_VERSION:
+            what = "has no idemctl ledger" if version is None else "has an older ledger schema"
+            raise UserError(f"the destination {destination.describe()} {what}: {how}")
+    except BaseException:
+        destination.close()
+        raise
+    return destination
+
+
+@app.command(
+    cls=IdemctlCommand,
+    epilog="Example: idemctl --db idempotency.db copy --to postgresql://app@db:5432/payments --init",
+)
+def copy(
+    ctx: typer.Context,
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to",
+            metavar="PATH|URL",
+            help="The ledger to copy into (a SQLite file or a postgresql:// URL).",
+            show_default=False,
+        ),
+    ],
+    init: Annotated[
+        bool,
+        typer.Option("--init", metavar="", help="Create (or upgrade) the destination's schema first, as `init` does."),
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", metavar="", help="Count what would be copied; write nothing.")
+    ] = False,
+    batch: Annotated[
+        int,
+        typer.Option(
+            "--batch",
+            metavar="N",
+            callback=in_range(1, MAX_COPY_BATCH),
+            help=f"Rows read, compared and written per statement, 1 to {MAX_COPY_BATCH}.",
+        ),
+    ] = DEFAULT_COPY_BATCH,
+    json_out: JsonOpt = False,
+    db: DbOpt = None,
+) -> None:
+    # One line: a line break would show in the command list of the plain-text help.
+    """Copy every row (pending and completed, with generation and token) and the fenced-out log into another ledger; again, only what changed. Never overwrites a newer or conflicting row."""  # noqa: E501
+    busy_timeout_ms = settings(ctx, db=db).busy_timeout_ms
+    # The source is opened read-only: a copy cannot write to it.
+    with (
+        open_ledger(ctx, db) as source,
+        _open_destination(to, busy_timeout_ms, init=init, dry_run=dry_run) as destination,
+    ):
+        err = Console(stderr=True)
+        # Counted only for a progress bar someone sees.
+        total = source.count_rows() if err.is_terminal else 0
+        with Progress(
+            TextColumn("copying"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err,
+            transient=True,
+            disable=not err.is_terminal,
+        ) as progress:
+            task = progress.add_task("copy", total=total or None)
+
+            def advance(done: CopyProgress) -> None:
+                progress.update(task, completed=done.rows_read)
+
+            result = source.copy_to(destination, batch=batch, dry_run=dry_run, on_progress=advance)
+    if json_out:
+        emit_json(copy_json(result))
+    else:
+        typer.echo(copy_words(result))
+    if not result.complete:
+        say_no(
+            f"{len(result.conflicts)} key(s) hold another request in the destination and were not copied: "
+            "inspect both rows before moving"
+        )
+        raise typer.Exit(EXIT_NO)

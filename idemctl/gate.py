@@ -1,0 +1,332 @@
+"""The gate every adapter goes through: what happens before and around the ledger.
+
+An adapter (WSGI, ASGI, FastAPI, Django, DRF, Flask) only translates its
+framework's request and response shapes. Everything the contract says about
+a request lives here or in the ledger, once:
+
+- the options every adapter takes, checked the same way at construction;
+- the principal (a str, or None for the contract's 401);
+- the key field (several ``Idempotency-Key`` fields are a 400);
+- the body rules (Content-Length syntax, 413 over the limit, 411 for a body
+  of unknown length, 400 for one cut short);
+- the decision (`Ledger.begin`, or its steps driven on an event loop so a
+  waiting duplicate holds no thread), failing closed with 503 and
+  Retry-After when the ledger cannot be asked;
+- the completion: the captured answer (see :mod:`idemctl.capture`) stored,
+  or, when storing fails after the app ran, the app's own answer sent
+  anyway with an ERROR line, never an invitation to run it again;
+- one event for every answer, refusals included.
+
+>>> from idemctl import Ledger
+>>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+>>> gate = Gate(ledger, max_body_bytes=1024)
+>>> gate.principal(None, key="k1", method="POST", target="/orders").status
+401
+>>> ticket = gate.begin("acct_1", "k1", "POST", "/orders", [], b"{}")
+>>> capture = gate.capture(); capture.start(201, [("content-type", "text/plain")]); capture.add(b"made")
+>>> gate.finish(ticket, capture).answer.body
+b'made'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from . import decision, responses
+from .capture import Capture
+from .errors import AnswerNotStoredError, LedgerUnavailableError, StorageError
+from .fingerprint import HeadersLike
+from .ledger import Ledger
+from .outcomes import Answer, Outcome, Ticket
+from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS
+
+log = logging.getLogger("idemctl.gate")
+
+T = TypeVar("T")
+InThread = Callable[..., Awaitable[Any]]
+
+KEY_HEADER = "idempotency-key"
+
+_CONTENT_LENGTH = re.compile(r"[0-9]+\Z")
+
+
+class BodyRefused(Exception):
+    """The request body cannot be read safely; carries the answer (400, 411, 413)."""
+
+    def __init__(self, refusal: tuple[int, responses.Headers, bytes]) -> None:
+        super().__init__(refusal[0])
+        self.refusal = refusal
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What an adapter sends after the app ran: the answer, and whether the
+    post-response sweep may follow it (not after an answer that could not
+    be stored: the ledger just failed)."""
+
+    answer: Answer
+    sweep: bool
+
+
+def check_options(max_body_bytes: object, unavailable_retry_after_ms: object) -> None:
+    """The options every adapter shares, refused the same way by each.
+
+    >>> check_options(1024, 1000)
+    >>> check_options(-5, 1000)
+    Traceback (most recent call last):
+    ...
+    ValueError: max_body_bytes must be an integer >= 0, got -5
+    """
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 0:
+        raise ValueError(f"max_body_bytes must be an integer >= 0, got {max_body_bytes!r}")
+    retry_ms = unavailable_retry_after_ms
+    if isinstance(retry_ms, bool) or not isinstance(retry_ms, int) or retry_ms < 1:
+        raise ValueError(f"unavailable_retry_after_ms must be an integer >= 1, got {retry_ms!r}")
+
+
+def check_principal_source(principal: object, *, takes: str) -> None:
+    """An adapter's `principal` option must be callable.
+
+    >>> check_principal_source(None, takes="environ")
+    Traceback (most recent call last):
+    ...
+    TypeError: principal must be a callable environ -> str | None
+    """
+    if not callable(principal):
+        raise TypeError(f"principal must be a callable {takes} -> str | None")
+
+
+# -- body rules -------------------------------------------------------------------------
+def declared_length(value: str | None, limit: int) -> int | None:
+    """A request's Content-Length as a number, or None without one; 400 when
+    it is not a decimal integer, 413 when it announces more than `limit`.
+
+    >>> declared_length(" 12 ", 100), declared_length(None, 100)
+    (12, None)
+    >>> declared_length("12", 10)
+    Traceback (most recent call last):
+    ...
+    idemctl.gate.BodyRefused: 413
+    """
+    if value is None:
+        return None
+    text = str(value).strip(" \t")
+    if not text:
+        return None
+    if not _CONTENT_LENGTH.match(text):
+        raise BodyRefused(responses.content_length_invalid())
+    length = int(text)
+    if length > limit:
+        raise BodyRefused(responses.body_too_large(limit))
+    return length
+
+
+def check_read(total: int, limit: int) -> None:
+    """Refuse (413) once more than `limit` bytes of body have arrived."""
+    if total > limit:
+        raise BodyRefused(responses.body_too_large(limit))
+
+
+def check_complete(received: int, declared: int | None) -> None:
+    """Refuse (400) a body that ended before its Content-Length."""
+    if declared is not None and received != declared:
+        raise BodyRefused(responses.body_incomplete())
+
+
+def length_required() -> BodyRefused:
+    """A body is coming but nothing says where it ends (411)."""
+    return BodyRefused(responses.length_required())
+
+
+def incomplete() -> BodyRefused:
+    """The client left, or the stream ended, mid-body (400)."""
+    return BodyRefused(responses.body_incomplete())
+
+
+# -- the gate ---------------------------------------------------------------------------
+class Gate:
+    """The contract around the ledger, for one adapter instance.
+
+    `ledger` is a Ledger, or a function returning one (an adapter that opens
+    its ledger lazily, once per process). `release_on_error` is what the
+    adapter decides per request; the gate only applies it."""
+
+    def __init__(
+        self,
+        ledger: Ledger | Callable[[], Ledger],
+        *,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        replayed_header: bool = False,
+        unavailable_retry_after_ms: int = DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        check_options(max_body_bytes, unavailable_retry_after_ms)
+        self._ledger = ledger
+        self.max_body_bytes = max_body_bytes
+        self.replayed_header = bool(replayed_header)
+        self.unavailable_retry_after_ms = unavailable_retry_after_ms
+        self.log = logger if logger is not None else log
+
+    @property
+    def ledger(self) -> Ledger:
+        source = self._ledger
+        return source if isinstance(source, Ledger) else source()
+
+    # -- before the ledger --------------------------------------------------------------
+    def principal(self, who: object, *, key: str | None, method: str, target: str) -> str | Answer:
+        """The principal an adapter's auth layer resolved, or the 401 answer.
+        Anything but a str or None is a bug in that auth layer: TypeError."""
+        if who is not None and not isinstance(who, str):
+            raise TypeError(f"principal() must return str or None, got {type(who).__name__}")
+        if not who:
+            return self.ledger.refuse(
+                responses.unauthenticated(),
+                Outcome.UNAUTHENTICATED,
+                principal=None,
+                key=key,
+                method=method,
+                path=target,
+            )
+        return who
+
+    def key(self, fields: Sequence[str], *, method: str, target: str) -> str | Answer | None:
+        """The key from every ``Idempotency-Key`` field the adapter can see:
+        none, one, or a 400 for several (which one would be the key?)."""
+        if len(fields) <= 1:
+            return fields[0] if fields else None
+        return self.ledger.refuse(
+            responses.key_repeated(), Outcome.KEY_INVALID, principal=None, key=None, method=method, path=target
+        )
+
+    def refused(self, refusal: BodyRefused, *, principal: str, key: str | None, method: str, target: str) -> Answer:
+        """The answer for a body the adapter could not read safely."""
+        return self.ledger.refuse(
+            refusal.refusal, Outcome.BODY_REFUSED, principal=principal, key=key, method=method, path=target
+        )
+
+    # -- the decision -------------------------------------------------------------------
+    def begin(
+        self, who: str, key: str | None, method: str, target: str, headers: HeadersLike | None, body: bytes
+    ) -> Answer | Ticket:
+        """`Ledger.begin` in this thread; 503 when the ledger cannot be asked."""
+        try:
+            return self.ledger.begin(who, key, method, target, headers, body)
+        except StorageError as exc:
+            return self._unavailable(exc, method, target)
+
+    async def begin_async(
+        self,
+        who: str,
+        key: str | None,
+        method: str,
+        target: str,
+        headers: HeadersLike | None,
+        body: bytes,
+        in_thread: InThread,
+    ) -> Answer | Ticket:
+        """`Ledger.begin` from an event loop: statements in a worker thread
+        through `in_thread`, the waits of an in-progress duplicate on the
+        loop. A request cancelled while its claim is under way releases it."""
+        ledger = self.ledger
+        steps = ledger.begin_steps(who, key, method, target, headers, body)
+        try:
+            return await decision.run_async(steps, in_thread, orphaned=functools.partial(_release_orphan, ledger))
+        except StorageError as exc:
+            return self._unavailable(exc, method, target)
+
+    def _unavailable(self, exc: StorageError, method: str, target: str) -> Answer:
+        # Fail closed: an unprotected mutation is worse than a refused one.
+        level = logging.WARNING if isinstance(exc, LedgerUnavailableError) else logging.ERROR
+        self.log.log(level, "idempotency ledger unavailable, refused %s %s with 503: %s", method, target, exc)
+        unavailable = responses.unavailable(self.unavailable_retry_after_ms)
+        # A ledger opened lazily that cannot even be opened gets the plain answer.
+        with contextlib.suppress(StorageError):
+            unavailable = self.ledger.shape(unavailable)
+        return Answer(*unavailable, Outcome.UNAVAILABLE)
+
+    # -- after the app ran --------------------------------------------------------------
+    def capture(self) -> Capture:
+        """An empty capture bounded by the ledger's body cap."""
+        return Capture(self.ledger.policy.body_cap_bytes)
+
+    def finish(self, ticket: Ticket, capture: Capture) -> Delivery:
+        """Store the captured answer; the answer to send and whether to sweep after it."""
+        status, headers, body = capture.answer()
+        try:
+            return Delivery(self.ledger.finish(ticket, status, headers, body), True)
+        except AnswerNotStoredError as exc:
+            self._not_stored(exc, ticket)
+            return Delivery(exc.answer, False)
+
+    async def finish_async(self, ticket: Ticket, capture: Capture, in_thread: InThread) -> Delivery:
+        status, headers, body = capture.answer()
+        try:
+            return Delivery(await in_thread(self.ledger.finish, ticket, status, headers, body), True)
+        except AnswerNotStoredError as exc:
+            self._not_stored(exc, ticket)
+            return Delivery(exc.answer, False)
+
+    def _not_stored(self, exc: AnswerNotStoredError, ticket: Ticket) -> None:
+        # Telling the client to retry would invite a second run once the
+        # reservation goes stale: it gets what the app computed, shaped
+        # exactly as a stored answer, and the operator an ERROR line.
+        reservation = ticket.reservation
+        self.log.error(
+            "principal=%s key=%s: the mutation ran but its answer (status %d) could not be stored: %s — "
+            "the reservation stays pending and a retry after the TTL will run it again",
+            reservation.principal if reservation else None,
+            reservation.key if reservation else None,
+            exc.answer.status,
+            exc.cause,
+        )
+
+    def abandon(self, ticket: Ticket, *, release: bool) -> None:
+        """The app raised: leave the reservation for a takeover, or release it."""
+        self.ledger.abandon(ticket, release=release)
+
+    def sweep_after(self, delivery: Delivery) -> Callable[[], None] | None:
+        """The post-response housekeeping to run once `delivery` is sent, or
+        None when there is nothing to do (no statement, no hand-off)."""
+        ledger = self.ledger
+        answer = delivery.answer
+        if not delivery.sweep or not ledger.sweep_due(answer):
+            return None
+
+        def sweep() -> None:
+            try:
+                ledger.after_response(answer)
+            except Exception:  # the answer is out; a failed sweep must not turn into a 500
+                self.log.exception("post-response housekeeping failed")
+
+        return sweep
+
+
+def _release_orphan(ledger: Ledger, result: Answer | Ticket) -> None:
+    """A request cancelled while its claim was under way: nobody will run
+    the mutation, so the claim goes at once instead of blocking its key."""
+    if isinstance(result, Ticket) and result.reservation is not None:
+        ledger.abandon(result, release=True)
+
+
+def replied(answer: Answer) -> Delivery:
+    """An answer the ledger made without running the app (replay, 4xx, 503)."""
+    return Delivery(answer, True)
+
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_UNAVAILABLE_RETRY_AFTER_MS",
+    "KEY_HEADER",
+    "BodyRefused",
+    "Delivery",
+    "Gate",
+    "check_options",
+    "check_principal_source",
+    "declared_length",
+]

@@ -1,0 +1,398 @@
+"""The holes the shared gate and capture close, each as the scenario that
+showed it: waiting duplicates that held executor threads, FastAPI's native
+answer shapes, repeated key fields, refusals without events, claims left
+behind by cancelled tasks, and generator functions that burned their key."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import httpx
+import pytest
+from fastapi import APIRouter, BackgroundTasks, Depends, FastAPI, HTTPException, Request
+from fastapi.responses import FileResponse, PlainTextResponse, StreamingResponse
+from fastapi.testclient import TestClient
+
+from idemctl import Ledger, Outcome, Policy
+from idemctl.asgi import IdempotencyMiddleware
+from idemctl.errors import UnsupportedFunctionError
+from idemctl.fastapi import idempotent_route
+
+ORDER = b'{"sku":"tea"}'
+
+
+def scope_for(key: str | list[str], *, user: str = "acct_A", body: bytes = ORDER) -> dict:
+    keys = [key] if isinstance(key, str) else key
+    headers = [(b"idempotency-key", k.encode()) for k in keys]
+    headers.append((b"content-length", str(len(body)).encode()))
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": "/orders",
+        "raw_path": b"/orders",
+        "query_string": b"",
+        "headers": headers,
+        "user": user,
+    }
+
+
+async def call(app, scope: dict, body: bytes = ORDER) -> tuple[int, bytes]:
+    sent: list[dict] = []
+    delivered = False
+
+    async def receive():  # type: ignore[no-untyped-def]
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()
+
+    async def send(message):  # type: ignore[no-untyped-def]
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+# -- ASGI: waiting duplicates hold no thread ----------------------------------------------
+def test_fifty_waiting_duplicates_hold_no_executor_thread_and_get_one_identical_replay(make_ledger):
+    ledger = make_ledger(policy=Policy(in_progress_wait_ms=20_000))
+    runs: list[str] = []
+
+    async def scenario() -> tuple[list[tuple[int, bytes]], tuple[int, bytes], int]:
+        release = asyncio.Event()
+        started = asyncio.Event()
+
+        async def orders(scope, receive, send):  # type: ignore[no-untyped-def]
+            key = dict(scope["headers"])[b"idempotency-key"].decode()
+            runs.append(key)
+            if key == "slow":
+                started.set()
+                await release.wait()
+            await send({"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": f"made {key}".encode()})
+
+        async def who(scope):  # type: ignore[no-untyped-def]
+            return scope["user"]
+
+        app = IdempotencyMiddleware(orders, ledger, principal=who)
+        owner = asyncio.ensure_future(call(app, scope_for("slow")))
+        await started.wait()
+        duplicates = [asyncio.ensure_future(call(app, scope_for("slow"))) for _ in range(50)]
+        await asyncio.sleep(0.3)  # every duplicate is now waiting on the loop
+        # An unrelated key is answered while all fifty wait and the owner runs:
+        # with the waits in executor threads it queued behind them.
+        unrelated = await asyncio.wait_for(call(app, scope_for("other")), timeout=30)
+        still_waiting = sum(not d.done() for d in duplicates)
+        release.set()
+        first = await owner
+        replies = await asyncio.gather(*duplicates)
+        await app.wait_idle()
+        return [first, *replies], unrelated, still_waiting
+
+    replies, unrelated, still_waiting = asyncio.run(scenario())
+    assert unrelated == (201, b"made other")
+    assert still_waiting == 50
+    assert replies == [(201, b"made slow")] * 51
+    assert sorted(runs) == ["other", "slow"]
+
+
+def test_a_request_cancelled_while_its_claim_runs_leaves_no_claim_behind(make_ledger):
+    ledger = make_ledger()
+    entered, proceed = threading.Event(), threading.Event()
+    claim = ledger.store.claim
+
+    def slow_claim(*args, **kwargs):  # type: ignore[no-untyped-def]
+        entered.set()
+        proceed.wait(10)
+        return claim(*args, **kwargs)
+
+    ledger.store.claim = slow_claim  # type: ignore[method-assign]
+
+    async def orders(scope, receive, send):  # type: ignore[no-untyped-def]
+        raise AssertionError("the mutation must not run")
+
+    async def scenario() -> None:
+        app = IdempotencyMiddleware(orders, ledger, principal=lambda scope: scope["user"])
+        task = asyncio.ensure_future(call(app, scope_for("k-cancel")))
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        proceed.set()
+        for _ in range(200):  # the orphaned claim lands in its thread, then is released
+            await asyncio.sleep(0.02)
+            if ledger.lookup("acct_A", "k-cancel") is None and not _orphans_pending():
+                break
+
+    asyncio.run(scenario())
+    ledger.store.claim = claim  # type: ignore[method-assign]
+    assert ledger.lookup("acct_A", "k-cancel") is None
+
+
+def _orphans_pending() -> bool:
+    from idemctl import decision
+
+    return bool(decision._orphans)
+
+
+def test_two_idempotency_key_fields_are_400_and_nothing_runs_under_asgi(make_ledger):
+    ledger = make_ledger()
+    seen = []
+    ledger.subscribe(seen.append)
+    runs: list[int] = []
+
+    async def orders(scope, receive, send):  # type: ignore[no-untyped-def]
+        runs.append(1)
+
+    app = IdempotencyMiddleware(orders, ledger, principal=lambda scope: scope["user"])
+    status, body = asyncio.run(call(app, scope_for(["k1", "k2"])))
+    assert (status, body) == (
+        400,
+        b'{"error":"idempotency_key_invalid","message":"Send exactly one Idempotency-Key header field."}',
+    )
+    assert runs == [] and ledger.stats().total == 0
+    assert [e.outcome for e in seen] == [Outcome.KEY_INVALID]
+
+
+# -- FastAPI's native answer shapes ----------------------------------------------------------
+def account(request: Request) -> str | None:
+    return request.headers.get("x-user")
+
+
+def fastapi_client(ledger: Ledger, build: Callable[[APIRouter], None], **options: object) -> TestClient:
+    router = APIRouter(route_class=idempotent_route(ledger, principal=account, **options))  # type: ignore[arg-type]
+    build(router)
+    app = FastAPI()
+    app.include_router(router)
+    return TestClient(app)
+
+
+def post(client: TestClient, key: str | list[str] = "k-1", path: str = "/orders") -> httpx.Response:
+    keys = [key] if isinstance(key, str) else key
+    headers = [("x-user", "acct_A"), *(("idempotency-key", k) for k in keys)]
+    return client.post(path, content=ORDER, headers=headers)
+
+
+def test_fastapi_background_tasks_run_once_after_the_first_answer_and_never_on_a_replay(make_ledger):
+    ledger = make_ledger()
+    done: list[str] = []
+
+    def build(router: APIRouter) -> None:
+        @router.post("/orders", status_code=201)
+        async def create(background: BackgroundTasks) -> dict:
+            background.add_task(done.append, "receipt mailed")
+            return {"id": 1}
+
+    client = fastapi_client(ledger, build)
+    first, again = post(client), post(client)
+    assert (first.status_code, first.content) == (201, b'{"id":1}')
+    assert (again.status_code, again.content) == (201, b'{"id":1}')
+    assert done == ["receipt mailed"]
+
+
+def test_fastapi_an_http_exception_from_the_endpoint_is_its_answer_stored_and_replayed(make_ledger):
+    ledger = make_ledger()
+    runs: list[int] = []
+
+    def build(router: APIRouter) -> None:
+        @router.post("/orders")
+        async def create() -> dict:
+            runs.append(1)
+            raise HTTPException(status_code=404, detail="no such basket")
+
+    client = fastapi_client(ledger, build)
+    first, again = post(client), post(client)
+    assert (first.status_code, first.content) == (404, b'{"detail":"no such basket"}')
+    assert (again.status_code, again.content) == (404, b'{"detail":"no such basket"}')
+    assert runs == [1]
+    assert ledger.lookup("acct_A", "k-1").response_status == 404
+
+
+def test_fastapi_an_http_exception_from_a_dependency_claims_nothing(make_ledger):
+    ledger = make_ledger()
+
+    def forbidden() -> None:
+        raise HTTPException(status_code=403, detail="forbidden")
+
+    def build(router: APIRouter) -> None:
+        @router.post("/orders", dependencies=[Depends(forbidden)])
+        async def create() -> dict:
+            return {"id": 1}
+
+    client = fastapi_client(ledger, build)
+    assert post(client).status_code == 403
+    assert ledger.lookup("acct_A", "k-1") is None
+
+
+def test_fastapi_a_file_response_is_captured_byte_for_byte_and_replayed(make_ledger, tmp_path):
+    ledger = make_ledger()
+    receipt = tmp_path / "receipt.bin"
+    receipt.write_bytes(bytes(range(256)) * 8)
+
+    def build(router: APIRouter) -> None:
+        @router.post("/orders")
+        async def create() -> FileResponse:
+            return FileResponse(receipt, media_type="application/octet-stream")
+
+    client = fastapi_client(ledger, build)
+    first, again = post(client), post(client)
+    assert (first.status_code, first.content) == (200, receipt.read_bytes())
+    assert (again.status_code, again.content) == (200, receipt.read_bytes())
+    assert ledger.lookup("acct_A", "k-1").body_bytes == receipt.read_bytes()
+
+
+def test_fastapi_a_streaming_response_is_captured_and_replayed(make_ledger):
+    ledger = make_ledger()
+
+    def build(router: APIRouter) -> None:
+        @router.post("/orders")
+        async def create() -> StreamingResponse:
+            async def parts():  # type: ignore[no-untyped-def]
+                for part in (b"one,", b"two,", b"three"):
+                    yield part
+
+            return StreamingResponse(parts(), status_code=201, media_type="text/csv")
+
+    client = fastapi_client(ledger, build)
+    first, again = post(client), post(client)
+    assert (first.status_code, first.content, again.content) == (201, b"one,two,three", b"one,two,three")
+
+
+def test_fastapi_a_stream_failing_after_the_endpoint_returned_releases_with_release_on_error(make_ledger):
+    ledger = make_ledger()
+    seen = []
+    ledger.subscribe(seen.append)
+
+    def build(router: APIRouter) -> None:
+        @router.post("/orders")
+        async def create() -> StreamingResponse:
+            async def parts():  # type: ignore[no-untyped-def]
+                yield b"half"
+                raise RuntimeError("the stream broke")
+
+            return StreamingResponse(parts())
+
+    client = fastapi_client(ledger, build, release_on_error=True)
+    with pytest.raises(RuntimeError, match="the stream broke"):
+        post(client)
+    assert ledger.lookup("acct_A", "k-1") is None
+    assert [e.outcome for e in seen] == [Outcome.FAILED]
+
+
+def test_fastapi_two_key_fields_are_400_and_nothing_runs(make_ledger):
+    ledger = make_ledger()
+    runs: list[int] = []
+
+    def build(router: APIRouter) -> None:
+        @router.post("/orders")
+        async def create() -> PlainTextResponse:
+            runs.append(1)
+            return PlainTextResponse("made")
+
+    reply = post(fastapi_client(ledger, build), key=["k1", "k2"])
+    assert (reply.status_code, reply.json()["error"]) == (400, "idempotency_key_invalid")
+    assert runs == []
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("max_body_bytes", -5, "max_body_bytes must be an integer >= 0, got -5"),
+        ("unavailable_retry_after_ms", 0, "unavailable_retry_after_ms must be an integer >= 1, got 0"),
+    ],
+)
+def test_every_adapter_refuses_a_bad_option_when_it_is_built(option, value, message):
+    from idemctl.flask import idempotent
+    from idemctl.wsgi import IdempotencyMiddleware as WsgiMiddleware
+
+    ledger = Ledger.open(":memory:")
+    builders = [
+        lambda: idempotent_route(ledger, principal=account, **{option: value}),
+        lambda: IdempotencyMiddleware(lambda *a: None, ledger, principal=account, **{option: value}),
+        lambda: WsgiMiddleware(lambda *a: None, ledger, principal=account, **{option: value}),
+        lambda: idempotent(ledger, principal=lambda: "a", **{option: value}),
+    ]
+    for build in builders:
+        with pytest.raises(ValueError, match=message):
+            build()
+
+
+# -- idempotent functions -------------------------------------------------------------------
+def test_a_generator_function_is_refused_when_decorated(ledger):
+    with pytest.raises(UnsupportedFunctionError, match="generator function"):
+
+        @ledger.idempotent(key="k", principal="billing")
+        def export():  # type: ignore[no-untyped-def]
+            yield 1
+
+
+def test_an_object_whose_call_is_a_generator_is_refused_when_decorated(ledger):
+    class Export:
+        def __call__(self):  # type: ignore[no-untyped-def]
+            yield 1
+
+    with pytest.raises(UnsupportedFunctionError):
+        ledger.idempotent(key="k", principal="billing", name="export")(Export())
+
+
+def test_an_object_whose_call_is_async_runs_as_async_and_replays(ledger):
+    runs: list[int] = []
+
+    class Charge:
+        async def __call__(self, amount: int) -> dict:
+            runs.append(amount)
+            return {"charged": amount}
+
+    charge = ledger.idempotent(key="pay_1", principal="billing", name="charge")(Charge())
+    assert asyncio.run(charge(500)) == {"charged": 500}
+    assert asyncio.run(charge(500)) == {"charged": 500}
+    assert runs == [500]
+
+
+def test_a_callable_returning_a_coroutine_is_refused_at_its_call_and_its_key_is_not_burned(ledger):
+    async def charge(amount: int) -> dict:
+        return {"charged": amount}
+
+    class Opaque:  # hides that it returns a coroutine
+        def __call__(self, amount: int):  # type: ignore[no-untyped-def]
+            return charge(amount)
+
+    wrapped = ledger.idempotent(key="pay_2", principal="billing", name="charge")(Opaque())
+    with pytest.raises(UnsupportedFunctionError, match="returned a coroutine"):
+        wrapped(500)
+    assert ledger.lookup("billing", "pay_2") is None
+
+
+def test_a_task_cancelled_while_its_call_is_claiming_leaves_no_orphan_claim(ledger):
+    entered, proceed = threading.Event(), threading.Event()
+    claim = ledger.store.claim
+
+    def slow_claim(*args, **kwargs):  # type: ignore[no-untyped-def]
+        entered.set()
+        proceed.wait(10)
+        return claim(*args, **kwargs)
+
+    ledger.store.claim = slow_claim  # type: ignore[method-assign]
+
+    async def work() -> None:
+        async with ledger.idempotent_call(principal="billing", key="pay_3", args={"amount": 1}, release_on_error=False):
+            raise AssertionError("the block must not run")
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(work())
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        proceed.set()
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if ledger.lookup("billing", "pay_3") is None and not _orphans_pending():
+                break
+
+    asyncio.run(scenario())
+    ledger.store.claim = claim  # type: ignore[method-assign]
+    assert ledger.lookup("billing", "pay_3") is None

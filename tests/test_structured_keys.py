@@ -1,0 +1,65 @@
+"""The Idempotency-Key header as the IETF draft sends it: an RFC 8941
+sf-string ("…", with quotes). The key is the string it carries, so the
+quoted and the bare form are one key everywhere: every adapter, the
+library, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from idemctl import Ledger
+from idemctl.cli import app
+from idemctl.fingerprint import parse_key
+from tests.helpers import clean_env
+
+DRAFT_KEY = "8e03978e-40d5-43e8-bc93-6894a57f9324"  # the draft's own example
+
+
+@pytest.mark.parametrize(
+    ("value", "key"),
+    [
+        (f'"{DRAFT_KEY}"', DRAFT_KEY),
+        ("order-42", "order-42"),
+        ('"a\\"b\\\\c"', 'a"b\\c'),  # the two escapes
+        ('"abc";v=1;x', "abc"),  # parameters are ignored
+        ('"abc"  ', "abc"),
+        ('"' + "k" * 255 + '"', "k" * 255),
+        ('a"b', 'a"b'),  # a bare token may hold a quote after its start
+    ],
+)
+def test_a_key_is_the_string_an_sf_string_carries_or_the_bare_token(value, key):
+    assert parse_key(value) == key
+
+
+@pytest.mark.parametrize(
+    "value",
+    ['"abc', '"a"b"', '""', '"a\\xb"', '"' + "k" * 256 + '"', '"abc" trailing', '"tab\there"', "k" * 256],
+    ids=["unterminated", "garbage-after", "empty", "bad-escape", "256-in-quotes", "not-a-parameter", "control", "long"],
+)
+def test_what_is_not_a_valid_key(value):
+    assert parse_key(value) is None
+
+
+def test_the_library_takes_the_quoted_key_as_the_bare_one(ledger):
+    run = lambda body: (201, {}, b"made")  # noqa: E731
+    first = ledger.handle("acct_1", '"abc"', "POST", "/orders", {}, b"", run)
+    again = ledger.handle("acct_1", "abc", "POST", "/orders", {}, b"", run)
+    assert (first.outcome.value, again.outcome.value) == ("executed", "replayed")
+    assert ledger.get("acct_1", '"abc"').row.key == "abc"
+
+
+def test_inspect_finds_the_row_by_the_quoted_and_by_the_bare_key(ledger_target, make_ledger, monkeypatch, tmp_path):
+    clean_env(monkeypatch, tmp_path, columns="200")
+    ledger: Ledger = make_ledger()
+    ledger.handle("acct_1", '"abc"', "POST", "/orders", {}, b"", lambda body: (201, {}, b"made"))
+    documents = []
+    for key in ('"abc"', "abc"):
+        result = CliRunner().invoke(app, ["--db", ledger_target, "inspect", key, "--principal", "acct_1", "--json"])
+        assert result.exit_code == 0, result.output
+        document = json.loads(result.stdout)
+        documents.append({k: v for k, v in document.items() if k not in ("now", "age_ms")})
+    assert documents[0] == documents[1]
+    assert documents[0]["key"] == "abc"
