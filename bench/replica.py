@@ -171,8 +171,18 @@ class ReplicaPair:
                 "the failover harness needs PostgreSQL's initdb, pg_ctl and pg_basebackup "
                 f"(install the server package or set {BIN_ENV})"
             )
-        if _runas_prefix() is None:
+        runas = _runas_prefix()
+        if runas is None:
             return "running as root, the failover harness needs a `postgres` OS user and runuser to start servers as"
+        if runas:
+            probe = tempfile.mkdtemp(prefix="idemctl-failover-probe-", dir=_scratch_dir())
+            try:
+                shutil.chown(probe, user="postgres", group=None)
+                writable = subprocess.run([*runas, "test", "-w", probe], capture_output=True, timeout=30).returncode == 0
+            finally:
+                shutil.rmtree(probe, ignore_errors=True)
+            if not writable:
+                return f"the `postgres` OS user cannot write to a directory under {os.path.dirname(probe)} (set TMPDIR)"
         return None
 
     @classmethod
@@ -221,8 +231,8 @@ class ReplicaPair:
             f.write("\n".join(lines) + "\n")
 
     def _pg_ctl_start(self, datadir: Path) -> None:
+        self.started.append(datadir)  # first: a start that times out may still leave a server to stop
         self._run("pg_ctl", "-D", str(datadir), "-l", str(datadir.with_suffix(".log")), "-w", "-t", "60", "start")
-        self.started.append(datadir)
 
     def _template(self) -> Path:
         key = (self.bindir, *self.runas)

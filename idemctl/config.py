@@ -44,7 +44,7 @@ def env_duration(environ: Mapping[str, str], name: str) -> int | None:
     ...     env_duration({"IDEMCTL_PENDING_TTL": "10000"}, "IDEMCTL_PENDING_TTL")
     ... except ConfigError as exc:
     ...     print(exc)
-    IDEMCTL_PENDING_TTL=10000 needs a unit (ms, s, m, h or d): 10000ms is 10 s, 10000s is 2 h 46 min
+    IDEMCTL_PENDING_TTL=10000 needs a unit (ms, s, m, h or d): 10000ms is 10 s, 10000s is 2 h 47 min
     """
     raw = environ.get(name, "").strip()
     if not raw:

@@ -3,11 +3,13 @@ generation, token, timestamps and stored answer, and the fenced-out log.
 
 The source is only read, a page at a time in primary-key order. Each page
 is compared with the destination's rows of the same keys (one read), and
-only what differs is written: absent rows in one insert-if-absent statement,
-older versions one guarded UPDATE each. The statements' own conflict clause
-and WHERE decide, so a row the destination holds in a newer version is never
-overwritten, whatever happened since it was read. Running the copy again
-writes only what changed since; with nothing changed it writes nothing."""
+only what differs is written, gathered up to a batch: absent rows in one
+insert-if-absent statement, older versions in one guarded UPDATE (one a
+row on engines without arrays). The statements' own conflict clause and
+WHERE decide row by row, so a row the destination holds in a newer version
+is never overwritten, whatever happened since it was read. Running the copy
+again writes only what changed since; with nothing changed it writes
+nothing."""
 
 from __future__ import annotations
 
@@ -193,13 +195,25 @@ def copy_ledger(
     with_token = _check_ready(source, destination)
     tally = _Tally()
     after: tuple[str, str] | None = None
+    # Rows to write are gathered over pages up to a batch, so that a pass
+    # where few rows changed (the paused one of a cutover) writes them in a
+    # few statements, not in one commit per page that holds one of them.
+    absent: list[LedgerRow] = []
+    newer: list[LedgerRow] = []
     while True:
         page = source.copy_page(after, batch, with_token=with_token)
+        if page:
+            after = page[-1].where
+            tally.rows_read += len(page)
+            _compare(page, destination, tally, absent, newer)
+        if absent and (len(absent) + len(newer) >= batch or not page):
+            _write(absent, destination, tally, dry_run, insert=True)
+            absent = []
+        if newer and (len(newer) >= batch or not page):
+            _write(newer, destination, tally, dry_run, insert=False)
+            newer = []
         if not page:
             break
-        after = page[-1].where
-        tally.rows_read += len(page)
-        _copy_page(page, destination, tally, dry_run)
         if on_progress is not None:
             on_progress(CopyProgress(tally.rows_read, tally.fenced_read))
     last_id = 0
@@ -228,26 +242,45 @@ def copy_ledger(
     )
 
 
-def _copy_page(page: Sequence[LedgerRow], destination: Store, tally: _Tally, dry_run: bool) -> None:
+def _compare(
+    page: Sequence[LedgerRow], destination: Store, tally: _Tally, absent: list[LedgerRow], newer: list[LedgerRow]
+) -> None:
+    """Sort a page against the destination's rows of the same keys (one read):
+    absent rows and newer versions are added to the lists; the rest counted."""
     present = destination.rows_at([row.where for row in page])
-    absent = [row for row in page if row.where not in present]
-    newer = [row for row in page if row.where in present and tally.settle(row, present[row.where])]
+    for row in page:
+        there = present.get(row.where)
+        if there is None:
+            absent.append(row)
+        elif tally.settle(row, there):
+            newer.append(row)
+
+
+def _write(rows: list[LedgerRow], destination: Store, tally: _Tally, dry_run: bool, *, insert: bool) -> None:
+    """Insert the absent rows, or bring the older ones up to date, each in one
+    statement that decides row by row; look again at any row it refused."""
     if dry_run:
-        tally.inserted += len(absent)
-        tally.updated += len(newer)
+        if insert:
+            tally.inserted += len(rows)
+        else:
+            tally.updated += len(rows)
         return
-    inserted = destination.copy_insert(absent)
-    tally.inserted += len(inserted)
-    # Rows that appeared in the destination since the read: decide again
-    # against what is there now.
-    late = [row for row in absent if row.where not in inserted]
-    now_there = destination.rows_at([row.where for row in late])
-    newer.extend(row for row in late if row.where in now_there and tally.settle(row, now_there[row.where]))
+    again: list[LedgerRow] = []
+    if insert:
+        inserted = destination.copy_insert(rows)
+        tally.inserted += len(inserted)
+        # Rows that appeared in the destination since the read: decide again
+        # against what is there now.
+        late = [row for row in rows if row.where not in inserted]
+        now_there = destination.rows_at([row.where for row in late])
+        newer = [row for row in late if row.where in now_there and tally.settle(row, now_there[row.where])]
+        again += [row for row in late if row.where not in now_there]
+    else:
+        newer = rows
     updated = destination.copy_update(newer)
     tally.updated += len(updated)
     # Refused by the UPDATE's WHERE, or gone again since: look once more.
-    again = [row for row in newer if row.where not in updated]
-    again += [row for row in late if row.where not in now_there]
+    again += [row for row in newer if row.where not in updated]
     for row in again:
         _write_newer(row, destination, tally)
 

@@ -37,30 +37,36 @@ def parse_duration(text: str) -> int:
     return round(total)
 
 
+_UNITS = (("d", 86_400_000), ("h", 3_600_000), ("min", 60_000), ("s", 1000))
+
+
 def human_duration(ms: int) -> str:
     """A short reading of a duration, at most two units: ``"12 s"``, ``"3 h 5 min"``.
 
+    Rounded to the nearest step of the last unit shown, so that a duration
+    reads the same wherever it appears: a day less a second is ``"1 d"``, as
+    the retention it counts down from is.
+
     >>> human_duration(12_400), human_duration(11_100_000), human_duration(90_061_000)
     ('12 s', '3 h 5 min', '1 d 1 h')
+    >>> human_duration(86_399_000), human_duration(59_600), human_duration(5_399_999)
+    ('1 d', '1 min', '1 h 30 min')
     """
     ms = int(ms)
     if ms < 0:
         return "-" + human_duration(-ms)
     if ms < 1000:
         return f"{ms} ms"
-    if ms < 60_000:
-        return f"{ms // 1000} s"  # whole seconds: "3.0 s" reads like false precision
-    units = (("d", 86_400_000), ("h", 3_600_000), ("min", 60_000), ("s", 1000))
+    top = next(i for i, (_, size) in enumerate(_UNITS) if ms >= size or i == len(_UNITS) - 1)
+    step = _UNITS[min(top + 1, len(_UNITS) - 1)][1]
+    rest = (ms + step // 2) // step * step
     parts: list[str] = []
-    rest = ms
-    for name, size in units:
+    for name, size in _UNITS:
         if rest >= size or parts:
             count, rest = divmod(rest, size)
             if count:
                 parts.append(f"{count} {name}")
-            if len(parts) == 2 or (parts and name == units[-1][0]):
-                break
-            if parts and count == 0:
+            if len(parts) == 2 or (parts and count == 0):
                 break
     return " ".join(parts)
 

@@ -22,6 +22,7 @@ from .policy import Policy
 from .responses import NULL_BODY_STATUSES, OVERSIZE_STATUS
 
 if TYPE_CHECKING:  # the simulator renders its timelines with this module
+    from .replication import FailoverCheck
     from .simulate import Event, Timeline
 
 # Candidates for escaping: everything but printable ASCII. Which of them are
@@ -407,6 +408,25 @@ def pending_json(
     )
 
 
+def failover_check_json(check: FailoverCheck) -> dict[str, Any]:
+    """`doctor --json`: the replication settings read and what they mean."""
+    s = check.settings
+    replication = None
+    if s is not None:
+        replication = {
+            "synchronous_commit": s.synchronous_commit,
+            "synchronous_standby_names": s.synchronous_standby_names,
+            "in_recovery": s.in_recovery,
+            "standbys": list(s.standbys),
+        }
+    return {
+        "ledger": check.where,
+        "ok": check.ok,
+        "replication": replication,
+        "findings": [{"severity": f.severity.value, "message": f.message} for f in check.findings],
+    }
+
+
 def fenced_json(now: int, truncated: bool, fenced_log: bool, events: Iterable[FencedEvent]) -> dict[str, Any]:
     """`fenced --json`. `fenced_log` is False for a ledger that does not
     record fenced-out events (the recipe's table alone).
@@ -567,9 +587,10 @@ def stats_prometheus(database: str, stats: Stats, policy: Policy) -> str:
     idemctl_ledger_rows{ledger=":memory:",state="pending_fresh"} 0
     """
     label = 'ledger="' + database.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-    oldest_pending = None if stats.oldest_pending_at is None else max(0, stats.now - stats.oldest_pending_at) / 1000
+    # 0 when nothing is pending: an alert on a series that vanished would go silent.
+    oldest_pending = 0 if stats.oldest_pending_at is None else max(0, stats.now - stats.oldest_pending_at) / 1000
     one, taken, fenced = f"{{{label}}}", stats.taken_over, stats.fenced_out_events
-    gauges: list[tuple[str, str, list[tuple[str, float | None]]]] = [
+    gauges: list[tuple[str, str, list[tuple[str, int | float | None]]]] = [
         (
             "idemctl_ledger_rows",
             "Rows in the ledger by state, as idemctl stats counts them.",
@@ -593,7 +614,7 @@ def stats_prometheus(database: str, stats: Stats, policy: Policy) -> str:
         if not present:
             continue
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
-        lines += [f"{name}{labels} {value:g}" for labels, value in present]
+        lines += [f"{name}{labels} {_sample(value)}" for labels, value in present]
     return "\n".join(lines) + "\n"
 
 
@@ -680,3 +701,15 @@ def copy_words(result: CopyResult) -> str:
     if result.dry_run:
         lines.append("dry run: nothing written")
     return "\n".join(lines)
+
+
+def _sample(value: float) -> str:
+    """A sample value in the exposition format, every digit kept (`:g` would
+    write 48054272 as 4.80543e+07).
+
+    >>> _sample(48_054_272), _sample(30.0), _sample(12.345)
+    ('48054272', '30', '12.345')
+    """
+    if isinstance(value, int):
+        return str(value)
+    return str(int(value)) if value.is_integer() else repr(value)

@@ -32,6 +32,10 @@ from .render import state_words
 from .scenario import Op, Scenario, Step, StepOutcome, mutation_answer
 
 MAX_SWEEP_BATCHES = 10_000
+# How often a long step reports its progress (rows): often enough for a bar
+# to move, rarely enough to cost nothing next to the writes.
+PROGRESS_EVERY = 100
+Progress = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,16 @@ def _request_detail(outcome: Outcome, status: int, generation: int | None, body:
 
 
 class _Runner:
-    def __init__(self, ledger: Ledger, clock: VirtualClock, target: str, scenario: Scenario, tap: _LogTap) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        clock: VirtualClock,
+        target: str,
+        scenario: Scenario,
+        tap: _LogTap,
+        progress: Progress | None = None,
+    ) -> None:
+        self.progress = progress
         self.ledger = ledger
         self.clock = clock
         self.target = target
@@ -327,12 +340,15 @@ class _Runner:
         policy = self.ledger.policy
         fp = step.fingerprint(policy)
         made = 0
-        for key in step.fill_keys():
+        keys = step.fill_keys()
+        for done, key in enumerate(keys, 1):
             got = self.ledger.claim(step.principal, key, fp)
             if got is not None:
                 body = json.dumps({"order": key}).encode()
                 self.ledger.complete(got, 201, (("Content-Type", "application/json"),), body)
                 made += 1
+            if self.progress is not None and (done % PROGRESS_EVERY == 0 or done == len(keys)):
+                self.progress(f"step {step.index}: fill", done, len(keys))
         first, last = step.fill_keys()[0], step.fill_keys()[-1]
         self.emit(
             replace(step, key=last),
@@ -371,6 +387,7 @@ def run_scenario(
     *,
     policy: Policy | None = None,
     wall_clock: Callable[[], int] = wall_clock_ms,
+    progress: Progress | None = None,
 ) -> Timeline:
     """Run `scenario` against the existing ledger at `target`, or a
     temporary one when `target` is None. A named ledger must exist and hold
@@ -381,7 +398,8 @@ def run_scenario(
     clock's now (unless the scenario sets `start`), so rows written into a
     real ledger have sensible ages when inspected afterwards. The keys the
     scenario writes are purged first (forced), so running it again replays
-    the same story instead of finding last run's rows.
+    the same story instead of finding last run's rows. `progress(what,
+    done, total)` hears how the long steps (a `fill`, that first purge) go.
 
     >>> from idemctl.scenario import builtin
     >>> run_scenario(builtin("happy")).ok
@@ -410,9 +428,17 @@ def run_scenario(
             ledger.require_schema()
         shown = ledger.describe()
         written = scenario.keys()
-        reset = tuple(pk for pk in written if ledger.purge(*pk, force=True).row is not None)
+        reset_keys = []
+        for done, pk in enumerate(written, 1):
+            if ledger.purge(*pk, force=True).row is not None:
+                reset_keys.append(pk)
+            if progress is not None and len(written) >= PROGRESS_EVERY and (
+                done % PROGRESS_EVERY == 0 or done == len(written)
+            ):
+                progress("purging the keys of an earlier run", done, len(written))
+        reset = tuple(reset_keys)
         tap = stack.enter_context(_tap_logs())
-        runner = _Runner(ledger, clock, where, scenario, tap)
+        runner = _Runner(ledger, clock, where, scenario, tap, progress)
         for step in scenario.steps:
             runner.run(step)
     return Timeline(

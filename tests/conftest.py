@@ -63,6 +63,32 @@ def postgres_server() -> str:
     return url
 
 
+# The Redis the queue consumer's end-to-end test uses; the same rule as PostgreSQL.
+REDIS_URL_ENV = "IDEMCTL_TEST_REDIS_URL"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> str:
+    """The test Redis server's URL; skips (fails under CI) when it does not answer."""
+    url = os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)
+    reason = None
+    try:
+        import redis
+    except ImportError:
+        reason = "Redis tests need the client: pip install -e '.[test]'"
+    else:
+        try:
+            redis.Redis.from_url(url, socket_connect_timeout=3).ping()
+        except redis.RedisError as exc:
+            reason = f"no Redis answers at {url}: {exc} (set {REDIS_URL_ENV} to use another server)"
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs the Redis tests: {reason}", pytrace=False)
+        pytest.skip(reason)
+    return url
+
+
 @pytest.fixture
 def ledger_target(backend_name: str, tmp_path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Where a fresh, empty ledger lives for this test (a path or a URL)."""

@@ -144,7 +144,7 @@ def test_read_commands_work_on_a_recipe_only_database_and_write_nothing(tmp_path
     assert inspect.exit_code == 0
     assert re.search(r"^generation\s+2 \(taken over once\)$", inspect.stdout, re.M)
     assert inspect.stdout.rstrip().endswith(
-        "fenced-out events: not recorded (this ledger has only the recipe's table; `idemctl init` adds the log)"
+        f"fenced-out events: not recorded (this ledger has only the recipe's table; `idemctl --db {db} init` adds the log)"
     )
     pending = json.loads(cli("pending", "--json", "--db", str(db)).stdout)
     assert [(r["key"], r["takes_over_now"]) for r in pending["rows"]] == [("stuck", True)]
@@ -163,9 +163,12 @@ def test_fenced_on_a_recipe_only_database_says_nothing_records_them(tmp_path):
     conn.close()
     result = cli("fenced", "--db", str(db))
     assert result.exit_code == 0
-    assert result.stdout == "no fenced-out log: this ledger has only the recipe's table; `idemctl init` adds it\n"
+    assert result.stdout == f"no fenced-out log: this ledger has only the recipe's table; `idemctl --db {db} init` adds it\n"
     as_json = json.loads(cli("fenced", "--json", "--db", str(db)).stdout)
     assert (as_json["fenced_log"], as_json["events"]) == (False, [])
+    as_lines = cli("fenced", "--nl", "--db", str(db))
+    assert (as_lines.exit_code, as_lines.stdout) == (0, "")
+    assert as_lines.stderr == f"no fenced-out log: this ledger has only the recipe's table; `idemctl --db {db} init` adds it\n"
 
 
 # -- inspect -----------------------------------------------------------------------------------
@@ -178,7 +181,7 @@ def test_inspect_completed_taken_over_row_shows_state_generation_response_and_fe
     lines = [line.rstrip() for line in out.splitlines()]
     assert lines[0] == "acct_A / order-42"
     assert re.search(
-        r"^state\s+completed 3 h ago: replayed until \S+:\d\dZ \(in 20 h 59 min\); the sweep may delete it after that$", out, re.M
+        r"^state\s+completed 3 h ago: replayed until \S+:\d\dZ \(in 21 h\); the sweep may delete it after that$", out, re.M
     )
     assert re.search(r"^status\s+completed$", out, re.M)
     assert re.search(r"^generation\s+2 \(taken over once\)$", out, re.M)
@@ -188,7 +191,7 @@ def test_inspect_completed_taken_over_row_shows_state_generation_response_and_fe
     assert re.search(r"^\s+location: /orders/42$", out, re.M)
     assert '"by": "B"' in out  # the body, pretty-printed
     assert "fenced-out events (1): a late owner's answer was not stored" in out
-    assert re.search(r"^\s*\S+Z\s+2 h 59 min ago\s+1\s+2\s+201$", out, re.M)
+    assert re.search(r"^\s*\S+Z\s+3 h ago\s+1\s+2\s+201$", out, re.M)
 
 
 def test_inspect_pending_row_says_how_long_retries_get_409_and_who_takes_over(make_ledger, ledger_target, at):
@@ -350,7 +353,7 @@ def test_fenced_lists_events_newest_first_filtered_by_principal_and_since(make_l
 
 
 # -- stats -----------------------------------------------------------------------------------
-def test_stats_counts_rows_by_state_backlog_and_fenced_events(make_ledger, ledger_target, at):
+def test_stats_counts_rows_by_state_expired_and_fenced_events(make_ledger, ledger_target, at):
     ledger = make_ledger()
     seed_pending(ledger, at)  # fresh, stale (2 min), stale (1 h), completed
     taken_over_row(ledger, at, ago_ms=3 * HOUR)  # completed, taken over, one fenced event
@@ -367,7 +370,7 @@ def test_stats_counts_rows_by_state_backlog_and_fenced_events(make_ledger, ledge
 
     text = cli("stats", "--db", ledger_target)
     assert text.exit_code == 0 and text.stderr == ""
-    assert re.search(r"^  past retention\s+1  \(sweep backlog\)$", text.stdout, re.M)
+    assert re.search(r"^  expired\s+1  \(past the 1 d retention: the sweep deletes them\)$", text.stdout, re.M)
     assert re.search(r"^  pending, stale\s+2  \(the next retry takes over\)$", text.stdout, re.M)
     assert re.search(r"^fenced-out events\s+1$", text.stdout, re.M)
 
@@ -375,7 +378,7 @@ def test_stats_counts_rows_by_state_backlog_and_fenced_events(make_ledger, ledge
 def test_stats_thresholds_make_a_cron_check_exit_1_with_one_line(make_ledger, ledger_target, at):
     ledger = make_ledger()
     taken_over_row(ledger, at)
-    ok = cli("stats", "--max-fenced", "1", "--max-backlog", "0", "--db", ledger_target)
+    ok = cli("stats", "--max-fenced", "1", "--max-expired", "0", "--db", ledger_target)
     assert ok.exit_code == 0
     failed = cli("stats", "--max-fenced", "0", "--max-stale", "0", "--json", "--db", ledger_target)
     assert failed.exit_code == 1

@@ -55,7 +55,7 @@ def test_the_retired_IDEMCTL_PENDING_TTL_MS_is_an_error_that_names_its_replaceme
 @pytest.mark.slow
 def test_a_duration_variable_without_a_unit_is_an_error_suggesting_milliseconds_or_seconds(db):
     assert refused("stats", "--db", db, IDEMCTL_PENDING_TTL="10000") == (
-        "error: IDEMCTL_PENDING_TTL=10000 needs a unit (ms, s, m, h or d): 10000ms is 10 s, 10000s is 2 h 46 min"
+        "error: IDEMCTL_PENDING_TTL=10000 needs a unit (ms, s, m, h or d): 10000ms is 10 s, 10000s is 2 h 47 min"
     )
     assert refused("stats", "--db", db, IDEMCTL_BUSY_TIMEOUT="5") == (
         "error: IDEMCTL_BUSY_TIMEOUT=5 needs a unit (ms, s, m, h or d): 5ms is 5 ms, 5s is 5 s"

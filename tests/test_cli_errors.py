@@ -44,12 +44,25 @@ def fails(args: list[str], code: int = EXIT_USAGE, input: str | None = None) -> 
 def test_a_missing_ledger_file_is_one_line_and_is_never_created(args, tmp_path):
     db = tmp_path / "nowhere.db"
     line = fails(["--db", str(db), *args])
-    assert line == f"error: no ledger at {db} — run `idemctl init`"
+    assert line == f"error: no ledger at {db} — run `idemctl --db {db} init`"
     assert list(tmp_path.iterdir()) == []
 
 
 def test_the_default_ledger_path_is_idempotency_db_in_the_current_directory(tmp_path):
     assert fails(["stats"]) == "error: no ledger at idempotency.db — run `idemctl init`"
+    assert not (tmp_path / "idempotency.db").exists()
+
+
+def test_the_init_hint_names_the_ledger_given_in_idemctl_db_or_on_the_command_line(tmp_path, monkeypatch):
+    assert fails(["stats", "--db", "missing.db"]) == "error: no ledger at missing.db — run `idemctl --db missing.db init`"
+    assert fails(["--db", "my ledger.db", "pending"]) == (
+        "error: no ledger at my ledger.db — run `idemctl --db 'my ledger.db' init`"
+    )
+    monkeypatch.setenv("IDEMCTL_DB", "from-env.db")
+    assert fails(["stats"]) == "error: no ledger at from-env.db — run `idemctl --db from-env.db init`"
+    # Typed as printed, the hint creates the ledger the command was looking for.
+    init = CliRunner().invoke(app, ["--db", "missing.db", "init"])
+    assert init.exit_code == 0 and (tmp_path / "missing.db").exists()
     assert not (tmp_path / "idempotency.db").exists()
 
 
@@ -69,7 +82,7 @@ def test_a_directory_is_not_a_ledger(tmp_path):
 def test_a_database_without_the_ledger_table_says_run_init(args, tmp_path):
     db = tmp_path / "other.db"
     sqlite3.connect(db).execute("CREATE TABLE unrelated (x)").connection.close()
-    assert fails(["--db", str(db), *args]) == f"error: {db} has no idempotency ledger — run `idemctl init`"
+    assert fails(["--db", str(db), *args]) == f"error: {db} has no idempotency ledger — run `idemctl --db {db} init`"
 
 
 def test_a_schema_newer_than_this_idemctl_is_refused(tmp_path):

@@ -18,7 +18,10 @@ from idemctl.cli import app
 
 IDEMCTL = Path(sys.executable).with_name("idemctl")
 COMMANDS = ["init", "inspect", "pending", "fenced", "stats", "sweep", "purge", "fingerprint", "simulate"]
-FLAGS = {"--json", "--dry-run", "--yes", "--force", "--stale", "--help", "--version", "--watch", "--json-body"}
+FLAGS = {
+    "--json", "--nl", "--dry-run", "--yes", "--force", "--stale", "--help", "--version", "--watch", "--json-body",
+    "--install-completion", "--show-completion",
+}
 
 
 def help_page(*args: str) -> str:

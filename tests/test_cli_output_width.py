@@ -181,7 +181,7 @@ def test_piped_stats_lines_are_not_wrapped_or_padded(db, tmp_path):
         "  pending, fresh   0  (retries get 409 in progress)",
         "  pending, stale   0  (the next retry takes over)",
         "  completed        0  (retries are replayed)",
-        "  past retention   4  (sweep backlog)",
+        "  expired          4  (past the 1 d retention: the sweep deletes them)",
         "taken over         2  (rows with generation > 1)",
         "fenced-out events  2",
         f"oldest pending     {iso(st.oldest_pending_at)} (3 d ago)",

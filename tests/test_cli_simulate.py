@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sqlite3
 import subprocess
 import sys
@@ -159,7 +160,7 @@ def test_simulate_into_a_mistyped_path_is_refused_and_creates_nothing(tmp_path):
     missing = tmp_path / "idempotecy.db"
     result = simulate("takeover", "--db", str(missing))
     assert (result.exit_code, result.stdout) == (2, "")
-    assert result.stderr == f"error: no ledger at {missing} — run `idemctl init`\n"
+    assert result.stderr == f"error: no ledger at {missing} — run `idemctl --db {missing} init`\n"
     assert list(tmp_path.iterdir()) == []
 
 
@@ -168,7 +169,8 @@ def test_simulate_into_a_database_without_the_ledger_schema_is_refused_and_write
         sqlite3.connect(ledger_target).close()  # an empty SQLite file: some other database
     result = simulate("happy", "--db", ledger_target)
     assert (result.exit_code, result.stdout) == (2, "")
-    assert result.stderr.startswith("error: ") and result.stderr.endswith("has no idempotency ledger — run `idemctl init`\n")
+    assert result.stderr.startswith("error: ")
+    assert result.stderr.endswith(f"has no idempotency ledger — run `idemctl --db {shlex.quote(ledger_target)} init`\n")
     with Ledger.open(ledger_target, create=False) as ledger:
         assert ledger.schema_version() is None
 

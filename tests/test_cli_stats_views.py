@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pty
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,7 +79,7 @@ def test_watch_piped_prints_one_line_per_refresh(tmp_path):
     assert len(lines) == 3
     for line in lines:
         assert line.split(" ", 1)[1] == (
-            "rows=3 pending_fresh=0 pending_stale=1 completed=2 past_retention=0 taken_over=1 fenced_out=1"
+            "rows=3 pending_fresh=0 pending_stale=1 completed=2 expired=0 taken_over=1 fenced_out=1"
         )
 
 
@@ -111,7 +112,8 @@ def test_watch_on_a_terminal_is_a_live_view_that_calls_out_new_fenced_out_events
     assert proc.wait(30) == 0
     text = seen.decode(errors="replace")
     assert "no new fenced-out events" in text
-    assert "1 new fenced-out event(s): see idemctl fenced --since 1h" in text
+    words = " ".join(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).split())
+    assert f"1 new fenced-out event(s): see idemctl --db {db} fenced --since 1h" in words
 
 
 def test_fingerprint_explains_the_json_form_and_matches_the_ledger_that_uses_it(tmp_path):

@@ -125,7 +125,7 @@ def test_sweep_stops_at_max_batches_and_says_how_many_are_left(make_ledger, ledg
     assert result.exit_code == 0
     assert re.fullmatch(
         r"deleted 20 row\(s\) in 2 batch\(es\) of at most 10, \d+ (ms|s); "
-        r"stopped at --max-batches with 5 row\(s\) past retention left; fenced-out log: 0 event\(s\) older than 30 d deleted\n",
+        r"stopped at --max-batches with 5 expired row\(s\) left; fenced-out log: 0 event\(s\) older than 30 d deleted\n",
         result.stdout,
     )
     assert ledger.count_expired() == 5
@@ -163,7 +163,7 @@ def test_ctrl_c_stops_the_sweep_between_batches_and_reports_what_was_deleted(tmp
         ledger.init()
         backlog(ledger, clock, expired=50, fresh=0)
     proc = subprocess.Popen(
-        [str(IDEMCTL), "--db", str(db), "sweep", "--batch-size", "10", "--pause-ms", "5000"],
+        [str(IDEMCTL), "--db", str(db), "sweep", "--batch-size", "10", "--pause", "5s"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -182,7 +182,7 @@ def test_ctrl_c_stops_the_sweep_between_batches_and_reports_what_was_deleted(tmp
     assert proc.returncode == 130, (out, err)
     assert err == ""
     assert re.fullmatch(
-        r"interrupted: deleted 10 row\(s\) in 1 batch\(es\) of at most 10, \d+ (ms|s); 40 row\(s\) past retention left; "
+        r"interrupted: deleted 10 row\(s\) in 1 batch\(es\) of at most 10, \d+ (ms|s); 40 expired row\(s\) left; "
         r"fenced-out log: 0 event\(s\) older than 30 d deleted\n",
         out,
     )
@@ -201,7 +201,7 @@ def test_the_progress_bar_goes_to_stderr_only_when_it_is_a_terminal(tmp_path):
     master, slave = pty.openpty()
     try:
         proc = subprocess.run(
-            [str(IDEMCTL), "--db", str(db), "sweep", "--batch-size", "10", "--pause-ms", "300"],
+            [str(IDEMCTL), "--db", str(db), "sweep", "--batch-size", "10", "--pause", "300ms"],
             stdout=subprocess.PIPE,
             stderr=slave,
             text=True,

@@ -111,9 +111,12 @@ def test_truly_read_only_file_gives_read_only_error_and_nothing_changes(tmp_path
     assert path.read_bytes() == before
 
 
-def test_a_ledger_in_a_directory_this_user_cannot_write_says_why_and_nothing_changes(tmp_path, clock):
+def test_a_ledger_in_a_directory_this_user_cannot_write_says_why_and_nothing_changes(tmp_path, clock, monkeypatch):
     # An operator who is not the app's user: even reading a WAL database
-    # needs the -shm file beside it, so the directory must be writable.
+    # needs the -shm file beside it, so the directory must be writable. (Not
+    # root: a directory closed to root is closed to every writer, and then
+    # the ledger is read as it is; see tests/test_cli_read_only_directory.py.)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
     from typer.testing import CliRunner
 
     from idemctl.cli import app
@@ -127,8 +130,9 @@ def test_a_ledger_in_a_directory_this_user_cannot_write_says_why_and_nothing_cha
     assert sorted(os.listdir(home)) == ["l.db", "l.db-idemctl.lock"]  # WAL and -shm gone with the last connection
     before = path.read_bytes()
     why = (
-        f"cannot open the ledger at {path}: SQLite must create its -wal/-shm files in {home}, "
-        "which this user cannot write to; run idemctl as the ledger's owner"
+        f"cannot open the ledger at {path}: SQLite must create its -shm file beside it in {home}, "
+        "which this user cannot write to; run idemctl as a user who may write there (the application's), "
+        "or make the directory writable for this user"
     )
     with read_only_file(home):
         with pytest.raises(StorageError) as info:

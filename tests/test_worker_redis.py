@@ -24,33 +24,16 @@ from idemctl import Status, wall_clock_ms
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-REDIS_URL_ENV = "IDEMCTL_TEST_REDIS_URL"
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 PAYMENTS = 30
 STALLED = "pay-007"
 DUPLICATED = "pay-003"  # published twice by the producer
 GIVE_UP_S = 90
 
 
-@pytest.fixture(scope="module")
-def redis_url() -> str:
-    """The test server's URL; skips (fails under CI) when it is unusable."""
-    url = os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)
-    reason = None
-    try:
-        import redis
-    except ImportError:
-        reason = "the Redis end-to-end test needs the client: pip install -e '.[test]'"
-    else:
-        try:
-            redis.Redis.from_url(url, socket_connect_timeout=3).ping()
-        except redis.RedisError as exc:
-            reason = f"Redis at {url} is not usable: {exc} (set {REDIS_URL_ENV} to use another server)"
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI runs the Redis end-to-end test: {reason}", pytrace=False)
-        pytest.skip(reason)
-    return url
+@pytest.fixture
+def redis_url(redis_server: str) -> str:
+    """The test Redis (tests/conftest.py: skips, or fails under CI, when none answers)."""
+    return redis_server
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ output; the other modules hold the commands, grouped by what they do."""
 
 from __future__ import annotations
 
-from .core import EXIT_INTERRUPTED, EXIT_NO, EXIT_OK, EXIT_USAGE, app, main
+from .core import EXIT_INTERRUPTED, EXIT_NO, EXIT_OK, EXIT_PIPE_CLOSED, EXIT_USAGE, app, main
 from .views import PENDING_TABLE_CHUNK
 
 # Importing a command module registers its commands on `app`, and
@@ -23,4 +23,13 @@ from . import doctor as doctor  # doctor
 from . import copy as copy  # copy
 # isort: on
 
-__all__ = ["EXIT_INTERRUPTED", "EXIT_NO", "EXIT_OK", "EXIT_USAGE", "PENDING_TABLE_CHUNK", "app", "main"]
+__all__ = [
+    "EXIT_INTERRUPTED",
+    "EXIT_NO",
+    "EXIT_OK",
+    "EXIT_PIPE_CLOSED",
+    "EXIT_USAGE",
+    "PENDING_TABLE_CHUNK",
+    "app",
+    "main",
+]

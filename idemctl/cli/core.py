@@ -4,12 +4,16 @@ the mapping of every deliberate error to one line on stderr and an exit code."""
 
 from __future__ import annotations
 
+import errno
 import os
+import shlex
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Annotated, Any, NoReturn, Protocol, cast
+from urllib.parse import urlsplit
 
 import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup
@@ -25,13 +29,16 @@ from .output import say_error, say_no
 EXIT_OK = 0
 EXIT_NO = 1  # the answer is "no": not found, refused, declined, mismatch, check or expectation failed
 EXIT_USAGE = 2  # usage or database problem: bad option or key, no/unreadable/too-new ledger, locked, read-only
-EXIT_INTERRUPTED = 130  # Ctrl-C (sweep reports what it deleted first)
+EXIT_INTERRUPTED = 130  # Ctrl-C, in every command (sweep reports what it deleted first)
+EXIT_PIPE_CLOSED = 141  # stdout's reader went away (`idemctl pending | head -1`): 128 + SIGPIPE, as shells report
 
 EXIT_CODES_HELP = (
     "[b]Exit codes[/b]: 0 done · 1 the answer is no (row not found, purge refused or declined, "
-    "fingerprint differs, a stats threshold or a simulation expectation failed, copy found conflicting keys) · "
+    "fingerprint differs, a stats threshold or a simulation expectation failed, doctor found a warning, "
+    "copy found conflicting keys) · "
     "2 usage or database problem (bad option or key, no ledger, not a database, schema missing or newer, "
-    "database locked or read-only, bad scenario) · 130 interrupted."
+    "database locked or read-only, bad scenario) · 130 interrupted (Ctrl-C) · "
+    "141 the reader of stdout went away (a closed pipe)."
 )
 # Human output's one escaping scheme (render.visible); documented next to the exit codes.
 ESCAPING_HELP = (
@@ -52,17 +59,59 @@ class UserError(Exception):
         self.code = code
 
 
-def with_hint(exc: IdemctlError) -> str:
-    """The library's message plus what to type about it, in the CLI's words.
+# The ledger the running command works on, as given: hints name it, so that
+# the command they suggest acts on the same ledger when typed as printed.
+_LEDGER_IN_FORCE: ContextVar[tuple[str, bool] | None] = ContextVar("ledger_in_force", default=None)
+
+
+def idemctl_command(words: str, db: str | None = None, given: bool = False) -> str:
+    """`idemctl WORDS` as the operator would type it for ledger `db`: with
+    `--db` unless the ledger is the default one nobody named. A URL that
+    carries a password is not echoed back.
+
+    >>> idemctl_command("init", "missing.db", True)
+    'idemctl --db missing.db init'
+    >>> idemctl_command("init", "my ledger.db", True), idemctl_command("init", "idempotency.db", False)
+    ("idemctl --db 'my ledger.db' init", 'idemctl init')
+    >>> idemctl_command("init", "postgresql://app:s3cret@db/payments", True)
+    "idemctl --db '<the same URL>' init"
+    """
+    if db is None or not given:
+        return f"idemctl {words}"
+    return f"idemctl --db {shlex.quote(_shown_db(db))} {words}"
+
+
+def _shown_db(db: str) -> str:
+    if "://" not in db:
+        return db
+    try:
+        secret = urlsplit(db).password
+    except ValueError:
+        secret = None
+    return "<the same URL>" if secret or "password=" in db else db
+
+
+def with_hint(exc: IdemctlError, db: str | None = None, given: bool = False) -> str:
+    """The library's message plus what to type about it, in the CLI's words,
+    for the ledger `db` (`given`: named by --db or IDEMCTL_DB).
 
     >>> with_hint(SchemaMissingError("ledger.db"))
     'ledger.db has no idempotency ledger — run `idemctl init`'
+    >>> with_hint(SchemaMissingError("/srv/ledger.db"), "/srv/ledger.db", True)
+    '/srv/ledger.db has no idempotency ledger — run `idemctl --db /srv/ledger.db init`'
     """
+    init = idemctl_command("init", db, given)
     if isinstance(exc, SchemaOutdatedError):
-        return f"{exc} — run `idemctl init` to upgrade it"
+        return f"{exc} — run `{init}` to upgrade it"
     if isinstance(exc, SchemaMissingError):
-        return f"{exc} — run `idemctl init`"
+        return f"{exc} — run `{init}`"
     return str(exc)
+
+
+def hint_command(words: str) -> str:
+    """`idemctl WORDS` for the ledger the running command works on."""
+    in_force = _LEDGER_IN_FORCE.get()
+    return idemctl_command(words, *in_force) if in_force else idemctl_command(words)
 
 
 # Typer may run on its own vendored copy of click, so the base class of its
@@ -109,13 +158,27 @@ class IdemctlCommand(TyperCommand):
     def get_help_option(self, ctx: Any) -> Any:
         return _plain_help_option(super().get_help_option(ctx))
 
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        _help_into_a_pipe(lambda: super(IdemctlCommand, self).format_help(ctx, formatter))
+
 
 class IdemctlGroup(TyperGroup):
     """Maps every deliberate error to one stderr line and an exit code, for
     every command at once, so no command can forget to."""
 
+    def get_params(self, ctx: Any) -> Any:
+        params = super().get_params(ctx)
+        for param in params:
+            if param.name in ("install_completion", "show_completion"):
+                # Flags (the shell is detected): Typer would show <bool>.
+                param.metavar = ""
+        return params
+
     def get_help_option(self, ctx: Any) -> Any:
         return _plain_help_option(super().get_help_option(ctx))
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        _help_into_a_pipe(lambda: super(IdemctlGroup, self).format_help(ctx, formatter))
 
     def main(
         self,
@@ -126,33 +189,93 @@ class IdemctlGroup(TyperGroup):
         windows_expand_args: bool = True,
         **extra: Any,
     ) -> Any:
+        token = _LEDGER_IN_FORCE.set(None)
         try:
             rv = super().main(args, prog_name, complete_var, False, windows_expand_args, **extra)
         except IdemctlError as exc:
-            return _fail(with_hint(exc), EXIT_USAGE, standalone_mode)
+            in_force = _LEDGER_IN_FORCE.get()
+            return _fail(with_hint(exc, *in_force) if in_force else with_hint(exc), EXIT_USAGE, standalone_mode)
         except UserError as exc:
             return _fail(exc, exc.code, standalone_mode)
+        except PipeClosed:
+            if not standalone_mode:
+                raise
+            _quiet_stdout()
+            sys.exit(EXIT_PIPE_CLOSED)
+        except Interrupted:
+            if not standalone_mode:
+                raise
+            sys.exit(EXIT_INTERRUPTED)
         except _CLICK_EXCEPTION as exc:
             if not standalone_mode:
                 raise
             usage = cast(_ClickError, exc)
             # Usage errors too are one line on stderr (Typer would draw a box
             # of several); the hint says where the full usage is.
-            if type(exc).__name__ == "NoArgsIsHelpError":  # bare `idemctl`: the help is the answer
-                usage.show()
-            else:
-                ctx = getattr(exc, "ctx", None)
-                where = ctx.command_path if ctx is not None else "idemctl"
-                say_error(f"{usage.format_message()} (see '{where} --help')")
+            if type(exc).__name__ == "NoArgsIsHelpError":  # bare `idemctl`: the help is the answer, on stdout
+                # Typer's rich help is already printed (its message is then empty).
+                if usage.format_message():
+                    typer.echo(usage.format_message())
+                sys.exit(EXIT_OK)
+            ctx = getattr(exc, "ctx", None)
+            where = ctx.command_path if ctx is not None else "idemctl"
+            say_error(f"{usage.format_message()} (see '{where} --help')")
             sys.exit(usage.exit_code)
-        except typer.Abort:
+        except typer.Abort as exc:
             if not standalone_mode:
                 raise
+            if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):  # Ctrl-C at a prompt or parsing
+                sys.exit(EXIT_INTERRUPTED)
             say_error("aborted")
             sys.exit(EXIT_NO)
+        finally:
+            _LEDGER_IN_FORCE.reset(token)
         if not standalone_mode:
             return rv
         sys.exit(rv if isinstance(rv, int) else EXIT_OK)
+
+    def invoke(self, ctx: Any) -> Any:
+        # Click turns a closed pipe into exit 1 ("no") and Ctrl-C into an
+        # Abort with a blank line; both are caught first and told apart here.
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted() from None
+        except OSError as exc:
+            if exc.errno != errno.EPIPE:
+                raise
+            raise PipeClosed() from None
+
+
+def _help_into_a_pipe(show: Callable[[], None]) -> None:
+    # Typer prints the help with a console of its own, which exits 1 on a
+    # closed pipe (`idemctl --help | head -1`); that exit is the closed pipe.
+    try:
+        show()
+    except SystemExit as exc:
+        if exc.code == 1:
+            raise PipeClosed() from None
+        raise
+
+
+class PipeClosed(Exception):
+    """stdout's reader went away: nothing more to say, to anyone."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C: the command stops where it is and exits 130."""
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush of
+    what is still buffered does not fail with a second broken pipe."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _fail(message: object, code: int, standalone_mode: bool) -> int:
@@ -171,7 +294,7 @@ app = typer.Typer(
     ),
     epilog=EXIT_CODES_HELP + "\n\n" + ESCAPING_HELP,
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -180,30 +303,47 @@ app = typer.Typer(
 
 def main() -> None:
     """Console-script entry point (`idemctl`)."""
-    app(prog_name="idemctl")
+    try:
+        if os.environ.get("NO_COLOR"):
+            _no_styles()
+        app(prog_name="idemctl")
+    except KeyboardInterrupt:  # Ctrl-C before a command runs (Typer still building the app)
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def _no_styles() -> None:
+    """NO_COLOR: no colour and no bold, underline or dim either, in the help
+    too (rich alone would keep the bold)."""
+    import typer.rich_utils
+
+    typer.rich_utils.COLOR_SYSTEM = None
 
 
 # -- options shared by commands -----------------------------------------------------------
 def in_range(low: int, high: int | None = None) -> Callable[..., int | None]:
-    """The callback of an integer option that checks its bounds, in Typer's
-    own words. (Given as min=/max=, the bounds would show in the help as
-    "N [x>=0]"; the help text says them instead.)"""
+    """The callback of an integer option that checks its bounds. (Given as
+    min=/max=, the bounds would show in the help as "N [x>=0]"; the help
+    text says them instead.)"""
 
     def check(ctx: typer.Context, param: typer.CallbackParam, value: int | None) -> int | None:
         # The parameter is Typer's own option object, which BadParameter names in its message.
         option = cast(Any, param)
         if value is not None and value < low:
-            raise typer.BadParameter(f"Input should be greater than or equal to {low}", ctx=ctx, param=option)
+            raise typer.BadParameter(f"must be {low} or more, got {value}", ctx=ctx, param=option)
         if value is not None and high is not None and value > high:
-            raise typer.BadParameter(f"Input should be less than or equal to {high}", ctx=ctx, param=option)
+            raise typer.BadParameter(f"must be {high} or less, got {value}", ctx=ctx, param=option)
         return value
 
     return check
 
 
 def duration_param(value: str) -> int:
-    """Typer parser of a DURATION option; its ValueError becomes a usage error."""
-    return parse_duration(value)
+    """Typer parser of a DURATION option: its problem is told in our words
+    (a ValueError would reach the operator as "Value error, …")."""
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -220,7 +360,7 @@ class Given:
 def given_param(value: str) -> Given:
     """Typer parser of a DURATION option that sets the policy or the busy
     timeout; the option's name is filled in by `settings`."""
-    return Given(parse_duration(value), value.strip(), "")
+    return Given(duration_param(value), value.strip(), "")
 
 
 def env_help(name: str, default: str | None = None) -> str:
@@ -260,6 +400,14 @@ DbOpt = Annotated[
 ]
 JsonOpt = Annotated[
     bool, typer.Option("--json", metavar="", help="One JSON document on stdout (stable field names), nothing else.")
+]
+NlOpt = Annotated[
+    bool,
+    typer.Option(
+        "--nl",
+        metavar="",
+        help="Newline-delimited JSON: one object per line (the --json item), streamed; nothing else on stdout.",
+    ),
 ]
 TtlOpt = Annotated[
     Given | None,
@@ -340,7 +488,9 @@ def _global(
     ] = None,
     version: Annotated[
         bool,
-        typer.Option("--version", metavar="", callback=_version, is_eager=True, help="Print the version and exit."),
+        typer.Option(
+            "--version", "-V", metavar="", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
     ] = False,
 ) -> None:
     # Only what the command line says: the environment is read when a
@@ -402,6 +552,8 @@ def settings(
         k: v for k, v in os.environ.items() if k not in overridden and config.RETIRED.get(k) not in overridden
     }
     env = config.Settings.from_env(environ)
+    given = db is not None or bool(environ.get(config.ENV_DB, "").strip())
+    _LEDGER_IN_FORCE.set((db or env.db, given))
     return Settings(
         db=db or env.db,
         db_on_command_line=g.db is not None,

@@ -6,27 +6,11 @@ from __future__ import annotations
 import typer
 
 from ..ledger import Ledger
-from ..replication import FailoverCheck, check_failover
+from ..render import failover_check_json
+from ..replication import check_failover
 from ..storage import is_postgres_url
 from .core import EXIT_NO, DbOpt, IdemctlCommand, JsonOpt, app, settings
 from .output import emit_json, one_line
-
-
-def _document(check: FailoverCheck) -> dict[str, object]:
-    s = check.settings
-    return {
-        "ledger": check.where,
-        "ok": check.ok,
-        "replication": None
-        if s is None
-        else {
-            "synchronous_commit": s.synchronous_commit,
-            "synchronous_standby_names": s.synchronous_standby_names,
-            "in_recovery": s.in_recovery,
-            "standbys": list(s.standbys),
-        },
-        "findings": [{"severity": f.severity.value, "message": f.message} for f in check.findings],
-    }
 
 
 @app.command(cls=IdemctlCommand, epilog="Example: idemctl doctor --db 'postgresql://app@db1,db2/payments'")
@@ -40,7 +24,7 @@ def doctor(ctx: typer.Context, json_out: JsonOpt = False, db: DbOpt = None) -> N
     ) as ledger:
         check = check_failover(ledger)
     if json_out:
-        emit_json(_document(check))
+        emit_json(failover_check_json(check))
     else:
         typer.echo(one_line(check.where))
         for finding in check.findings:

@@ -112,6 +112,9 @@ def fingerprint_cmd(
         raise UserError("--ignore-field needs --json-body")
     if (key is None) != (principal is None):
         raise UserError("--key and --principal go together")
+    for option, given in (("--db", db is not None), ("--ttl", ttl is not None)):
+        if given and key is None:
+            raise UserError(f"{option} only applies with --key (to compare with a stored row)")
     if key is not None:
         key = check_key(key)
     raw = _read_body(body, body_file)

@@ -3,20 +3,28 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.text import Text
 
-from ..durations import human_duration, parse_duration
+from ..durations import human_duration
 from ..errors import MalformedRowError
 from ..fingerprint import check_key
 from ..render import (
+    event_json,
     fenced_json,
     inspect_json,
     inspect_not_found_json,
     pending_json,
     stats_prometheus,
     stats_report_json,
+    view_json,
 )
 from .core import (
     EXIT_NO,
@@ -25,18 +33,21 @@ from .core import (
     IdemctlCommand,
     JsonOpt,
     KeyArg,
+    NlOpt,
     PrincipalOpt,
     RetentionOpt,
     TtlOpt,
     UserError,
     app,
     duration_param,
+    from_command_line,
+    hint_command,
     in_range,
     list_cap,
     not_found,
     open_ledger,
 )
-from .output import Capped, chunks, console, emit_json, emit_json_listing, say_error, say_no
+from .output import Capped, chunks, console, emit_json, emit_json_lines, emit_json_listing, say_error, say_no
 from .views import (
     PENDING_COLUMNS,
     PENDING_TABLE_CHUNK,
@@ -77,6 +88,17 @@ def inspect(
         print_row(console(), view, events, fenced_log)
 
 
+def _one_json_form(json_out: bool, nl: bool) -> None:
+    if json_out and nl:
+        raise UserError("give --json (one document) or --nl (one object per line), not both")
+
+
+def _say_more(truncated: bool, limit: int) -> None:
+    # --nl has no document to say it in; stderr keeps stdout pure JSON lines.
+    if truncated:
+        say_no(f"more exist than --limit {limit} let through (--limit 0 for all)")
+
+
 @app.command(cls=IdemctlCommand, epilog="Example: idemctl pending --stale --principal acct_A --limit 20")
 def pending(
     ctx: typer.Context,
@@ -90,10 +112,12 @@ def pending(
         int, typer.Option("--limit", "-n", metavar="N", callback=in_range(0), help="At most N rows (0: all).")
     ] = DEFAULT_LIST_LIMIT,
     json_out: JsonOpt = False,
+    nl: NlOpt = False,
     db: DbOpt = None,
     ttl: TtlOpt = None,
 ) -> None:
     """Pending reservations, oldest first, with age and whether a retry would take over now."""
+    _one_json_form(json_out, nl)
     # Streamed from the ledger to stdout, so `--limit 0` on a million pending
     # rows never holds them all in memory; hence the ledger stays open while rendering.
     malformed: list[MalformedRowError] = []
@@ -119,6 +143,12 @@ def pending(
         )
         if json_out:
             emit_json_listing(pending_json(now, ttl_ms, stale, views, lambda: views.truncated))
+            if malformed:
+                raise typer.Exit(EXIT_USAGE)
+            return
+        if nl:
+            emit_json_lines(view_json(v) for v in views)
+            _say_more(views.truncated, limit)
             if malformed:
                 raise typer.Exit(EXIT_USAGE)
             return
@@ -158,14 +188,31 @@ def fenced(
         int, typer.Option("--limit", "-n", metavar="N", callback=in_range(0), help="At most N events (0: all).")
     ] = DEFAULT_LIST_LIMIT,
     json_out: JsonOpt = False,
+    nl: NlOpt = False,
     db: DbOpt = None,
 ) -> None:
     """Fenced-out events, newest first: late completions whose answer was not stored."""
+    _one_json_form(json_out, nl)
     if key is not None:
         key = check_key(key)
     with open_ledger(ctx, db) as ledger:
         now = ledger.now()
         cap = list_cap(limit)
+        if nl:
+            streamed = Capped(
+                ledger.fenced(
+                    principal=principal,
+                    key=key,
+                    since=None if since is None else now - since,
+                    limit=None if cap is None else cap + 1,
+                ),
+                cap,
+            )
+            emit_json_lines(event_json(e) for e in streamed)
+            _say_more(streamed.truncated, limit)
+            if not ledger.has_fenced_log():  # no lines, and why: nothing records them here
+                say_no(f"no fenced-out log: this ledger has only the recipe's table; `{hint_command('init')}` adds it")
+            return
         events = list(
             ledger.fenced(
                 principal=principal,
@@ -182,7 +229,9 @@ def fenced(
         return
     out = console()
     if not fenced_log:
-        out.print("no fenced-out log: this ledger has only the recipe's table; `idemctl init` adds it")
+        out.print(
+            Text(f"no fenced-out log: this ledger has only the recipe's table; `{hint_command('init')}` adds it")
+        )
         return
     if not events:
         out.print("no fenced-out events" + (f" in the last {human_duration(since)}" if since is not None else ""))
@@ -196,17 +245,55 @@ def fenced(
     )
 
 
+def _only_with(ctx: typer.Context, needed: str, *names: str) -> None:
+    """Refuse options that mean something only beside another one: ignored,
+    they would let an operator believe they had an effect."""
+    for name in names:
+        if from_command_line(ctx, name):
+            raise UserError(f"--{name.replace('_', '-')} only applies with {needed}")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file beside it and a rename,
+    so that a reader (node_exporter's textfile collector) never sees half."""
+    directory = path.parent if str(path.parent) else Path(".")
+    try:
+        fd, staging = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        raise UserError(f"cannot write --output {path}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(staging, 0o644)  # a metrics file is for the collector to read
+        os.replace(staging, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.remove(staging)
+        raise UserError(f"cannot write --output {path}: {exc.strerror or exc}") from None
+
+
 @app.command(
-    cls=IdemctlCommand, epilog="Example (cron): idemctl stats --max-backlog 10000 --max-fenced 0 || page-oncall"
+    cls=IdemctlCommand,
+    epilog=(
+        "Example (cron): idemctl stats --max-expired 10000 --max-fenced 0 || page-oncall\n\n"
+        "Example (textfile collector): idemctl stats --format prometheus --max-fenced 0 "
+        "--output /var/lib/node_exporter/idemctl.prom || page-oncall"
+    ),
 )
 def stats(
     ctx: typer.Context,
     json_out: JsonOpt = False,
-    max_backlog: Annotated[
+    max_expired: Annotated[
         int | None,
         typer.Option(
-            "--max-backlog", metavar="N", callback=in_range(0), help="Exit 1 if more than N rows are past retention."
+            "--max-expired",
+            metavar="N",
+            callback=in_range(0),
+            help="Exit 1 if more than N rows are expired (past retention, waiting for the sweep).",
         ),
+    ] = None,
+    max_backlog: Annotated[
+        int | None, typer.Option("--max-backlog", metavar="N", callback=in_range(0), hidden=True)
     ] = None,
     max_stale: Annotated[
         int | None,
@@ -231,9 +318,21 @@ def stats(
         typer.Option(
             "--format",
             metavar="FORMAT",
-            help="text (default), json (as --json) or prometheus (gauges for node_exporter's textfile collector).",
+            help="text (default), json (as --json) or prometheus (gauges for node_exporter's textfile collector). "
+            "The --max-* checks apply to every format.",
         ),
     ] = "text",
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            metavar="FILE",
+            help="With --format json or prometheus: write the document to FILE (a temporary file renamed into "
+            "place), also when a --max-* check fails.",
+            show_default=False,
+        ),
+    ] = None,
     watch: Annotated[
         bool,
         typer.Option(
@@ -245,8 +344,8 @@ def stats(
         typer.Option(
             "--interval",
             metavar="DURATION",
-            parser=parse_duration,
-            help="Time between --watch refreshes (default 2s).",
+            parser=duration_param,
+            help="With --watch: time between refreshes (default 2s).",
             show_default=False,
         ),
     ] = None,
@@ -258,38 +357,54 @@ def stats(
     ttl: TtlOpt = None,
     retention: RetentionOpt = None,
 ) -> None:
-    """Rows by state, takeovers, fenced-out events, sweep backlog, oldest rows, size."""
+    """Rows by state (expired: past retention), takeovers, fenced-out events, oldest rows, size."""
     if output_format not in ("text", "json", "prometheus"):
         raise UserError(f"--format must be text, json or prometheus, got {output_format!r}")
+    if json_out and from_command_line(ctx, "output_format") and output_format != "json":
+        raise UserError(f"give --json or --format {output_format}, not both")
     if json_out:
         output_format = "json"
+    if max_expired is not None and max_backlog is not None:
+        raise UserError("--max-backlog is the old name of --max-expired: give one")
+    most_expired = max_expired if max_expired is not None else max_backlog
     if watch:
         if output_format != "text":
             raise UserError("--watch shows the text view; for json or prometheus, run stats on a schedule instead")
+        _only_with(ctx, "a single stats run, not --watch", "max_expired", "max_backlog", "max_stale", "max_fenced")
+        _only_with(ctx, "--format json or prometheus", "output")
         with open_ledger(ctx, db, ttl=ttl, retention=retention) as ledger:
             watch_stats(ledger, interval_ms=max(2000 if interval is None else interval, 100), count=count)
         return
+    _only_with(ctx, "--watch", "interval", "count")
+    if output is not None and output_format == "text":
+        raise UserError("--output only applies with --format json or prometheus")
     with open_ledger(ctx, db, ttl=ttl, retention=retention) as ledger:
         st = ledger.stats()
         policy = ledger.policy
         where = ledger.describe()
-    if output_format == "prometheus":
-        typer.echo(stats_prometheus(where, st, policy), nl=False)
-        return
-    json_out = output_format == "json"
     breaches = [
         f"{value} {what} (max {most})"
         for value, most, what in (
-            (st.expired, max_backlog, "rows past retention"),
+            (st.expired, most_expired, "expired rows"),
             (st.pending_stale, max_stale, "stale pending rows"),
             (st.fenced_out_events, max_fenced, "fenced-out events"),
         )
         if most is not None and value > most
     ]
-    if json_out:
-        emit_json(stats_report_json(where, policy, st, breaches))
-    else:
+    if output_format == "text":
         console().print(stats_grid(where, st, policy))
+    else:
+        text = (
+            stats_prometheus(where, st, policy)
+            if output_format == "prometheus"
+            else json.dumps(stats_report_json(where, policy, st, breaches), indent=2, ensure_ascii=False) + "\n"
+        )
+        if output is not None:
+            _write_atomically(output, text)
+        elif output_format == "prometheus":
+            typer.echo(text, nl=False)
+        else:
+            emit_json(stats_report_json(where, policy, st, breaches))
     if breaches:
         say_no("check failed: " + "; ".join(breaches))
         raise typer.Exit(EXIT_NO)

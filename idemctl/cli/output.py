@@ -3,10 +3,12 @@ and a rich console for everything else."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sys
 from collections.abc import Iterable, Iterator
-from typing import IO, Generic, TextIO, TypeVar, cast
+from typing import IO, Any, Generic, TextIO, TypeVar, cast
 
 import typer
 from rich.console import Console
@@ -29,7 +31,8 @@ def one_line(message: object) -> str:
 
 def say_error(message: object) -> None:
     # typer.echo, not rich: rich would wrap a long message onto several lines.
-    typer.echo(f"{typer.style('error:', fg='red', bold=True)} {one_line(message)}", err=True)
+    label = "error:" if os.environ.get("NO_COLOR") else typer.style("error:", fg="red", bold=True)
+    typer.echo(f"{label} {one_line(message)}", err=True)
 
 
 def say_no(message: object) -> None:
@@ -72,16 +75,31 @@ class TrimmedLines:
         return False
 
 
+class CliConsole(Console):
+    """rich's Console, except on a closed pipe: rich would exit 1, which
+    means "no" here; the error goes on to the CLI's one rule instead. And
+    NO_COLOR means no styles at all (rich would keep bold and dim)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        if os.environ.get("NO_COLOR"):
+            kwargs["color_system"] = None
+        super().__init__(**kwargs)
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
 def console() -> Console:
     """The console for human output. On a terminal, rich as usual (tables fit
     its width). Anywhere else (a pipe, a file), lines as long as their content
     and without trailing blanks, so that grep, cut and diff see each record
     whole, on one line."""
     # Made per command so it writes to whatever sys.stdout is now (CliRunner swaps it).
-    terminal = Console(highlight=False)
+    terminal = CliConsole(highlight=False)
     if terminal.is_terminal:
         return terminal
-    return Console(
+    return CliConsole(
         file=cast(IO[str], TrimmedLines(sys.stdout)),  # rich only writes, flushes and asks the encoding
         width=PIPE_WIDTH,
         force_terminal=False,
@@ -117,6 +135,19 @@ def emit_json_listing(listing: JsonListing) -> None:
         out.write(f",\n  {json.dumps(k)}: {_scalar(v)}")
     out.write("\n}\n")
     out.flush()
+
+
+def emit_json_lines(items: Iterable[object]) -> int:
+    """Newline-delimited JSON: each item one compact object on its own line,
+    written as it comes (a million rows are never held), terminal controls
+    escaped. Returns how many were written."""
+    out = sys.stdout
+    written = 0
+    for item in items:
+        out.write(_scalar(item) + "\n")
+        written += 1
+    out.flush()
+    return written
 
 
 class Capped(Generic[T]):

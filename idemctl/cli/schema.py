@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import shlex
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -10,7 +11,11 @@ from ..errors import LedgerNotFoundError
 from ..ledger import Ledger
 from ..outcomes import InitAction, InitResult
 from ..schema import SCHEMA_VERSION
-from .core import DbOpt, IdemctlCommand, UserError, app, settings
+from ..storage import is_postgres_url
+from .core import DbOpt, IdemctlCommand, UserError, app, hint_command, settings
+
+if TYPE_CHECKING:  # the driver lives behind the postgres extra
+    from ..storage.postgres import DatabaseNotCreatedError, PostgresEngine
 
 
 def _file_mode(text: str) -> int:
@@ -68,10 +73,67 @@ def init(
             typer.echo(f"{target}: would create a new ledger (schema version {SCHEMA_VERSION}); nothing written")
             return
         with ledger:
-            result = ledger.init(dry_run=True)
             where = ledger.describe()
+            try:
+                result = ledger.init(dry_run=True)
+            except LedgerNotFoundError:
+                if not is_postgres_url(target):
+                    raise
+                typer.echo(f"{where}: would create the database, then the ledger tables; nothing written")
+                return
         typer.echo(_would(where, result))
         return
-    with Ledger.open(target, create=True, busy_timeout_ms=s.busy_timeout_ms, file_mode=mode) as ledger:
+    try:
+        _init(target, s.busy_timeout_ms, mode)
+    except LedgerNotFoundError:
+        if not is_postgres_url(target):
+            raise
+        # A PostgreSQL database that does not exist: create it when this role
+        # may, rather than send the operator to `init`, which they just ran.
+        _create_database(target, s.busy_timeout_ms)
+        _init(target, s.busy_timeout_ms, mode)
+
+
+def _init(target: str, busy_timeout_ms: int, mode: int) -> None:
+    with Ledger.open(target, create=True, busy_timeout_ms=busy_timeout_ms, file_mode=mode) as ledger:
         result = ledger.init()
         typer.echo(f"{ledger.describe()}: {result.describe()}")
+
+
+def _create_database(target: str, busy_timeout_ms: int) -> None:
+    from ..storage.postgres import DatabaseNotCreatedError, PostgresEngine
+
+    engine = PostgresEngine(target, busy_timeout_ms=busy_timeout_ms)
+    try:
+        created = engine.create_database()
+    except DatabaseNotCreatedError as exc:
+        raise UserError(
+            f"{exc}; have a role that may create databases run `{_createdb(engine, exc)}`, "
+            f"then run `{hint_command('init')}` again"
+        ) from None
+    finally:
+        engine.close()
+    if created:
+        who = engine.url_params.get("user")
+        typer.echo(f"{engine.describe()}: created the database{f' (owner {who})' if who else ''}")
+
+
+def _createdb(engine: PostgresEngine, exc: DatabaseNotCreatedError) -> str:
+    """The createdb command an administrator runs instead: for the URL's
+    server, owned by the URL's role.
+
+    >>> from idemctl.storage.postgres import DatabaseNotCreatedError, PostgresEngine
+    >>> engine = PostgresEngine("postgresql://app@db.internal:5433/payments")
+    >>> _createdb(engine, DatabaseNotCreatedError("x", "payments", "app", "permission denied"))
+    'createdb -h db.internal -p 5433 -O app payments'
+    """
+    p = engine.url_params
+    words = ["createdb"]
+    if p.get("host"):
+        words += ["-h", p["host"]]
+    if p.get("port"):
+        words += ["-p", p["port"]]
+    if exc.role:
+        words += ["-O", exc.role]
+    words.append(exc.database)
+    return shlex.join(words)

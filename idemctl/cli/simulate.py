@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import shlex
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from ..render import timeline_json
 from ..scenario import BUILTIN_NAMES, Op, builtin, load_scenario_file
@@ -23,8 +27,30 @@ from .core import (
     in_range,
     settings,
 )
-from .output import console, emit_json, say_no
+from .output import CliConsole, console, emit_json, say_no
 from .views import print_timeline
+
+
+@contextmanager
+def fill_progress() -> Iterator[Callable[[str, int, int], None] | None]:
+    """A progress bar on stderr for the long steps (a big `fill`), when
+    stderr is a terminal; nothing otherwise, so that pipes and logs stay clean."""
+    err = CliConsole(stderr=True)
+    if not err.is_terminal:
+        yield None
+        return
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err, transient=True,
+    ) as bar:
+        tasks: dict[str, TaskID] = {}
+
+        def update(what: str, done: int, total: int) -> None:
+            if what not in tasks:
+                tasks[what] = bar.add_task(what, total=total)
+            bar.update(tasks[what], completed=done)
+
+        yield update
 
 
 def _inspect_hint(timeline: Timeline, target: str | None) -> str:
@@ -34,8 +60,9 @@ def _inspect_hint(timeline: Timeline, target: str | None) -> str:
         return ""
     last = inspected[-1]
     # A URL is not echoed back: it may carry a password.
-    where = "<the same URL>" if target is not None and "://" in target else timeline.database
-    return f"; see it with: idemctl inspect {last.key} --principal {last.principal} --db {where}"
+    where = "<the same URL>" if target is not None and "://" in target else shlex.quote(timeline.database)
+    key, principal = shlex.quote(last.key or ""), shlex.quote(last.principal or "")
+    return f"; see it with: idemctl inspect {key} --principal {principal} --db {where}"
 
 
 @app.command(
@@ -92,7 +119,8 @@ def simulate(
     # Only a ledger named on the command line receives simulated rows: a
     # production IDEMCTL_DB in the environment must never get them.
     target = db if db is not None else (s.db if s.db_on_command_line else None)
-    timeline = run_scenario(sc, target, policy=policy)
+    with fill_progress() as progress:
+        timeline = run_scenario(sc, target, policy=policy, progress=progress)
     if json_out:
         emit_json(timeline_json(timeline))
     else:

@@ -1,4 +1,4 @@
-"""Commands that delete: `sweep` what is past retention, `purge` one reservation."""
+"""Commands that delete: `sweep` what is expired (past retention), `purge` one reservation."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from types import FrameType
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..config import ENV_FENCED_RETENTION
@@ -32,14 +31,17 @@ from .core import (
     PrincipalOpt,
     RetentionOpt,
     TtlOpt,
+    UserError,
     app,
+    duration_param,
     env_help,
+    from_command_line,
     given_param,
     in_range,
     not_found,
     open_ledger,
 )
-from .output import emit_json, say_no
+from .output import CliConsole, emit_json, say_no
 
 MAX_SWEEP_BATCH = 100_000
 
@@ -95,11 +97,11 @@ def _sweep_words(drained: Drained, policy: Policy, *, batch_size: int, elapsed_m
     if drained.stopped is DrainStop.DRAINED:
         return f"{done}; nothing left past the {human_duration(policy.retention_ms)} retention; {log_note}"
     if drained.stopped is DrainStop.MAX_BATCHES:
-        return f"{done}; stopped at --max-batches with {remaining} row(s) past retention left; {log_note}"
-    return f"interrupted: {done}; {remaining} row(s) past retention left; {log_note}"
+        return f"{done}; stopped at --max-batches with {remaining} expired row(s) left; {log_note}"
+    return f"interrupted: {done}; {remaining} expired row(s) left; {log_note}"
 
 
-@app.command(cls=IdemctlCommand, epilog="Example: idemctl sweep --batch-size 500 --pause-ms 50 --max-batches 200")
+@app.command(cls=IdemctlCommand, epilog="Example: idemctl sweep --batch-size 500 --pause 50ms --max-batches 200")
 def sweep(
     ctx: typer.Context,
     batch_size: Annotated[
@@ -133,21 +135,32 @@ def sweep(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", metavar="", help="Count what would be deleted; delete nothing.")
     ] = False,
-    pause_ms: Annotated[
-        int,
+    pause: Annotated[
+        int | None,
         typer.Option(
-            "--pause-ms",
-            metavar="MS",
-            callback=in_range(0),
-            help="Milliseconds to sleep between batches, to leave the lock to the request path.",
+            "--pause",
+            metavar="DURATION",
+            parser=duration_param,
+            help="Time to sleep between batches, e.g. 50ms, to leave the lock to the request path (default 0s).",
+            show_default=False,
         ),
-    ] = 0,
+    ] = None,
+    pause_ms: Annotated[
+        int | None, typer.Option("--pause-ms", metavar="MS", callback=in_range(0), hidden=True)
+    ] = None,
     json_out: JsonOpt = False,
     db: DbOpt = None,
     ttl: TtlOpt = None,
 ) -> None:
     # One line: a line break would show in the command list of the plain-text help.
-    """Delete rows past retention, and fenced-out events past theirs, in bounded batches until none is left (Ctrl-C stops between batches)."""  # noqa: E501
+    """Delete expired rows (past retention), and fenced-out events past theirs, in bounded batches until none is left (Ctrl-C stops between batches)."""  # noqa: E501
+    if pause is not None and pause_ms is not None:
+        raise UserError("--pause-ms is the old spelling of --pause: give one (e.g. --pause 50ms)")
+    pause_for = pause if pause is not None else pause_ms or 0
+    if dry_run:
+        for name in ("batch_size", "max_batches", "pause", "pause_ms"):
+            if from_command_line(ctx, name):
+                raise UserError(f"--{name.replace('_', '-')} does not apply with --dry-run, which deletes nothing")
     with open_ledger(
         ctx, db, write=not dry_run, ttl=ttl, retention=retention, fenced_retention=fenced_retention
     ) as ledger:
@@ -161,7 +174,7 @@ def sweep(
             else:
                 typer.echo(_dry_run_words(started_at, policy, backlog, fenced_backlog))
             return
-        err = Console(stderr=True)
+        err = CliConsole(stderr=True)
         # The count is the progress bar's total: a full index scan of the
         # backlog that nobody sees when stderr is not a terminal.
         backlog = ledger.count_expired() if err.is_terminal else 0
@@ -188,7 +201,7 @@ def sweep(
                 max_batches=max_batches,
                 retention_ms=policy.retention_ms,
                 fenced_retention_ms=policy.fenced_retention_ms,
-                pause_ms=pause_ms,
+                pause_ms=pause_for,
                 should_stop=stop,
                 on_batch=advance,
             )
@@ -215,8 +228,10 @@ def _confirmed(principal: str, key: str) -> bool:
         confirmed = typer.confirm(
             f"Purge {visible(principal)}/{key}? The client's next retry will run the mutation again", err=True
         )
-    except typer.Abort:
+    except typer.Abort as exc:
         typer.echo(err=True)  # end the prompt's line
+        if isinstance(exc.__context__, KeyboardInterrupt):  # Ctrl-C at the prompt: as anywhere else
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         say_no("not purged: no confirmation (pass --yes to skip the prompt)")
         return False
     if not confirmed:

@@ -28,6 +28,7 @@ from ..render import body_kind, state_words, takeovers_words, visible
 from ..responses import header_problem, stored_header_pairs
 from ..scenario import Op
 from ..simulate import Event, Timeline
+from .core import EXIT_INTERRUPTED, hint_command
 from .output import PIPE_WIDTH, console
 
 # A long listing is printed as a run of tables of this many rows (the header
@@ -140,7 +141,7 @@ def print_row(console: Console, view: RowView, events: Sequence[FencedEvent], fe
         console.print(
             Text(
                 "fenced-out events: not recorded (this ledger has only the recipe's table; "
-                "`idemctl init` adds the log)"
+                f"`{hint_command('init')}` adds the log)"
             )
         )
     else:
@@ -267,7 +268,9 @@ def stats_grid(where: str, st: Stats, policy: Policy) -> Table:
     grid.add_row("  pending, fresh", f"{st.pending_fresh}  (retries get 409 in progress)")
     grid.add_row("  pending, stale", f"{st.pending_stale}  (the next retry takes over)")
     grid.add_row("  completed", f"{st.completed}  (retries are replayed)")
-    grid.add_row("  past retention", f"{st.expired}  (sweep backlog)")
+    grid.add_row(
+        "  expired", f"{st.expired}  (past the {human_duration(policy.retention_ms)} retention: the sweep deletes them)"
+    )
     grid.add_row("taken over", f"{st.taken_over}  (rows with generation > 1)")
     grid.add_row("fenced-out events", str(st.fenced_out_events))
     for label, at in (
@@ -309,13 +312,14 @@ def watch_stats(ledger: Ledger, *, interval_ms: int, count: int | None) -> None:
                     break
                 time.sleep(interval_ms / 1000)
     except KeyboardInterrupt:
-        return  # the operator is done watching: not an error
+        # The live view has been put away by now; Ctrl-C exits 130 in every command.
+        raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 def _watch_line(st: Stats) -> str:
     return (
         f"{iso(st.now)} rows={st.total} pending_fresh={st.pending_fresh} pending_stale={st.pending_stale} "
-        f"completed={st.completed} past_retention={st.expired} taken_over={st.taken_over} "
+        f"completed={st.completed} expired={st.expired} taken_over={st.taken_over} "
         f"fenced_out={st.fenced_out_events}"
     )
 
@@ -325,10 +329,10 @@ def _watch_view(where: str, st: Stats, first: Stats, policy: Policy) -> Table:
     new_fenced = st.fenced_out_events - first.fenced_out_events
     since = f"since {iso(first.now)}: "
     if new_fenced > 0:
-        alert = since + f"{new_fenced} new fenced-out event(s): see idemctl fenced --since 1h"
+        alert = since + f"{new_fenced} new fenced-out event(s): see {hint_command('fenced --since 1h')}"
         grid.add_row(Text("watching", style="bold red"), Text(alert, style="bold red"))
     else:
-        grid.add_row("watching", since + f"no new fenced-out events; backlog {st.expired - first.expired:+d}")
+        grid.add_row("watching", since + f"no new fenced-out events; expired {st.expired - first.expired:+d}")
     grid.add_row("refreshed", f"{iso(st.now)} (Ctrl-C to stop)")
     return grid
 

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from urllib.parse import quote, unquote, urlsplit
 
 import psycopg
+import psycopg.sql
 from psycopg import errors as pgerrors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
@@ -168,6 +169,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(
         before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
     )
+
+
+class DatabaseNotCreatedError(StorageError):
+    """The database a URL names does not exist, and this role could not create
+    it (`PostgresEngine.create_database`): `reason` is the server's word."""
+
+    def __init__(self, where: str, database: str, role: str | None, reason: str) -> None:
+        self.where, self.database, self.role, self.reason = where, database, role, reason
+        super().__init__(f"cannot create the database {database!r} for {where}: {reason}")
 
 
 class _PooledConnection(psycopg.Connection[tuple[Any, ...]]):
@@ -389,6 +399,36 @@ class PostgresEngine:
             if isinstance(error, ReadOnlyDatabaseError):
                 self._unreachable = (time.monotonic() + RECONNECT_PAUSE_S, error)
         threading.Thread(target=_close_quietly, args=(pool,), name="idemctl-pool-close", daemon=True).start()
+
+    def create_database(self) -> bool:
+        """Create the database the URL names, as the URL's role, connected to
+        the server's maintenance database (``postgres``, else ``template1``).
+        True if this call created it, False if it already existed. A role
+        that may not create databases gets DatabaseNotCreatedError, whose
+        fields say what an administrator has to run."""
+        name = self.url_params.get("dbname", "")
+        role = self.url_params.get("user") or None
+        if not name:
+            raise DatabaseNotCreatedError(self.describe(), name, role, "the URL names no database")
+        last: psycopg.Error | None = None
+        for maintenance in ("postgres", "template1"):
+            try:
+                conn = psycopg.connect(make_conninfo(self._conninfo, dbname=maintenance), autocommit=True)
+            except psycopg.Error as exc:
+                last = exc
+                continue
+            try:
+                conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
+                return True
+            except pgerrors.DuplicateDatabase:
+                return False  # another init got there first: the database is there
+            except psycopg.Error as exc:
+                reason = self._scrub(single_line(str(exc)))
+                raise DatabaseNotCreatedError(self.describe(), name, role, reason) from exc
+            finally:
+                conn.close()
+        reason = self._scrub(_libpq_reason(str(last))) if last is not None else "no maintenance database"
+        raise DatabaseNotCreatedError(self.describe(), name, role, reason)
 
     def close(self) -> None:
         # As on SQLite, a closed backend that is used again reconnects.

@@ -43,6 +43,11 @@ from .engine import Params, Rows, SchemaTx
 
 T = TypeVar("T")
 
+# What a reader of a WAL ledger gets when the -shm file beside it cannot be
+# created or written: the directory, not the database, is the problem.
+_SHM_UNUSABLE = frozenset(
+    {"SQLITE_READONLY_CANTINIT", "SQLITE_READONLY_CANTLOCK", "SQLITE_READONLY_RECOVERY", "SQLITE_READONLY_DIRECTORY"}
+)
 # The writer queue's lock file sits next to the ledger: `<db>-idemctl.lock`.
 WRITE_QUEUE_SUFFIX = "-idemctl.lock"
 # A new ledger is readable by its owner only: it holds every stored answer.
@@ -344,8 +349,38 @@ class SqliteEngine:
         if not self.exists():
             raise SchemaMissingError(self.path)
         try:
+            return self._connect_to(self._uri)
+        except StorageError:
+            # A reader in a directory where SQLite cannot make the -shm file
+            # that WAL mode needs: when nobody can be writing the ledger,
+            # read the file as it is.
+            if not (self.readonly and self._nobody_writes_it()):
+                raise
+            self._uri += "&immutable=1"
+            return self._connect_to(self._uri)
+
+    def _nobody_writes_it(self) -> bool:
+        """Whether no process can be changing this ledger file: no -wal holds
+        commits the file lacks, and its directory takes no new files from
+        anyone (a read-only file system, or one that refuses even root), so
+        no writer can start either. Only then is `immutable` safe."""
+        wal = self.path + "-wal"
+        if os.path.exists(wal) and os.path.getsize(wal) > 0:
+            return False
+        directory = os.path.dirname(os.path.abspath(self.path))
+        if os.access(directory, os.W_OK):
+            return False
+        try:
+            if os.statvfs(directory).f_flag & os.ST_RDONLY:
+                return True
+        except OSError:
+            return False
+        return hasattr(os, "geteuid") and os.geteuid() == 0
+
+    def _connect_to(self, uri: str) -> sqlite3.Connection:
+        try:
             conn = sqlite3.connect(
-                self._uri,
+                uri,
                 uri=True,
                 isolation_level=None,
                 timeout=self.busy_timeout_ms / 1000,
@@ -535,6 +570,8 @@ class SqliteEngine:
                 f"{self.busy_timeout_ms} ms busy timeout"
             )
         if name.startswith("SQLITE_READONLY") or "readonly" in low:
+            if name in _SHM_UNUSABLE:  # a reader whose -shm file could not be made or used
+                return self._cannot_open()
             return ReadOnlyDatabaseError(f"database {self.path} is read-only")
         if name.startswith(("SQLITE_NOTADB", "SQLITE_CORRUPT")) or "not a database" in low or "malformed" in low:
             return NotADatabaseError(f"{self.path} is not an SQLite database, or it is corrupt")
@@ -558,9 +595,14 @@ class SqliteEngine:
         if not os.access(directory, os.W_OK):
             # Even a reader of a WAL database needs the -shm index beside it;
             # the 3 a.m. case is an operator who is not the app's user.
+            wal = self.path + "-wal"
+            pending = os.path.exists(wal) and os.path.getsize(wal) > 0
             return StorageError(
-                f"cannot open the ledger at {self.path}: SQLite must create its -wal/-shm files in {directory}, "
-                "which this user cannot write to; run idemctl as the ledger's owner"
+                f"cannot open the ledger at {self.path}: SQLite must create its -shm file beside it in {directory}, "
+                "which this user cannot write to"
+                + (f" (and {wal} holds commits not yet in the file)" if pending else "")
+                + "; run idemctl as a user who may write there (the application's), or make the directory "
+                "writable for this user"
             )
         return StorageError(f"cannot open the ledger at {self.path}")
 
