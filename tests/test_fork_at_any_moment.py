@@ -171,7 +171,7 @@ def _refused_everywhere(ledger: Ledger, path, say) -> int:
 def refusal(path, why: str) -> str:
     return (
         f"this process was forked while {why} in the parent process, so SQLite's state for {path} was copied "
-        "mid-statement and no connection to it is safe here: fork when no listing is open and no write is "
+        "into this one and no connection to it is safe here: fork when no listing is open and no write is "
         "stuck, or open the ledger only after fork (in each child)"
     )
 
