@@ -399,17 +399,28 @@ def test_a_forked_child_does_not_join_its_parents_pending_batch(db, open_ledger)
         engine.read("SELECT 1", {})
         return ledger.claim(PRINCIPAL, "parent-lead", "fp")
 
-    with writer_queue_held(db):
-        batch.add(lead)
-        batch.add(lambda: ledger.claim(PRINCIPAL, "parent-queued", "fp"))
-        # The parent has a leader and a queued statement; the child must lead its own.
-        child = fork.Process(target=_claim_in_child, args=(ledger, result))
-        child.start()
-        time.sleep(0.1)
+    fd = os.open(db + "-idemctl.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    batch.add(lead)
+    batch.add(lambda: ledger.claim(PRINCIPAL, "parent-queued", "fp"))
+    # The parent has a leader and a queued statement; the child must lead its
+    # own. The fork waits for the leader's statement in flight, which goes
+    # once the queue is free; the queued one waits until the fork is done.
+    threading.Timer(0.3, fcntl.flock, (fd, fcntl.LOCK_UN)).start()
+    child = fork.Process(target=_claim_in_child, args=(ledger, result))
+    child.start()
     child.join(30)
-    assert result.get(timeout=5) is True
+    os.close(fd)
+    child_result = result.get(timeout=5)
     assert all(r is not None and not isinstance(r, Exception) for r in batch.wait())
-    assert ledger.lookup(PRINCIPAL, "child") is not None
+    # The child led its own claim, and it is in the ledger; or, when SQLite
+    # still held the file open in the parent at the fork, it refused loudly.
+    # Never a claim that succeeded in the child and is missing here.
+    if child_result is True:
+        assert ledger.lookup(PRINCIPAL, "child") is not None
+    else:
+        assert "a connection to it was still open in the parent process" in str(child_result)
+        assert ledger.lookup(PRINCIPAL, "child") is None
 
 
 def test_with_small_batches_leaders_work_through_a_long_queue_and_hand_on(open_ledger, monkeypatch):

@@ -110,9 +110,10 @@ def test_time_spent_queueing_is_taken_from_the_busy_timeout_and_then_restored(db
     blocker.execute("BEGIN IMMEDIATE")
     ledger = Ledger.open(db, busy_timeout_ms=200)
     statements: list[str] = []
-    ledger.store.engine.admin().conn.set_trace_callback(statements.append)
     try:
         with queue_held_by_another_process(db) as release:
+            # Traced from here on: forking the holder closed the connections opened before.
+            ledger.store.engine.admin().conn.set_trace_callback(statements.append)
             threading.Timer(0.35, release.set).start()
             with pytest.raises(DatabaseLockedError):
                 ledger.claim("acct", "k", "fp")
@@ -190,8 +191,9 @@ def test_a_sweep_with_nothing_expired_takes_no_queue_turn_and_runs_no_delete(db)
     ledger = Ledger.open(db, clock=lambda: clock[0], policy=Policy(pending_ttl_ms=1000, retention_ms=60_000))
     ledger.handle("acct", "old", "POST", "/o", {}, b"x", ok)
     statements: list[str] = []
-    ledger.store.engine.admin().conn.set_trace_callback(statements.append)
     with queue_held_by_another_process(db) as release:
+        # Traced from here on: forking the holder closed the connections opened before.
+        ledger.store.engine.admin().conn.set_trace_callback(statements.append)
         # Nothing is past retention: answered at once although the queue is held.
         assert ledger.sweep().keys_deleted == 0
         assert not any(s.lstrip().startswith("DELETE") for s in statements)
@@ -211,8 +213,9 @@ def test_a_sweep_with_nothing_expired_takes_no_queue_turn_and_runs_no_delete(db)
 def test_a_short_turn_in_the_queue_leaves_the_busy_timeout_alone(db):
     ledger = Ledger.open(db, busy_timeout_ms=5000)
     statements: list[str] = []
-    ledger.store.engine.admin().conn.set_trace_callback(statements.append)
     with queue_held_by_another_process(db) as release:
+        # Traced from here on: forking the holder closed the connections opened before.
+        ledger.store.engine.admin().conn.set_trace_callback(statements.append)
         threading.Timer(0.05, release.set).start()
         assert ledger.claim("acct", "k", "fp").generation == 1  # waited ~50 ms of a 5 s budget
     assert [s for s in statements if s.startswith("PRAGMA")] == []

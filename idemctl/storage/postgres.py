@@ -142,6 +142,38 @@ def _secrets_of(url: str) -> list[str]:
     return out
 
 
+# Every engine of this process, so that fork() never copies `_lock` while
+# another thread holds it (it is held while a pool connects): the child would
+# wait for it forever.
+_ENGINES: weakref.WeakSet[PostgresEngine] = weakref.WeakSet()
+_FORKING: list[PostgresEngine] = []
+
+
+def _before_fork() -> None:
+    engines = list(_ENGINES)
+    for engine in engines:
+        engine._lock.acquire()
+    _FORKING[:] = engines
+
+
+def _after_fork_in_parent() -> None:
+    engines, _FORKING[:] = list(_FORKING), []
+    for engine in engines:
+        engine._lock.release()
+
+
+def _after_fork_in_child() -> None:
+    engines, _FORKING[:] = list(_FORKING), []
+    for engine in engines:
+        engine._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+    )
+
+
 class DatabaseNotCreatedError(StorageError):
     """The database a URL names does not exist, and this role could not create
     it (`PostgresEngine.create_database`): `reason` is the server's word."""
@@ -243,6 +275,7 @@ class PostgresEngine:
         # Pools inherited across fork stay referenced and untouched: closing
         # one in the child would shut down sockets the parent still uses.
         self._inherited: list[ConnectionPool[_PooledConnection]] = []
+        _ENGINES.add(self)
 
     @staticmethod
     def _pool_int(given: int | None, params: dict[str, str], name: str, default: int, floor: int) -> int:

@@ -88,6 +88,115 @@ def _release(conn: sqlite3.Connection, fds: list[int], pid: int) -> None:
     fds.clear()
 
 
+class _ForkGate:
+    """Statements in flight on one engine, so that a fork() can wait for
+    them: a child must never inherit SQLite mid-statement (its locks, its
+    mutexes) nor any of this file's connections. Each statement passes
+    through it (two uncontended lock operations); `hold` waits until none is
+    in flight and keeps new ones out until `reopen`."""
+
+    __slots__ = ("busy", "forking", "idle", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)
+        self.busy = 0
+        self.forking = False
+
+    def enter(self) -> None:
+        with self.lock:
+            while self.forking:
+                self.idle.wait()
+            self.busy += 1
+
+    def leave(self) -> None:
+        with self.lock:
+            self.busy -= 1
+            if self.forking and not self.busy:
+                self.idle.notify_all()
+
+    def hold(self, timeout_s: float) -> bool:
+        """Keep new statements out; True once none is in flight, False if
+        some still are after `timeout_s` (a statement stuck behind another
+        process's writer)."""
+        self.lock.acquire()
+        self.forking = True
+        deadline = time.monotonic() + timeout_s
+        while self.busy:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.idle.wait(left)
+        return True
+
+    def reopen(self) -> None:
+        self.forking = False
+        self.idle.notify_all()
+        self.lock.release()
+
+
+# Every file-backed engine of this process, for the fork hooks below.
+_ENGINES: weakref.WeakSet[SqliteEngine] = weakref.WeakSet()
+# Ledger files this process must not use, and why: it was forked while the
+# parent was inside SQLite for them, so SQLite's per-process state for the
+# file was copied mid-statement (a new connection here would share it).
+# Inherited by this process's own children, who share the same state.
+_UNSAFE_FILES: dict[str, str] = {}
+_FORKING: list[SqliteEngine] = []
+
+
+def _before_fork() -> None:
+    # Runs in the forking thread just before fork(), in the parent.
+    engines = list(_ENGINES)
+    for engine in engines:
+        engine._quiesce_for_fork()
+    _FORKING[:] = engines
+
+
+def _after_fork_in_parent() -> None:
+    engines, _FORKING[:] = list(_FORKING), []
+    for engine in engines:
+        engine._resume_after_fork()
+
+
+def _after_fork_in_child() -> None:
+    engines, _FORKING[:] = list(_FORKING), []
+    for engine in engines:
+        engine._start_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+    )
+
+
+def _file_open_in_process(path: str) -> bool:
+    """Whether any descriptor of this process refers to `path` (or its -wal
+    or -shm file): by device and inode, so any spelling of the path counts."""
+    wanted = set()
+    for name in (path, path + "-wal", path + "-shm"):
+        try:
+            st = os.stat(name)
+        except OSError:
+            continue
+        wanted.add((st.st_dev, st.st_ino))
+    if not wanted:
+        return False
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: try every descriptor up to the usual limit
+        fds = list(range(min(os.sysconf("SC_OPEN_MAX"), 4096)))
+    for fd in fds:
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in wanted:
+            return True
+    return False
+
+
 def split_statements(script: str) -> list[str]:
     """A DDL file as single statements, so that a schema change runs inside
     the caller's transaction (executescript would commit it first)."""
@@ -240,10 +349,24 @@ class SqliteEngine:
         self._group = _Group(os.getpid())
         self._finalizers: list[weakref.finalize] = []  # type: ignore[type-arg]
         self._keepalive: sqlite3.Connection | None = None
+        self._gate = _ForkGate()
+        self._streams = 0  # listings being read (each on a private connection)
+        self._streams_at_fork = 0
+        self._drained_at_fork = True
+        self._open_at_fork = False
+        # Why this engine cannot be used in this process (a child forked
+        # while the parent was inside SQLite for this file), or None.
+        self._unusable: str | None = None if self.memory else _UNSAFE_FILES.get(os.path.realpath(self.path))
         if self.memory:
             self._keepalive = self._conn()
-        elif self.exists():
-            self._conn()  # a file that is not a database fails here, at open
+        else:
+            _ENGINES.add(self)
+            if self.exists():
+                self._gate.enter()
+                try:
+                    self._conn()  # a file that is not a database fails here, at open
+                finally:
+                    self._gate.leave()
 
     def exists(self) -> bool:
         return self.memory or os.path.exists(self.path)
@@ -309,6 +432,8 @@ class SqliteEngine:
         pid = os.getpid()
         if slot is not None and slot.pid == pid:
             return slot
+        if self._unusable is not None:
+            raise StorageError(self._unusable)
         conn = self._connect()
         slot = _Slot(conn, pid)
         finalizer = weakref.finalize(slot, _release, conn, slot.fds, pid)
@@ -398,6 +523,62 @@ class SqliteEngine:
         if shortened:
             slot.conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
 
+    # -- fork ---------------------------------------------------------------------
+    # A child forked at any moment must find no SQLite state for this file:
+    # SQLite keeps its locks and its view of the file per process, and a
+    # child that inherits a connection mid-statement (or even idle) shares
+    # that view with a parent it cannot see, which makes its writes fail as
+    # locked, hang on a mutex, or worse. So before fork() the parent waits
+    # for the statements in flight, closes every connection of this engine
+    # (each thread opens a new one at its next statement) and lets none start
+    # until the fork is done; the child starts with no connection at all.
+    # A statement can wait (for the writer queue, or in SQLite's busy
+    # handler) about one busy timeout: the fork waits that long for it, and
+    # no longer, so that fork() never hangs on another process's writer.
+    def _quiesce_for_fork(self) -> None:
+        drained = self._gate.hold(self.busy_timeout_ms / 1000 + 1)
+        self._lock.acquire()
+        self._group.lock.acquire()
+        if drained:
+            for finalizer in self._finalizers:
+                found = finalizer.peek()
+                if found is not None:
+                    found[0].pid = -1  # the thread's slot is stale: it reconnects
+                finalizer()  # closes the connection and the writer-queue descriptor
+            self._finalizers = []
+        self._drained_at_fork = drained
+        self._streams_at_fork = self._streams
+        # Closing is not always the end of a connection (SQLite defers it
+        # while a statement object lives on): whatever still holds the file
+        # open now would be copied into the child, so the child is told.
+        self._open_at_fork = drained and _file_open_in_process(self.path)
+
+    def _resume_after_fork(self) -> None:
+        self._group.lock.release()
+        self._lock.release()
+        self._gate.reopen()
+
+    def _start_in_child(self) -> None:
+        # Fresh locks: the parent's threads that held or waited on them are not here.
+        self._group = _Group(os.getpid())
+        self._lock = threading.Lock()
+        self._gate = _ForkGate()
+        self._streams = 0
+        self._finalizers = []  # the parent's, when it could not close them: never ours to close
+        why = None
+        if not self._drained_at_fork:
+            why = "a statement on it had been running for over the busy timeout"
+        elif self._streams_at_fork:
+            why = "it was being listed (pending rows, a stream)"
+        elif self._open_at_fork:
+            why = "a connection to it was still open"
+        if why is not None:
+            self._unusable = _UNSAFE_FILES[os.path.realpath(self.path)] = (
+                f"this process was forked while {why} in the parent process, so SQLite's state for "
+                f"{self.path} was copied into this one and no connection to it is safe here: fork when no "
+                "listing is open and no write is stuck, or open the ledger only after fork (in each child)"
+            )
+
     def open_connections(self) -> int:
         """How many of this engine's connections are open in this process."""
         with self._lock:
@@ -471,10 +652,14 @@ class SqliteEngine:
     def read(self, sql: str, params: Params) -> Rows:
         # fetchall() is what finishes (and so commits) a RETURNING statement on
         # an auto-commit connection; a half-read cursor would hold the lock.
+        gate = self._gate
+        gate.enter()
         try:
             return self._slot().conn.execute(sql, params).fetchall()
         except sqlite3.Error as exc:
             raise self._translate(exc) from exc
+        finally:
+            gate.leave()
 
     # Writes go through the writer queue; reads never wait in it (WAL readers
     # do not block writers, nor writers readers). Plain try/except rather than
@@ -555,6 +740,8 @@ class SqliteEngine:
 
     def _write_alone(self, sql: str, params: Params) -> Rows:
         """One auto-committed statement in the writer queue: a plain write."""
+        gate = self._gate
+        gate.enter()
         try:
             slot = self._slot()
             fd, shortened = self._enter_queue(slot)
@@ -564,6 +751,8 @@ class SqliteEngine:
                 self._leave_queue(slot, fd, shortened)
         except sqlite3.Error as exc:
             raise self._translate(exc) from exc
+        finally:
+            gate.leave()
 
     def _pass_on(self, group: _Group) -> None:
         """A leader done with its own statement: the first waiter leads next."""
@@ -618,6 +807,14 @@ class SqliteEngine:
         """Run `batch` in one transaction; each request's rows or error.
         sqlite3 errors are left untranslated on the requests: each caller
         translates its own, in its own thread."""
+        gate = self._gate
+        gate.enter()
+        try:
+            self._run_batch(batch)
+        finally:
+            gate.leave()
+
+    def _run_batch(self, batch: list[_Pending]) -> None:
         slot = self._slot()
         conn = slot.conn
         try:
@@ -674,6 +871,8 @@ class SqliteEngine:
     def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[Rows]:
         # The sweep's DELETEs share one turn of the writer queue: each extra
         # turn is one more hand-over between processes.
+        gate = self._gate
+        gate.enter()
         try:
             slot = self._slot()
             fd, shortened = self._enter_queue(slot)
@@ -683,25 +882,40 @@ class SqliteEngine:
                 self._leave_queue(slot, fd, shortened)
         except sqlite3.Error as exc:
             raise self._translate(exc) from exc
+        finally:
+            gate.leave()
 
     def stream(self, sql: str, params: Params) -> Iterator[tuple[Any, ...]]:
         # A private connection: a million rows never sit in memory at once,
-        # and this thread's request-path connection stays free.
-        conn = self._connect()
+        # and this thread's request-path connection stays free. It stays open
+        # between rows, so a fork cannot wait for it: it is counted instead.
+        if self._unusable is not None:
+            raise StorageError(self._unusable)
+        with self._lock:
+            self._streams += 1
         try:
-            yield from conn.execute(sql, params)
-        except sqlite3.Error as exc:
-            raise self._translate(exc) from exc
+            conn = self._connect()
+            try:
+                yield from conn.execute(sql, params)
+            except sqlite3.Error as exc:
+                raise self._translate(exc) from exc
+            finally:
+                conn.close()
         finally:
-            conn.close()
+            with self._lock:
+                self._streams -= 1
 
     def table_names(self, names: Iterable[str]) -> set[str]:
         if not self.exists():
             return set()
+        gate = self._gate
+        gate.enter()
         try:
             return set(names) & set(self.admin().table_names())
         except sqlite3.Error as exc:
             raise self._translate(exc) from exc
+        finally:
+            gate.leave()
 
     def storage_bytes(self, tables: Iterable[str]) -> int | None:
         if self.memory:
@@ -741,6 +955,14 @@ class SqliteEngine:
                     os.remove(leftover)
 
     def migrate(self, body: Callable[[SchemaTx], T], *, write: bool) -> T:
+        gate = self._gate
+        gate.enter()
+        try:
+            return self._migrate(body, write)
+        finally:
+            gate.leave()
+
+    def _migrate(self, body: Callable[[SchemaTx], T], write: bool) -> T:
         if write and not self.readonly and not self.exists():
             self._create_file()
         if not self.exists():
