@@ -488,8 +488,18 @@ def _response(delivery: Delivery, replayed_header: bool, gate: Gate | None) -> H
     response = HttpResponse(answer.body, status=answer.status)
     response.reason_phrase = status_line(answer.status)[4:]
     del response["Content-Type"]  # HttpResponse's default; the answer says what it has
+    seen: dict[str, str] = {}
     for name, value in wire_headers(answer, replayed_header=replayed_header):
-        response[name] = value
+        lname = name.lower()
+        if lname == "set-cookie":
+            # Django sends cookies from response.cookies, one field each: never folded.
+            response.cookies.load(value)
+        elif lname in seen:
+            # Django holds one value per name: a repeated field is joined, as
+            # RFC 9110 §5.3 allows for every field but Set-Cookie.
+            seen[lname] = response[name] = f"{seen[lname]}, {value}"
+        else:
+            seen[lname] = response[name] = value
     sweep = gate.sweep_after(delivery) if gate is not None else None
     if sweep is not None:
         response._resource_closers.append(sweep)

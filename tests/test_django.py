@@ -579,3 +579,25 @@ def test_under_asgi_the_answers_and_the_fingerprint_are_the_wsgi_ones(ledger):
     assert list(first.items()) == [(k, "/orders/2" if k == "location" else v) for k, v in by_wsgi.items()]
     assert wire(again) == wire(first) and len(orders.runs) == 2
     assert ledger.lookup("acct_A", "a-1").fingerprint == ledger.lookup("acct_A", "w-1").fingerprint
+
+
+def test_two_set_cookie_fields_are_replayed_as_two_cookies_never_folded(make_ledger):
+    from django.http import HttpResponse as Plain
+    from django.urls import path as url
+
+    from idemctl import Policy
+    from tests.django_site import Site
+
+    ledger = make_ledger(policy=Policy(replayable_headers=("content-type", "set-cookie")))
+
+    def view(request):  # type: ignore[no-untyped-def]
+        response = Plain(b"made", status=201)
+        response.set_cookie("session", "a", path="/")
+        response.set_cookie("csrf", "b", path="/")
+        return response
+
+    site = Site([url("orders", view)], {"LEDGER": ledger, "PRINCIPAL": lambda request: "acct_A"})
+    for _ in range(2):  # the first answer and its replay
+        got = site.request("POST", "/orders", b"{}", {"Idempotency-Key": "k-cookies"})
+        assert got.status_code == 201
+        assert {name: morsel.value for name, morsel in got.cookies.items()} == {"session": "a", "csrf": "b"}
