@@ -171,32 +171,6 @@ if hasattr(os, "register_at_fork"):
     )
 
 
-def _file_open_in_process(path: str) -> bool:
-    """Whether any descriptor of this process refers to `path` (or its -wal
-    or -shm file): by device and inode, so any spelling of the path counts."""
-    wanted = set()
-    for name in (path, path + "-wal", path + "-shm"):
-        try:
-            st = os.stat(name)
-        except OSError:
-            continue
-        wanted.add((st.st_dev, st.st_ino))
-    if not wanted:
-        return False
-    try:
-        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
-    except OSError:  # no /proc: try every descriptor up to the usual limit
-        fds = list(range(min(os.sysconf("SC_OPEN_MAX"), 4096)))
-    for fd in fds:
-        try:
-            st = os.fstat(fd)
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) in wanted:
-            return True
-    return False
-
-
 def split_statements(script: str) -> list[str]:
     """A DDL file as single statements, so that a schema change runs inside
     the caller's transaction (executescript would commit it first)."""
@@ -353,7 +327,6 @@ class SqliteEngine:
         self._streams = 0  # listings being read (each on a private connection)
         self._streams_at_fork = 0
         self._drained_at_fork = True
-        self._open_at_fork = False
         # Why this engine cannot be used in this process (a child forked
         # while the parent was inside SQLite for this file), or None.
         self._unusable: str | None = None if self.memory else _UNSAFE_FILES.get(os.path.realpath(self.path))
@@ -548,10 +521,6 @@ class SqliteEngine:
             self._finalizers = []
         self._drained_at_fork = drained
         self._streams_at_fork = self._streams
-        # Closing is not always the end of a connection (SQLite defers it
-        # while a statement object lives on): whatever still holds the file
-        # open now would be copied into the child, so the child is told.
-        self._open_at_fork = drained and _file_open_in_process(self.path)
 
     def _resume_after_fork(self) -> None:
         self._group.lock.release()
@@ -570,8 +539,6 @@ class SqliteEngine:
             why = "a statement on it had been running for over the busy timeout"
         elif self._streams_at_fork:
             why = "it was being listed (pending rows, a stream)"
-        elif self._open_at_fork:
-            why = "a connection to it was still open"
         if why is not None:
             self._unusable = _UNSAFE_FILES[os.path.realpath(self.path)] = (
                 f"this process was forked while {why} in the parent process, so SQLite's state for "
