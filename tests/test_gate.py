@@ -102,51 +102,66 @@ def test_fifty_waiting_duplicates_hold_no_executor_thread_and_get_one_identical_
 
 def test_a_request_cancelled_while_its_claim_runs_leaves_no_claim_behind(make_ledger, monkeypatch):
     ledger = make_ledger()
-    # Until the claim has landed, "no row" proves nothing.
-    entered, proceed, landed = threading.Event(), threading.Event(), threading.Event()
-    claim = ledger.store.claim
-
-    def slow_claim(*args, **kwargs):  # type: ignore[no-untyped-def]
-        entered.set()
-        proceed.wait(10)
-        try:
-            return claim(*args, **kwargs)
-        finally:
-            landed.set()
-
-    ledger.store.claim = slow_claim  # type: ignore[method-assign]
-    # PostgreSQL's claim runs on the loop (the asynchronous store): held there.
-    async_claim = AsyncStore.claim
-
-    async def slow_async_claim(self, *args):  # type: ignore[no-untyped-def]
-        entered.set()
-        await asyncio.get_running_loop().run_in_executor(None, proceed.wait, 10)
-        try:
-            return await async_claim(self, *args)
-        finally:
-            landed.set()
-
-    monkeypatch.setattr(AsyncStore, "claim", slow_async_claim)
+    held = ClaimsHeld(ledger, monkeypatch)
 
     async def orders(scope, receive, send):  # type: ignore[no-untyped-def]
         raise AssertionError("the mutation must not run")
 
-    async def scenario() -> None:
-        app = IdempotencyMiddleware(orders, ledger, principal=lambda scope: scope["user"])
-        task = asyncio.ensure_future(call(app, scope_for("k-cancel")))
-        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+    app = IdempotencyMiddleware(orders, ledger, principal=lambda scope: scope["user"])
+    asyncio.run(held.cancel_mid_claim(lambda: call(app, scope_for("k-cancel")), "acct_A", "k-cancel"))
+    held.restore()
+    assert ledger.lookup("acct_A", "k-cancel") is None
+
+
+class ClaimsHeld:
+    """Every claim of `ledger` (in a thread, or on the loop through the
+    asynchronous store) waits until `proceed` is set; `entered` says one
+    started, `landed` that it finished. Until the claim has landed, "no row"
+    proves nothing."""
+
+    def __init__(self, ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.ledger = ledger
+        self.entered, self.proceed, self.landed = threading.Event(), threading.Event(), threading.Event()
+        self.claim = claim = ledger.store.claim
+
+        def slow_claim(*args, **kwargs):  # type: ignore[no-untyped-def]
+            self.entered.set()
+            self.proceed.wait(10)
+            try:
+                return claim(*args, **kwargs)
+            finally:
+                self.landed.set()
+
+        ledger.store.claim = slow_claim  # type: ignore[method-assign]
+        # PostgreSQL's claim runs on the loop (the asynchronous store): held there.
+        async_claim = AsyncStore.claim
+
+        async def slow_async_claim(store, *args):  # type: ignore[no-untyped-def]
+            self.entered.set()
+            await asyncio.get_running_loop().run_in_executor(None, self.proceed.wait, 10)
+            try:
+                return await async_claim(store, *args)
+            finally:
+                self.landed.set()
+
+        monkeypatch.setattr(AsyncStore, "claim", slow_async_claim)
+
+    async def cancel_mid_claim(self, start, principal: str, key: str) -> None:  # type: ignore[no-untyped-def]
+        """Cancel the task `start()` makes while its claim is held, then let
+        the claim land and wait until the orphaned claim is released."""
+        task = asyncio.ensure_future(start())
+        await asyncio.get_running_loop().run_in_executor(None, self.entered.wait, 10)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        proceed.set()
+        self.proceed.set()
         for _ in range(200):  # the orphaned claim lands in its thread, then is released
             await asyncio.sleep(0.02)
-            if landed.is_set() and ledger.lookup("acct_A", "k-cancel") is None and not _orphans_pending():
+            if self.landed.is_set() and self.ledger.lookup(principal, key) is None and not _orphans_pending():
                 break
 
-    asyncio.run(scenario())
-    ledger.store.claim = claim  # type: ignore[method-assign]
-    assert ledger.lookup("acct_A", "k-cancel") is None
+    def restore(self) -> None:
+        self.ledger.store.claim = self.claim  # type: ignore[method-assign]
 
 
 def _orphans_pending() -> bool:
@@ -393,47 +408,12 @@ def test_a_callable_returning_a_coroutine_is_refused_at_its_call_and_its_key_is_
 
 
 def test_a_task_cancelled_while_its_call_is_claiming_leaves_no_orphan_claim(ledger, monkeypatch):
-    # Until the claim has landed, "no row" proves nothing.
-    entered, proceed, landed = threading.Event(), threading.Event(), threading.Event()
-    claim = ledger.store.claim
-
-    def slow_claim(*args, **kwargs):  # type: ignore[no-untyped-def]
-        entered.set()
-        proceed.wait(10)
-        try:
-            return claim(*args, **kwargs)
-        finally:
-            landed.set()
-
-    ledger.store.claim = slow_claim  # type: ignore[method-assign]
-    async_claim = AsyncStore.claim
-
-    async def slow_async_claim(self, *args):  # type: ignore[no-untyped-def]
-        entered.set()
-        await asyncio.get_running_loop().run_in_executor(None, proceed.wait, 10)
-        try:
-            return await async_claim(self, *args)
-        finally:
-            landed.set()
-
-    monkeypatch.setattr(AsyncStore, "claim", slow_async_claim)
+    held = ClaimsHeld(ledger, monkeypatch)
 
     async def work() -> None:
         async with ledger.idempotent_call(principal="billing", key="pay_3", args={"amount": 1}, release_on_error=False):
             raise AssertionError("the block must not run")
 
-    async def scenario() -> None:
-        task = asyncio.ensure_future(work())
-        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        proceed.set()
-        for _ in range(200):
-            await asyncio.sleep(0.02)
-            if landed.is_set() and ledger.lookup("billing", "pay_3") is None and not _orphans_pending():
-                break
-
-    asyncio.run(scenario())
-    ledger.store.claim = claim  # type: ignore[method-assign]
+    asyncio.run(held.cancel_mid_claim(work, "billing", "pay_3"))
+    held.restore()
     assert ledger.lookup("billing", "pay_3") is None
