@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from .outcomes import Outcome, Reservation, Status, StoredRow
 from .policy import Policy
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("idemctl")
 
 T = TypeVar("T")
+S = TypeVar("S")
+P = ParamSpec("P")
 
 
 @dataclass(frozen=True)
@@ -227,6 +229,29 @@ def run(steps: Steps[T]) -> T:
             value = op.run()
         except Exception as exc:
             error = exc
+
+
+def blocking(steps: Callable[Concatenate[S, P], Steps[T]]) -> Callable[Concatenate[S, P], T]:
+    """The synchronous method made from a ``*_steps`` method: the same
+    arguments, its steps driven by :func:`run` in the calling thread. One
+    signature and one docstring serve both.
+
+    >>> class Clock:
+    ...     def now_steps(self, offset: int) -> Steps[int]:
+    ...         return offset + ((yield Pause(0.0)) or 1)
+    ...     now = blocking(now_steps)
+    >>> Clock().now(41), Clock.now.__name__
+    (42, 'now')
+    """
+
+    def call(self: S, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return run(steps(self, *args, **kwargs))
+
+    name = steps.__name__.removesuffix("_steps")
+    call.__name__, call.__qualname__ = name, steps.__qualname__.removesuffix("_steps")
+    call.__module__ = steps.__module__
+    call.__doc__ = f"Run :meth:`{steps.__name__}` in the calling thread.\n\n{steps.__doc__ or ''}"
+    return call
 
 
 @dataclass(frozen=True)

@@ -36,10 +36,13 @@ class Maintenance(LedgerBase):
         now = answer.started_at
         return now is not None and answer.outcome in _SWEEPS_AFTER and now >= self._sweep_rests_until
 
-    def after_response(self, answer: Answer) -> SweepResult | None:
+    def after_response_steps(self, answer: Answer) -> decision.Steps[SweepResult | None]:
         """The post-response housekeeping of SPEC §4.9: one bounded sweep batch
         at the request's own `now`. Call it after the answer has been sent.
         It never raises: a failed sweep is logged and retried by the next request.
+
+        As steps, for a driver that does its I/O its own way (see
+        :meth:`begin_steps`); :meth:`after_response` runs them in this thread.
 
         >>> from idemctl import Ledger
         >>> ledger = Ledger.open(":memory:", clock=lambda: 1_700_000_000_000); _ = ledger.init()
@@ -47,10 +50,6 @@ class Maintenance(LedgerBase):
         >>> ledger.after_response(answer).deleted
         0
         """
-        return decision.run(self.after_response_steps(answer))
-
-    def after_response_steps(self, answer: Answer) -> decision.Steps[SweepResult | None]:
-        """:meth:`after_response` as steps (see :meth:`begin_steps`)."""
         now = answer.started_at
         if now is None or answer.outcome not in _SWEEPS_AFTER:
             return None
@@ -65,6 +64,8 @@ class Maintenance(LedgerBase):
         if result.quiet_for_ms:
             self._sweep_rests_until = now + result.quiet_for_ms
         return result
+
+    after_response = decision.blocking(after_response_steps)
 
     def sweep(
         self,

@@ -44,7 +44,7 @@ class RequestFlow(SingleSteps):
     stores the answer with one fenced statement and returns what was stored.
     """
 
-    def begin(
+    def begin_steps(
         self,
         principal: str | None,
         key: str | None,
@@ -52,7 +52,7 @@ class RequestFlow(SingleSteps):
         path_and_query: str,
         headers: HeadersLike | None,
         body: bytes | bytearray | memoryview,
-    ) -> Answer | Ticket:
+    ) -> decision.Steps[Answer | Ticket]:
         """Decide one request (SPEC §1 and §4): an :class:`Answer` to send as it
         is (a replay, 400, 401, 409), or a :class:`Ticket` that says: run the
         mutation once with ``ticket.body``, then call :meth:`finish` (or
@@ -67,26 +67,12 @@ class RequestFlow(SingleSteps):
         201
         >>> ledger.begin("acct_1", "k1", "POST", "/orders", {}, b'{"sku":"x"}').outcome
         <Outcome.REPLAYED: 'replayed'>
-        """
-        return decision.run(self.begin_steps(principal, key, method, path_and_query, headers, body))
 
-    def begin_steps(
-        self,
-        principal: str | None,
-        key: str | None,
-        method: str,
-        path_and_query: str,
-        headers: HeadersLike | None,
-        body: bytes | bytearray | memoryview,
-    ) -> decision.Steps[Answer | Ticket]:
-        """:meth:`begin` as steps, for a driver that does its I/O its own way:
-        it yields the store operations it needs and the pauses between the
-        polls of an in-progress wait, and returns what `begin` returns.
-        `idemctl.decision.run` runs them in the calling thread; `run_async`
-        from an event loop.
+        As steps, for a driver that does its I/O its own way: they yield the
+        store operations they need and the pauses between the polls of an
+        in-progress wait. :meth:`begin` runs them in the calling thread
+        (`idemctl.decision.run`); `idemctl.decision.run_async` from an event loop.
 
-        >>> from idemctl import Ledger
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
         >>> decision.run(ledger.begin_steps("acct_1", "k9", "POST", "/orders", {}, b"")).outcome
         <Outcome.EXECUTED: 'executed'>
         """
@@ -125,6 +111,8 @@ class RequestFlow(SingleSteps):
                 made.reservation, made.outcome, raw, made.now, method, path_and_query, spent_ms, time.perf_counter()
             )
         return self._decided(self._answer_for(made, principal, key), principal, key, method, path_and_query, spent_ms)
+
+    begin = decision.blocking(begin_steps)
 
     def decide(self, principal: str, key: str, fingerprint: str) -> decision.Steps[decision.Decision]:
         """The decision loop itself, for integrations with their own request
@@ -229,18 +217,21 @@ class RequestFlow(SingleSteps):
             self._events.emit(event)
         return answer
 
-    def finish(
+    def finish_steps(
         self,
         ticket: Ticket,
         status: int,
         headers: HeadersLike | None,
         body: bytes | bytearray | memoryview | str | responses.OversizeBody,
-    ) -> Answer:
+    ) -> decision.Steps[Answer]:
         """Store the mutation's answer with one fenced statement and return the
         answer built from what was stored (equal to every later replay). A
         late owner is fenced out: it still gets the answer it computed, and
         the event is recorded. If the store fails, AnswerNotStoredError
         carries the answer the app computed, shaped as a stored one.
+
+        As steps, for a driver that does its I/O its own way (see
+        :meth:`begin_steps`); :meth:`finish` runs them in this thread.
 
         >>> from idemctl import Ledger
         >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
@@ -249,16 +240,6 @@ class RequestFlow(SingleSteps):
         >>> answer.outcome, answer.header("location"), answer.body
         (<Outcome.EXECUTED: 'executed'>, '/orders/8', b'ok')
         """
-        return decision.run(self.finish_steps(ticket, status, headers, body))
-
-    def finish_steps(
-        self,
-        ticket: Ticket,
-        status: int,
-        headers: HeadersLike | None,
-        body: bytes | bytearray | memoryview | str | responses.OversizeBody,
-    ) -> decision.Steps[Answer]:
-        """:meth:`finish` as steps (see :meth:`begin_steps`)."""
         reservation = ticket.reservation
         if reservation is None:
             if isinstance(body, responses.OversizeBody):
@@ -294,6 +275,8 @@ class RequestFlow(SingleSteps):
         self._finished(ticket, outcome, answer.status, mark, app_ms)
         return answer
 
+    finish = decision.blocking(finish_steps)
+
     def _finished(
         self, ticket: Ticket, outcome: Outcome, status: int | None, mark: float, app_ms: float | None
     ) -> None:
@@ -316,11 +299,14 @@ class RequestFlow(SingleSteps):
             )
         )
 
-    def abandon(self, ticket: Ticket, *, release: bool = False) -> None:
+    def abandon_steps(self, ticket: Ticket, *, release: bool = False) -> decision.Steps[None]:
         """The mutation raised. By default the reservation stays pending and a
         retry takes it over after the TTL; ``release=True`` (for mutations
         known to have rolled back) deletes it so a retry runs at once. Never
         raises: a failed release is logged.
+
+        As steps, for a driver that does its I/O its own way (see
+        :meth:`begin_steps`); :meth:`abandon` runs them in this thread.
 
         >>> from idemctl import Ledger
         >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
@@ -329,10 +315,6 @@ class RequestFlow(SingleSteps):
         >>> ledger.lookup("acct_1", "k3") is None
         True
         """
-        decision.run(self.abandon_steps(ticket, release=release))
-
-    def abandon_steps(self, ticket: Ticket, *, release: bool = False) -> decision.Steps[None]:
-        """:meth:`abandon` as steps (see :meth:`begin_steps`)."""
         reservation = ticket.reservation
         if reservation is None:
             return
@@ -342,6 +324,8 @@ class RequestFlow(SingleSteps):
         if release:
             yield from self._release_quietly(reservation)
         self._finished(ticket, Outcome.FAILED, None, mark, app_ms)
+
+    abandon = decision.blocking(abandon_steps)
 
     def handle(
         self,

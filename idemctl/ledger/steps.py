@@ -72,29 +72,6 @@ class SingleSteps(LedgerBase):
         )
         return None if generation is None else Reservation(principal, key, generation, fingerprint, token)
 
-    def complete(
-        self,
-        reservation: Reservation,
-        status: int,
-        headers: HeadersLike | None,
-        body: bytes | bytearray | memoryview | str,
-        *,
-        now: int | None = None,
-    ) -> Completion:
-        """Store the answer if `reservation` still holds the current generation.
-        When fenced out, the event is recorded and logged at ERROR, and the
-        caller still gets the answer it computed.
-
-        >>> from idemctl import Ledger
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> reservation = ledger.claim("acct_1", "k1", "fp")
-        >>> ledger.complete(reservation, 201, {"content-type": "text/plain"}, b"ok").stored
-        True
-        >>> ledger.complete(reservation, 201, {}, b"again").stored  # already completed
-        False
-        """
-        return decision.run(self.complete_steps(reservation, status, headers, body, now=now))
-
     def complete_steps(
         self,
         reservation: Reservation,
@@ -104,11 +81,27 @@ class SingleSteps(LedgerBase):
         *,
         now: int | None = None,
     ) -> decision.Steps[Completion]:
-        """:meth:`complete` as steps (see :meth:`begin_steps`)."""
+        """Store the answer if `reservation` still holds the current generation.
+        When fenced out, the event is recorded and logged at ERROR, and the
+        caller still gets the answer it computed.
+
+        As steps, for a driver that does its I/O its own way (see
+        :meth:`begin_steps`); :meth:`complete` runs them in this thread.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> reservation = ledger.claim("acct_1", "k1", "fp")
+        >>> ledger.complete(reservation, 201, {"content-type": "text/plain"}, b"ok").stored
+        True
+        >>> ledger.complete(reservation, 201, {}, b"again").stored  # already completed
+        False
+        """
         self._drop(reservation)
         stored, answer = self._prepare(reservation, status, headers, body)
         stamp = (yield from self._now_steps()) if now is None else now
         return (yield from self._store_answer(reservation, stored, answer, stamp))
+
+    complete = decision.blocking(complete_steps)
 
     def _prepare(
         self,
@@ -156,11 +149,14 @@ class SingleSteps(LedgerBase):
             )
         return Completion(ok, answer[0], answer[1], answer[2], stored.oversize, event)
 
-    def release(self, reservation: Reservation) -> bool:
+    def release_steps(self, reservation: Reservation) -> decision.Steps[bool]:
         """Opt-in: delete a pending reservation whose mutation is known to have
         rolled back, so the client's retry runs again at once. Fenced like a
         completion: it deletes the row only while it is still this
         reservation's (generation and token), never a newer owner's.
+
+        As steps, for a driver that does its I/O its own way (see
+        :meth:`begin_steps`); :meth:`release` runs them in this thread.
 
         >>> from idemctl import Ledger
         >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
@@ -168,13 +164,11 @@ class SingleSteps(LedgerBase):
         >>> ledger.release(reservation), ledger.release(reservation)
         (True, False)
         """
-        return decision.run(self.release_steps(reservation))
-
-    def release_steps(self, reservation: Reservation) -> decision.Steps[bool]:
-        """:meth:`release` as steps (see :meth:`begin_steps`)."""
         self._drop(reservation)
         args = (reservation.principal, reservation.key, reservation.generation, reservation.token)
         return bool((yield decision.Call(self.store, "release", args)))
+
+    release = decision.blocking(release_steps)
 
     def _release_quietly(self, reservation: Reservation) -> decision.Steps[None]:
         try:
