@@ -987,16 +987,7 @@ class Ledger:
         >>> new.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (500, {}, b"")).body
         b'made'
         """
-        for side in (self, destination):
-            if not side.store.dialect.returning:
-                # Its statements decide row by row through RETURNING, which MariaDB/MySQL lack.
-                raise StorageError(
-                    f"idemctl copy does not yet read or write {side.store.dialect.name} ledgers "
-                    f"({side.describe()}); copy between SQLite and PostgreSQL ledgers"
-                )
-        return copying.copy_ledger(
-            self.store, destination.store, batch=batch, dry_run=dry_run, on_progress=on_progress
-        )
+        return copying.copy_ledger(self.store, destination.store, batch=batch, dry_run=dry_run, on_progress=on_progress)
 
     def count_rows(self) -> int:
         """How many rows the ledger holds (one count: a progress bar's total)."""
