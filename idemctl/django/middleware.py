@@ -29,7 +29,13 @@ def _note_exception(sender: object, request: Any = None, **kwargs: Any) -> None:
         state.raised = True
 
 
-got_request_exception.connect(_note_exception, dispatch_uid="idemctl.django.note_exception")
+def watch_exceptions() -> None:
+    """Connect the receiver that tells the middleware a view raised. Safe to
+    call any number of times: the app's ``ready()`` and every middleware
+    instance call it, so a project without the app in ``INSTALLED_APPS``
+    is protected the same way."""
+    got_request_exception.connect(_note_exception, dispatch_uid="idemctl.django.note_exception")
+
 
 _hinted: set[type] = set()
 
@@ -71,6 +77,7 @@ class IdempotencyMiddleware:
 
     def __init__(self, get_response: Callable[[Any], Any]) -> None:
         self.get_response = get_response
+        watch_exceptions()
         current_config()  # a mistake in settings.IDEMCTL fails at startup, not at the first POST
 
     def __call__(self, request: Any) -> Any:
@@ -125,4 +132,4 @@ class IdempotencyMiddleware:
         return None
 
 
-__all__ = ["IdempotencyMiddleware"]
+__all__ = ["IdempotencyMiddleware", "watch_exceptions"]
