@@ -463,6 +463,32 @@ def test_a_streamed_response_is_collected_whole_and_sent_as_the_wsgi_middleware_
     assert (status, headers, body) == (f"{first.status_code} {first.reason_phrase}", list(first.items()), first.content)
 
 
+def test_a_file_response_is_sent_whole_its_file_closed_and_the_request_finishes_once(ledger, tmp_path):
+    from django.core.signals import request_finished
+    from django.http import FileResponse
+
+    (tmp_path / "receipt.bin").write_bytes(b"\x00receipt\xff" * 1000)
+    opened: list[Any] = []
+    finished: list[object] = []
+
+    def view(request: Any) -> FileResponse:
+        opened.append(open(tmp_path / "receipt.bin", "rb"))
+        return FileResponse(opened[-1], status=201, content_type="application/octet-stream")
+
+    def note(sender: object, **kwargs: Any) -> None:
+        finished.append(sender)
+
+    site = Site([path("receipts", view)], {"LEDGER": ledger, "PRINCIPAL": header_principal})
+    request_finished.connect(note)
+    try:
+        first = site.post("/receipts", b"", X_User="acct_A")
+    finally:
+        request_finished.disconnect(note)
+    assert (first.status_code, first.streaming, first.content) == (201, False, b"\x00receipt\xff" * 1000)
+    assert opened[0].closed and len(finished) == 1
+    assert wire(site.post("/receipts", b"", X_User="acct_A")) == wire(first) and len(opened) == 1
+
+
 def test_a_multipart_upload_behind_csrf_checks_is_fingerprinted_and_replayed(ledger):
     stored: list[bytes] = []
 

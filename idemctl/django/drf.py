@@ -11,7 +11,7 @@ from .. import gate as gates
 from ..outcomes import Answer
 from ..wsgi import PRINCIPAL_ENVIRON_KEY
 from .conf import current_config
-from .exchange import ANSWER_ATTR, State, begin, buffer_multipart, complete, respond
+from .exchange import AnswerResponse, State, begin, buffer_multipart, complete, respond
 from .marks import EXEMPT, KEY_OPTIONAL, mode_of
 
 
@@ -43,22 +43,31 @@ class IdempotencyMixin:
     """
 
     _idemctl_state: State | None = None
+    # Django's HttpRequest, as dispatch() receives it before DRF wraps it:
+    # its META, body and path are what the middleware reads.
+    _idemctl_request: Any = None
 
     def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         parent: Any = super()
         self._idemctl_state = None
+        self._idemctl_request = request
         try:
             return parent.dispatch(request, *args, **kwargs)
         except BaseException:
             state, self._idemctl_state = self._idemctl_state, None
             if state is not None:
-                state.abandon(getattr(request, "_request", request))
+                state.abandon(request)
             raise
+
+    def _idemctl_django_request(self, request: Any) -> Any:
+        # DRF's Request passes attribute access through to Django's: it
+        # serves when dispatch() was bypassed.
+        return self._idemctl_request if self._idemctl_request is not None else request
 
     def initial(self, request: Any, *args: Any, **kwargs: Any) -> None:
         parent: Any = super()
         config = current_config()
-        django_request = getattr(request, "_request", request)
+        django_request = self._idemctl_django_request(request)
         protected = config.policy.protects(str(request.method))
         if protected:
             buffer_multipart(django_request, config.max_body_bytes)
@@ -89,7 +98,7 @@ class IdempotencyMixin:
         return parent.handle_exception(exc)
 
     def finalize_response(self, request: Any, response: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(response, ANSWER_ATTR, False):
+        if isinstance(response, AnswerResponse):
             return response  # the ledger's answer, sent as the middleware sends it
         parent: Any = super()
         response = parent.finalize_response(request, response, *args, **kwargs)
@@ -100,7 +109,7 @@ class IdempotencyMixin:
             response = response.render()
         ticket, self._idemctl_state = state.ticket, None
         config = state.config
-        delivery = complete(config, ticket, response, getattr(request, "_request", request))
+        delivery = complete(config, ticket, response, self._idemctl_django_request(request))
         return respond(delivery, config.replayed_header, config.gate)
 
 

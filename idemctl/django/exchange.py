@@ -10,6 +10,7 @@ what was stored is sent.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 from django import conf as django_conf
@@ -24,8 +25,6 @@ from ..ledger import Ledger
 from ..outcomes import Answer, Ticket
 from ..wire import wire_headers
 from .conf import Config, log
-
-ANSWER_ATTR = "_idemctl_answer"
 
 
 def _is_asgi(request: Any) -> bool:
@@ -101,8 +100,15 @@ def begin(config: Config, request: Any, who: object) -> Answer | Ticket:
 
 
 def capture_response(response: Any, capture: Capture) -> None:
-    """A Django response fed into the bounded capture (a streamed one is
-    consumed), its resources closed as a server would close them."""
+    """A Django response fed into the bounded capture: a streamed one is
+    consumed to its end (which finishes a generator), and the file a
+    `FileResponse` streams is closed.
+
+    Never ``response.close()``: it also sends ``request_finished``, and the
+    request is not finished while the answer built from this response is
+    still to go out. Whatever else the response would close is left to the
+    garbage collector, as Django's own middleware leave a response they
+    replace (``ConditionalGetMiddleware``'s 304)."""
     try:
         headers = [(str(k), str(v)) for k, v in response.items()]
         headers += [("Set-Cookie", morsel.output(header="").strip()) for morsel in response.cookies.values()]
@@ -113,15 +119,12 @@ def capture_response(response: Any, capture: Capture) -> None:
         else:
             capture.add(bytes(response.content))
     finally:
-        # What response.close() does, minus the request_finished signal: the
-        # request is not finished, the answer built from it is still to go out.
-        closers = list(getattr(response, "_resource_closers", ()))
-        getattr(response, "_resource_closers", []).clear()
-        for close in closers:
+        streamed = getattr(response, "file_to_stream", None)
+        if streamed is not None and callable(getattr(streamed, "close", None)):
             try:
-                close()
+                streamed.close()
             except Exception:
-                log.exception("closing the view's response failed")
+                log.exception("closing the file the view's response streamed failed")
 
 
 def complete(config: Config, ticket: Ticket, response: Any, request: Any) -> Delivery:
@@ -136,6 +139,38 @@ def complete(config: Config, ticket: Ticket, response: Any, request: Any) -> Del
     return config.gate.finish(ticket, captured)
 
 
+class AnswerResponse(HttpResponse):  # type: ignore[misc]  # Django ships no type information
+    """The ledger's answer as a Django response, carrying exactly the WSGI
+    middleware's status line, headers and body. `after` (the post-response
+    sweep) runs when the server closes the response, once the answer is out."""
+
+    def __init__(self, answer: Answer, *, replayed_header: bool, after: Callable[[], None] | None = None) -> None:
+        super().__init__(answer.body, status=answer.status)
+        self.after = after
+        self.reason_phrase = wsgi.status_line(answer.status)[4:]
+        del self["Content-Type"]  # HttpResponse's default; the answer says what it has
+        seen: dict[str, str] = {}
+        for name, value in wire_headers(answer, replayed_header=replayed_header):
+            lname = name.lower()
+            if lname == "set-cookie":
+                # Django sends cookies from response.cookies, one field each: never folded.
+                self.cookies.load(value)
+            elif lname in seen:
+                # Django holds one value per name: a repeated field is joined, as
+                # RFC 9110 §5.3 allows for every field but Set-Cookie.
+                seen[lname] = self[name] = f"{seen[lname]}, {value}"
+            else:
+                seen[lname] = self[name] = value
+
+    def close(self) -> None:
+        after, self.after = self.after, None
+        try:
+            if after is not None:
+                after()
+        finally:
+            super().close()
+
+
 def answer_response(answer: Answer, *, replayed_header: bool = False, sweep: Ledger | None = None) -> HttpResponse:
     """An Answer as a Django response carrying exactly the WSGI middleware's
     status line, headers and body. With `sweep`, the bounded sweep runs
@@ -144,28 +179,10 @@ def answer_response(answer: Answer, *, replayed_header: bool = False, sweep: Led
     return respond(Delivery(answer, sweep is not None), replayed_header, gate)
 
 
-def respond(delivery: Delivery, replayed_header: bool, gate: Gate | None) -> HttpResponse:
-    answer = delivery.answer
-    response = HttpResponse(answer.body, status=answer.status)
-    response.reason_phrase = wsgi.status_line(answer.status)[4:]
-    del response["Content-Type"]  # HttpResponse's default; the answer says what it has
-    seen: dict[str, str] = {}
-    for name, value in wire_headers(answer, replayed_header=replayed_header):
-        lname = name.lower()
-        if lname == "set-cookie":
-            # Django sends cookies from response.cookies, one field each: never folded.
-            response.cookies.load(value)
-        elif lname in seen:
-            # Django holds one value per name: a repeated field is joined, as
-            # RFC 9110 §5.3 allows for every field but Set-Cookie.
-            seen[lname] = response[name] = f"{seen[lname]}, {value}"
-        else:
-            seen[lname] = response[name] = value
-    sweep = gate.sweep_after(delivery) if gate is not None else None
-    if sweep is not None:
-        response._resource_closers.append(sweep)
-    setattr(response, ANSWER_ATTR, True)
-    return response
+def respond(delivery: Delivery, replayed_header: bool, gate: Gate | None) -> AnswerResponse:
+    """What an adapter's answer becomes: the response, with the sweep the gate allows after it."""
+    after = gate.sweep_after(delivery) if gate is not None else None
+    return AnswerResponse(delivery.answer, replayed_header=replayed_header, after=after)
 
 
 class State:
@@ -188,6 +205,7 @@ class State:
 
 
 __all__ = [
+    "AnswerResponse",
     "State",
     "answer_response",
     "begin",

@@ -22,7 +22,13 @@ def _marked(view: V, mode: str) -> V:
 def idempotency_exempt(view: V) -> V:
     """A view (function, class, or a DRF handler or viewset action method)
     that the ledger leaves alone: requests pass as if idemctl were not there.
-    Put it above ``@api_view`` and ``@csrf_exempt``."""
+    Put it above ``@api_view`` and ``@csrf_exempt``.
+
+    >>> @idempotency_exempt
+    ... def sign_in(request): ...
+    >>> view_mode(sign_in, "POST")
+    'exempt'
+    """
     return _marked(view, EXEMPT)
 
 
