@@ -31,6 +31,7 @@ from django import conf as django_conf
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
+from .. import gate as gates
 from ..config import Settings
 from ..gate import Gate
 from ..ledger import Ledger
@@ -136,7 +137,7 @@ class Config:
         return False
 
     def release(self, request: Any) -> bool:
-        return bool(self.release_on_error(request)) if callable(self.release_on_error) else self.release_on_error
+        return gates.release_wanted(self.release_on_error, request)
 
     @functools.cached_property
     def gate(self) -> Gate:
