@@ -16,7 +16,8 @@ the answer built from what was stored is sent. Needs the `django` extra.
 
 The modules, each for one job: `conf` (the settings, the per-process
 ledger), `marks` (the per-view marks), `exchange` (one request's body,
-decision, capture and answer), `middleware`, `drf` (the mixin).
+decision, capture and answer), `middleware`, `drf` (the mixin), `apps`
+(the AppConfig, for ``"idemctl.django"`` in ``INSTALLED_APPS``).
 """
 
 from __future__ import annotations
