@@ -32,10 +32,9 @@ from urllib.parse import quote
 
 from . import gate as gates
 from .capture import Capture, CaptureError
-from .gate import BodyRefused, Delivery, Gate
+from .gate import BodyRefused, Delivery
 from .ledger import Ledger
 from .outcomes import Answer, Ticket
-from .policy import Policy
 from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
 
 log = logging.getLogger("idemctl.asgi")
@@ -170,7 +169,7 @@ def _log_orphan_failure(future: asyncio.Future[Any]) -> None:
         log.error("idempotent request failed after its client left: %r", exc, exc_info=exc)
 
 
-class IdempotencyMiddleware:
+class IdempotencyMiddleware(gates.GatedMiddleware[ASGIApp, Scope]):
     """Wrap an ASGI 3 app so every protected request honours its Idempotency-Key.
 
     `principal(scope)` (a plain or an async callable) returns the caller's
@@ -213,28 +212,20 @@ class IdempotencyMiddleware:
         unavailable_retry_after_ms: int = DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
         executor: Executor | None = None,
     ) -> None:
-        gates.check_principal_source(principal, takes="scope (or an async one)")
-        self.gate = Gate(
+        gate = gates.adapter_gate(
             ledger,
-            max_body_bytes=max_body_bytes,
-            replayed_header=replayed_header,
-            unavailable_retry_after_ms=unavailable_retry_after_ms,
-            logger=log,
+            principal,
+            "scope (or an async one)",
+            log,
+            max_body_bytes,
+            replayed_header,
+            unavailable_retry_after_ms,
         )
-        self.app = app
-        self.ledger = ledger
-        self.principal = principal
-        self.exempt = exempt
-        self.key_optional = key_optional
-        self.release_on_error = release_on_error
+        super().__init__(app, ledger, gate, principal, exempt, key_optional, release_on_error)
         self.executor = executor
         # Work that outlives its request (a shielded mutation, a sweep):
         # referenced here so the loop cannot drop it half-way.
         self._background: set[asyncio.Future[Any]] = set()
-
-    @property
-    def policy(self) -> Policy:
-        return self.ledger.policy
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -248,7 +239,7 @@ class IdempotencyMiddleware:
             await self.app(scope, receive, send)
             return
         method = str(scope.get("method", "GET")).upper()
-        if not self.policy.protects(method) or (self.exempt is not None and self.exempt(scope)):
+        if self.passes(method, scope):
             await self.app(scope, receive, send)
             return
         gate = self.gate
@@ -257,7 +248,7 @@ class IdempotencyMiddleware:
         if isinstance(key, Answer):
             await self._send(send, gates.replied(key))
             return
-        if key is None and self.key_optional is not None and self.key_optional(scope):
+        if self.passes_keyless(key, scope):
             await self.app(scope, receive, send)
             return
 
@@ -328,8 +319,7 @@ class IdempotencyMiddleware:
             await self.app(inner, replay_body, captured.send)
             captured.check_complete()
         except BaseException:
-            release = self.release_on_error(scope) if callable(self.release_on_error) else bool(self.release_on_error)
-            await self.gate.abandon_async(ticket, release=release, in_thread=self._in_thread)
+            await self.gate.abandon_async(ticket, release=self.release(scope), in_thread=self._in_thread)
             raise
         return await self.gate.finish_async(ticket, capture, self._in_thread)
 

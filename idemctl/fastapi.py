@@ -82,13 +82,8 @@ def idempotent_route(
     ``HTTPException`` it raises (rendered by the app's handler for it),
     and its ``BackgroundTasks``, which run once after the first answer and
     never on a replay."""
-    gates.check_principal_source(principal, takes="FastAPI dependency")
-    gate = Gate(
-        ledger,
-        max_body_bytes=max_body_bytes,
-        replayed_header=replayed_header,
-        unavailable_retry_after_ms=unavailable_retry_after_ms,
-        logger=log,
+    gate = gates.adapter_gate(
+        ledger, principal, "FastAPI dependency", log, max_body_bytes, replayed_header, unavailable_retry_after_ms
     )
 
     async def wrap_endpoint(endpoint: Callable[..., Any], request: Request, who: object, kwargs: Any) -> Any:

@@ -38,7 +38,7 @@ from werkzeug.exceptions import ClientDisconnected
 
 from . import gate as gates
 from .capture import Capture
-from .gate import BodyRefused, Delivery, Gate
+from .gate import BodyRefused, Delivery
 from .ledger import Ledger
 from .outcomes import Answer, Ticket
 from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
@@ -99,14 +99,7 @@ def idempotent(
     None``); None answers 401. Methods the ledger's Policy does not protect
     call the view untouched. The other options mean what they mean for the
     WSGI middleware. Put it under ``@app.route``."""
-    gates.check_principal_source(principal, takes="()")
-    gate = Gate(
-        ledger,
-        max_body_bytes=max_body_bytes,
-        replayed_header=replayed_header,
-        unavailable_retry_after_ms=unavailable_retry_after_ms,
-        logger=log,
-    )
+    gate = gates.adapter_gate(ledger, principal, "()", log, max_body_bytes, replayed_header, unavailable_retry_after_ms)
 
     def send(delivery: Delivery) -> Response:
         answer = delivery.answer

@@ -36,7 +36,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from . import decision, responses
 from .capture import Capture
@@ -44,11 +44,14 @@ from .errors import AnswerNotStoredError, LedgerUnavailableError, StorageError
 from .fingerprint import HeadersLike
 from .ledger import Ledger
 from .outcomes import Answer, Outcome, Ticket
+from .policy import Policy
 from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS
 
 log = logging.getLogger("idemctl.gate")
 
 T = TypeVar("T")
+A = TypeVar("A")  # the wrapped app
+R = TypeVar("R")  # what the options' callables receive: a WSGI environ, an ASGI scope, a request
 InThread = Callable[..., Awaitable[Any]]
 
 KEY_HEADER = "idempotency-key"
@@ -88,6 +91,16 @@ def check_options(max_body_bytes: object, unavailable_retry_after_ms: object) ->
     retry_ms = unavailable_retry_after_ms
     if isinstance(retry_ms, bool) or not isinstance(retry_ms, int) or retry_ms < 1:
         raise ValueError(f"unavailable_retry_after_ms must be an integer >= 1, got {retry_ms!r}")
+
+
+def release_wanted(release_on_error: bool | Callable[[R], object], request: R) -> bool:
+    """An adapter's `release_on_error` option for one request: a flag, or a
+    predicate of the request.
+
+    >>> release_wanted(True, {}), release_wanted(lambda environ: "HTTP_X_RETRY" in environ, {})
+    (True, False)
+    """
+    return bool(release_on_error(request)) if callable(release_on_error) else bool(release_on_error)
 
 
 def check_principal_source(principal: object, *, takes: str) -> None:
@@ -336,6 +349,59 @@ class Gate:
         return sweep_on_loop
 
 
+def adapter_gate(
+    ledger: Ledger,
+    principal: object,
+    takes: str,
+    logger: logging.Logger,
+    max_body_bytes: int,
+    replayed_header: bool,
+    unavailable_retry_after_ms: int,
+) -> Gate:
+    """The gate of an adapter whose `principal` option is a callable taking
+    `takes`, that option checked first, then the options every adapter takes
+    (in the order every adapter's signature lists them)."""
+    check_principal_source(principal, takes=takes)
+    return Gate(
+        ledger,
+        max_body_bytes=max_body_bytes,
+        replayed_header=replayed_header,
+        unavailable_retry_after_ms=unavailable_retry_after_ms,
+        logger=logger,
+    )
+
+
+@dataclass(eq=False, repr=False)  # a middleware is compared and hashed by identity, as any object
+class GatedMiddleware(Generic[A, R]):
+    """What the WSGI and ASGI middleware hold and decide alike: the wrapped
+    app, its ledger and gate, the principal source, and the per-request
+    options `exempt`, `key_optional` and `release_on_error`."""
+
+    app: A
+    ledger: Ledger
+    gate: Gate
+    principal: Callable[[R], Any]
+    exempt: Callable[[R], bool] | None
+    key_optional: Callable[[R], bool] | None
+    release_on_error: bool | Callable[[R], bool]
+
+    @property
+    def policy(self) -> Policy:
+        return self.ledger.policy
+
+    def passes(self, method: str, request: R) -> bool:
+        """A request the contract leaves alone: its method is not protected, or it is exempt."""
+        return not self.policy.protects(method) or (self.exempt is not None and self.exempt(request))
+
+    def passes_keyless(self, key: str | None, request: R) -> bool:
+        """A request without a key that `key_optional` lets through unprotected."""
+        return key is None and self.key_optional is not None and self.key_optional(request)
+
+    def release(self, request: R) -> bool:
+        """Whether the reservation of a request whose app raised is released."""
+        return release_wanted(self.release_on_error, request)
+
+
 def _release_orphan(ledger: Ledger, result: Answer | Ticket) -> decision.Steps[None] | None:
     """A request cancelled while its claim was under way: nobody will run
     the mutation, so the claim goes at once instead of blocking its key
@@ -357,7 +423,10 @@ __all__ = [
     "BodyRefused",
     "Delivery",
     "Gate",
+    "GatedMiddleware",
+    "adapter_gate",
     "check_options",
     "check_principal_source",
     "declared_length",
+    "release_wanted",
 ]

@@ -26,10 +26,9 @@ from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from . import gate as gates
 from .capture import Capture
-from .gate import BodyRefused, Delivery, Gate
+from .gate import BodyRefused, Delivery
 from .ledger import Ledger
 from .outcomes import Answer, Ticket
-from .policy import Policy
 from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, REPLAYED_HEADER, wire_headers
 
 log = logging.getLogger("idemctl.wsgi")
@@ -256,7 +255,7 @@ class _Body:
             log.exception("post-response housekeeping failed")
 
 
-class IdempotencyMiddleware:
+class IdempotencyMiddleware(gates.GatedMiddleware[WSGIApplication, WSGIEnvironment]):
     """Wrap a WSGI app so every protected request honours its Idempotency-Key.
 
     `principal(environ)` returns the caller's identity from the app's own auth
@@ -293,33 +292,19 @@ class IdempotencyMiddleware:
         replayed_header: bool = False,
         unavailable_retry_after_ms: int = DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
     ) -> None:
-        gates.check_principal_source(principal, takes="environ")
-        self.gate = Gate(
-            ledger,
-            max_body_bytes=max_body_bytes,
-            replayed_header=replayed_header,
-            unavailable_retry_after_ms=unavailable_retry_after_ms,
-            logger=log,
+        gate = gates.adapter_gate(
+            ledger, principal, "environ", log, max_body_bytes, replayed_header, unavailable_retry_after_ms
         )
-        self.app = app
-        self.ledger = ledger
-        self.principal = principal
-        self.exempt = exempt
-        self.key_optional = key_optional
-        self.release_on_error = release_on_error
-
-    @property
-    def policy(self) -> Policy:
-        return self.ledger.policy
+        super().__init__(app, ledger, gate, principal, exempt, key_optional, release_on_error)
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         method = str(environ.get("REQUEST_METHOD", "GET")).upper()
-        if not self.policy.protects(method) or (self.exempt is not None and self.exempt(environ)):
+        if self.passes(method, environ):
             return self.app(environ, start_response)
         # A WSGI server joins repeated header fields into one value (k1,k2)
         # before the app sees them: only one field can be seen here.
         key = environ.get("HTTP_IDEMPOTENCY_KEY")
-        if key is None and self.key_optional is not None and self.key_optional(environ):
+        if self.passes_keyless(key, environ):
             return self.app(environ, start_response)
 
         gate = self.gate
@@ -346,8 +331,7 @@ class IdempotencyMiddleware:
         try:
             _run_app(self.app, inner, ticket.body, capture)
         except BaseException:
-            release = self.release_on_error(environ) if callable(self.release_on_error) else bool(self.release_on_error)
-            self.gate.abandon(ticket, release=release)
+            self.gate.abandon(ticket, release=self.release(environ))
             raise
         return self.gate.finish(ticket, capture)
 

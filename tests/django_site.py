@@ -27,6 +27,7 @@ SETTINGS: dict[str, Any] = {
         "django.contrib.sessions",
         "rest_framework",
         "rest_framework.authtoken",
+        "idemctl.django",
     ],
     # No middleware that adds headers of its own: the contract table compares
     # every header of an answer with the WSGI middleware's.

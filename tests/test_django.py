@@ -12,6 +12,8 @@ import io
 import json
 import os
 import re
+import subprocess
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -260,6 +262,57 @@ def test_a_drf_handler_that_raises_leaves_or_releases_its_reservation(ledger, re
     assert (row.status.value if row else None) == left
 
 
+@pytest.mark.parametrize(("release", "left"), [(False, "pending"), (True, None)], ids=["kept", "released"])
+def test_a_view_that_raises_gets_djangos_500_and_leaves_or_releases_its_reservation(ledger, release, left):
+    from django.apps import apps
+
+    def view(request: Any) -> HttpResponse:
+        raise RuntimeError("the mutation failed")
+
+    idemctl = {"LEDGER": ledger, "PRINCIPAL": header_principal, "RELEASE_ON_ERROR": release}
+    site = Site([path("orders", view)], idemctl, raise_request_exception=False)
+    assert apps.get_app_config("idemctl").name == "idemctl.django"
+    assert site.post("/orders", ORDER, X_User="acct_A").status_code == 500
+    row = ledger.lookup("acct_A", "k-1")
+    assert (row.status.value if row else None) == left  # the 500 was never stored as the answer
+    assert site.post("/orders", ORDER, X_User="acct_A").status_code == (500 if release else 409)
+
+
+WITHOUT_THE_APP = """
+import django
+from django.conf import settings
+from django.http import HttpResponse
+from django.test import Client
+from django.urls import path
+from idemctl import Ledger
+
+def view(request):
+    raise RuntimeError("the mutation failed")
+
+urlpatterns = [path("orders", view)]
+settings.configure(
+    SECRET_KEY="x", ALLOWED_HOSTS=["testserver"], ROOT_URLCONF=__name__, INSTALLED_APPS=[],
+    MIDDLEWARE=["idemctl.django.IdempotencyMiddleware"],
+    IDEMCTL={"LEDGER": "ledger.db", "PRINCIPAL": lambda request: "acct_A"},
+)
+django.setup()
+Ledger.open("ledger.db").init()
+client = Client(raise_request_exception=False)
+post = lambda: client.post("/orders", b"{}", content_type="application/json", HTTP_IDEMPOTENCY_KEY="k-1").status_code
+print(post(), post(), Ledger.open("ledger.db").lookup("acct_A", "k-1").status.value)
+"""
+
+
+@pytest.mark.slow
+def test_without_the_app_in_installed_apps_the_middleware_still_learns_that_a_view_raised(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEMCTL_", "DJANGO_"))}
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_THE_APP], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["500", "409", "pending"]
+
+
 def test_a_drf_view_without_the_mixin_sees_djangos_user_and_the_log_says_what_to_add(ledger, caplog):
     orders = DrfOrders(mixin=False)
     site = Site([path("api/orders", orders.view)], {"LEDGER": ledger})
@@ -408,6 +461,32 @@ def test_a_streamed_response_is_collected_whole_and_sent_as_the_wsgi_middleware_
     assert wire(again) == wire(first) and closed == ["closed"]
     status, headers, body = _wsgi_answer(wsgi_app, ledger, "k-wsgi")
     assert (status, headers, body) == (f"{first.status_code} {first.reason_phrase}", list(first.items()), first.content)
+
+
+def test_a_file_response_is_sent_whole_its_file_closed_and_the_request_finishes_once(ledger, tmp_path):
+    from django.core.signals import request_finished
+    from django.http import FileResponse
+
+    (tmp_path / "receipt.bin").write_bytes(b"\x00receipt\xff" * 1000)
+    opened: list[Any] = []
+    finished: list[object] = []
+
+    def view(request: Any) -> FileResponse:
+        opened.append(open(tmp_path / "receipt.bin", "rb"))
+        return FileResponse(opened[-1], status=201, content_type="application/octet-stream")
+
+    def note(sender: object, **kwargs: Any) -> None:
+        finished.append(sender)
+
+    site = Site([path("receipts", view)], {"LEDGER": ledger, "PRINCIPAL": header_principal})
+    request_finished.connect(note)
+    try:
+        first = site.post("/receipts", b"", X_User="acct_A")
+    finally:
+        request_finished.disconnect(note)
+    assert (first.status_code, first.streaming, first.content) == (201, False, b"\x00receipt\xff" * 1000)
+    assert opened[0].closed and len(finished) == 1
+    assert wire(site.post("/receipts", b"", X_User="acct_A")) == wire(first) and len(opened) == 1
 
 
 def test_a_multipart_upload_behind_csrf_checks_is_fingerprinted_and_replayed(ledger):
