@@ -11,10 +11,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..copying import DEFAULT_COPY_BATCH, MAX_COPY_BATCH, CopyProgress
 from ..errors import SchemaMissingError
 from ..ledger import Ledger
-from ..render import copy_json, copy_words
 from ..schema import SCHEMA_VERSION
 from .core import EXIT_NO, DbOpt, IdemctlCommand, JsonOpt, UserError, app, in_range, open_ledger, settings
+from .documents import copy_json
 from .output import emit_json, say_no
+from .words import copy_words
 
 
 def _open_destination(url: str, busy_timeout_ms: int, *, init: bool, dry_run: bool) -> Ledger:

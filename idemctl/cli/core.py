@@ -40,7 +40,7 @@ EXIT_CODES_HELP = (
     "database locked or read-only, bad scenario) · 130 interrupted (Ctrl-C) · "
     "141 the reader of stdout went away (a closed pipe)."
 )
-# Human output's one escaping scheme (render.visible); documented next to the exit codes.
+# Human output's one escaping scheme (escaping.visible); documented next to the exit codes.
 ESCAPING_HELP = (
     "[b]Escaped text[/b]: what clients sent and what the database holds (principals, keys, headers, bodies) "
     "is printed with control and invisible characters escaped as in a Python string literal "
@@ -548,9 +548,7 @@ def settings(
         )
         if value is not None
     }
-    environ = {
-        k: v for k, v in os.environ.items() if k not in overridden and config.RETIRED.get(k) not in overridden
-    }
+    environ = {k: v for k, v in os.environ.items() if k not in overridden and config.RETIRED.get(k) not in overridden}
     env = config.Settings.from_env(environ)
     given = db is not None or bool(environ.get(config.ENV_DB, "").strip())
     _LEDGER_IN_FORCE.set((db or env.db, given))

@@ -16,16 +16,6 @@ from rich.text import Text
 from ..durations import human_duration
 from ..errors import MalformedRowError
 from ..fingerprint import check_key
-from ..render import (
-    event_json,
-    fenced_json,
-    inspect_json,
-    inspect_not_found_json,
-    pending_json,
-    stats_prometheus,
-    stats_report_json,
-    view_json,
-)
 from .core import (
     EXIT_NO,
     EXIT_USAGE,
@@ -46,6 +36,16 @@ from .core import (
     list_cap,
     not_found,
     open_ledger,
+)
+from .documents import (
+    event_json,
+    fenced_json,
+    inspect_json,
+    inspect_not_found_json,
+    pending_json,
+    stats_prometheus,
+    stats_report_json,
+    view_json,
 )
 from .output import Capped, chunks, console, emit_json, emit_json_lines, emit_json_listing, say_error, say_no
 from .views import (
@@ -229,9 +229,7 @@ def fenced(
         return
     out = console()
     if not fenced_log:
-        out.print(
-            Text(f"no fenced-out log: this ledger has only the recipe's table; `{hint_command('init')}` adds it")
-        )
+        out.print(Text(f"no fenced-out log: this ledger has only the recipe's table; `{hint_command('init')}` adds it"))
         return
     if not events:
         out.print("no fenced-out events" + (f" in the last {human_duration(since)}" if since is not None else ""))

@@ -13,8 +13,9 @@ from typing import IO, Any, Generic, TextIO, TypeVar, cast
 import typer
 from rich.console import Console
 
-from ..render import JsonListing, terminal_safe_json, visible
 from ..text import single_line
+from .documents import JsonListing
+from .escaping import terminal_safe_json, visible
 
 T = TypeVar("T")
 

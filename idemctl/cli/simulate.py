@@ -11,9 +11,6 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from ..render import timeline_json
-from ..scenario import BUILTIN_NAMES, Op, builtin, load_scenario_file
-from ..simulate import Timeline, run_scenario
 from .core import (
     EXIT_NO,
     IdemctlCommand,
@@ -28,7 +25,9 @@ from .core import (
     settings,
 )
 from .output import CliConsole, console, emit_json, say_no
-from .views import print_timeline
+from .scenario import BUILTIN_NAMES, Op, builtin, load_scenario_file
+from .simulation import run_scenario
+from .timeline import Timeline, print_timeline, timeline_json
 
 
 @contextmanager
@@ -40,8 +39,12 @@ def fill_progress() -> Iterator[Callable[[str, int, int], None] | None]:
         yield None
         return
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=True,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
     ) as bar:
         tasks: dict[str, TaskID] = {}
 

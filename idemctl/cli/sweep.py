@@ -19,7 +19,6 @@ from ..durations import human_duration, iso
 from ..fingerprint import check_key
 from ..outcomes import Drained, DrainStop, PurgeOutcome, RowView, State, SweepResult
 from ..policy import Policy
-from ..render import state_words, sweep_dry_run_json, sweep_json, visible
 from .core import (
     EXIT_INTERRUPTED,
     EXIT_NO,
@@ -41,7 +40,10 @@ from .core import (
     not_found,
     open_ledger,
 )
+from .documents import sweep_dry_run_json, sweep_json
+from .escaping import visible
 from .output import CliConsole, emit_json, say_no
+from .words import state_words
 
 MAX_SWEEP_BATCH = 100_000
 
@@ -145,9 +147,7 @@ def sweep(
             show_default=False,
         ),
     ] = None,
-    pause_ms: Annotated[
-        int | None, typer.Option("--pause-ms", metavar="MS", callback=in_range(0), hidden=True)
-    ] = None,
+    pause_ms: Annotated[int | None, typer.Option("--pause-ms", metavar="MS", callback=in_range(0), hidden=True)] = None,
     json_out: JsonOpt = False,
     db: DbOpt = None,
     ttl: TtlOpt = None,
@@ -179,15 +179,18 @@ def sweep(
         # backlog that nobody sees when stderr is not a terminal.
         backlog = ledger.count_expired() if err.is_terminal else 0
         clock = time.monotonic()
-        with _stop_on_sigint() as stop, Progress(
-            TextColumn("sweeping"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=err,
-            transient=True,
-            disable=not err.is_terminal,
-        ) as progress:
+        with (
+            _stop_on_sigint() as stop,
+            Progress(
+                TextColumn("sweeping"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=err,
+                transient=True,
+                disable=not err.is_terminal,
+            ) as progress,
+        ):
             task = progress.add_task("sweep", total=backlog or None)
             deleted = 0
 

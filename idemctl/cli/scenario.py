@@ -19,11 +19,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .durations import parse_duration
-from .errors import ScenarioError
-from .fingerprint import fingerprint
-from .outcomes import Outcome
-from .policy import Policy
+from ..durations import parse_duration
+from ..errors import ScenarioError
+from ..fingerprint import fingerprint
+from ..outcomes import Outcome
+from ..policy import Policy
 
 DEFAULT_PRINCIPAL = "acct_A"
 DEFAULT_METHOD = "POST"
@@ -461,7 +461,6 @@ def builtin(name: str, policy: Policy | None = None, *, workers: int = 4) -> Sce
             f"unknown scenario {name!r}: built-in ones are {', '.join(BUILTIN_NAMES)} (or use --file scenario.toml)"
         )
     return parse_scenario({"name": name, **docs[name]}, f"built-in {name}")
-
 
 
 # -- what a step's mutation answers -------------------------------------------------------

@@ -1,209 +1,20 @@
-"""Words and JSON documents for what the ledger returns.
-
-Plain-text functions (no rich) so the CLI, the simulator and tests share one
-wording; `*_json` functions build every `--json` document of the CLI, so its
-stable field names are defined in this one place (docs/cli.md documents
-them)."""
+"""The documents the CLI writes for programs: every `--json` document but
+`simulate`'s (which is its timeline's, in `timeline`), so their stable field
+names are defined in this one place (docs/cli.md documents them), and the
+Prometheus text of `stats --format prometheus`."""
 
 from __future__ import annotations
 
 import base64
-import json
-import re
-import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .copying import CopyResult
-from .durations import ago, human_duration, iso
-from .outcomes import Drained, FencedEvent, Prediction, RowView, State, Stats, Status, StoredRow, Verdict
-from .policy import Policy
-from .responses import NULL_BODY_STATUSES, OVERSIZE_STATUS
-
-if TYPE_CHECKING:  # the simulator renders its timelines with this module
-    from .replication import FailoverCheck
-    from .simulate import Event, Timeline
-
-# Candidates for escaping: everything but printable ASCII. Which of them are
-# escaped is then decided per character by its Unicode category, so that
-# ordinary non-ASCII text ("café", "注文") stays readable.
-_NOT_PLAIN = re.compile(r"[^\x20-\x7e]")
-_NOT_PLAIN_BLOCK = re.compile(r"[^\x20-\x7e\n\t]")
-# Cc: C0 controls, DEL, C1 controls (ESC, CSI U+009B, OSC U+009D ...).
-# Cf: invisible format characters, among them the bidi embeddings, overrides
-# and isolates (U+202A-U+202E, U+2066-U+2069) and marks (U+200E, U+200F).
-# Zl, Zp: U+2028 and U+2029, which some programs treat as line breaks.
-# Cs: lone surrogates, which cannot even be encoded for the terminal.
-_ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
-_SHORT = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
-
-
-def _escape_char(match: re.Match[str]) -> str:
-    ch = match.group()
-    if unicodedata.category(ch) not in _ESCAPED_CATEGORIES:
-        return ch
-    if ch in _SHORT:
-        return _SHORT[ch]
-    code = ord(ch)
-    if code <= 0xFF:
-        return f"\\x{code:02x}"
-    if code <= 0xFFFF:
-        return f"\\u{code:04x}"
-    return f"\\U{code:08x}"
-
-
-def visible(value: object, *, multiline: bool = False) -> str:
-    """Text from a client or a database, made safe to print on a terminal.
-
-    The one escaping scheme of the CLI's human output: every control
-    character (C0, DEL, C1), invisible format character (bidi overrides and
-    isolates, zero-width characters), line or paragraph separator and lone
-    surrogate is shown as the escape a Python string literal would use:
-    ``\\t`` ``\\n`` ``\\r``, else ``\\xNN``, ``\\uNNNN`` or
-    ``\\UNNNNNNNN``. Everything else is shown as is: printable ASCII (so
-    an Idempotency-Key's visible text never changes, backslashes included)
-    and ordinary Unicode text. `multiline` keeps newlines and tabs, for a
-    stored body shown as a block. `--json` output is exact instead.
-
-    >>> visible("acct\\x1b[2J\\r\\n\\x9b\\u202eA")
-    'acct\\\\x1b[2J\\\\r\\\\n\\\\x9b\\\\u202eA'
-    >>> print(visible("line 1\\r\\nline 2\\x07", multiline=True))
-    line 1\\r
-    line 2\\x07
-    """
-    text = value if isinstance(value, str) else str(value)
-    return (_NOT_PLAIN_BLOCK if multiline else _NOT_PLAIN).sub(_escape_char, text)
-
-
-def _json_escape_char(match: re.Match[str]) -> str:
-    ch = match.group()
-    if unicodedata.category(ch) not in _ESCAPED_CATEGORIES:
-        return ch
-    code = ord(ch)
-    if code <= 0xFFFF:
-        return f"\\u{code:04x}"
-    code -= 0x10000  # a UTF-16 surrogate pair, as JSON spells characters beyond the BMP
-    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
-
-
-def terminal_safe_json(text: str) -> str:
-    """JSON text from `json.dumps(..., ensure_ascii=False)` with the characters
-    `visible` escapes written as JSON escapes too: json.dumps escapes only
-    U+0000-U+001F, so DEL, C1 controls and bidi overrides would reach the
-    terminal raw. The document parses to exactly the same values.
-
-    >>> terminal_safe_json('{"p": "a\u202eb\u009b", "q": "caf\u00e9"}')
-    '{"p": "a\\\\u202eb\\\\u009b", "q": "café"}'
-    """
-    # Outside strings json.dumps writes only spaces and newlines, and inside
-    # them it never writes a raw newline, so only string contents change.
-    return _NOT_PLAIN_BLOCK.sub(_json_escape_char, text)
-
-
-def state_words(view: RowView) -> str:
-    """What a row means right now, in one sentence an operator can act on.
-
-    >>> from idemctl import Ledger
-    >>> t = [0]; ledger = Ledger.open(":memory:", clock=lambda: t[0]); _ = ledger.init()
-    >>> reservation = ledger.claim("acct_A", "k1", "fp"); t[0] = 12_000
-    >>> state_words(ledger.get("acct_A", "k1"))
-    'pending, 12 s old: retries get 409 for 18 s more, then the next retry takes over as generation 2'
-    >>> _ = ledger.store.renew([(reservation.principal, "k1", 1, reservation.token)], 14_000); t[0] = 15_000
-    >>> state_words(ledger.get("acct_A", "k1")).split(":")[0]
-    'pending, claimed 15 s ago, lease last renewed 1 s ago'
-    >>> _ = ledger.complete(reservation, 201, {}, b"{}"); t[0] += 3 * 3_600_000
-    >>> state_words(ledger.get("acct_A", "k1"))
-    'completed 3 h ago: replayed until 1970-01-02T00:00:15Z (in 21 h); the sweep may delete it after that'
-    """
-    row, now = view.row, view.now
-    age = human_duration(max(0, view.age_ms))
-    nxt = row.generation + 1
-    if view.state is State.PENDING_FRESH:
-        left = human_duration(view.takeover_in_ms or 0)
-        if row.generation == 1 and row.updated_at > row.created_at:
-            # Only a lease renewal writes a pending first generation after its claim.
-            claimed = human_duration(max(0, now - row.created_at))
-            age = f"claimed {claimed} ago, lease last renewed {age} ago"
-        else:
-            age = f"{age} old"
-        return f"pending, {age}: retries get 409 for {left} more, then the next retry takes over as generation {nxt}"
-    if view.state is State.PENDING_STALE:
-        return (
-            f"pending, {age} old, past the {human_duration(view.pending_ttl_ms)} TTL: "
-            f"the next retry takes over as generation {nxt}"
-        )
-    if view.state is State.COMPLETED:
-        until = view.replay_until or view.sweep_after
-        return (
-            f"completed {age} ago: replayed until {iso(until, millis=False)} ({ago(until, now)}); "
-            f"the sweep may delete it after that"
-        )
-    # EXPIRED: past retention. The row still exists, so the request path still
-    # treats it by status until a sweep deletes it.
-    retention = human_duration(view.retention_ms)
-    if row.status is Status.COMPLETED:
-        return (
-            f"completed {age} ago, past the {retention} retention: still replayed until a sweep deletes it "
-            f"(any sweep since {iso(view.sweep_after, millis=False)}); after that a retry runs the mutation again"
-        )
-    return (
-        f"pending, {age} old, past the {retention} retention: the next retry takes over as generation {nxt}, "
-        f"or a sweep deletes it"
-    )
-
-
-def takeovers_words(generation: int) -> str:
-    """The generation and what it means.
-
-    >>> takeovers_words(1), takeovers_words(2), takeovers_words(4)
-    ('1 (never taken over)', '2 (taken over once)', '4 (taken over 3 times)')
-    """
-    n = generation - 1
-    if n == 0:
-        return f"{generation} (never taken over)"
-    if n == 1:
-        return f"{generation} (taken over once)"
-    return f"{generation} (taken over {n} times)"
-
-
-def is_oversize_sentinel(row: StoredRow) -> bool:
-    """A completed 500 with a NULL body is what the ledger stores when the real
-    body exceeded the cap (a handler's own empty 500 is stored as "").
-
-    >>> from idemctl import Ledger, Policy
-    >>> ledger = Ledger.open(":memory:", policy=Policy(body_cap_bytes=4)); _ = ledger.init()
-    >>> _ = ledger.complete(ledger.claim("acct_A", "big", "fp"), 200, {}, b"more than four bytes")
-    >>> is_oversize_sentinel(ledger.lookup("acct_A", "big"))
-    True
-    """
-    return row.status is Status.COMPLETED and row.response_body is None and row.response_status == OVERSIZE_STATUS
-
-
-def body_kind(row: StoredRow) -> str:
-    """One of ``none`` (pending), ``oversize``, ``empty``, ``json``, ``text``, ``blob``.
-
-    >>> from idemctl import Ledger
-    >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-    >>> _ = ledger.complete(ledger.claim("acct_A", "order-42", "fp"), 201, {}, b'{"id": 42}')
-    >>> _ = ledger.complete(ledger.claim("acct_A", "raw", "fp"), 200, {}, b"\\xff\\xfe")
-    >>> body_kind(ledger.lookup("acct_A", "order-42")), body_kind(ledger.lookup("acct_A", "raw"))
-    ('json', 'blob')
-    """
-    body = row.response_body
-    if row.status is not Status.COMPLETED:
-        return "none"
-    if body is None:
-        return "oversize" if is_oversize_sentinel(row) else "none"
-    if isinstance(body, (bytes, bytearray, memoryview)):
-        return "blob"
-    if body == "" or row.response_status in NULL_BODY_STATUSES:
-        return "empty"
-    try:
-        json.loads(body)
-    except ValueError:
-        return "text"
-    return "json"
+from ..copying import CopyResult
+from ..outcomes import Drained, FencedEvent, Prediction, RowView, State, Stats, Status, StoredRow, Verdict
+from ..policy import Policy
+from ..replication import FailoverCheck
+from .words import body_kind, state_words
 
 
 def row_json(row: StoredRow) -> dict[str, Any]:
@@ -318,36 +129,6 @@ def stats_json(stats: Stats) -> dict[str, Any]:
         "storage_bytes": stats.storage_bytes,
         "schema_version": stats.schema_version,
     }
-
-
-def verdict_words(prediction: Prediction) -> str:
-    """What `Ledger.predict` means for the request, in one sentence.
-
-    >>> from idemctl import Ledger
-    >>> ledger = Ledger.open(":memory:", clock=lambda: 0); _ = ledger.init()
-    >>> verdict_words(ledger.predict("acct_A", "k1", "fp"))
-    'no row for this key: this request would be claimed and run'
-    >>> _ = ledger.claim("acct_A", "k1", "fp")
-    >>> verdict_words(ledger.predict("acct_A", "k1", "fp"))
-    'matches the stored fingerprint: this request gets 409 in progress for 30 s more, then takes over as generation 2'
-    """
-    view = prediction.view
-    if prediction.verdict is Verdict.NEW or view is None:
-        return "no row for this key: this request would be claimed and run"
-    if prediction.verdict is Verdict.REUSED:
-        return "does NOT match the stored fingerprint: this request gets 409 idempotency_key_reused"
-    row = view.row
-    if prediction.verdict is Verdict.REPLAY:
-        return (
-            f"matches the stored fingerprint: this request is replayed "
-            f"({visible(row.response_status)}, generation {row.generation})"
-        )
-    if prediction.verdict is Verdict.IN_PROGRESS:
-        return (
-            f"matches the stored fingerprint: this request gets 409 in progress for "
-            f"{human_duration(view.takeover_in_ms or 0)} more, then takes over as generation {row.generation + 1}"
-        )
-    return f"matches the stored fingerprint: this request takes over as generation {row.generation + 1}"
 
 
 # -- the CLI's --json documents ---------------------------------------------------------------
@@ -529,53 +310,6 @@ def fingerprint_json(
     }
 
 
-def timeline_event_json(event: Event, start: int) -> dict[str, Any]:
-    """One line of a simulated timeline; `t_ms` counts from the timeline's `start`."""
-    return {
-        "step": event.step,
-        "t_ms": event.at - start,
-        "at": event.at,
-        "actor": event.actor,
-        "op": event.op.value,
-        "principal": event.principal,
-        "key": event.key,
-        "outcome": event.outcome.value,
-        "http_status": event.http_status,
-        "generation": event.generation,
-        "detail": event.detail,
-        "row": None if event.row is None else {"status": event.row.status.value, "generation": event.row.generation},
-        "deleted": event.deleted,
-        "pid": event.pid,
-        "expected": event.expected,
-        "ok": event.ok,
-        "logs": list(event.logs),
-    }
-
-
-def timeline_json(timeline: Timeline) -> dict[str, Any]:
-    """`simulate --json`: the scenario, where it ran, and every event.
-
-    >>> from idemctl.scenario import builtin
-    >>> from idemctl.simulate import run_scenario
-    >>> doc = timeline_json(run_scenario(builtin("happy")))
-    >>> doc["scenario"], doc["ok"], [e["outcome"] for e in doc["events"]]
-    ('happy', True, ['executed', 'advanced', 'replayed', 'inspected'])
-    """
-    scenario = timeline.scenario
-    return {
-        "scenario": scenario.name,
-        "description": scenario.description,
-        "database": timeline.database,
-        "pending_ttl_ms": timeline.policy.pending_ttl_ms,
-        "retention_ms": timeline.policy.retention_ms,
-        "start": timeline.start,
-        "end": timeline.end,
-        "reset": [{"principal": p, "key": k} for p, k in timeline.reset],
-        "ok": timeline.ok,
-        "events": [timeline_event_json(e, timeline.start) for e in timeline.events],
-    }
-
-
 def stats_prometheus(database: str, stats: Stats, policy: Policy) -> str:
     """`stats --format prometheus`: the ledger's state as Prometheus gauges, for
     node_exporter's textfile collector (write to a temporary file, then rename).
@@ -661,46 +395,6 @@ def copy_json(result: CopyResult) -> dict[str, Any]:
         "fenced_copied": result.fenced_copied,
         "fenced_unchanged": result.fenced_unchanged,
     }
-
-
-# Human output names this many kept rows and conflicts; --json lists them all.
-COPY_LISTED = 20
-
-
-def copy_words(result: CopyResult) -> str:
-    """`copy`'s summary: counts first, then the rows kept and refused, by key.
-
-    >>> from idemctl import Ledger
-    >>> source, destination = Ledger.open(":memory:"), Ledger.open(":memory:")
-    >>> _ = source.init(), destination.init()
-    >>> print(copy_words(source.copy_to(destination)))
-    copied 0 of 0 row(s) from :memory: to :memory: (0 new, 0 updated), 0 already there, 0 kept newer in the destination, 0 conflict(s); fenced-out log: 0 of 0 event(s) copied
-    """  # noqa: E501
-    verb = "would copy" if result.dry_run else "copied"
-    lines = [
-        f"{verb} {result.copied} of {result.rows_read} row(s) from {visible(result.source)} to "
-        f"{visible(result.destination)} ({result.inserted} new, {result.updated} updated), "
-        f"{result.unchanged} already there, {result.kept_newer} kept newer in the destination, "
-        f"{len(result.conflicts)} conflict(s); fenced-out log: {result.fenced_copied} of {result.fenced_read} "
-        f"event(s) {'would be copied' if result.dry_run else 'copied'}"
-    ]
-    for kept in result.kept[:COPY_LISTED]:
-        lines.append(
-            f"kept {visible(kept.principal)}/{visible(kept.key)} (generation {kept.destination_generation} in the "
-            f"destination, {kept.source_generation} in the source): {kept.reason.value}"
-        )
-    for conflict in result.conflicts[:COPY_LISTED]:
-        lines.append(
-            f"conflict {visible(conflict.principal)}/{visible(conflict.key)}: the destination holds another request "
-            f"under this key (fingerprint {conflict.destination_fingerprint[:16]}…, source "
-            f"{conflict.source_fingerprint[:16]}…); not copied"
-        )
-    hidden = max(0, len(result.kept) - COPY_LISTED) + max(0, len(result.conflicts) - COPY_LISTED)
-    if hidden:
-        lines.append(f"… and {hidden} more (--json lists them all)")
-    if result.dry_run:
-        lines.append("dry run: nothing written")
-    return "\n".join(lines)
 
 
 def _sample(value: float) -> str:
