@@ -382,7 +382,7 @@ class GlobalOptions:
 
 
 @dataclass(frozen=True)
-class Settings:
+class CommandSettings:
     """What a command works with: its own options, else the global ones,
     else the environment (read by `idemctl.config`), else the defaults."""
 
@@ -525,7 +525,7 @@ def settings(
     ttl: Given | None = None,
     retention: Given | None = None,
     fenced_retention: Given | None = None,
-) -> Settings:
+) -> CommandSettings:
     """The settings of a command, given its own options: each is taken from
     the command's option, else the global one, else its environment variable
     (through `idemctl.config`, as applications read them), else the default.
@@ -552,7 +552,7 @@ def settings(
     env = config.Settings.from_env(environ)
     given = db is not None or bool(environ.get(config.ENV_DB, "").strip())
     _LEDGER_IN_FORCE.set((db or env.db, given))
-    return Settings(
+    return CommandSettings(
         db=db or env.db,
         db_on_command_line=g.db is not None,
         ttl=ttl or _from_env(env.pending_ttl_ms, config.ENV_PENDING_TTL, environ),
@@ -565,7 +565,7 @@ def settings(
 _DEFAULT_POLICY = Policy()
 
 
-def command_policy(s: Settings) -> Policy:
+def command_policy(s: CommandSettings) -> Policy:
     """The Policy a command works under, its durations checked first so that
     a mistake is told in the CLI's words (`--ttl`, `IDEMCTL_RETENTION`, with
     units) rather than in the Policy's field names."""

@@ -29,7 +29,7 @@ from ..outcomes import Outcome, Reservation, SweepResult
 from ..policy import Policy
 from .race import race_processes
 from .scenario import Op, Scenario, Step, StepOutcome, mutation_answer
-from .timeline import Event, Timeline
+from .timeline import Timeline, TimelineEvent
 from .words import state_words
 
 MAX_SWEEP_BATCHES = 10_000
@@ -131,14 +131,14 @@ class _Runner:
         self.scenario = scenario
         self.tap = tap
         self.reservations: dict[tuple[str, str, str], Reservation] = {}
-        self.events: list[Event] = []
+        self.events: list[TimelineEvent] = []
 
     def emit(self, step: Step, outcome: Outcome | StepOutcome, detail: str, **kw: Any) -> None:
         concerns_row = step.op not in (Op.ADVANCE, Op.SWEEP)
         if concerns_row and "row" not in kw:
             kw["row"] = self.ledger.lookup(step.principal, step.key)
         self.events.append(
-            Event(
+            TimelineEvent(
                 step=step.index,
                 at=self.clock.now,
                 actor=kw.pop("actor", step.actor),

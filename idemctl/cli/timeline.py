@@ -18,8 +18,9 @@ from .scenario import Op, Scenario, StepOutcome
 
 
 @dataclass(frozen=True)
-class Event:
-    """One line of the timeline."""
+class TimelineEvent:
+    """One line of the timeline: what a step, one batch of a sweep or one
+    racing process did (not the ledger's `idemctl.Event`)."""
 
     step: int  # index of the scenario step that produced it
     at: int  # virtual ms since the epoch
@@ -48,23 +49,25 @@ class Event:
 
 @dataclass(frozen=True)
 class Timeline:
+    """A scenario's run: where, under which policy, and every event in order."""
+
     scenario: Scenario
     database: str | None  # where it ran, safe to print (no password); None: a temporary database
     policy: Policy
     start: int
     end: int
     reset: tuple[tuple[str, str], ...]  # keys left by an earlier run, purged first
-    events: tuple[Event, ...]
+    events: tuple[TimelineEvent, ...]
 
     @property
     def ok(self) -> bool:
         return all(e.ok for e in self.events)
 
-    def failures(self) -> list[Event]:
+    def failures(self) -> list[TimelineEvent]:
         return [e for e in self.events if not e.ok]
 
 
-def timeline_event_json(event: Event, start: int) -> dict[str, Any]:
+def timeline_event_json(event: TimelineEvent, start: int) -> dict[str, Any]:
     """One line of a simulated timeline; `t_ms` counts from the timeline's `start`."""
     return {
         "step": event.step,
@@ -140,7 +143,7 @@ def _clock(ms: int) -> str:
     return f"+{hours}:{minutes:02d}:{rest / 1000:06.3f}"
 
 
-def _step_words(e: Event, timeline: Timeline) -> str:
+def _step_words(e: TimelineEvent, timeline: Timeline) -> str:
     step = timeline.scenario.steps[e.step - 1]
     name = e.op.value
     if e.op in (Op.REQUEST, Op.RACE):
@@ -156,7 +159,7 @@ def _step_words(e: Event, timeline: Timeline) -> str:
     return name
 
 
-def _row_words(e: Event) -> str:
+def _row_words(e: TimelineEvent) -> str:
     if not e.row_known:
         return ""
     if e.row is None:
