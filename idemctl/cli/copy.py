@@ -12,8 +12,9 @@ from ..copying import DEFAULT_COPY_BATCH, MAX_COPY_BATCH, CopyProgress
 from ..errors import SchemaMissingError
 from ..ledger import Ledger
 from ..schema import SCHEMA_VERSION
-from .core import EXIT_NO, DbOpt, IdemctlCommand, JsonOpt, UserError, app, in_range, open_ledger, settings
+from .core import EXIT_NO, IdemctlCommand, UserError, app, open_ledger, settings
 from .documents import copy_json
+from .options import DbOpt, JsonOpt, in_range
 from .output import emit_json, say_no
 from .words import copy_words
 

@@ -1,6 +1,7 @@
-"""The `idemctl` application: the Typer app every command registers on, the
-options and settings the commands share, how a command opens the ledger, and
-the mapping of every deliberate error to one line on stderr and an exit code."""
+"""The `idemctl` application: the Typer app every command registers on, its
+global options, the settings a command works with, how a command opens the
+ledger, and the mapping of every deliberate error to one line on stderr and
+an exit code. The options the commands share are declared in `options`."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from .. import __version__, config
-from ..durations import human_duration, parse_duration
+from ..durations import human_duration
 from ..errors import IdemctlError, SchemaMissingError, SchemaOutdatedError
 from ..ledger import Ledger
 from ..policy import Policy
+from .options import Given, env_help, given_option
 from .output import say_error, say_no
 
 # Exit codes: part of the interface, documented in `idemctl --help` and docs/cli.md.
@@ -319,58 +321,6 @@ def _no_styles() -> None:
     typer.rich_utils.COLOR_SYSTEM = None
 
 
-# -- options shared by commands -----------------------------------------------------------
-def in_range(low: int, high: int | None = None) -> Callable[..., int | None]:
-    """The callback of an integer option that checks its bounds. (Given as
-    min=/max=, the bounds would show in the help as "N [x>=0]"; the help
-    text says them instead.)"""
-
-    def check(ctx: typer.Context, param: typer.CallbackParam, value: int | None) -> int | None:
-        # The parameter is Typer's own option object, which BadParameter names in its message.
-        option = cast(Any, param)
-        if value is not None and value < low:
-            raise typer.BadParameter(f"must be {low} or more, got {value}", ctx=ctx, param=option)
-        if value is not None and high is not None and value > high:
-            raise typer.BadParameter(f"must be {high} or less, got {value}", ctx=ctx, param=option)
-        return value
-
-    return check
-
-
-def duration_param(value: str) -> int:
-    """Typer parser of a DURATION option: its problem is told in our words
-    (a ValueError would reach the operator as "Value error, …")."""
-    try:
-        return parse_duration(value)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-
-
-@dataclass(frozen=True)
-class Given:
-    """A duration setting as the operator gave it: milliseconds, the text
-    as written and where (an option or an environment variable), so that a
-    message can speak of it in the operator's own words."""
-
-    ms: int
-    text: str
-    source: str
-
-
-def given_param(value: str) -> Given:
-    """Typer parser of a DURATION option that sets the policy or the busy
-    timeout; the option's name is filled in by `settings`."""
-    return Given(duration_param(value), value.strip(), "")
-
-
-def env_help(name: str, default: str | None = None) -> str:
-    # Written into the help by hand: the environment is read by idemctl.config,
-    # not by Typer (whose envvar= would bypass its checks). Escaped: rich markup
-    # would take the brackets for a tag; each a paragraph: Typer starts a new
-    # line only there.
-    return f"\n\n\\[env var: {name}]" + (f"\n\n\\[default: {default}]" if default else "")
-
-
 @dataclass(frozen=True)
 class GlobalOptions:
     """The global options as given on the command line (None: not given)."""
@@ -394,47 +344,6 @@ class CommandSettings:
     busy_timeout_ms: int
 
 
-DbOpt = Annotated[
-    str | None,
-    typer.Option("--db", metavar="PATH|URL", help="Ledger to use; overrides the global --db.", show_default=False),
-]
-JsonOpt = Annotated[
-    bool, typer.Option("--json", metavar="", help="One JSON document on stdout (stable field names), nothing else.")
-]
-NlOpt = Annotated[
-    bool,
-    typer.Option(
-        "--nl",
-        metavar="",
-        help="Newline-delimited JSON: one object per line (the --json item), streamed; nothing else on stdout.",
-    ),
-]
-TtlOpt = Annotated[
-    Given | None,
-    typer.Option(
-        "--ttl",
-        metavar="DURATION",
-        parser=given_param,
-        help="Pending TTL (e.g. 30s); overrides the global --ttl.",
-        show_default=False,
-    ),
-]
-RetentionOpt = Annotated[
-    Given | None,
-    typer.Option(
-        "--retention",
-        metavar="DURATION",
-        parser=given_param,
-        help="Retention (e.g. 24h); overrides the global --retention.",
-        show_default=False,
-    ),
-]
-PrincipalOpt = Annotated[
-    str, typer.Option("--principal", "-p", metavar="PRINCIPAL", help="The principal (account) the key belongs to.")
-]
-KeyArg = Annotated[str, typer.Argument(metavar="KEY", help="The Idempotency-Key.", show_default=False)]
-
-
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"idemctl {__version__}")
@@ -455,35 +364,26 @@ def _global(
     ] = None,
     ttl: Annotated[
         Given | None,
-        typer.Option(
+        given_option(
             "--ttl",
-            metavar="DURATION",
-            parser=given_param,
             help="Pending TTL the application uses, e.g. 30s (default: the Policy's 30 s)."
             + env_help(config.ENV_PENDING_TTL),
-            show_default=False,
         ),
     ] = None,
     retention: Annotated[
         Given | None,
-        typer.Option(
+        given_option(
             "--retention",
-            metavar="DURATION",
-            parser=given_param,
             help="Retention the application uses, e.g. 24h (default: the Policy's 24 h)."
             + env_help(config.ENV_RETENTION),
-            show_default=False,
         ),
     ] = None,
     busy_timeout: Annotated[
         Given | None,
-        typer.Option(
+        given_option(
             "--busy-timeout",
-            metavar="DURATION",
-            parser=given_param,
             help="How long to wait for a locked database before giving up."
             + env_help(config.ENV_BUSY_TIMEOUT, human_duration(config.DEFAULT_BUSY_TIMEOUT_MS).replace(" ", "")),
-            show_default=False,
         ),
     ] = None,
     version: Annotated[
@@ -496,12 +396,6 @@ def _global(
     # Only what the command line says: the environment is read when a
     # command needs its settings, so that `--help` works whatever it holds.
     ctx.obj = GlobalOptions(db, ttl, retention, busy_timeout)
-
-
-def from_command_line(ctx: typer.Context, name: str) -> bool:
-    """Whether the parameter `name` was given on the command line (not by its default)."""
-    source = ctx.get_parameter_source(name)
-    return source is not None and source.name == "COMMANDLINE"
 
 
 def _db(value: str | None) -> str | None:

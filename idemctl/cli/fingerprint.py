@@ -11,20 +11,10 @@ import typer
 from ..fingerprint import check_key, fingerprint_body, header_values
 from ..fingerprint import fingerprint as compute_fingerprint
 from ..outcomes import Prediction, Verdict
-from .core import (
-    EXIT_NO,
-    DbOpt,
-    IdemctlCommand,
-    JsonOpt,
-    TtlOpt,
-    UserError,
-    app,
-    command_policy,
-    open_ledger,
-    settings,
-)
+from .core import EXIT_NO, IdemctlCommand, UserError, app, command_policy, open_ledger, settings
 from .documents import fingerprint_json
 from .escaping import visible
+from .options import DbOpt, JsonOpt, TtlOpt
 from .output import emit_json
 from .words import verdict_words
 

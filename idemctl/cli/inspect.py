@@ -16,27 +16,7 @@ from rich.text import Text
 from ..durations import human_duration
 from ..errors import MalformedRowError
 from ..fingerprint import check_key
-from .core import (
-    EXIT_NO,
-    EXIT_USAGE,
-    DbOpt,
-    IdemctlCommand,
-    JsonOpt,
-    KeyArg,
-    NlOpt,
-    PrincipalOpt,
-    RetentionOpt,
-    TtlOpt,
-    UserError,
-    app,
-    duration_param,
-    from_command_line,
-    hint_command,
-    in_range,
-    list_cap,
-    not_found,
-    open_ledger,
-)
+from .core import EXIT_NO, EXIT_USAGE, IdemctlCommand, UserError, app, hint_command, list_cap, not_found, open_ledger
 from .documents import (
     event_json,
     fenced_json,
@@ -46,6 +26,18 @@ from .documents import (
     stats_prometheus,
     stats_report_json,
     view_json,
+)
+from .options import (
+    DbOpt,
+    JsonOpt,
+    KeyArg,
+    NlOpt,
+    PrincipalOpt,
+    RetentionOpt,
+    TtlOpt,
+    duration_param,
+    from_command_line,
+    in_range,
 )
 from .output import Capped, chunks, console, emit_json, emit_json_lines, emit_json_listing, say_error, say_no
 from .views import (

@@ -12,7 +12,8 @@ from ..ledger import Ledger
 from ..outcomes import InitAction, InitResult
 from ..schema import SCHEMA_VERSION
 from ..storage import is_postgres_url
-from .core import DbOpt, IdemctlCommand, UserError, app, hint_command, settings
+from .core import IdemctlCommand, UserError, app, hint_command, settings
+from .options import DbOpt
 
 if TYPE_CHECKING:  # the driver lives behind the postgres extra
     from ..storage.postgres import DatabaseNotCreatedError, PostgresEngine

@@ -11,19 +11,8 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from .core import (
-    EXIT_NO,
-    IdemctlCommand,
-    JsonOpt,
-    RetentionOpt,
-    TtlOpt,
-    UserError,
-    app,
-    command_policy,
-    from_command_line,
-    in_range,
-    settings,
-)
+from .core import EXIT_NO, IdemctlCommand, UserError, app, command_policy, settings
+from .options import JsonOpt, RetentionOpt, TtlOpt, from_command_line, in_range
 from .output import CliConsole, console, emit_json, say_no
 from .scenario import BUILTIN_NAMES, Op, builtin, load_scenario_file
 from .simulation import run_scenario

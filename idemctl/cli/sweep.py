@@ -19,29 +19,23 @@ from ..durations import human_duration, iso
 from ..fingerprint import check_key
 from ..outcomes import Drained, DrainStop, PurgeOutcome, RowView, State, SweepResult
 from ..policy import Policy
-from .core import (
-    EXIT_INTERRUPTED,
-    EXIT_NO,
+from .core import EXIT_INTERRUPTED, EXIT_NO, IdemctlCommand, UserError, app, not_found, open_ledger
+from .documents import sweep_dry_run_json, sweep_json
+from .escaping import visible
+from .options import (
     DbOpt,
     Given,
-    IdemctlCommand,
     JsonOpt,
     KeyArg,
     PrincipalOpt,
     RetentionOpt,
     TtlOpt,
-    UserError,
-    app,
     duration_param,
     env_help,
     from_command_line,
     given_param,
     in_range,
-    not_found,
-    open_ledger,
 )
-from .documents import sweep_dry_run_json, sweep_json
-from .escaping import visible
 from .output import CliConsole, emit_json, say_no
 from .words import state_words
 
