@@ -23,9 +23,11 @@ from .. import __version__, config
 from ..durations import human_duration
 from ..errors import IdemctlError, SchemaMissingError, SchemaOutdatedError
 from ..ledger import Ledger
+from ..outcomes import RowView
 from ..policy import Policy
+from .documents import inspect_not_found_json
 from .options import Given, env_help, given_option
-from .output import say_error, say_no
+from .output import emit_json, say_error, say_no
 
 # Exit codes: part of the interface, documented in `idemctl --help` and docs/cli.md.
 EXIT_OK = 0
@@ -366,24 +368,25 @@ def _global(
         Given | None,
         given_option(
             "--ttl",
-            help="Pending TTL the application uses, e.g. 30s (default: the Policy's 30 s)."
-            + env_help(config.ENV_PENDING_TTL),
+            help="Pending TTL the application uses, e.g. 30s (default: the Policy's 30 s).",
+            env=config.ENV_PENDING_TTL,
         ),
     ] = None,
     retention: Annotated[
         Given | None,
         given_option(
             "--retention",
-            help="Retention the application uses, e.g. 24h (default: the Policy's 24 h)."
-            + env_help(config.ENV_RETENTION),
+            help="Retention the application uses, e.g. 24h (default: the Policy's 24 h).",
+            env=config.ENV_RETENTION,
         ),
     ] = None,
     busy_timeout: Annotated[
         Given | None,
         given_option(
             "--busy-timeout",
-            help="How long to wait for a locked database before giving up."
-            + env_help(config.ENV_BUSY_TIMEOUT, human_duration(config.DEFAULT_BUSY_TIMEOUT_MS).replace(" ", "")),
+            help="How long to wait for a locked database before giving up.",
+            env=config.ENV_BUSY_TIMEOUT,
+            env_default=human_duration(config.DEFAULT_BUSY_TIMEOUT_MS).replace(" ", ""),
         ),
     ] = None,
     version: Annotated[
@@ -505,3 +508,14 @@ def list_cap(limit: int) -> int | None:
 def not_found(principal: str, key: str) -> NoReturn:
     say_no(f"no row for principal {principal!r} key {key!r}: the next request with this key runs the mutation")
     raise typer.Exit(EXIT_NO)
+
+
+def existing_row(ledger: Ledger, principal: str, key: str, *, json_out: bool = False) -> RowView:
+    """The row of `principal`/`key`; without one, exit 1 saying so (with
+    `json_out`, after a not-found document on stdout: scripts read an answer)."""
+    view = ledger.get(principal, key)
+    if view is None:
+        if json_out:
+            emit_json(inspect_not_found_json(principal, key))
+        not_found(principal, key)
+    return view

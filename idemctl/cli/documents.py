@@ -16,6 +16,37 @@ from ..policy import Policy
 from ..replication import FailoverCheck
 from .words import body_kind, state_words
 
+# Documents that show a value's attributes under their own names, in this
+# order: listed here rather than taken from the class, as they are the interface.
+_EVENT_FIELDS = [
+    "id",
+    "principal",
+    "key",
+    "superseded_generation",
+    "current_generation",
+    "computed_status",
+    "fenced_at",
+]
+_STATS_FIELDS = [
+    "now",
+    "total",
+    "pending_fresh",
+    "pending_stale",
+    "completed",
+    "expired",
+    "taken_over",
+    "fenced_out_events",
+    "oldest_pending_at",
+    "oldest_completed_at",
+    "oldest_row_at",
+    "storage_bytes",
+    "schema_version",
+]
+
+
+def _fields(value: object, names: Sequence[str]) -> dict[str, Any]:
+    return {name: getattr(value, name) for name in names}
+
 
 def row_json(row: StoredRow) -> dict[str, Any]:
     """The stored columns as JSON-ready values, the body decoded per its kind.
@@ -94,15 +125,7 @@ def event_json(event: FencedEvent) -> dict[str, Any]:
     >>> doc["superseded_generation"], doc["current_generation"], doc["fenced_at"]
     (1, 2, 31000)
     """
-    return {
-        "id": event.id,
-        "principal": event.principal,
-        "key": event.key,
-        "superseded_generation": event.superseded_generation,
-        "current_generation": event.current_generation,
-        "computed_status": event.computed_status,
-        "fenced_at": event.fenced_at,
-    }
+    return _fields(event, _EVENT_FIELDS)
 
 
 def stats_json(stats: Stats) -> dict[str, Any]:
@@ -114,21 +137,7 @@ def stats_json(stats: Stats) -> dict[str, Any]:
     >>> doc["total"], doc["expired"], doc["fenced_out_events"]
     (0, 0, 0)
     """
-    return {
-        "now": stats.now,
-        "total": stats.total,
-        "pending_fresh": stats.pending_fresh,
-        "pending_stale": stats.pending_stale,
-        "completed": stats.completed,
-        "expired": stats.expired,
-        "taken_over": stats.taken_over,
-        "fenced_out_events": stats.fenced_out_events,
-        "oldest_pending_at": stats.oldest_pending_at,
-        "oldest_completed_at": stats.oldest_completed_at,
-        "oldest_row_at": stats.oldest_row_at,
-        "storage_bytes": stats.storage_bytes,
-        "schema_version": stats.schema_version,
-    }
+    return _fields(stats, _STATS_FIELDS)
 
 
 # -- the CLI's --json documents ---------------------------------------------------------------

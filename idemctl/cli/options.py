@@ -69,7 +69,7 @@ def flag(*names: str, help: str) -> Any:
     return typer.Option(*names, metavar="", help=help)
 
 
-def count_option(*names: str, help: str, low: int = 0, high: int | None = None, **extra: Any) -> Any:
+def count_option(*names: str, help: str | None, low: int = 0, high: int | None = None, **extra: Any) -> Any:
     """An integer option N with its bounds checked by `in_range`."""
     return typer.Option(*names, metavar="N", callback=in_range(low, high), help=help, **extra)
 
@@ -79,8 +79,11 @@ def duration_option(*names: str, help: str, **extra: Any) -> Any:
     return typer.Option(*names, metavar="DURATION", parser=duration_param, help=help, show_default=False, **extra)
 
 
-def given_option(*names: str, help: str) -> Any:
-    """A DURATION option that sets the policy or the busy timeout, read as a `Given`."""
+def given_option(*names: str, help: str, env: str | None = None, env_default: str | None = None) -> Any:
+    """A DURATION option that sets the policy or the busy timeout, read as a
+    `Given`; its help names the environment variable `env` that stands in for it."""
+    if env is not None:
+        help += env_help(env, env_default)
     return typer.Option(*names, metavar="DURATION", parser=given_param, help=help, show_default=False)
 
 
@@ -104,6 +107,9 @@ NlOpt = Annotated[
 TtlOpt = Annotated[Given | None, given_option("--ttl", help="Pending TTL (e.g. 30s); overrides the global --ttl.")]
 RetentionOpt = Annotated[
     Given | None, given_option("--retention", help="Retention (e.g. 24h); overrides the global --retention.")
+]
+OnlyPrincipalOpt = Annotated[
+    str | None, typer.Option("--principal", "-p", metavar="PRINCIPAL", help="Only this principal.")
 ]
 PrincipalOpt = Annotated[
     str, typer.Option("--principal", "-p", metavar="PRINCIPAL", help="The principal (account) the key belongs to.")

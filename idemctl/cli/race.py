@@ -41,17 +41,22 @@ class RaceResult:
 _RACE_CHILD = "from idemctl.cli.race import race_child; race_child()"
 
 
+# What a racing process takes of the parent's policy (the rest keeps its default).
+_CHILD_POLICY = [
+    "pending_ttl_ms",
+    "retention_ms",
+    "sweep_batch",
+    "body_cap_bytes",
+    "fingerprint_headers",
+    "replayable_headers",
+    "reuse_status",
+]
+
+
 def _policy_doc(policy: Policy) -> dict[str, Any]:
-    return {
-        "pending_ttl_ms": policy.pending_ttl_ms,
-        "retention_ms": policy.retention_ms,
-        "sweep_batch": policy.sweep_batch,
-        "body_cap_bytes": policy.body_cap_bytes,
-        "fingerprint_headers": list(policy.fingerprint_headers),
-        "replayable_headers": list(policy.replayable_headers),
-        "protected_methods": sorted(policy.protected_methods),
-        "reuse_status": policy.reuse_status,
-    }
+    doc: dict[str, Any] = {name: getattr(policy, name) for name in _CHILD_POLICY}
+    doc["protected_methods"] = sorted(policy.protected_methods)  # a frozenset: JSON has no sets
+    return doc
 
 
 def race_child() -> None:

@@ -19,7 +19,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..durations import human_duration
@@ -114,24 +114,18 @@ def _request_detail(outcome: Outcome, status: int, generation: int | None, body:
     return f"{status} {outcome.value}"
 
 
+@dataclass
 class _Runner:
-    def __init__(
-        self,
-        ledger: Ledger,
-        clock: VirtualClock,
-        target: str,
-        scenario: Scenario,
-        tap: _LogTap,
-        progress: Progress | None = None,
-    ) -> None:
-        self.progress = progress
-        self.ledger = ledger
-        self.clock = clock
-        self.target = target
-        self.scenario = scenario
-        self.tap = tap
-        self.reservations: dict[tuple[str, str, str], Reservation] = {}
-        self.events: list[TimelineEvent] = []
+    """Runs steps on `ledger` (at `target`, for racing processes), each
+    adding its events to the timeline with what the ledger logged."""
+
+    ledger: Ledger
+    clock: VirtualClock
+    target: str
+    tap: _LogTap
+    progress: Progress | None = None
+    reservations: dict[tuple[str, str, str], Reservation] = field(default_factory=dict)
+    events: list[TimelineEvent] = field(default_factory=list)
 
     def emit(self, step: Step, outcome: Outcome | StepOutcome, detail: str, **kw: Any) -> None:
         concerns_row = step.op not in (Op.ADVANCE, Op.SWEEP)
@@ -405,7 +399,7 @@ def run_scenario(
                 progress("purging the keys of an earlier run", done, len(written))
         reset = tuple(reset_keys)
         tap = stack.enter_context(_tap_logs())
-        runner = _Runner(ledger, clock, where, scenario, tap, progress)
+        runner = _Runner(ledger, clock, where, tap, progress)
         for step in scenario.steps:
             runner.run(step)
     return Timeline(
