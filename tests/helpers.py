@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from idemctl.simulate import VirtualClock
+from idemctl.cli.simulation import VirtualClock
 
 # Test data lives inside the checkout, so a clone anywhere runs the suite.
 VECTORS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vectors")

@@ -526,10 +526,13 @@ def test_env_vars_choose_the_ledger_and_policy_and_command_options_override_them
 def test_the_examples_in_the_cli_helpers_docstrings_hold():
     import doctest
 
+    import idemctl.cli.documents
+    import idemctl.cli.escaping
+    import idemctl.cli.scenario
+    import idemctl.cli.words
     import idemctl.durations
-    import idemctl.render
-    import idemctl.scenario
 
-    for module in (idemctl.durations, idemctl.render, idemctl.scenario):
+    modules = (idemctl.durations, idemctl.cli.escaping, idemctl.cli.words, idemctl.cli.documents, idemctl.cli.scenario)
+    for module in modules:
         failed, attempted = doctest.testmod(module)
         assert failed == 0 and attempted > 0, module.__name__

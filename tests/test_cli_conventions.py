@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from idemctl import Ledger, wall_clock_ms
 from idemctl.cli import app
-from idemctl.render import stats_prometheus
+from idemctl.cli.documents import stats_prometheus
 from tests.helpers import FakeClock, clean_env
 
 IDEMCTL = Path(sys.executable).with_name("idemctl")

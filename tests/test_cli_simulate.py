@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 from idemctl import Ledger, Outcome, Status
 from idemctl.cli import app
+from idemctl.cli.scenario import builtin, parse_scenario
+from idemctl.cli.simulation import run_scenario
 from idemctl.errors import ScenarioError
-from idemctl.scenario import builtin, parse_scenario
-from idemctl.simulate import run_scenario
 from tests.helpers import clean_env
 
 IDEMCTL = Path(sys.executable).with_name("idemctl")
@@ -383,7 +383,7 @@ def test_the_documented_scenario_file_example_runs_as_documented(tmp_path):
 
 def test_a_race_worker_that_cannot_open_the_ledger_is_reported_not_hung(tmp_path):
     from idemctl import Policy
-    from idemctl.race import race_processes
+    from idemctl.cli.race import race_processes
 
     step = builtin("race", workers=2).steps[0]
     results = race_processes(str(tmp_path / "gone.db"), step, Policy(), 1_700_000_000_000)

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from idemctl import Ledger, wall_clock_ms
 from idemctl.cli import app
-from idemctl.render import visible
+from idemctl.cli.escaping import visible
 from tests.helpers import clean_env
 
 IDEMCTL = Path(sys.executable).with_name("idemctl")

@@ -6,15 +6,16 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..copying import DEFAULT_COPY_BATCH, MAX_COPY_BATCH, CopyProgress
 from ..errors import SchemaMissingError
 from ..ledger import Ledger
-from ..render import copy_json, copy_words
 from ..schema import SCHEMA_VERSION
-from .core import EXIT_NO, DbOpt, IdemctlCommand, JsonOpt, UserError, app, in_range, open_ledger, settings
-from .output import emit_json, say_no
+from .core import EXIT_NO, IdemctlCommand, UserError, app, open_ledger, settings
+from .documents import copy_json
+from .options import DbOpt, JsonOpt, in_range
+from .output import emit_json, progress_bar, say_no
+from .words import copy_words
 
 
 def _open_destination(url: str, busy_timeout_ms: int, *, init: bool, dry_run: bool) -> Ledger:
@@ -88,15 +89,7 @@ def copy(
         err = Console(stderr=True)
         # Counted only for a progress bar someone sees.
         total = source.count_rows() if err.is_terminal else 0
-        with Progress(
-            TextColumn("copying"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=err,
-            transient=True,
-            disable=not err.is_terminal,
-        ) as progress:
+        with progress_bar(err, "copying") as progress:
             task = progress.add_task("copy", total=total or None)
 
             def advance(done: CopyProgress) -> None:

@@ -1,6 +1,7 @@
-"""The `idemctl` application: the Typer app every command registers on, the
-options and settings the commands share, how a command opens the ledger, and
-the mapping of every deliberate error to one line on stderr and an exit code."""
+"""The `idemctl` application: the Typer app every command registers on, its
+global options, the settings a command works with, how a command opens the
+ledger, and the mapping of every deliberate error to one line on stderr and
+an exit code. The options the commands share are declared in `options`."""
 
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from .. import __version__, config
-from ..durations import human_duration, parse_duration
+from ..durations import human_duration
 from ..errors import IdemctlError, SchemaMissingError, SchemaOutdatedError
 from ..ledger import Ledger
+from ..outcomes import RowView
 from ..policy import Policy
-from .output import say_error, say_no
+from .documents import inspect_not_found_json
+from .options import Given, env_help, given_option
+from .output import emit_json, say_error, say_no
 
 # Exit codes: part of the interface, documented in `idemctl --help` and docs/cli.md.
 EXIT_OK = 0
@@ -40,7 +44,7 @@ EXIT_CODES_HELP = (
     "database locked or read-only, bad scenario) · 130 interrupted (Ctrl-C) · "
     "141 the reader of stdout went away (a closed pipe)."
 )
-# Human output's one escaping scheme (render.visible); documented next to the exit codes.
+# Human output's one escaping scheme (escaping.visible); documented next to the exit codes.
 ESCAPING_HELP = (
     "[b]Escaped text[/b]: what clients sent and what the database holds (principals, keys, headers, bodies) "
     "is printed with control and invisible characters escaped as in a Python string literal "
@@ -319,58 +323,6 @@ def _no_styles() -> None:
     typer.rich_utils.COLOR_SYSTEM = None
 
 
-# -- options shared by commands -----------------------------------------------------------
-def in_range(low: int, high: int | None = None) -> Callable[..., int | None]:
-    """The callback of an integer option that checks its bounds. (Given as
-    min=/max=, the bounds would show in the help as "N [x>=0]"; the help
-    text says them instead.)"""
-
-    def check(ctx: typer.Context, param: typer.CallbackParam, value: int | None) -> int | None:
-        # The parameter is Typer's own option object, which BadParameter names in its message.
-        option = cast(Any, param)
-        if value is not None and value < low:
-            raise typer.BadParameter(f"must be {low} or more, got {value}", ctx=ctx, param=option)
-        if value is not None and high is not None and value > high:
-            raise typer.BadParameter(f"must be {high} or less, got {value}", ctx=ctx, param=option)
-        return value
-
-    return check
-
-
-def duration_param(value: str) -> int:
-    """Typer parser of a DURATION option: its problem is told in our words
-    (a ValueError would reach the operator as "Value error, …")."""
-    try:
-        return parse_duration(value)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-
-
-@dataclass(frozen=True)
-class Given:
-    """A duration setting as the operator gave it: milliseconds, the text
-    as written and where (an option or an environment variable), so that a
-    message can speak of it in the operator's own words."""
-
-    ms: int
-    text: str
-    source: str
-
-
-def given_param(value: str) -> Given:
-    """Typer parser of a DURATION option that sets the policy or the busy
-    timeout; the option's name is filled in by `settings`."""
-    return Given(duration_param(value), value.strip(), "")
-
-
-def env_help(name: str, default: str | None = None) -> str:
-    # Written into the help by hand: the environment is read by idemctl.config,
-    # not by Typer (whose envvar= would bypass its checks). Escaped: rich markup
-    # would take the brackets for a tag; each a paragraph: Typer starts a new
-    # line only there.
-    return f"\n\n\\[env var: {name}]" + (f"\n\n\\[default: {default}]" if default else "")
-
-
 @dataclass(frozen=True)
 class GlobalOptions:
     """The global options as given on the command line (None: not given)."""
@@ -382,7 +334,7 @@ class GlobalOptions:
 
 
 @dataclass(frozen=True)
-class Settings:
+class CommandSettings:
     """What a command works with: its own options, else the global ones,
     else the environment (read by `idemctl.config`), else the defaults."""
 
@@ -392,47 +344,6 @@ class Settings:
     retention: Given | None
     fenced_retention: Given | None
     busy_timeout_ms: int
-
-
-DbOpt = Annotated[
-    str | None,
-    typer.Option("--db", metavar="PATH|URL", help="Ledger to use; overrides the global --db.", show_default=False),
-]
-JsonOpt = Annotated[
-    bool, typer.Option("--json", metavar="", help="One JSON document on stdout (stable field names), nothing else.")
-]
-NlOpt = Annotated[
-    bool,
-    typer.Option(
-        "--nl",
-        metavar="",
-        help="Newline-delimited JSON: one object per line (the --json item), streamed; nothing else on stdout.",
-    ),
-]
-TtlOpt = Annotated[
-    Given | None,
-    typer.Option(
-        "--ttl",
-        metavar="DURATION",
-        parser=given_param,
-        help="Pending TTL (e.g. 30s); overrides the global --ttl.",
-        show_default=False,
-    ),
-]
-RetentionOpt = Annotated[
-    Given | None,
-    typer.Option(
-        "--retention",
-        metavar="DURATION",
-        parser=given_param,
-        help="Retention (e.g. 24h); overrides the global --retention.",
-        show_default=False,
-    ),
-]
-PrincipalOpt = Annotated[
-    str, typer.Option("--principal", "-p", metavar="PRINCIPAL", help="The principal (account) the key belongs to.")
-]
-KeyArg = Annotated[str, typer.Argument(metavar="KEY", help="The Idempotency-Key.", show_default=False)]
 
 
 def _version(value: bool) -> None:
@@ -455,35 +366,27 @@ def _global(
     ] = None,
     ttl: Annotated[
         Given | None,
-        typer.Option(
+        given_option(
             "--ttl",
-            metavar="DURATION",
-            parser=given_param,
-            help="Pending TTL the application uses, e.g. 30s (default: the Policy's 30 s)."
-            + env_help(config.ENV_PENDING_TTL),
-            show_default=False,
+            help="Pending TTL the application uses, e.g. 30s (default: the Policy's 30 s).",
+            env=config.ENV_PENDING_TTL,
         ),
     ] = None,
     retention: Annotated[
         Given | None,
-        typer.Option(
+        given_option(
             "--retention",
-            metavar="DURATION",
-            parser=given_param,
-            help="Retention the application uses, e.g. 24h (default: the Policy's 24 h)."
-            + env_help(config.ENV_RETENTION),
-            show_default=False,
+            help="Retention the application uses, e.g. 24h (default: the Policy's 24 h).",
+            env=config.ENV_RETENTION,
         ),
     ] = None,
     busy_timeout: Annotated[
         Given | None,
-        typer.Option(
+        given_option(
             "--busy-timeout",
-            metavar="DURATION",
-            parser=given_param,
-            help="How long to wait for a locked database before giving up."
-            + env_help(config.ENV_BUSY_TIMEOUT, human_duration(config.DEFAULT_BUSY_TIMEOUT_MS).replace(" ", "")),
-            show_default=False,
+            help="How long to wait for a locked database before giving up.",
+            env=config.ENV_BUSY_TIMEOUT,
+            env_default=human_duration(config.DEFAULT_BUSY_TIMEOUT_MS).replace(" ", ""),
         ),
     ] = None,
     version: Annotated[
@@ -496,12 +399,6 @@ def _global(
     # Only what the command line says: the environment is read when a
     # command needs its settings, so that `--help` works whatever it holds.
     ctx.obj = GlobalOptions(db, ttl, retention, busy_timeout)
-
-
-def from_command_line(ctx: typer.Context, name: str) -> bool:
-    """Whether the parameter `name` was given on the command line (not by its default)."""
-    source = ctx.get_parameter_source(name)
-    return source is not None and source.name == "COMMANDLINE"
 
 
 def _db(value: str | None) -> str | None:
@@ -525,7 +422,7 @@ def settings(
     ttl: Given | None = None,
     retention: Given | None = None,
     fenced_retention: Given | None = None,
-) -> Settings:
+) -> CommandSettings:
     """The settings of a command, given its own options: each is taken from
     the command's option, else the global one, else its environment variable
     (through `idemctl.config`, as applications read them), else the default.
@@ -548,13 +445,11 @@ def settings(
         )
         if value is not None
     }
-    environ = {
-        k: v for k, v in os.environ.items() if k not in overridden and config.RETIRED.get(k) not in overridden
-    }
+    environ = {k: v for k, v in os.environ.items() if k not in overridden and config.RETIRED.get(k) not in overridden}
     env = config.Settings.from_env(environ)
     given = db is not None or bool(environ.get(config.ENV_DB, "").strip())
     _LEDGER_IN_FORCE.set((db or env.db, given))
-    return Settings(
+    return CommandSettings(
         db=db or env.db,
         db_on_command_line=g.db is not None,
         ttl=ttl or _from_env(env.pending_ttl_ms, config.ENV_PENDING_TTL, environ),
@@ -567,7 +462,7 @@ def settings(
 _DEFAULT_POLICY = Policy()
 
 
-def command_policy(s: Settings) -> Policy:
+def command_policy(s: CommandSettings) -> Policy:
     """The Policy a command works under, its durations checked first so that
     a mistake is told in the CLI's words (`--ttl`, `IDEMCTL_RETENTION`, with
     units) rather than in the Policy's field names."""
@@ -613,3 +508,14 @@ def list_cap(limit: int) -> int | None:
 def not_found(principal: str, key: str) -> NoReturn:
     say_no(f"no row for principal {principal!r} key {key!r}: the next request with this key runs the mutation")
     raise typer.Exit(EXIT_NO)
+
+
+def existing_row(ledger: Ledger, principal: str, key: str, *, json_out: bool = False) -> RowView:
+    """The row of `principal`/`key`; without one, exit 1 saying so (with
+    `json_out`, after a not-found document on stdout: scripts read an answer)."""
+    view = ledger.get(principal, key)
+    if view is None:
+        if json_out:
+            emit_json(inspect_not_found_json(principal, key))
+        not_found(principal, key)
+    return view

@@ -6,10 +6,11 @@ from __future__ import annotations
 import typer
 
 from ..ledger import Ledger
-from ..render import failover_check_json
 from ..replication import check_failover
 from ..storage import is_postgres_url
-from .core import EXIT_NO, DbOpt, IdemctlCommand, JsonOpt, app, settings
+from .core import EXIT_NO, IdemctlCommand, app, settings
+from .documents import failover_check_json
+from .options import DbOpt, JsonOpt
 from .output import emit_json, one_line
 
 

@@ -11,20 +11,12 @@ import typer
 from ..fingerprint import check_key, fingerprint_body, header_values
 from ..fingerprint import fingerprint as compute_fingerprint
 from ..outcomes import Prediction, Verdict
-from ..render import fingerprint_json, verdict_words, visible
-from .core import (
-    EXIT_NO,
-    DbOpt,
-    IdemctlCommand,
-    JsonOpt,
-    TtlOpt,
-    UserError,
-    app,
-    command_policy,
-    open_ledger,
-    settings,
-)
+from .core import EXIT_NO, IdemctlCommand, UserError, app, command_policy, open_ledger, settings
+from .documents import fingerprint_json
+from .escaping import visible
+from .options import DbOpt, JsonOpt, TtlOpt
 from .output import emit_json
+from .words import verdict_words
 
 
 def _read_body(body: str | None, body_file: str | None) -> bytes:
@@ -62,7 +54,7 @@ def _parse_headers(values: list[str]) -> list[tuple[str, str]]:
     name="fingerprint",
     epilog=(
         "Example: idemctl fingerprint -X POST --path /orders -H 'Content-Type: application/json' "
-        "--body '{\"sku\":\"x\"}' --key order-42 -p acct_A"
+        '--body \'{"sku":"x"}\' --key order-42 -p acct_A'
     ),
 )
 def fingerprint_cmd(

@@ -16,36 +16,29 @@ from rich.text import Text
 from ..durations import human_duration
 from ..errors import MalformedRowError
 from ..fingerprint import check_key
-from ..render import (
+from .core import EXIT_NO, EXIT_USAGE, IdemctlCommand, UserError, app, existing_row, hint_command, list_cap, open_ledger
+from .documents import (
     event_json,
     fenced_json,
     inspect_json,
-    inspect_not_found_json,
     pending_json,
     stats_prometheus,
     stats_report_json,
     view_json,
 )
-from .core import (
-    EXIT_NO,
-    EXIT_USAGE,
+from .options import (
     DbOpt,
-    IdemctlCommand,
     JsonOpt,
     KeyArg,
     NlOpt,
+    OnlyPrincipalOpt,
     PrincipalOpt,
     RetentionOpt,
     TtlOpt,
-    UserError,
-    app,
-    duration_param,
+    count_option,
+    duration_option,
+    flag,
     from_command_line,
-    hint_command,
-    in_range,
-    list_cap,
-    not_found,
-    open_ledger,
 )
 from .output import Capped, chunks, console, emit_json, emit_json_lines, emit_json_listing, say_error, say_no
 from .views import (
@@ -75,11 +68,7 @@ def inspect(
     """Everything about one reservation: state in words, generation, stored response, fenced-out events."""
     key = check_key(key)
     with open_ledger(ctx, db, ttl=ttl, retention=retention) as ledger:
-        view = ledger.get(principal, key)
-        if view is None:
-            if json_out:
-                emit_json(inspect_not_found_json(principal, key))
-            not_found(principal, key)
+        view = existing_row(ledger, principal, key, json_out=json_out)
         events = list(ledger.fenced(principal=principal, key=key))
         fenced_log = ledger.has_fenced_log()
     if json_out:
@@ -102,15 +91,9 @@ def _say_more(truncated: bool, limit: int) -> None:
 @app.command(cls=IdemctlCommand, epilog="Example: idemctl pending --stale --principal acct_A --limit 20")
 def pending(
     ctx: typer.Context,
-    stale: Annotated[
-        bool, typer.Option("--stale", metavar="", help="Only rows past the TTL (the next retry takes them over).")
-    ] = False,
-    principal: Annotated[
-        str | None, typer.Option("--principal", "-p", metavar="PRINCIPAL", help="Only this principal.")
-    ] = None,
-    limit: Annotated[
-        int, typer.Option("--limit", "-n", metavar="N", callback=in_range(0), help="At most N rows (0: all).")
-    ] = DEFAULT_LIST_LIMIT,
+    stale: Annotated[bool, flag("--stale", help="Only rows past the TTL (the next retry takes them over).")] = False,
+    principal: OnlyPrincipalOpt = None,
+    limit: Annotated[int, count_option("--limit", "-n", help="At most N rows (0: all).")] = DEFAULT_LIST_LIMIT,
     json_out: JsonOpt = False,
     nl: NlOpt = False,
     db: DbOpt = None,
@@ -170,23 +153,10 @@ def pending(
 @app.command(cls=IdemctlCommand, epilog="Example: idemctl fenced --since 24h --principal acct_A")
 def fenced(
     ctx: typer.Context,
-    principal: Annotated[
-        str | None, typer.Option("--principal", "-p", metavar="PRINCIPAL", help="Only this principal.")
-    ] = None,
+    principal: OnlyPrincipalOpt = None,
     key: Annotated[str | None, typer.Option("--key", "-k", metavar="KEY", help="Only this key.")] = None,
-    since: Annotated[
-        int | None,
-        typer.Option(
-            "--since",
-            metavar="DURATION",
-            parser=duration_param,
-            help="Only events newer than this (e.g. 24h).",
-            show_default=False,
-        ),
-    ] = None,
-    limit: Annotated[
-        int, typer.Option("--limit", "-n", metavar="N", callback=in_range(0), help="At most N events (0: all).")
-    ] = DEFAULT_LIST_LIMIT,
+    since: Annotated[int | None, duration_option("--since", help="Only events newer than this (e.g. 24h).")] = None,
+    limit: Annotated[int, count_option("--limit", "-n", help="At most N events (0: all).")] = DEFAULT_LIST_LIMIT,
     json_out: JsonOpt = False,
     nl: NlOpt = False,
     db: DbOpt = None,
@@ -198,29 +168,20 @@ def fenced(
     with open_ledger(ctx, db) as ledger:
         now = ledger.now()
         cap = list_cap(limit)
+        found = ledger.fenced(
+            principal=principal,
+            key=key,
+            since=None if since is None else now - since,
+            limit=None if cap is None else cap + 1,
+        )
         if nl:
-            streamed = Capped(
-                ledger.fenced(
-                    principal=principal,
-                    key=key,
-                    since=None if since is None else now - since,
-                    limit=None if cap is None else cap + 1,
-                ),
-                cap,
-            )
+            streamed = Capped(found, cap)
             emit_json_lines(event_json(e) for e in streamed)
             _say_more(streamed.truncated, limit)
             if not ledger.has_fenced_log():  # no lines, and why: nothing records them here
                 say_no(f"no fenced-out log: this ledger has only the recipe's table; `{hint_command('init')}` adds it")
             return
-        events = list(
-            ledger.fenced(
-                principal=principal,
-                key=key,
-                since=None if since is None else now - since,
-                limit=None if cap is None else cap + 1,
-            )
-        )
+        events = list(found)
         fenced_log = ledger.has_fenced_log()
     truncated = cap is not None and len(events) > cap
     events = events[:cap] if cap is not None else events
@@ -229,9 +190,7 @@ def fenced(
         return
     out = console()
     if not fenced_log:
-        out.print(
-            Text(f"no fenced-out log: this ledger has only the recipe's table; `{hint_command('init')}` adds it")
-        )
+        out.print(Text(f"no fenced-out log: this ledger has only the recipe's table; `{hint_command('init')}` adds it"))
         return
     if not events:
         out.print("no fenced-out events" + (f" in the last {human_duration(since)}" if since is not None else ""))
@@ -285,33 +244,16 @@ def stats(
     json_out: JsonOpt = False,
     max_expired: Annotated[
         int | None,
-        typer.Option(
-            "--max-expired",
-            metavar="N",
-            callback=in_range(0),
-            help="Exit 1 if more than N rows are expired (past retention, waiting for the sweep).",
+        count_option(
+            "--max-expired", help="Exit 1 if more than N rows are expired (past retention, waiting for the sweep)."
         ),
     ] = None,
-    max_backlog: Annotated[
-        int | None, typer.Option("--max-backlog", metavar="N", callback=in_range(0), hidden=True)
-    ] = None,
+    max_backlog: Annotated[int | None, count_option("--max-backlog", help=None, hidden=True)] = None,
     max_stale: Annotated[
-        int | None,
-        typer.Option(
-            "--max-stale",
-            metavar="N",
-            callback=in_range(0),
-            help="Exit 1 if more than N pending rows are past the TTL.",
-        ),
+        int | None, count_option("--max-stale", help="Exit 1 if more than N pending rows are past the TTL.")
     ] = None,
     max_fenced: Annotated[
-        int | None,
-        typer.Option(
-            "--max-fenced",
-            metavar="N",
-            callback=in_range(0),
-            help="Exit 1 if more than N fenced-out events are recorded.",
-        ),
+        int | None, count_option("--max-fenced", help="Exit 1 if more than N fenced-out events are recorded.")
     ] = None,
     output_format: Annotated[
         str,
@@ -334,25 +276,12 @@ def stats(
         ),
     ] = None,
     watch: Annotated[
-        bool,
-        typer.Option(
-            "--watch", metavar="", help="Refresh until Ctrl-C: a live view on a terminal, one line per refresh piped."
-        ),
+        bool, flag("--watch", help="Refresh until Ctrl-C: a live view on a terminal, one line per refresh piped.")
     ] = False,
     interval: Annotated[
-        int | None,
-        typer.Option(
-            "--interval",
-            metavar="DURATION",
-            parser=duration_param,
-            help="With --watch: time between refreshes (default 2s).",
-            show_default=False,
-        ),
+        int | None, duration_option("--interval", help="With --watch: time between refreshes (default 2s).")
     ] = None,
-    count: Annotated[
-        int | None,
-        typer.Option("--count", metavar="N", callback=in_range(1), help="With --watch: stop after N refreshes."),
-    ] = None,
+    count: Annotated[int | None, count_option("--count", help="With --watch: stop after N refreshes.", low=1)] = None,
     db: DbOpt = None,
     ttl: TtlOpt = None,
     retention: RetentionOpt = None,

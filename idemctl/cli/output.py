@@ -12,9 +12,11 @@ from typing import IO, Any, Generic, TextIO, TypeVar, cast
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..render import JsonListing, terminal_safe_json, visible
 from ..text import single_line
+from .documents import JsonListing
+from .escaping import terminal_safe_json, visible
 
 T = TypeVar("T")
 
@@ -105,6 +107,21 @@ def console() -> Console:
         force_terminal=False,
         color_system=None,
         highlight=False,
+    )
+
+
+def progress_bar(err: Console, label: str) -> Progress:
+    """A bar on `err` (stderr) for a long run: `label` (a rich column
+    template), the bar, done of total and the time taken. Gone when it ends,
+    and shown only on a terminal, so that pipes and logs stay clean."""
+    return Progress(
+        TextColumn(label),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        disable=not err.is_terminal,
     )
 
 

@@ -12,7 +12,8 @@ from ..ledger import Ledger
 from ..outcomes import InitAction, InitResult
 from ..schema import SCHEMA_VERSION
 from ..storage import is_postgres_url
-from .core import DbOpt, IdemctlCommand, UserError, app, hint_command, settings
+from .core import IdemctlCommand, UserError, app, hint_command, settings
+from .options import DbOpt, flag
 
 if TYPE_CHECKING:  # the driver lives behind the postgres extra
     from ..storage.postgres import DatabaseNotCreatedError, PostgresEngine
@@ -48,9 +49,7 @@ def _would(where: str, result: InitResult) -> str:
 @app.command(cls=IdemctlCommand, epilog="Example: idemctl init --db /var/lib/app/idempotency.db")
 def init(
     ctx: typer.Context,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", metavar="", help="Say what would be done; write nothing.")
-    ] = False,
+    dry_run: Annotated[bool, flag("--dry-run", help="Say what would be done; write nothing.")] = False,
     file_mode: Annotated[
         str,
         typer.Option(

@@ -9,26 +9,14 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import TaskID
 
-from ..render import timeline_json
-from ..scenario import BUILTIN_NAMES, Op, builtin, load_scenario_file
-from ..simulate import Timeline, run_scenario
-from .core import (
-    EXIT_NO,
-    IdemctlCommand,
-    JsonOpt,
-    RetentionOpt,
-    TtlOpt,
-    UserError,
-    app,
-    command_policy,
-    from_command_line,
-    in_range,
-    settings,
-)
-from .output import CliConsole, console, emit_json, say_no
-from .views import print_timeline
+from .core import EXIT_NO, IdemctlCommand, UserError, app, command_policy, settings
+from .options import JsonOpt, RetentionOpt, TtlOpt, count_option, from_command_line
+from .output import CliConsole, console, emit_json, progress_bar, say_no
+from .scenario import BUILTIN_NAMES, Op, builtin, load_scenario_file
+from .simulation import run_scenario
+from .timeline import Timeline, print_timeline, timeline_json
 
 
 @contextmanager
@@ -39,10 +27,7 @@ def fill_progress() -> Iterator[Callable[[str, int, int], None] | None]:
     if not err.is_terminal:
         yield None
         return
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=True,
-    ) as bar:
+    with progress_bar(err, "{task.description}") as bar:
         tasks: dict[str, TaskID] = {}
 
         def update(what: str, done: int, total: int) -> None:
@@ -86,10 +71,7 @@ def simulate(
             "--file", "-f", metavar="FILE", help="Run an operator-written scenario.toml instead.", show_default=False
         ),
     ] = None,
-    workers: Annotated[
-        int,
-        typer.Option("--workers", "-w", metavar="N", callback=in_range(2, 64), help="Processes for `race`, 2 to 64."),
-    ] = 4,
+    workers: Annotated[int, count_option("--workers", "-w", help="Processes for `race`, 2 to 64.", low=2, high=64)] = 4,
     json_out: JsonOpt = False,
     db: Annotated[
         str | None,

@@ -12,36 +12,32 @@ from types import FrameType
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..config import ENV_FENCED_RETENTION
 from ..durations import human_duration, iso
 from ..fingerprint import check_key
 from ..outcomes import Drained, DrainStop, PurgeOutcome, RowView, State, SweepResult
 from ..policy import Policy
-from ..render import state_words, sweep_dry_run_json, sweep_json, visible
-from .core import (
-    EXIT_INTERRUPTED,
-    EXIT_NO,
+from .core import EXIT_INTERRUPTED, EXIT_NO, IdemctlCommand, UserError, app, existing_row, not_found, open_ledger
+from .documents import sweep_dry_run_json, sweep_json
+from .escaping import visible
+from .options import (
     DbOpt,
     Given,
-    IdemctlCommand,
     JsonOpt,
     KeyArg,
     PrincipalOpt,
     RetentionOpt,
     TtlOpt,
-    UserError,
-    app,
-    duration_param,
-    env_help,
+    count_option,
+    duration_option,
+    flag,
     from_command_line,
-    given_param,
+    given_option,
     in_range,
-    not_found,
-    open_ledger,
 )
-from .output import CliConsole, emit_json, say_no
+from .output import CliConsole, emit_json, progress_bar, say_no
+from .words import state_words
 
 MAX_SWEEP_BATCH = 100_000
 
@@ -106,48 +102,35 @@ def sweep(
     ctx: typer.Context,
     batch_size: Annotated[
         int | None,
-        typer.Option(
+        count_option(
             "--batch-size",
-            metavar="N",
-            callback=in_range(1, MAX_SWEEP_BATCH),
             help=f"Rows per DELETE statement, 1 to {MAX_SWEEP_BATCH} (default: 250 on SQLite, 5000 on PostgreSQL).",
+            low=1,
+            high=MAX_SWEEP_BATCH,
             show_default=False,
         ),
     ] = None,
     max_batches: Annotated[
-        int | None,
-        typer.Option(
-            "--max-batches", metavar="N", callback=in_range(1), help="Stop after N batches.", show_default=False
-        ),
+        int | None, count_option("--max-batches", help="Stop after N batches.", low=1, show_default=False)
     ] = None,
     retention: RetentionOpt = None,
     fenced_retention: Annotated[
         Given | None,
-        typer.Option(
+        given_option(
             "--fenced-retention",
-            metavar="DURATION",
-            parser=given_param,
-            help="How long fenced-out events are kept: the record that a mutation may have run twice (default 30d)."
-            + env_help(ENV_FENCED_RETENTION),
-            show_default=False,
+            help="How long fenced-out events are kept: the record that a mutation may have run twice (default 30d).",
+            env=ENV_FENCED_RETENTION,
         ),
     ] = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", metavar="", help="Count what would be deleted; delete nothing.")
-    ] = False,
+    dry_run: Annotated[bool, flag("--dry-run", help="Count what would be deleted; delete nothing.")] = False,
     pause: Annotated[
         int | None,
-        typer.Option(
+        duration_option(
             "--pause",
-            metavar="DURATION",
-            parser=duration_param,
             help="Time to sleep between batches, e.g. 50ms, to leave the lock to the request path (default 0s).",
-            show_default=False,
         ),
     ] = None,
-    pause_ms: Annotated[
-        int | None, typer.Option("--pause-ms", metavar="MS", callback=in_range(0), hidden=True)
-    ] = None,
+    pause_ms: Annotated[int | None, typer.Option("--pause-ms", metavar="MS", callback=in_range(0), hidden=True)] = None,
     json_out: JsonOpt = False,
     db: DbOpt = None,
     ttl: TtlOpt = None,
@@ -179,15 +162,10 @@ def sweep(
         # backlog that nobody sees when stderr is not a terminal.
         backlog = ledger.count_expired() if err.is_terminal else 0
         clock = time.monotonic()
-        with _stop_on_sigint() as stop, Progress(
-            TextColumn("sweeping"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=err,
-            transient=True,
-            disable=not err.is_terminal,
-        ) as progress:
+        with (
+            _stop_on_sigint() as stop,
+            progress_bar(err, "sweeping") as progress,
+        ):
             task = progress.add_task("sweep", total=backlog or None)
             deleted = 0
 
@@ -257,9 +235,7 @@ def purge(
     """Delete one reservation so that the client's next retry runs the mutation again."""
     key = check_key(key)
     with open_ledger(ctx, db, write=True, ttl=ttl) as ledger:
-        view = ledger.get(principal, key)
-        if view is None:
-            not_found(principal, key)
+        view = existing_row(ledger, principal, key)
         typer.echo(f"{visible(principal)} / {key} (generation {view.row.generation}): {state_words(view)}")
         if view.state is State.PENDING_FRESH and not force:
             say_no(_refusal(principal, key, view))

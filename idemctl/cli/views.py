@@ -1,6 +1,6 @@
-"""The CLI's human output: rich grids and tables of what the ledger returns,
-and the timeline of a simulation. Every value a client or the database chose
-is escaped (`render.visible`) and never read as rich markup."""
+"""The CLI's human output: rich grids and tables of what the ledger returns.
+Every value a client or the database chose is escaped (`escaping.visible`)
+and never read as rich markup."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from rich.console import Console
 from rich.highlighter import JSONHighlighter
 from rich.live import Live
 from rich.measure import Measurement
-from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -24,12 +23,11 @@ from ..durations import ago, human_duration, iso
 from ..ledger import Ledger
 from ..outcomes import FencedEvent, RowView, State, Stats, Status
 from ..policy import Policy
-from ..render import body_kind, state_words, takeovers_words, visible
 from ..responses import header_problem, stored_header_pairs
-from ..scenario import Op
-from ..simulate import Event, Timeline
 from .core import EXIT_INTERRUPTED, hint_command
+from .escaping import visible
 from .output import PIPE_WIDTH, console
+from .words import body_kind, state_words, takeovers_words
 
 # A long listing is printed as a run of tables of this many rows (the header
 # on the first only): a rich Table holds all its rows until it is printed.
@@ -38,7 +36,7 @@ PENDING_TABLE_CHUNK = 500
 
 def shown(value: object) -> Text:
     """A value from a client or the database as a rich cell: escaped (see
-    `render.visible`), and a Text so that rich never reads it as markup.
+    `escaping.visible`), and a Text so that rich never reads it as markup.
 
     >>> shown("[bold]acct\\x1b").plain
     '[bold]acct\\\\x1b'
@@ -335,101 +333,3 @@ def _watch_view(where: str, st: Stats, first: Stats, policy: Policy) -> Table:
         grid.add_row("watching", since + f"no new fenced-out events; expired {st.expired - first.expired:+d}")
     grid.add_row("refreshed", f"{iso(st.now)} (Ctrl-C to stop)")
     return grid
-
-
-# -- a simulation -------------------------------------------------------------------------------
-_OUTCOME_STYLE = {
-    "executed": "green",
-    "taken_over": "yellow",
-    "fenced_out": "red",
-    "replayed": "cyan",
-    "in_progress": "magenta",
-    "reused": "magenta",
-    "race_failed": "bold red",
-    "error": "bold red",
-}
-
-# Widths of the t, actor, step, outcome and row-after columns. One fixed-width
-# grid per event with its detail on the next line: a six-column table would
-# squeeze the detail into a sliver at 80 columns.
-_TIMELINE_WIDTHS = (13, 9, 15, 17, 17)
-
-
-def _clock(ms: int) -> str:
-    """A virtual time since the start of the timeline.
-
-    >>> _clock(3_723_004)
-    '+1:02:03.004'
-    """
-    hours, rest = divmod(ms, 3_600_000)
-    minutes, rest = divmod(rest, 60_000)
-    return f"+{hours}:{minutes:02d}:{rest / 1000:06.3f}"
-
-
-def _step_words(e: Event, timeline: Timeline) -> str:
-    step = timeline.scenario.steps[e.step - 1]
-    name = e.op.value
-    if e.op in (Op.REQUEST, Op.RACE):
-        return f"{step.method} {step.path}"
-    if e.op in (Op.COMPLETE, Op.RELEASE) and e.generation is not None:
-        return f"{name} gen {e.generation}"
-    if e.op is Op.ADVANCE:
-        return f"advance {human_duration(step.by_ms)}"
-    if e.op is Op.SWEEP:
-        return f"sweep ≤{step.batch or timeline.policy.sweep_batch}"
-    if e.op is Op.FILL:
-        return f"fill {step.count}"
-    return name
-
-
-def _row_words(e: Event) -> str:
-    if not e.row_known:
-        return ""
-    if e.row is None:
-        return "no row"
-    return f"{e.row.status.value} · gen {e.row.generation}"
-
-
-def _timeline_line(cells: list[Text], terminal: bool) -> Table:
-    grid = Table.grid(padding=(0, 1))
-    for width in _TIMELINE_WIDTHS:
-        if terminal:
-            grid.add_column(width=width, overflow="fold")
-        else:  # piped: a longer cell pushes the rest of its line on, never onto another line
-            grid.add_column(min_width=width, no_wrap=True)
-    grid.add_row(*cells)
-    return grid
-
-
-def print_timeline(console: Console, timeline: Timeline) -> None:
-    """A simulation for a person: what ran, one event a line with its detail
-    under it, then what the ledger logged."""
-    sc = timeline.scenario
-    where = timeline.database or "a temporary ledger (deleted afterwards)"
-    console.print(Text(f"scenario {sc.name}", style="bold") + Text(f": {sc.description}" if sc.description else ""))
-    console.print(
-        Text(
-            f"ledger {where}; TTL {human_duration(timeline.policy.pending_ttl_ms)}, retention "
-            f"{human_duration(timeline.policy.retention_ms)}; virtual clock from {iso(timeline.start)}"
-        )
-    )
-    if timeline.reset:
-        console.print(Text("reset first (left by an earlier run): " + ", ".join(f"{p}/{k}" for p, k in timeline.reset)))
-    terminal = console.is_terminal
-    heads = [Text(h, style="bold") for h in ("t", "actor", "step", "outcome", "row after")]
-    console.print(_timeline_line(heads, terminal))
-    logs: list[str] = []
-    for e in timeline.events:
-        at = _clock(e.at - timeline.start)
-        outcome = Text(e.outcome.value, style=_OUTCOME_STYLE.get(e.outcome.value, ""))
-        if e.http_status is not None and e.op in (Op.REQUEST, Op.RACE):
-            outcome.append(f" {e.http_status}")
-        cells = [Text(at), Text(e.actor), Text(_step_words(e, timeline)), outcome, Text(_row_words(e))]
-        console.print(_timeline_line(cells, terminal))
-        detail = Text(e.detail, style="dim")
-        if not e.ok:
-            detail.append(f" — expected {e.expected}" if e.expected else " — failed", style="bold red")
-        console.print(Padding(detail, (0, 0, 0, _TIMELINE_WIDTHS[0] + 1), expand=False))
-        logs.extend(f"{at} {text}" for text in e.logs)
-    for text in logs:
-        console.print(Text("log " + text, style="dim"))

@@ -15,10 +15,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import ScenarioError
-from .ledger import Ledger
-from .outcomes import Outcome
-from .policy import Policy
+from ..errors import ScenarioError
+from ..ledger import Ledger
+from ..outcomes import Outcome
+from ..policy import Policy
 from .scenario import Step, mutation_answer
 
 RACE_TIMEOUT_S = 60.0
@@ -38,20 +38,25 @@ class RaceResult:
     error: str = ""
 
 
-_RACE_CHILD = "from idemctl.race import race_child; race_child()"
+_RACE_CHILD = "from idemctl.cli.race import race_child; race_child()"
+
+
+# What a racing process takes of the parent's policy (the rest keeps its default).
+_CHILD_POLICY = [
+    "pending_ttl_ms",
+    "retention_ms",
+    "sweep_batch",
+    "body_cap_bytes",
+    "fingerprint_headers",
+    "replayable_headers",
+    "reuse_status",
+]
 
 
 def _policy_doc(policy: Policy) -> dict[str, Any]:
-    return {
-        "pending_ttl_ms": policy.pending_ttl_ms,
-        "retention_ms": policy.retention_ms,
-        "sweep_batch": policy.sweep_batch,
-        "body_cap_bytes": policy.body_cap_bytes,
-        "fingerprint_headers": list(policy.fingerprint_headers),
-        "replayable_headers": list(policy.replayable_headers),
-        "protected_methods": sorted(policy.protected_methods),
-        "reuse_status": policy.reuse_status,
-    }
+    doc: dict[str, Any] = {name: getattr(policy, name) for name in _CHILD_POLICY}
+    doc["protected_methods"] = sorted(policy.protected_methods)  # a frozenset: JSON has no sets
+    return doc
 
 
 def race_child() -> None:
@@ -74,8 +79,13 @@ def race_child() -> None:
         if sys.stdin.readline().strip() != "go":
             return  # the parent gave up on the race
         answer = ledger.handle(
-            spec["principal"], spec["key"], spec["method"], spec["path"],
-            [(str(k), str(v)) for k, v in spec["headers"]], base64.b64decode(spec["body"]), mutation,
+            spec["principal"],
+            spec["key"],
+            spec["method"],
+            spec["path"],
+            [(str(k), str(v)) for k, v in spec["headers"]],
+            base64.b64decode(spec["body"]),
+            mutation,
         )
         ledger.close()
         result: dict[str, Any] = {
@@ -99,8 +109,13 @@ def _race_result(worker: int, pid: int, line: str, stderr: str, code: int | None
     if "error" in doc:
         return RaceResult(worker, pid, None, error=doc["error"])
     return RaceResult(
-        worker, pid, Outcome(doc["outcome"]), doc["status"], doc["generation"],
-        base64.b64decode(doc["body"]), doc["retry_after"],
+        worker,
+        pid,
+        Outcome(doc["outcome"]),
+        doc["status"],
+        doc["generation"],
+        base64.b64decode(doc["body"]),
+        doc["retry_after"],
     )
 
 
@@ -111,7 +126,7 @@ def race_processes(target: str, step: Step, policy: Policy, now: int) -> list[Ra
     together.
 
     >>> import os, tempfile
-    >>> from idemctl.scenario import builtin
+    >>> from idemctl.cli.scenario import builtin
     >>> with tempfile.TemporaryDirectory() as tmp:
     ...     target = os.path.join(tmp, "race.db")
     ...     with Ledger.open(target) as ledger:
@@ -126,22 +141,34 @@ def race_processes(target: str, step: Step, policy: Policy, now: int) -> list[Ra
     # threads and locks, and spawn re-imports its __main__ (which breaks under
     # python -c, a REPL or a notebook).
     env = dict(os.environ)
-    package_root = str(Path(__file__).resolve().parent.parent)
+    package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = package_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     procs: list[subprocess.Popen[str]] = []
     try:
         for worker in range(1, step.workers + 1):
             status, headers, body = mutation_answer(replace(step, actor=f"w{worker}"))
             spec = {
-                "target": target, "now": now, "policy": _policy_doc(policy), "principal": step.principal,
-                "key": step.key, "method": step.method, "path": step.path, "headers": list(step.headers),
-                "body": base64.b64encode(step.body).decode("ascii"), "hold_ms": step.hold_ms,
-                "response_status": status, "response_headers": list(headers),
+                "target": target,
+                "now": now,
+                "policy": _policy_doc(policy),
+                "principal": step.principal,
+                "key": step.key,
+                "method": step.method,
+                "path": step.path,
+                "headers": list(step.headers),
+                "body": base64.b64encode(step.body).decode("ascii"),
+                "hold_ms": step.hold_ms,
+                "response_status": status,
+                "response_headers": list(headers),
                 "response_body": base64.b64encode(body).decode("ascii"),
             }
             proc = subprocess.Popen(
                 [sys.executable, "-c", _RACE_CHILD],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
             )
             assert proc.stdin is not None
             proc.stdin.write(json.dumps(spec) + "\n")

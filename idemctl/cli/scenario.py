@@ -19,11 +19,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .durations import parse_duration
-from .errors import ScenarioError
-from .fingerprint import fingerprint
-from .outcomes import Outcome
-from .policy import Policy
+from ..durations import parse_duration
+from ..errors import ScenarioError
+from ..fingerprint import fingerprint
+from ..outcomes import Outcome
+from ..policy import Policy
 
 DEFAULT_PRINCIPAL = "acct_A"
 DEFAULT_METHOD = "POST"
@@ -367,30 +367,41 @@ def _ms(ms: int) -> str:
     return f"{ms}ms"
 
 
+# Every built-in ends with the operator's view of the row it left.
+_INSPECT = {"do": "inspect", "actor": "operator", "expect": "inspected"}
+
+
+def _again(description: str, key: str, wait: str, retry: dict[str, Any]) -> dict[str, Any]:
+    """A request that runs, a wait, then a request with the same key: `retry`
+    says how it differs from the first and what it gets."""
+    return {
+        "description": description,
+        "key": key,
+        "step": [
+            {"do": "request", "actor": "A", "expect": "executed"},
+            {"do": "advance", "by": wait},
+            {"do": "request", "actor": "A", **retry},
+            _INSPECT,
+        ],
+    }
+
+
 def _builtin_docs(policy: Policy, workers: int) -> dict[str, dict[str, Any]]:
     past_ttl = _ms(policy.pending_ttl_ms + 1000)
     past_retention = _ms(policy.retention_ms + 1000)
     return {
-        "happy": {
-            "description": "claim, complete, replay: the retry gets the stored answer and nothing runs twice",
-            "key": "order-1",
-            "step": [
-                {"do": "request", "actor": "A", "expect": "executed"},
-                {"do": "advance", "by": "2s"},
-                {"do": "request", "actor": "A", "expect": "replayed"},
-                {"do": "inspect", "actor": "operator", "expect": "inspected"},
-            ],
-        },
-        "reuse": {
-            "description": "the same key with another body gets 409 reused and nothing is replayed",
-            "key": "order-7",
-            "step": [
-                {"do": "request", "actor": "A", "expect": "executed"},
-                {"do": "advance", "by": "1s"},
-                {"do": "request", "actor": "A", "body": '{"sku":"book","qty":2}', "expect": "reused"},
-                {"do": "inspect", "actor": "operator", "expect": "inspected"},
-            ],
-        },
+        "happy": _again(
+            "claim, complete, replay: the retry gets the stored answer and nothing runs twice",
+            "order-1",
+            "2s",
+            {"expect": "replayed"},
+        ),
+        "reuse": _again(
+            "the same key with another body gets 409 reused and nothing is replayed",
+            "order-7",
+            "1s",
+            {"body": '{"sku":"book","qty":2}', "expect": "reused"},
+        ),
         "in-progress": {
             "description": "a retry while the first attempt is still running gets 409 with Retry-After",
             "key": "order-9",
@@ -401,7 +412,7 @@ def _builtin_docs(policy: Policy, workers: int) -> dict[str, dict[str, Any]]:
                 {"do": "advance", "by": "1s"},
                 {"do": "complete", "actor": "A", "expect": "stored"},
                 {"do": "request", "actor": "A-retry", "expect": "replayed"},
-                {"do": "inspect", "actor": "operator", "expect": "inspected"},
+                _INSPECT,
             ],
         },
         "takeover": {
@@ -418,7 +429,7 @@ def _builtin_docs(policy: Policy, workers: int) -> dict[str, dict[str, Any]]:
                 {"do": "complete", "actor": "A", "expect": "fenced_out"},
                 {"do": "advance", "by": "1s"},
                 {"do": "request", "actor": "C", "expect": "replayed"},
-                {"do": "inspect", "actor": "operator", "expect": "inspected"},
+                _INSPECT,
             ],
         },
         "race": {
@@ -428,7 +439,7 @@ def _builtin_docs(policy: Policy, workers: int) -> dict[str, dict[str, Any]]:
                 {"do": "race", "workers": workers, "hold": "300ms", "expect": "raced"},
                 {"do": "advance", "by": "1s"},
                 {"do": "request", "actor": "retry", "expect": "replayed"},
-                {"do": "inspect", "actor": "operator", "expect": "inspected"},
+                _INSPECT,
             ],
         },
         "sweep": {
@@ -440,7 +451,7 @@ def _builtin_docs(policy: Policy, workers: int) -> dict[str, dict[str, Any]]:
                 {"do": "advance", "by": past_retention},
                 {"do": "request", "actor": "A", "expect": "executed"},
                 {"do": "sweep", "batch": 20, "until_empty": True, "expect": "drained"},
-                {"do": "inspect", "actor": "operator", "expect": "inspected"},
+                _INSPECT,
             ],
         },
     }
@@ -461,7 +472,6 @@ def builtin(name: str, policy: Policy | None = None, *, workers: int = 4) -> Sce
             f"unknown scenario {name!r}: built-in ones are {', '.join(BUILTIN_NAMES)} (or use --file scenario.toml)"
         )
     return parse_scenario({"name": name, **docs[name]}, f"built-in {name}")
-
 
 
 # -- what a step's mutation answers -------------------------------------------------------

@@ -5,7 +5,7 @@ Built-in scenarios are written in the same step language an operator uses in
 a ``scenario.toml`` file (one parser, one interpreter), so an incident can be
 reproduced exactly as the built-ins demonstrate the contract.
 
->>> from idemctl.scenario import builtin
+>>> from idemctl.cli.scenario import builtin
 >>> timeline = run_scenario(builtin("takeover"))
 >>> [e.outcome.value for e in timeline.events][:3]
 ['claimed', 'advanced', 'taken_over']
@@ -19,70 +19,24 @@ import logging
 import os
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .durations import human_duration
-from .errors import IdemctlError, ScenarioError
-from .ledger import Ledger, wall_clock_ms
-from .outcomes import Outcome, Reservation, RowView, StoredRow, SweepResult
-from .policy import Policy
+from ..durations import human_duration
+from ..errors import IdemctlError, ScenarioError
+from ..ledger import Ledger, wall_clock_ms
+from ..outcomes import Outcome, Reservation, SweepResult
+from ..policy import Policy
 from .race import race_processes
-from .render import state_words
 from .scenario import Op, Scenario, Step, StepOutcome, mutation_answer
+from .timeline import Timeline, TimelineEvent
+from .words import state_words
 
 MAX_SWEEP_BATCHES = 10_000
 # How often a long step reports its progress (rows): often enough for a bar
 # to move, rarely enough to cost nothing next to the writes.
 PROGRESS_EVERY = 100
 Progress = Callable[[str, int, int], None]
-
-
-@dataclass(frozen=True)
-class Event:
-    """One line of the timeline."""
-
-    step: int  # index of the scenario step that produced it
-    at: int  # virtual ms since the epoch
-    actor: str
-    op: Op
-    principal: str | None
-    key: str | None
-    outcome: Outcome | StepOutcome
-    detail: str
-    http_status: int | None = None
-    generation: int | None = None  # the generation this actor acted as
-    row: StoredRow | None = None  # the row after the step (None: no row)
-    row_known: bool = True  # False for clock and sweep steps, which concern no single row
-    view: RowView | None = None
-    deleted: int | None = None
-    pid: int | None = None
-    expected: str | None = None
-    logs: tuple[str, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        if self.outcome in (StepOutcome.RACE_FAILED, StepOutcome.ERROR):
-            return False
-        return self.expected is None or self.expected == self.outcome.value
-
-
-@dataclass(frozen=True)
-class Timeline:
-    scenario: Scenario
-    database: str | None  # where it ran, safe to print (no password); None: a temporary database
-    policy: Policy
-    start: int
-    end: int
-    reset: tuple[tuple[str, str], ...]  # keys left by an earlier run, purged first
-    events: tuple[Event, ...]
-
-    @property
-    def ok(self) -> bool:
-        return all(e.ok for e in self.events)
-
-    def failures(self) -> list[Event]:
-        return [e for e in self.events if not e.ok]
 
 
 class VirtualClock:
@@ -160,31 +114,25 @@ def _request_detail(outcome: Outcome, status: int, generation: int | None, body:
     return f"{status} {outcome.value}"
 
 
+@dataclass
 class _Runner:
-    def __init__(
-        self,
-        ledger: Ledger,
-        clock: VirtualClock,
-        target: str,
-        scenario: Scenario,
-        tap: _LogTap,
-        progress: Progress | None = None,
-    ) -> None:
-        self.progress = progress
-        self.ledger = ledger
-        self.clock = clock
-        self.target = target
-        self.scenario = scenario
-        self.tap = tap
-        self.reservations: dict[tuple[str, str, str], Reservation] = {}
-        self.events: list[Event] = []
+    """Runs steps on `ledger` (at `target`, for racing processes), each
+    adding its events to the timeline with what the ledger logged."""
+
+    ledger: Ledger
+    clock: VirtualClock
+    target: str
+    tap: _LogTap
+    progress: Progress | None = None
+    reservations: dict[tuple[str, str, str], Reservation] = field(default_factory=dict)
+    events: list[TimelineEvent] = field(default_factory=list)
 
     def emit(self, step: Step, outcome: Outcome | StepOutcome, detail: str, **kw: Any) -> None:
         concerns_row = step.op not in (Op.ADVANCE, Op.SWEEP)
         if concerns_row and "row" not in kw:
             kw["row"] = self.ledger.lookup(step.principal, step.key)
         self.events.append(
-            Event(
+            TimelineEvent(
                 step=step.index,
                 at=self.clock.now,
                 actor=kw.pop("actor", step.actor),
@@ -220,7 +168,12 @@ class _Runner:
     def _request(self, step: Step) -> None:
         status, headers, body = mutation_answer(step)
         answer = self.ledger.handle(
-            step.principal, step.key, step.method, step.path, step.headers, step.body,
+            step.principal,
+            step.key,
+            step.method,
+            step.path,
+            step.headers,
+            step.body,
             lambda _body: (status, headers, body),
         )
         retry_after = answer.header("Retry-After")
@@ -368,8 +321,14 @@ class _Runner:
                 continue
             detail = _request_detail(r.outcome, r.status or 0, r.generation, r.body, r.retry_after)
             self.emit(
-                step, r.outcome, f"pid {r.pid}: {detail}", actor=f"w{r.worker}", pid=r.pid,
-                http_status=r.status, generation=r.generation, expected=None,
+                step,
+                r.outcome,
+                f"pid {r.pid}: {detail}",
+                actor=f"w{r.worker}",
+                pid=r.pid,
+                http_status=r.status,
+                generation=r.generation,
+                expected=None,
             )
         others: dict[str, int] = {}
         for r in results:
@@ -401,7 +360,7 @@ def run_scenario(
     the same story instead of finding last run's rows. `progress(what,
     done, total)` hears how the long steps (a `fill`, that first purge) go.
 
-    >>> from idemctl.scenario import builtin
+    >>> from idemctl.cli.scenario import builtin
     >>> run_scenario(builtin("happy")).ok
     True
     """
@@ -432,13 +391,15 @@ def run_scenario(
         for done, pk in enumerate(written, 1):
             if ledger.purge(*pk, force=True).row is not None:
                 reset_keys.append(pk)
-            if progress is not None and len(written) >= PROGRESS_EVERY and (
-                done % PROGRESS_EVERY == 0 or done == len(written)
+            if (
+                progress is not None
+                and len(written) >= PROGRESS_EVERY
+                and (done % PROGRESS_EVERY == 0 or done == len(written))
             ):
                 progress("purging the keys of an earlier run", done, len(written))
         reset = tuple(reset_keys)
         tap = stack.enter_context(_tap_logs())
-        runner = _Runner(ledger, clock, where, scenario, tap, progress)
+        runner = _Runner(ledger, clock, where, tap, progress)
         for step in scenario.steps:
             runner.run(step)
     return Timeline(
@@ -450,4 +411,3 @@ def run_scenario(
         reset=reset,
         events=tuple(runner.events),
     )
-
