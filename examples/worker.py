@@ -36,13 +36,9 @@ from typing import Any
 
 import redis
 
-from idemctl import (
-    CallInProgressError,
-    KeyReusedError,
-    ResultNotStoredError,
-    UnserializableArgumentsError,
-)
+from idemctl import CallInProgressError, KeyReusedError
 from idemctl.config import Settings, env_duration
+from idemctl.errors import ResultNotStoredError, UnserializableArgumentsError
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 STREAM = os.environ.get("PAYMENTS_STREAM", "payments")

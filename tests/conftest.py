@@ -48,7 +48,8 @@ def postgres_server() -> str:
     except ImportError as exc:
         reason = f"PostgreSQL tests need the driver: pip install -e '.[postgres]' ({exc.name} is missing)"
     else:
-        from idemctl import SchemaTooNewError, StorageError
+        from idemctl import StorageError
+        from idemctl.errors import SchemaTooNewError
 
         try:
             probe = Store(PostgresEngine(url, busy_timeout_ms=3000))

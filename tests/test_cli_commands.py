@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from idemctl import Ledger, Policy, PurgeOutcome, State, Status, fingerprint, wall_clock_ms
+from idemctl import Ledger, Policy, State, Status, fingerprint, wall_clock_ms
 from idemctl.cli import app
+from idemctl.outcomes import PurgeOutcome
 from idemctl.schema import schema_files
 from tests.helpers import clean_env
 

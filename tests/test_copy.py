@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from idemctl import Ledger, Outcome, Policy, ReadOnlyDatabaseError, SchemaMissingError, fingerprint
+from idemctl import Ledger, Outcome, Policy, fingerprint
 from idemctl.cli import app
 from idemctl.copying import CopyProgress, KeptReason
+from idemctl.errors import ReadOnlyDatabaseError, SchemaMissingError
 from idemctl.storage.store import LedgerRow
 from tests.helpers import FakeClock, clean_env, mysql_test_database, postgres_test_schema
 

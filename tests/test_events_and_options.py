@@ -12,7 +12,8 @@ from email.utils import formatdate
 
 import pytest
 
-from idemctl import Event, Ledger, Outcome, Policy, SchemaMissingError, Status
+from idemctl import Event, Ledger, Outcome, Policy, Status
+from idemctl.errors import SchemaMissingError
 
 TTL = 30_000
 DAY = 86_400_000

@@ -10,7 +10,9 @@ import sqlite3
 
 import pytest
 
-from idemctl import InitAction, Ledger, Outcome, Policy, SchemaOutdatedError, Status, fingerprint
+from idemctl import Ledger, Outcome, Policy, Status, fingerprint
+from idemctl.errors import SchemaOutdatedError
+from idemctl.outcomes import InitAction
 from idemctl.schema import schema_files
 
 TTL = 30_000

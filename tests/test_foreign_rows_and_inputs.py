@@ -9,16 +9,9 @@ import sqlite3
 import pytest
 from typer.testing import CliRunner
 
-from idemctl import (
-    InvalidPrincipalError,
-    InvalidRequestError,
-    Ledger,
-    MalformedRowError,
-    Policy,
-    State,
-    fingerprint,
-)
+from idemctl import Ledger, Policy, State, fingerprint
 from idemctl.cli import app
+from idemctl.errors import InvalidPrincipalError, InvalidRequestError, MalformedRowError
 
 NOW = 1_700_000_000_000
 

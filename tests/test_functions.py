@@ -15,22 +15,16 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from idemctl import (
-    CallInProgressError,
-    IdemctlError,
+from idemctl import CallInProgressError, IdemctlError, KeyReusedError, Outcome, Policy, State, Status
+from idemctl.cli import app
+from idemctl.errors import (
     InvalidKeyError,
     InvalidPrincipalError,
-    KeyReusedError,
-    Outcome,
-    Policy,
     ResultNotSerializableError,
     ResultNotStoredError,
     ResultTooLargeError,
-    State,
-    Status,
     UnserializableArgumentsError,
 )
-from idemctl.cli import app
 from idemctl.functions import call_fingerprint, canonical_json
 from tests.helpers import clean_env
 

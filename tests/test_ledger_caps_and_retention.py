@@ -11,18 +11,8 @@ from email.utils import parsedate_to_datetime
 
 import pytest
 
-from idemctl import (
-    AnswerNotStoredError,
-    ConnectionFailedError,
-    InvalidPrincipalError,
-    InvalidRequestError,
-    Ledger,
-    Outcome,
-    Policy,
-    PolicyError,
-    State,
-    Status,
-)
+from idemctl import AnswerNotStoredError, Ledger, Outcome, Policy, PolicyError, State, Status
+from idemctl.errors import ConnectionFailedError, InvalidPrincipalError, InvalidRequestError
 from idemctl.ledger import MAX_PATH_BYTES, MAX_PRINCIPAL_BYTES
 
 BODY = b'{"sku":"tea"}'

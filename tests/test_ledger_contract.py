@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from idemctl import InvalidBodyError, Outcome, Policy, State, Status, fingerprint
+from idemctl import Outcome, Policy, State, Status, fingerprint
+from idemctl.errors import InvalidBodyError
 
 JSON = ("content-type", "application/json")
 HEADERS = {"Content-Type": "application/json"}

@@ -44,7 +44,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from idemctl import Ledger, Outcome, Policy, PurgeOutcome, Reservation, State, Status, StoredRow, fingerprint
+from idemctl import Ledger, Outcome, Policy, Reservation, State, Status, StoredRow, fingerprint
+from idemctl.outcomes import PurgeOutcome
 from idemctl.storage.sqlite import SqliteEngine
 from tests.helpers import FakeClock
 

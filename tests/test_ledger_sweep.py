@@ -143,7 +143,7 @@ def test_after_response_skips_answers_that_never_touched_the_ledger(ledger):
 
 def test_after_response_logs_and_swallows_storage_errors(ledger, clock, caplog, monkeypatch):
     answer = ledger.handle("acct", "k", "POST", "/", {}, b"", lambda b: (200, {}, b""))
-    from idemctl import DatabaseLockedError
+    from idemctl.errors import DatabaseLockedError
 
     def locked(*args):
         raise DatabaseLockedError("database x is locked")

@@ -21,19 +21,15 @@ import pytest
 
 pymysql = pytest.importorskip("pymysql")
 
-from idemctl import (  # noqa: E402
+from idemctl import Ledger, Outcome, Policy, Status, StorageError  # noqa: E402
+from idemctl.errors import (  # noqa: E402
     ConnectionFailedError,
     DatabaseLockedError,
-    InitAction,
     InvalidPrincipalError,
-    Ledger,
     LedgerNotFoundError,
-    Outcome,
-    Policy,
     ReadOnlyDatabaseError,
-    Status,
-    StorageError,
 )
+from idemctl.outcomes import InitAction  # noqa: E402
 from idemctl.storage.dialect import MYSQL  # noqa: E402
 from idemctl.storage.mysql import MysqlEngine  # noqa: E402
 from idemctl.wsgi import IdempotencyMiddleware  # noqa: E402
@@ -580,7 +576,7 @@ def test_a_hand_made_ledger_table_is_refused_by_init_with_what_to_do(make_ledger
 
 
 def test_a_request_before_init_is_schema_missing(make_ledger) -> None:
-    from idemctl import SchemaMissingError
+    from idemctl.errors import SchemaMissingError
 
     ledger = make_ledger(init=False)
     with pytest.raises(SchemaMissingError):
@@ -677,7 +673,7 @@ def test_an_exhausted_pool_is_a_ledger_unavailable_error_after_the_pool_timeout(
 
 
 def test_purge_deletes_exactly_the_row_it_read_and_refuses_a_fresh_pending_one(make_ledger, clock) -> None:
-    from idemctl import PurgeOutcome
+    from idemctl.outcomes import PurgeOutcome
 
     ledger = make_ledger(policy=Policy(pending_ttl_ms=1000))
     ledger.claim("acct", "fresh", "fp")
@@ -703,7 +699,7 @@ def test_idemctl_db_and_the_cli_take_a_mysql_url_like_a_path(ledger_target: str,
 
 
 def test_rows_written_by_other_programs_are_named_when_malformed_never_a_traceback(ledger: Ledger, db) -> None:
-    from idemctl import MalformedRowError
+    from idemctl.errors import MalformedRowError
 
     db.execute(
         "INSERT INTO idempotency_keys (principal, `key`, fingerprint, status, generation, created_at, updated_at)"

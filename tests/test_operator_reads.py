@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from idemctl import PurgeOutcome, State, Status
+from idemctl import State, Status
+from idemctl.outcomes import PurgeOutcome
 
 TTL = 30_000
 DAY = 86_400_000

@@ -215,7 +215,7 @@ def test_an_exhausted_pool_is_a_ledger_unavailable_error_after_the_pool_timeout(
 def test_a_connection_the_server_killed_fails_one_statement_and_the_pool_replaces_it(
     ledger_target: str, pg: psycopg.Connection
 ) -> None:
-    from idemctl import ConnectionFailedError
+    from idemctl.errors import ConnectionFailedError
 
     ledger = Ledger.open(ledger_target + "&pool_max_size=1")
     ledger.init()
@@ -231,7 +231,7 @@ def test_when_the_server_drops_every_pooled_connection_only_one_statement_fails(
 ) -> None:
     # A restart or failover closes all of them; without a check of the idle
     # ones, each would fail one more request before the pool replaced it.
-    from idemctl import ConnectionFailedError
+    from idemctl.errors import ConnectionFailedError
 
     app = ledger_target.rsplit("application_name=", 1)[1]
     ledger = Ledger.open(ledger_target + "&pool_min_size=4&pool_max_size=4")

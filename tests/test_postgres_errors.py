@@ -11,15 +11,13 @@ import pytest
 
 psycopg = pytest.importorskip("psycopg")
 
-from idemctl import (  # noqa: E402
+from idemctl import Ledger, LedgerUnavailableError, StorageError  # noqa: E402
+from idemctl.errors import (  # noqa: E402
     ConnectionFailedError,
     DatabaseLockedError,
     InvalidPrincipalError,
-    Ledger,
     LedgerNotFoundError,
-    LedgerUnavailableError,
     ReadOnlyDatabaseError,
-    StorageError,
 )
 from idemctl.storage import Store  # noqa: E402
 from idemctl.storage.postgres import PostgresEngine  # noqa: E402

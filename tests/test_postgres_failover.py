@@ -20,8 +20,9 @@ from typer.testing import CliRunner
 from bench.common import wsgi_environ
 from bench.failover import SETTINGS, FailoverRun, measure, render
 from bench.replica import ReplicaPair
-from idemctl import ConnectionFailedError, Ledger, ReadOnlyDatabaseError
+from idemctl import Ledger
 from idemctl.cli import app
+from idemctl.errors import ConnectionFailedError, ReadOnlyDatabaseError
 from idemctl.outcomes import Outcome, Status
 from idemctl.wsgi import IdempotencyMiddleware
 

@@ -12,19 +12,14 @@ import pytest
 
 psycopg = pytest.importorskip("psycopg")
 
-from idemctl import (  # noqa: E402  # noqa: E402
-    InitAction,
-    Ledger,
-    Outcome,
+from idemctl import Ledger, Outcome, State, Status, StorageError, fingerprint  # noqa: E402
+from idemctl.errors import (  # noqa: E402
     ReadOnlyDatabaseError,
     SchemaMissingError,
     SchemaOutdatedError,
     SchemaTooNewError,
-    State,
-    Status,
-    StorageError,
-    fingerprint,
 )
+from idemctl.outcomes import InitAction  # noqa: E402
 from idemctl.schema import schema_files  # noqa: E402
 
 RECIPE_COLUMNS = (

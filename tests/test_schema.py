@@ -6,16 +6,9 @@ import sqlite3
 
 import pytest
 
-from idemctl import (
-    InitAction,
-    Ledger,
-    Outcome,
-    SchemaMissingError,
-    SchemaOutdatedError,
-    SchemaTooNewError,
-    State,
-    Status,
-)
+from idemctl import Ledger, Outcome, State, Status
+from idemctl.errors import SchemaMissingError, SchemaOutdatedError, SchemaTooNewError
+from idemctl.outcomes import InitAction
 
 # As the recipe's Cloudflare Worker creates it (D1 / wrangler's local SQLite).
 RECIPE_DDL = """

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from idemctl import Ledger, Outcome, SchemaOutdatedError
+from idemctl import Ledger, Outcome
+from idemctl.errors import SchemaOutdatedError
 from idemctl.schema import schema_files
 from idemctl.storage import Store, open_engine
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from idemctl import Ledger, Outcome, SchemaMissingError, StorageError
+from idemctl import Ledger, Outcome, StorageError
 from idemctl.cli import app
+from idemctl.errors import SchemaMissingError
 
 
 def mode_of(path: str | Path) -> int:

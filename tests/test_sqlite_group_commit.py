@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from idemctl import DatabaseLockedError, Ledger, StorageError
+from idemctl import Ledger, StorageError
+from idemctl.errors import DatabaseLockedError
 from idemctl.storage.sqlite import SqliteEngine
 
 fork = mp.get_context("fork")

@@ -13,7 +13,8 @@ import threading
 
 import pytest
 
-from idemctl import DatabaseLockedError, Ledger, Outcome
+from idemctl import Ledger, Outcome
+from idemctl.errors import DatabaseLockedError
 
 fork = mp.get_context("fork")
 

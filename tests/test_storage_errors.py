@@ -9,16 +9,13 @@ import threading
 
 import pytest
 
-from idemctl import (
+from idemctl import IdemctlError, Ledger, LedgerUnavailableError, StorageError
+from idemctl.errors import (
     DatabaseLockedError,
-    IdemctlError,
     InvalidKeyError,
-    Ledger,
     LedgerNotFoundError,
-    LedgerUnavailableError,
     NotADatabaseError,
     ReadOnlyDatabaseError,
-    StorageError,
 )
 from tests.helpers import read_only_file
 

@@ -6,16 +6,8 @@ import sqlite3
 
 import pytest
 
-from idemctl import (
-    AnswerNotStoredError,
-    DatabaseLockedError,
-    Ledger,
-    Outcome,
-    Policy,
-    Status,
-    Ticket,
-    fingerprint,
-)
+from idemctl import AnswerNotStoredError, Ledger, Outcome, Policy, Status, Ticket, fingerprint
+from idemctl.errors import DatabaseLockedError
 
 JSON = {"content-type": "application/json"}
 
