@@ -24,6 +24,7 @@ import pytest
 
 from idemctl import DatabaseLockedError, Ledger, StorageError
 from idemctl.storage.sqlite import SqliteEngine
+from idemctl.storage.sqlite.group_commit import GroupCommit
 
 fork = mp.get_context("fork")
 PRINCIPAL = "acct"
@@ -430,7 +431,7 @@ def test_a_forked_child_does_not_join_its_parents_pending_batch(db, open_ledger)
 def test_with_small_batches_leaders_work_through_a_long_queue_and_hand_on(open_ledger, monkeypatch):
     # A queue longer than one batch: a leader whose own statement is not in
     # its first batch leads again, and the others are handed leadership.
-    monkeypatch.setattr("idemctl.storage.sqlite.GROUP_COMMIT_MAX_BATCH", 3)
+    monkeypatch.setattr("idemctl.storage.sqlite.group_commit.GROUP_COMMIT_MAX_BATCH", 3)
     ledger = open_ledger(group_commit=True)
     engine = engine_of(ledger)
 
@@ -450,16 +451,16 @@ class LeaderStopped(BaseException):
 def test_a_leader_stopped_mid_batch_fails_its_batch_mates_and_the_ledger_goes_on(db, open_ledger, monkeypatch):
     ledger = open_ledger(group_commit=True)
     engine = engine_of(ledger)
-    real = SqliteEngine._commit_batch
+    real = GroupCommit._commit_batch
     calls = []
 
-    def stopping(self: SqliteEngine, batch: list[Any]) -> None:
+    def stopping(self: GroupCommit, batch: list[Any]) -> None:
         calls.append(len(batch))
         if len(calls) == 1:
             raise LeaderStopped
         real(self, batch)
 
-    monkeypatch.setattr(SqliteEngine, "_commit_batch", stopping)
+    monkeypatch.setattr(GroupCommit, "_commit_batch", stopping)
     batch = ForcedBatch(db, engine)
     with writer_queue_held(db):
         for key in ("lead", "second", "third", "fourth"):

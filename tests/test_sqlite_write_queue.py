@@ -31,6 +31,16 @@ def _hold_queue(lock_path: str, held, release) -> None:
     os.close(fd)
 
 
+def descriptors_of(path: str) -> list[int]:
+    """This process's open descriptors on `path`."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{name}") == os.path.realpath(path):
+                found.append(int(name))
+    return found
+
+
 @contextlib.contextmanager
 def queue_held_by_another_process(db: str):
     """A forked process holds `db`'s writer queue from entry until the
@@ -131,7 +141,7 @@ def test_time_spent_queueing_is_taken_from_the_busy_timeout_and_then_restored(db
 def test_threads_of_one_process_take_turns_in_the_queue(db):
     ledger = Ledger.open(db)
     ledger.claim("acct", "warm", "fp")  # opens this thread's queue descriptor
-    fd = ledger.store.engine._slot().queue_fd
+    (fd,) = descriptors_of(db + "-idemctl.lock")  # the only thread that wrote so far
     fcntl.flock(fd, fcntl.LOCK_EX)  # as if this thread were mid-statement
     done = threading.Event()
     other = threading.Thread(target=lambda: (ledger.claim("acct", "t2", "fp"), done.set()))
