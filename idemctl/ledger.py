@@ -60,7 +60,7 @@ from .outcomes import (
     Verdict,
 )
 from .policy import Policy
-from .storage import DEFAULT_FILE_MODE, Store, is_server_url, open_engine
+from .storage import DEFAULT_FILE_MODE, SqliteOptions, Store, is_server_url, open_engine
 from .storage.aio import AsyncStore
 from .storage.store import derive_state, new_token
 
@@ -207,16 +207,11 @@ class Ledger:
         >>> Ledger.open(":memory:", policy=Policy(pending_ttl_ms=60_000)).policy.retry_after_seconds
         60
         """
-        engine = open_engine(
-            target,
-            create=create,
-            readonly=readonly,
-            busy_timeout_ms=busy_timeout_ms,
-            synchronous=synchronous,
-            write_queue=write_queue,
-            file_mode=file_mode,
+        sqlite = SqliteOptions(
+            create=create, synchronous=synchronous, write_queue=write_queue, file_mode=file_mode,
             group_commit=group_commit,
         )
+        engine = open_engine(target, readonly=readonly, busy_timeout_ms=busy_timeout_ms, sqlite=sqlite)
         store = Store(engine)
         if not is_server_url(target):
             # A file's schema is checked at open (it costs no connection):

@@ -10,7 +10,7 @@ import os
 
 from ..errors import StorageError
 from .engine import Engine
-from .sqlite import DEFAULT_FILE_MODE, SqliteEngine
+from .sqlite import DEFAULT_FILE_MODE, SQLITE_DEFAULTS, SqliteEngine, SqliteOptions
 from .store import Store
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
@@ -33,16 +33,12 @@ def is_server_url(target: str | os.PathLike[str]) -> bool:
 def open_engine(
     target: str | os.PathLike[str],
     *,
-    create: bool = True,
     readonly: bool = False,
     busy_timeout_ms: int = 5000,
-    synchronous: str = "FULL",
-    write_queue: bool = True,
-    file_mode: int = DEFAULT_FILE_MODE,
-    group_commit: bool = False,
+    sqlite: SqliteOptions = SQLITE_DEFAULTS,
 ) -> Engine:
-    """The engine for a SQLite file path, a postgresql:// or a mysql:// URL.
-    `synchronous`, `write_queue`, `file_mode` and `group_commit` are SQLite settings.
+    """The engine for a SQLite file path, a postgresql:// or a mysql:// URL;
+    `sqlite` holds what only a SQLite file has (a server URL ignores it).
 
     >>> open_engine(":memory:").dialect.name
     'sqlite'
@@ -69,16 +65,16 @@ def open_engine(
         raise StorageError(
             f"unsupported ledger URL {target.split('://', 1)[0]}://…: use a file path, postgresql:// or mysql://"
         )
-    return SqliteEngine(
-        target,
-        create=create,
-        readonly=readonly,
-        busy_timeout_ms=busy_timeout_ms,
-        synchronous=synchronous,
-        write_queue=write_queue,
-        file_mode=file_mode,
-        group_commit=group_commit,
-    )
+    return SqliteEngine(target, readonly=readonly, busy_timeout_ms=busy_timeout_ms, options=sqlite)
 
 
-__all__ = ["DEFAULT_FILE_MODE", "Engine", "Store", "is_mysql_url", "is_postgres_url", "is_server_url", "open_engine"]
+__all__ = [
+    "DEFAULT_FILE_MODE",
+    "Engine",
+    "SqliteOptions",
+    "Store",
+    "is_mysql_url",
+    "is_postgres_url",
+    "is_server_url",
+    "open_engine",
+]

@@ -24,18 +24,19 @@ from ..dialect import SQLITE
 from ..engine import Params, Rows, SchemaTx
 from .connections import Connections
 from .errors import translate
-from .files import DEFAULT_FILE_MODE, check_file_mode, companion_mode, create_ledger_file, nobody_writes_it
+from .files import companion_mode, create_ledger_file, nobody_writes_it
 from .group_commit import GroupCommit
+from .options import SQLITE_DEFAULTS, SqliteOptions
 from .schema import AbsentTx, SqliteTx, admin_view
 from .writer_queue import WriterQueue, queue_path
 
 T = TypeVar("T")
 
-SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
-
 
 class SqliteEngine:
     """One SQLite ledger file, shared safely by threads and processes.
+
+    `options` are the file's own settings (SqliteOptions).
 
     Writer queue (``write_queue=True``, the default on POSIX): every write
     statement first takes an exclusive ``flock`` on ``<db>-idemctl.lock``
@@ -63,21 +64,16 @@ class SqliteEngine:
         self,
         path: str | os.PathLike[str],
         *,
-        create: bool = True,
         readonly: bool = False,
         busy_timeout_ms: int = 5000,
-        synchronous: str = "FULL",
-        write_queue: bool = True,
-        file_mode: int = DEFAULT_FILE_MODE,
-        group_commit: bool = False,
+        options: SqliteOptions = SQLITE_DEFAULTS,
     ) -> None:
-        if not isinstance(synchronous, str) or synchronous.upper() not in SYNCHRONOUS_LEVELS:
-            raise StorageError(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
-        check_file_mode(file_mode)
+        options.check()
+        self.options = options
         self.busy_timeout_ms = int(busy_timeout_ms)
-        self.synchronous = synchronous.upper()
+        self.synchronous = options.synchronous.upper()
         self.readonly = readonly
-        self.file_mode = file_mode
+        self.file_mode = options.file_mode
         raw = os.fspath(path)
         self.memory = raw == ":memory:"
         if self.memory:
@@ -92,7 +88,7 @@ class SqliteEngine:
             if p.is_dir():
                 raise NotADatabaseError(f"{p} is a directory, not a ledger file")
             if not p.exists():
-                if readonly or not create:
+                if readonly or not options.create:
                     raise LedgerNotFoundError(str(p))
                 if not p.parent.is_dir():
                     raise LedgerNotFoundError(
@@ -101,12 +97,12 @@ class SqliteEngine:
             self._uri = f"file:{quote(str(p.resolve()))}?mode={'ro' if readonly else 'rw'}"
         # Memory databases and read-only opens have no writers to queue.
         self._queue = WriterQueue(
-            queue_path(self.path, write_queue and not self.memory and not readonly),
+            queue_path(self.path, options.write_queue and not self.memory and not readonly),
             self.busy_timeout_ms,
             lambda: companion_mode(self.path, self.file_mode),
         )
         self.write_queue_path = self._queue.path
-        self.group_commit = bool(group_commit) and not self.memory and not readonly
+        self.group_commit = bool(options.group_commit) and not self.memory and not readonly
         self._group = GroupCommit(
             self.path, lambda: self._connections, self._queue, self._write_alone, self._translate
         )
