@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 
 from .outcomes import Outcome, Reservation, Status, StoredRow
 from .policy import Policy
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("idemctl")
 
 T = TypeVar("T")
+S = TypeVar("S")
+P = ParamSpec("P")
 
 
 @dataclass(frozen=True)
@@ -205,30 +207,6 @@ def now_steps(store: Store, clock: Callable[[], int]) -> Steps[int]:
     return int(clock())
 
 
-def _resume(steps: Steps[Any], value: Any, error: Exception | None) -> Op:
-    # An operation's error is raised inside the steps, where it happened.
-    return steps.throw(error) if error is not None else steps.send(value)
-
-
-def run(steps: Steps[T]) -> T:
-    """Drive steps in this thread: call the store, sleep through the pauses."""
-    value: Any = None
-    error: Exception | None = None
-    while True:
-        try:
-            op = _resume(steps, value, error)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-        value, error = None, None
-        if isinstance(op, Pause):
-            time.sleep(op.seconds)
-            continue
-        try:
-            value = op.run()
-        except Exception as exc:
-            error = exc
-
-
 @dataclass(frozen=True)
 class _Step:
     pause: float
@@ -236,24 +214,68 @@ class _Step:
     value: Any
 
 
+def _resume(steps: Steps[Any], value: Any, error: Exception | None) -> Op | _Step:
+    """The next operation, or the steps' end as a done _Step (StopIteration
+    cannot cross a Future: the result travels in a value)."""
+    try:
+        # An operation's error is raised inside the steps, where it happened.
+        return steps.throw(error) if error is not None else steps.send(value)
+    except StopIteration as done:
+        return _Step(0.0, True, done.value)
+
+
+def _outcome(call: Callable[[], Any]) -> tuple[Any, Exception | None]:
+    try:
+        return call(), None
+    except Exception as exc:
+        return None, exc
+
+
+async def _outcome_async(op: Call, store: AsyncStore) -> tuple[Any, Exception | None]:
+    try:
+        return await op.run_async(store), None
+    except Exception as exc:
+        return None, exc
+
+
+def run(steps: Steps[T]) -> T:
+    """Drive steps in this thread: call the store, sleep through the pauses."""
+    while not (step := _advance(steps)).done:
+        time.sleep(step.pause)
+    return cast(T, step.value)
+
+
+def blocking(steps: Callable[Concatenate[S, P], Steps[T]]) -> Callable[Concatenate[S, P], T]:
+    """The synchronous method made from a ``*_steps`` method: the same
+    arguments, its steps driven by :func:`run` in the calling thread. One
+    signature and one docstring serve both.
+
+    >>> class Clock:
+    ...     def now_steps(self, offset: int) -> Steps[int]:
+    ...         return offset + ((yield Pause(0.0)) or 1)
+    ...     now = blocking(now_steps)
+    >>> Clock().now(41), Clock.now.__name__
+    (42, 'now')
+    """
+
+    def call(self: S, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return run(steps(self, *args, **kwargs))
+
+    name = steps.__name__.removesuffix("_steps")
+    call.__name__, call.__qualname__ = name, steps.__qualname__.removesuffix("_steps")
+    call.__module__ = steps.__module__
+    call.__doc__ = f"Run :meth:`{steps.__name__}` in the calling thread.\n\n{steps.__doc__ or ''}"
+    return call
+
+
 def _advance(steps: Steps[Any]) -> _Step:
     """Every operation up to the next pause (or the end), in this thread:
-    one hand-off to a worker thread runs them all. StopIteration cannot
-    cross a Future: the result travels in a value."""
+    one hand-off to a worker thread runs them all."""
     value: Any = None
     error: Exception | None = None
-    while True:
-        try:
-            op = _resume(steps, value, error)
-        except StopIteration as done:
-            return _Step(0.0, True, done.value)
-        if isinstance(op, Pause):
-            return _Step(op.seconds, False, None)
-        value, error = None, None
-        try:
-            value = op.run()
-        except Exception as exc:
-            error = exc
+    while isinstance(op := _resume(steps, value, error), Call):
+        value, error = _outcome(op.run)
+    return op if isinstance(op, _Step) else _Step(op.seconds, False, None)
 
 
 def _settled(outcome: object) -> object:
@@ -308,11 +330,7 @@ async def drive(steps: Steps[T], in_thread: InThread, store: AsyncStore | None) 
 async def _run_on(steps: Steps[T], store: AsyncStore, orphaned: Callable[[T], object] | None) -> T:
     value: Any = None
     error: Exception | None = None
-    while True:
-        try:
-            op = _resume(steps, value, error)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+    while not isinstance(op := _resume(steps, value, error), _Step):
         value, error = None, None
         if isinstance(op, Pause):
             await asyncio.sleep(op.seconds)  # cancelled here: nothing is held
@@ -320,10 +338,7 @@ async def _run_on(steps: Steps[T], store: AsyncStore, orphaned: Callable[[T], ob
         if op.name in _READS:
             # A read cut off by a cancellation leaves nothing behind: no
             # shield (and no task of its own) needed.
-            try:
-                value = await op.run_async(store)
-            except Exception as exc:
-                error = exc
+            value, error = await _outcome_async(op, store)
             continue
         # Shielded: a cancelled caller does not cut a write off half-way
         # (a claim's outcome would be unknown, and could not be released).
@@ -338,6 +353,7 @@ async def _run_on(steps: Steps[T], store: AsyncStore, orphaned: Callable[[T], ob
             raise
         except Exception as exc:
             error = exc
+    return cast(T, op.value)
 
 
 async def _finish_orphan(
@@ -352,22 +368,14 @@ async def _finish_orphan(
     except Exception as exc:
         value, error = None, exc
     try:
-        while True:
-            try:
-                op = _resume(steps, value, error)
-            except StopIteration as done:
-                outcome = orphaned(done.value)
-                if isinstance(outcome, Generator):
-                    await _run_on(outcome, store, None)
-                return
-            if isinstance(op, Pause):
-                steps.close()
-                return
-            value, error = None, None
-            try:
-                value = await op.run_async(store)
-            except Exception as exc:
-                error = exc
+        while isinstance(op := _resume(steps, value, error), Call):
+            value, error = await _outcome_async(op, store)
+        if isinstance(op, Pause):
+            steps.close()
+            return
+        outcome = orphaned(op.value)
+        if isinstance(outcome, Generator):
+            await _run_on(outcome, store, None)
     except Exception:
         log.exception("releasing the claim of a cancelled request failed")
 

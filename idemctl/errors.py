@@ -141,7 +141,21 @@ class ConfigError(IdemctlError, ValueError):
         super().__init__(message)
 
 
-class KeyReusedError(IdemctlError):
+class CallError(IdemctlError):
+    """An idempotent function's call under (principal, key) did not give a
+    value: the base of the errors below, each carrying both.
+
+    >>> isinstance(KeyReusedError("billing", "pay_1"), CallError)
+    True
+    """
+
+    def __init__(self, principal: str, key: str, message: str) -> None:
+        self.principal = principal
+        self.key = key
+        super().__init__(f"key {key!r} of principal {principal!r} {message}")
+
+
+class KeyReusedError(CallError):
     """An idempotent function was called again with a key it already ran
     under, but with other arguments: the 409 "reused" of functions. Nothing
     ran and nothing is replayed.
@@ -151,15 +165,15 @@ class KeyReusedError(IdemctlError):
     """
 
     def __init__(self, principal: str, key: str) -> None:
-        self.principal = principal
-        self.key = key
         super().__init__(
-            f"key {key!r} of principal {principal!r} was used for a call with other arguments; "
-            "a repeat must pass the same arguments, a new call needs a new key"
+            principal,
+            key,
+            "was used for a call with other arguments; "
+            "a repeat must pass the same arguments, a new call needs a new key",
         )
 
 
-class CallInProgressError(IdemctlError):
+class CallInProgressError(CallError):
     """Another call with this key and these arguments holds the reservation
     and is younger than the pending TTL: try again in `retry_after` seconds,
     when a reservation whose owner died can be taken over.
@@ -169,14 +183,9 @@ class CallInProgressError(IdemctlError):
     """
 
     def __init__(self, principal: str, key: str, generation: int, retry_after_ms: int) -> None:
-        self.principal = principal
-        self.key = key
         self.generation = generation
         self.retry_after_ms = retry_after_ms
-        super().__init__(
-            f"key {key!r} of principal {principal!r} is in progress (generation {generation}); "
-            f"retry in {retry_after_ms} ms"
-        )
+        super().__init__(principal, key, f"is in progress (generation {generation}); retry in {retry_after_ms} ms")
 
     @property
     def retry_after(self) -> float:
@@ -214,16 +223,14 @@ class UnsupportedFunctionError(IdemctlError, TypeError):
         self.problem = problem
 
 
-class ResultNotStoredError(IdemctlError):
+class ResultNotStoredError(CallError):
     """An idempotent function ran, but its return value could not be stored.
     The call is complete (it never runs again under this key): its first
     caller and every repeat get this error instead of a value."""
 
     def __init__(self, principal: str, key: str, reason: str) -> None:
-        self.principal = principal
-        self.key = key
         self.reason = reason
-        super().__init__(f"key {key!r} of principal {principal!r} ran once, but its result was not stored: {reason}")
+        super().__init__(principal, key, f"ran once, but its result was not stored: {reason}")
 
 
 class ResultTooLargeError(ResultNotStoredError):

@@ -31,7 +31,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, cast
+from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
 from . import decision
 from .errors import (
@@ -47,10 +47,9 @@ from .errors import (
     UnsupportedFunctionError,
 )
 from .fingerprint import check_key
-from .outcomes import Answer, Completion, Event, FencedEvent, Outcome, Reservation, StoredRow, Ticket
-
-if TYPE_CHECKING:
-    from .ledger import Ledger
+from .outcomes import Answer, Completion, Event, FencedEvent, Outcome, Reservation, StoredRow, SweepResult, Ticket
+from .policy import Policy
+from .storage.aio import AsyncStore
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -58,6 +57,26 @@ R = TypeVar("R")
 KeySource = str | Callable[..., str]
 PrincipalSource = str | Callable[..., str]
 ArgsSelector = str | Sequence[str] | Callable[..., object]
+
+
+class CallLedger(Protocol):
+    """What an idempotent call asks of its ledger: the decision loop and the
+    steps around it. :class:`idemctl.Ledger` is one; the protocol keeps this
+    module from importing the ledger that builds its decorators."""
+
+    policy: Policy
+
+    def now(self) -> int: ...
+    def decide(self, principal: str, key: str, fingerprint: str) -> decision.Steps[decision.Decision]: ...
+    def publish(self, event: Event) -> None: ...
+    def async_store(self) -> AsyncStore | None: ...
+    def abandon(self, ticket: Ticket, *, release: bool = False) -> None: ...
+    def abandon_steps(self, ticket: Ticket, *, release: bool = False) -> decision.Steps[None]: ...
+    def release_steps(self, reservation: Reservation) -> decision.Steps[bool]: ...
+    def after_response_steps(self, answer: Answer) -> decision.Steps[SweepResult | None]: ...
+    def complete_steps(
+        self, reservation: Reservation, status: int, headers: None, body: bytes, *, now: int | None = None
+    ) -> decision.Steps[Completion]: ...
 ReleasePolicy = bool | Callable[[BaseException], bool]
 
 log = logging.getLogger("idemctl")
@@ -203,7 +222,7 @@ class IdempotentCall:
 
     def __init__(
         self,
-        ledger: Ledger,
+        ledger: CallLedger,
         *,
         principal: str,
         key: str,
@@ -460,7 +479,7 @@ class IdempotentDecorator:
 
     def __init__(
         self,
-        ledger: Ledger,
+        ledger: CallLedger,
         *,
         key: KeySource,
         principal: PrincipalSource,

@@ -377,8 +377,13 @@ def in_progress(policy: Policy, retry_after_ms: int | None = None) -> tuple[int,
     return json_error(
         409,
         {"error": "idempotency_key_in_progress", "retry_after_ms": ms},
-        (("retry-after", str(max(1, math.ceil(ms / 1000)))),),
+        _retry_after(ms),
     )
+
+
+def _retry_after(ms: int) -> Headers:
+    # Whole seconds, rounded up, never 0 (which would invite an instant retry).
+    return (("retry-after", str(max(1, math.ceil(ms / 1000)))),)
 
 
 def retry() -> tuple[int, Headers, bytes]:
@@ -389,7 +394,7 @@ def unavailable(retry_after_ms: int) -> tuple[int, Headers, bytes]:
     return json_error(
         503,
         {"error": "idempotency_ledger_unavailable", "message": "The idempotency ledger is unavailable; retry later."},
-        (("retry-after", str(max(1, math.ceil(retry_after_ms / 1000)))),),
+        _retry_after(retry_after_ms),
     )
 
 

@@ -87,7 +87,8 @@ def test_asgi_first_call_replay_and_reuse_run_every_ledger_statement_on_the_loop
     ]
     row = ledger.lookup("acct_A", "k1")
     assert row is not None and (row.status.value, row.generation, row.response_status) == ("completed", 1, 201)
-    assert ledger._sweep_rests_until > 0  # the sweep's probe ran and found nothing due
+    # The sweep's probe ran and found nothing due: the next answer sweeps nothing.
+    assert not ledger.sweep_due(Answer(201, (), b"", Outcome.EXECUTED, 1, ledger.now()))
 
 
 def test_asgi_with_the_database_clock_asks_the_time_on_the_loop(make_ledger):
@@ -331,7 +332,7 @@ def test_the_asgi_lifespan_shutdown_closes_the_loops_connections(make_ledger):
 
     async def scenario() -> tuple[bool, bool]:
         await call(IdempotencyMiddleware(orders_app([]), ledger, principal=lambda s: s["user"]), scope_for("k1"))
-        opened = ledger.async_store() is not None and ledger._async.get(asyncio.get_running_loop()) is not None
+        opened = ledger.async_store()
         messages = iter([{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}])
         sent: list[dict] = []
 
@@ -343,6 +344,9 @@ def test_the_asgi_lifespan_shutdown_closes_the_loops_connections(make_ledger):
 
         await app({"type": "lifespan"}, receive, send)
         assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
-        return opened, asyncio.get_running_loop() in ledger._async
+        # Shutdown closed this loop's store: asking again opens a new one.
+        reopened = ledger.async_store()
+        await ledger.aclose()
+        return opened is not None, reopened is not None and reopened is not opened
 
-    assert asyncio.run(scenario()) == (True, False)
+    assert asyncio.run(scenario()) == (True, True)

@@ -1,0 +1,257 @@
+"""The ledger's foundation: opening and closing it, its clock, schema,
+events, leases and asynchronous stores. The request flow, maintenance,
+operator reads and function shortcuts build on it (see `idemctl.ledger`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Self
+
+from .. import decision
+from ..errors import PolicyError, SchemaMissingError
+from ..leases import LeaseKeeper
+from ..outcomes import Event, InitResult, Reservation
+from ..policy import Policy
+from ..storage import DEFAULT_FILE_MODE, SqliteOptions, Store, is_server_url, open_engine
+from ..storage.aio import AsyncStore
+from .events import EventHub
+
+Clock = Callable[[], int]
+
+
+def wall_clock_ms() -> int:
+    """Milliseconds since the epoch, the unit of every timestamp in the ledger.
+
+    >>> wall_clock_ms() > 1_700_000_000_000
+    True
+    """
+    return time.time_ns() // 1_000_000
+
+
+class LedgerBase:
+    """What every part of :class:`~idemctl.Ledger` stands on: its store,
+    policy, clock, listeners and live reservations.
+
+    >>> from idemctl import Ledger
+    >>> Ledger.open(":memory:").describe()
+    ':memory:'
+    """
+
+    def __init__(self, store: Store, *, policy: Policy | None = None, clock: Clock | str | None = None) -> None:
+        self.store = store
+        self.policy = policy if policy is not None else Policy()
+        if clock == "database":
+            # Every host sharing the ledger asks the database what time it is,
+            # so skewed host clocks still agree on TTL, takeover and sweep.
+            self.clock: Clock = store.database_now
+        elif isinstance(clock, str):
+            raise PolicyError(f"clock must be a callable or 'database', got {clock!r}")
+        else:
+            self.clock = clock if clock is not None else wall_clock_ms
+        #: This process's live reservations, renewed together (Policy.lease_renewal), or None.
+        self.leases: LeaseKeeper | None = None
+        if self.policy.lease_renewal:
+            self.leases = LeaseKeeper(
+                self._renew, interval_s=self.policy.pending_ttl_ms / 3000, max_s=self.policy.lease_max_ms / 1000
+            )
+        self._events = EventHub()
+        # Until when this process's post-response sweep has nothing to do.
+        self._sweep_rests_until = 0
+        # The asynchronous request path, one store per event loop (see async_store).
+        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncStore] = weakref.WeakKeyDictionary()
+        self._async_lock = threading.Lock()
+
+    # -- events -------------------------------------------------------------------------
+    def subscribe(self, listener: Callable[[Event], object]) -> Callable[[], None]:
+        """Call `listener(event)` for every decision; returns the function that
+        unsubscribes it. A listener that raises is logged and never fails a
+        request. Listeners run in the request's thread: keep them quick.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> seen = []
+        >>> stop = ledger.subscribe(seen.append)
+        >>> _ = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b""))
+        >>> _ = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b""))
+        >>> [e.outcome.value for e in seen]
+        ['executed', 'replayed']
+        >>> stop()
+        """
+        return self._events.subscribe(listener)
+
+    def publish(self, event: Event) -> None:
+        """Deliver an event to the listeners and the `idemctl.events` log: for
+        integrations that decide outside `begin`/`finish` (idempotent
+        functions use it). Never raises because of a listener."""
+        self._events.emit(event)
+
+    @classmethod
+    def open(
+        cls,
+        target: str | os.PathLike[str],
+        *,
+        policy: Policy | None = None,
+        clock: Clock | str | None = None,
+        create: bool = True,
+        readonly: bool = False,
+        busy_timeout_ms: int = 5000,
+        synchronous: str = "FULL",
+        write_queue: bool = True,
+        file_mode: int = DEFAULT_FILE_MODE,
+        group_commit: bool = False,
+    ) -> Self:
+        """Open a ledger: a SQLite file path, a ``postgresql://`` or a ``mysql://`` URL.
+
+        Opening never creates anything: :meth:`init` creates the schema (and
+        a SQLite file, with permission bits ``file_mode``: owner-only 0o600
+        by default, 0o660 to share it with the group; SQLite gives its -wal
+        and -shm files the same bits). ``create=False`` refuses a missing
+        SQLite file at once (LedgerNotFoundError); ``readonly=True`` never
+        writes. On SQLite, ``synchronous`` is the PRAGMA of that name and
+        ``write_queue=False`` turns off the fair writer queue
+        (docs/performance.md); ``group_commit=True`` lets concurrent
+        threads of this process share one commit, and so one fsync, each
+        returning once the commit holding its own write is durable
+        (docs/library.md).
+
+        >>> from idemctl import Ledger
+        >>> Ledger.open(":memory:", policy=Policy(pending_ttl_ms=60_000)).policy.retry_after_seconds
+        60
+        """
+        sqlite = SqliteOptions(
+            create=create, synchronous=synchronous, write_queue=write_queue, file_mode=file_mode,
+            group_commit=group_commit,
+        )
+        engine = open_engine(target, readonly=readonly, busy_timeout_ms=busy_timeout_ms, sqlite=sqlite)
+        store = Store(engine)
+        if not is_server_url(target):
+            # A file's schema is checked at open (it costs no connection):
+            # a ledger written by a newer idemctl is refused before any use.
+            try:
+                store.check_not_newer()
+            except BaseException:
+                store.close()
+                raise
+        return cls(store, policy=policy, clock=clock)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.leases is not None:
+            self.leases.close()
+        with self._async_lock:
+            stores = list(self._async.items())
+            self._async.clear()
+        for loop, store in stores:
+            if loop.is_closed() or not loop.is_running():
+                store.abandon()
+            else:  # its loop runs in another thread: close it there, the asynchronous way
+                asyncio.run_coroutine_threadsafe(store.aclose(), loop)
+        self.store.close()
+
+    def _renew(self, held: list[Reservation]) -> int:
+        return self.store.renew([(r.principal, r.key, r.generation, r.token) for r in held], self.now())
+
+    def _hold(self, made: decision.Decision) -> decision.Decision:
+        if self.leases is not None and isinstance(made, decision.Claimed):
+            self.leases.hold(made.reservation)
+        return made
+
+    def _drop(self, reservation: Reservation | None) -> None:
+        if self.leases is not None and reservation is not None:
+            self.leases.drop(reservation)
+
+    def async_store(self) -> AsyncStore | None:
+        """The asynchronous request path for the running event loop, opened
+        on first use: on PostgreSQL, psycopg's asynchronous connections in
+        a pool of this loop's own, running the same statements as the
+        synchronous path (the ASGI middleware, the FastAPI route class and
+        async idempotent functions use it). None on SQLite, whose driver
+        has no asynchronous I/O: there they run in worker threads. Close it
+        with :meth:`aclose` (say in the app's lifespan shutdown).
+
+        >>> from idemctl import Ledger
+        >>> import asyncio
+        >>> asyncio.run(Ledger.open(":memory:").aclose()) is None
+        True
+        """
+        open_async = getattr(self.store.engine, "open_async", None)
+        if open_async is None:
+            return None
+        loop = asyncio.get_running_loop()
+        store = self._async.get(loop)
+        if store is not None:
+            return store
+        with self._async_lock:
+            store = self._async.get(loop)
+            if store is None:
+                # Pools of loops that have ended cannot be closed by them any more.
+                for gone in [other for other in self._async if other.is_closed()]:
+                    self._async.pop(gone).abandon()
+                store = self._async[loop] = AsyncStore(self.store, open_async())
+            return store
+
+    async def aclose(self) -> None:
+        """Close the running event loop's asynchronous connections (see
+        :meth:`async_store`); the next request on this loop opens them again."""
+        with self._async_lock:
+            store = self._async.pop(asyncio.get_running_loop(), None)
+        if store is not None:
+            await store.aclose()
+
+    def describe(self) -> str:
+        """Where the ledger lives, safe to print (a URL without its password).
+
+        >>> from idemctl import Ledger
+        >>> Ledger.open(":memory:").describe()
+        ':memory:'
+        """
+        return self.store.describe()
+
+    def now(self) -> int:
+        return int(self.clock())
+
+    def _now_steps(self) -> decision.Steps[int]:
+        return (yield from decision.now_steps(self.store, self.clock))
+
+    # -- schema ---------------------------------------------------------------------
+    def init(self, *, dry_run: bool = False) -> InitResult:
+        """Create or upgrade the schema; safe to run any number of times.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:")
+        >>> ledger.init().describe(), ledger.init().describe()
+        ('created (schema version 2)', 'already up to date (schema version 2)')
+        """
+        return self.store.init(self.now(), dry_run)
+
+    def schema_version(self) -> int | None:
+        """None: no ledger; 0: the recipe's table only; N: idemctl schema N."""
+        return self.store.schema_version()
+
+    def has_fenced_log(self) -> bool:
+        """Whether the ledger records fenced-out events (a ledger with only
+        the recipe's table does not, until :meth:`init` upgrades it)."""
+        return self.store.has_fenced_log()
+
+    def require_schema(self) -> None:
+        """Raise SchemaMissingError unless the ledger's tables exist (they
+        may be the recipe's alone): for tools that must never create one.
+
+        >>> from idemctl import Ledger
+        >>> Ledger.open(":memory:").require_schema()
+        Traceback (most recent call last):
+        ...
+        idemctl.errors.SchemaMissingError: :memory: has no idempotency ledger
+        """
+        if self.schema_version() is None:
+            raise SchemaMissingError(self.describe())

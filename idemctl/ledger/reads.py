@@ -1,0 +1,145 @@
+"""What operators read: one row with its derived state, pending rows,
+fenced-out events, a prediction, stats; and purging one row."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from ..errors import MalformedRowError
+from ..fingerprint import parse_key
+from ..outcomes import FencedEvent, Prediction, PurgeResult, RowView, State, Stats, Status, StoredRow, Verdict
+from ..storage.store import derive_state
+from .base import LedgerBase
+
+
+class OperatorReads(LedgerBase):
+    """Reads for the CLI and dashboards; nothing here claims a row."""
+
+    def view(self, row: StoredRow, *, now: int | None = None) -> RowView:
+        """A row with its derived state at `now`."""
+        now = self.now() if now is None else now
+        p = self.policy
+        state = derive_state(row, now - p.pending_ttl_ms, now - p.retention_ms)
+        return RowView(row, state, now, p.pending_ttl_ms, p.retention_ms)
+
+    def get(self, principal: str, key: str, *, now: int | None = None) -> RowView | None:
+        """One row with its derived state, or None.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> _ = ledger.claim("acct_1", "k1", "fp")
+        >>> ledger.get("acct_1", "k1").state
+        <State.PENDING_FRESH: 'pending_fresh'>
+        """
+        row = self.store.lookup(principal, parse_key(key) or key)
+        return None if row is None else self.view(row, now=now)
+
+    def pending(
+        self,
+        *,
+        stale_only: bool = False,
+        principal: str | None = None,
+        limit: int | None = None,
+        now: int | None = None,
+        on_malformed: Callable[[MalformedRowError], None] | None = None,
+    ) -> Iterator[RowView]:
+        """Rows whose status is pending, oldest first, streamed. With
+        ``stale_only``, just those in state PENDING_STALE (the ones a retry
+        would take over now): the same rows `stats().pending_stale` counts.
+        A row written by another program that cannot be read raises
+        MalformedRowError, or goes to ``on_malformed`` and the listing goes on.
+
+        >>> from idemctl import Ledger
+        >>> t = [0]; ledger = Ledger.open(":memory:", clock=lambda: t[0]); _ = ledger.init()
+        >>> _ = ledger.claim("acct_1", "k1", "fp"); t[0] += 60_000; _ = ledger.claim("acct_1", "k2", "fp")
+        >>> [(v.row.key, v.state.value) for v in ledger.pending()]
+        [('k1', 'pending_stale'), ('k2', 'pending_fresh')]
+        >>> [v.row.key for v in ledger.pending(stale_only=True)]
+        ['k1']
+        """
+        now = self.now() if now is None else now
+        p = self.policy
+        state = State.PENDING_STALE if stale_only else None
+        for values in self.store.iter_pending(state, now - p.pending_ttl_ms, now - p.retention_ms, principal, limit):
+            try:
+                row = self.store.decode_row(values)
+            except MalformedRowError as exc:
+                if on_malformed is None:
+                    raise
+                on_malformed(exc)
+                continue
+            yield self.view(row, now=now)
+
+    def fenced(
+        self,
+        *,
+        principal: str | None = None,
+        key: str | None = None,
+        since: int | None = None,
+        limit: int | None = None,
+    ) -> Iterator[FencedEvent]:
+        """Fenced-out events, newest first.
+
+        >>> from idemctl import Ledger
+        >>> t = [0]; ledger = Ledger.open(":memory:", clock=lambda: t[0]); _ = ledger.init()
+        >>> late = ledger.claim("acct_1", "k1", "fp"); t[0] += 60_000
+        >>> _ = ledger.complete(ledger.takeover("acct_1", "k1", "fp"), 201, {}, b"B")
+        >>> ledger.complete(late, 201, {}, b"A").stored
+        False
+        >>> event = next(ledger.fenced(principal="acct_1"))
+        >>> event.superseded_generation, event.current_generation
+        (1, 2)
+        """
+        return self.store.iter_fenced(principal, key, since, limit)
+
+    def predict(self, principal: str, key: str, fingerprint: str, *, now: int | None = None) -> Prediction:
+        """What a request with this fingerprint would get now, from the
+        stored row alone (a read: nothing is claimed). For operators asking
+        why a retry keeps getting 409.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> ledger.predict("acct_1", "k1", "fp").verdict
+        <Verdict.NEW: 'new'>
+        """
+        view = self.get(principal, key, now=now)
+        if view is None:
+            return Prediction(Verdict.NEW, None)
+        if view.state is State.EXPIRED:
+            return Prediction(Verdict.NEW, view)  # past retention a row counts as absent
+        if view.row.fingerprint != fingerprint:
+            return Prediction(Verdict.REUSED, view)
+        if view.row.status is Status.COMPLETED:
+            return Prediction(Verdict.REPLAY, view)
+        if view.state is State.PENDING_FRESH:
+            return Prediction(Verdict.IN_PROGRESS, view)
+        return Prediction(Verdict.TAKEOVER, view)
+
+    def stats(self, *, now: int | None = None) -> Stats:
+        """Rows by derived state, takeovers, fenced-out events, sweep backlog.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> _ = ledger.claim("acct_1", "k1", "fp")
+        >>> stats = ledger.stats()
+        >>> stats.total, stats.pending_fresh, stats.expired
+        (1, 1, 0)
+        """
+        now = self.now() if now is None else now
+        p = self.policy
+        return self.store.stats(now, now - p.pending_ttl_ms, now - p.retention_ms)
+
+    def purge(self, principal: str, key: str, *, force: bool = False, now: int | None = None) -> PurgeResult:
+        """Delete one reservation so the client's next retry runs the mutation
+        again. A fresh pending row is refused unless `force`: its owner may
+        still be running.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> _ = ledger.complete(ledger.claim("acct_1", "k1", "fp"), 201, {}, b"")
+        >>> ledger.purge("acct_1", "k1").outcome
+        <PurgeOutcome.PURGED: 'purged'>
+        """
+        now = self.now() if now is None else now
+        key = parse_key(key) or key
+        return self.store.purge(principal, key, None if force else now - self.policy.pending_ttl_ms)

@@ -1,0 +1,93 @@
+"""The contract for calls in workers, consumers and scripts: the ledger's
+`idempotent` decorator and `idempotent_call` context manager."""
+
+from __future__ import annotations
+
+from .. import functions
+from .maintenance import Maintenance
+from .requests import RequestFlow
+
+
+class FunctionShortcuts(RequestFlow, Maintenance):
+    """Idempotent functions made from this ledger's request flow and
+    post-response sweep (see `idemctl.functions`)."""
+
+    def idempotent(
+        self,
+        *,
+        key: functions.KeySource,
+        principal: functions.PrincipalSource,
+        args: functions.ArgsSelector | None = None,
+        name: str | None = None,
+        serializer: functions.Serializer | None = None,
+        release_on_error: functions.ReleasePolicy = False,
+    ) -> functions.IdempotentDecorator:
+        """Decorator: run a function (plain or ``async def``) once per
+        (principal, key) and store its return value (JSON by default). A
+        repeat with the same arguments gets the stored value without running;
+        other arguments raise KeyReusedError; a duplicate while the first
+        runs raises CallInProgressError (``retry_after``). `key` and
+        `principal` are strings or callables of the function's arguments;
+        `args` chooses the arguments the fingerprint covers (all by default).
+        See docs/workers.md.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> runs = []
+        >>> @ledger.idempotent(key=lambda payment: payment["id"], principal="billing")
+        ... def charge(payment):
+        ...     runs.append(payment["id"])
+        ...     return {"charged": payment["amount"]}
+        >>> charge({"id": "pay_1", "amount": 500}), charge({"id": "pay_1", "amount": 500}), runs
+        ({'charged': 500}, {'charged': 500}, ['pay_1'])
+        >>> charge({"id": "pay_1", "amount": 900})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        idemctl.errors.KeyReusedError: key 'pay_1' of principal 'billing' was used for a call with other arguments; ...
+        """
+        return functions.IdempotentDecorator(
+            self,
+            key=key,
+            principal=principal,
+            args=args,
+            name=name,
+            serializer=serializer,
+            release_on_error=release_on_error,
+        )
+
+    def idempotent_call(
+        self,
+        *,
+        principal: str,
+        key: str,
+        args: object,
+        name: str | None = None,
+        serializer: functions.Serializer | None = None,
+        release_on_error: functions.ReleasePolicy = False,
+    ) -> functions.IdempotentCall:
+        """One idempotent call as a context manager (``with`` or ``async
+        with``), for code that is not one function: `args` is the JSON value
+        the fingerprint covers. Skip the work when ``call.replayed``; hand the
+        result to ``call.store()``; after the block ``call.value`` is what
+        every repeat returns.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> for attempt in (1, 2):
+        ...     with ledger.idempotent_call(principal="billing", key="pay_1", args={"amount": 500}) as call:
+        ...         if not call.replayed:
+        ...             call.store({"charged": 500})
+        ...     print(attempt, call.outcome.value, call.value)
+        1 executed {'charged': 500}
+        2 replayed {'charged': 500}
+        """
+        return functions.IdempotentCall(
+            self,
+            principal=principal,
+            key=key,
+            args=args,
+            name=name,
+            serializer=serializer,
+            release_on_error=release_on_error,
+        )
+

@@ -1,0 +1,177 @@
+"""Single steps of the contract, one statement each: claim, lookup,
+takeover, complete, release. The request flow is built from them; scripts
+and tests may call them directly."""
+
+from __future__ import annotations
+
+import logging
+
+from .. import decision, responses
+from ..errors import IdemctlError
+from ..fingerprint import HeadersLike, check_key, parse_key
+from ..outcomes import Completion, Reservation, StoredRow
+from ..storage.store import new_token
+from .base import LedgerBase
+from .inputs import check_principal
+
+log = logging.getLogger("idemctl")
+
+
+class SingleSteps(LedgerBase):
+    """One statement per step."""
+
+    def claim(self, principal: str, key: str, fingerprint: str, *, now: int | None = None) -> Reservation | None:
+        """Atomically claim (principal, key) as generation 1; None if it exists.
+
+        >>> from idemctl import Ledger, fingerprint
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> ledger.claim("acct_1", "k1", fingerprint("POST", "/orders", [], b"")).generation
+        1
+        >>> ledger.claim("acct_1", "k1", fingerprint("POST", "/orders", [], b"")) is None
+        True
+        """
+        check_principal(principal)
+        key = check_key(key)
+        now = self.now() if now is None else now
+        token = new_token()
+        generation = self.store.claim(principal, key, fingerprint, token, now)
+        return None if generation is None else Reservation(principal, key, generation, fingerprint, token)
+
+    def lookup(self, principal: str, key: str) -> StoredRow | None:
+        """The stored row, or None.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> _ = ledger.claim("acct_1", "k1", "fp")
+        >>> ledger.lookup("acct_1", "k1").status
+        <Status.PENDING: 'pending'>
+        """
+        return self.store.lookup(principal, parse_key(key) or key)
+
+    def takeover(self, principal: str, key: str, fingerprint: str, *, now: int | None = None) -> Reservation | None:
+        """Take over a pending row older than the TTL, or any row past
+        retention (which counts as absent), as the next generation; None if
+        it is fresh, completed within retention, gone or for another request.
+
+        >>> from idemctl import Ledger
+        >>> t = [0]; ledger = Ledger.open(":memory:", clock=lambda: t[0]); _ = ledger.init()
+        >>> _ = ledger.claim("acct_1", "k1", "fp")
+        >>> ledger.takeover("acct_1", "k1", "fp") is None  # still fresh
+        True
+        >>> t[0] += ledger.policy.pending_ttl_ms + 1
+        >>> ledger.takeover("acct_1", "k1", "fp").generation
+        2
+        """
+        check_principal(principal)
+        key = check_key(key)
+        now = self.now() if now is None else now
+        token = new_token()
+        p = self.policy
+        generation = self.store.takeover(
+            principal, key, fingerprint, token, now, now - p.pending_ttl_ms, now - p.retention_ms
+        )
+        return None if generation is None else Reservation(principal, key, generation, fingerprint, token)
+
+    def complete_steps(
+        self,
+        reservation: Reservation,
+        status: int,
+        headers: HeadersLike | None,
+        body: bytes | bytearray | memoryview | str,
+        *,
+        now: int | None = None,
+    ) -> decision.Steps[Completion]:
+        """Store the answer if `reservation` still holds the current generation.
+        When fenced out, the event is recorded and logged at ERROR, and the
+        caller still gets the answer it computed.
+
+        As steps, for a driver that does its I/O its own way (see
+        :meth:`begin_steps`); :meth:`complete` runs them in this thread.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> reservation = ledger.claim("acct_1", "k1", "fp")
+        >>> ledger.complete(reservation, 201, {"content-type": "text/plain"}, b"ok").stored
+        True
+        >>> ledger.complete(reservation, 201, {}, b"again").stored  # already completed
+        False
+        """
+        self._drop(reservation)
+        stored, answer = self._prepare(reservation, status, headers, body)
+        stamp = (yield from self._now_steps()) if now is None else now
+        return (yield from self._store_answer(reservation, stored, answer, stamp))
+
+    complete = decision.blocking(complete_steps)
+
+    def _prepare(
+        self,
+        reservation: Reservation,
+        status: int,
+        headers: HeadersLike | None,
+        body: bytes | bytearray | memoryview | str | responses.OversizeBody,
+    ) -> tuple[responses.ToStore, tuple[int, responses.Headers, bytes]]:
+        """What will be stored for this answer, and the answer built from it."""
+        where = (reservation.principal, reservation.key)
+        stored = responses.to_store(status, headers, body, self.policy, row=where)
+        if stored.oversize:
+            cap = self.policy.header_cap_bytes if stored.over_cap == "headers" else self.policy.body_cap_bytes
+            log.warning(
+                "response for principal=%s key=%s: its %s exceed %d bytes: stored as a 500 sentinel",
+                reservation.principal,
+                reservation.key,
+                "headers" if stored.over_cap == "headers" else "body bytes",
+                cap,
+            )
+        return stored, stored.answer
+
+    def _store_answer(
+        self,
+        reservation: Reservation,
+        stored: responses.ToStore,
+        answer: tuple[int, responses.Headers, bytes],
+        stamp: int,
+    ) -> decision.Steps[Completion]:
+        who = (reservation.principal, reservation.key, reservation.generation)
+        args = (*who, reservation.token, stored.status, stored.body, stored.headers_json, stamp)
+        ok = yield decision.Call(self.store, "complete", args)
+        event = None
+        if not ok:
+            event = yield decision.Call(self.store, "record_fenced", (*who, stored.status, stamp))
+            log.error(
+                "fenced out: principal=%s key=%s generation=%d was superseded by generation %s; "
+                "its answer (status %d) was not stored and the mutation may have run twice — "
+                "raise the pending TTL above the slowest mutation",
+                reservation.principal,
+                reservation.key,
+                reservation.generation,
+                event.current_generation if event is not None else "?",
+                stored.status,
+            )
+        return Completion(ok, answer[0], answer[1], answer[2], stored.oversize, event)
+
+    def release_steps(self, reservation: Reservation) -> decision.Steps[bool]:
+        """Opt-in: delete a pending reservation whose mutation is known to have
+        rolled back, so the client's retry runs again at once. Fenced like a
+        completion: it deletes the row only while it is still this
+        reservation's (generation and token), never a newer owner's.
+
+        As steps, for a driver that does its I/O its own way (see
+        :meth:`begin_steps`); :meth:`release` runs them in this thread.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> reservation = ledger.claim("acct_1", "k1", "fp")
+        >>> ledger.release(reservation), ledger.release(reservation)
+        (True, False)
+        """
+        self._drop(reservation)
+        args = (reservation.principal, reservation.key, reservation.generation, reservation.token)
+        return bool((yield decision.Call(self.store, "release", args)))
+
+    release = decision.blocking(release_steps)
+
+    def _release_quietly(self, reservation: Reservation) -> decision.Steps[None]:
+        try:
+            yield from self.release_steps(reservation)
+        except IdemctlError as exc:
+            log.error("could not release principal=%s key=%s: %s", reservation.principal, reservation.key, exc)
