@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from idemctl.simulate import VirtualClock
+from idemctl.storage.engine import Params, Rows
+from idemctl.storage.sqlite import SqliteEngine
 
 # Test data lives inside the checkout, so a clone anywhere runs the suite.
 VECTORS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vectors")
@@ -137,3 +139,34 @@ def mysql_test_database(base: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[
                 with contextlib.suppress(pymysql.MySQLError):
                     cur.execute(f"KILL {int(thread_id)}")
             cur.execute(f"DROP DATABASE IF EXISTS {name}")
+
+
+def descriptors_of(path: str | os.PathLike[str]) -> list[int]:
+    """This process's open descriptors on the file at `path`."""
+    target = os.path.realpath(path)
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{name}") == target:
+                found.append(int(name))
+    return found
+
+
+def sqlite_connections_open(path: str | os.PathLike[str]) -> int:
+    """How many SQLite connections this process holds open on the WAL ledger
+    at `path`: SQLite opens the -wal file once per connection and closes it
+    with the connection. (Descriptors of the database file itself it may keep
+    for reuse after a connection closed, so those do not count connections.)"""
+    return len(descriptors_of(f"{os.fspath(path)}-wal"))
+
+
+class EveryWriteInOneTransaction(SqliteEngine):
+    """A SQLite engine whose every write, even one with no other to share a
+    commit with, runs as a group commit's batch runs (`write_batch`: its own
+    transaction), so that a test with one thread drives that path too."""
+
+    def write(self, sql: str, params: Params) -> Rows:
+        (outcome,) = self.write_batch([(sql, params)])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome

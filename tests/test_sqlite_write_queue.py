@@ -14,6 +14,7 @@ import threading
 import pytest
 
 from idemctl import DatabaseLockedError, Ledger, Outcome
+from tests.helpers import descriptors_of
 
 fork = mp.get_context("fork")
 
@@ -29,16 +30,6 @@ def _hold_queue(lock_path: str, held, release) -> None:
     release.wait(30)
     fcntl.flock(fd, fcntl.LOCK_UN)
     os.close(fd)
-
-
-def descriptors_of(path: str) -> list[int]:
-    """This process's open descriptors on `path`."""
-    found = []
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{name}") == os.path.realpath(path):
-                found.append(int(name))
-    return found
 
 
 @contextlib.contextmanager

@@ -216,10 +216,6 @@ class Connections:
         with self.lock:
             self._streams -= 1
 
-    def count_open(self) -> int:
-        with self.lock:
-            return sum(1 for f in self._finalizers if f.alive)
-
     def close(self) -> None:
         """Close every thread's connection; each opens a new one at its next statement."""
         with self.lock:

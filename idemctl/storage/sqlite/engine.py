@@ -25,7 +25,7 @@ from ..engine import Params, Rows, SchemaTx
 from .connections import Connections
 from .errors import translate
 from .files import companion_mode, create_ledger_file, nobody_writes_it
-from .group_commit import GroupCommit
+from .group_commit import GroupCommit, write_together
 from .options import SQLITE_DEFAULTS, SqliteOptions
 from .schema import AbsentTx, SqliteTx, admin_view
 from .writer_queue import WriterQueue, queue_path
@@ -103,9 +103,7 @@ class SqliteEngine:
         )
         self.write_queue_path = self._queue.path
         self.group_commit = bool(options.group_commit) and not self.memory and not readonly
-        self._group = GroupCommit(
-            self.path, lambda: self._connections, self._queue, self._write_alone, self._translate
-        )
+        self._group = GroupCommit(self.path, lambda: self._connections.lock, self._write_alone, self.write_batch)
         self._connections = Connections(
             self.path, self._connect, self.busy_timeout_ms, memory=self.memory, companion=self._group
         )
@@ -119,14 +117,6 @@ class SqliteEngine:
                 self._conn()  # a file that is not a database fails here, at open
             finally:
                 gate.leave()
-
-    @property
-    def lone_statement_autocommits(self) -> bool:
-        return self._group.lone_statement_autocommits
-
-    @lone_statement_autocommits.setter
-    def lone_statement_autocommits(self, value: bool) -> None:
-        self._group.lone_statement_autocommits = value
 
     def exists(self) -> bool:
         return self.memory or os.path.exists(self.path)
@@ -174,10 +164,6 @@ class SqliteEngine:
     def _translate(self, exc: sqlite3.Error) -> StorageError:
         return translate(exc, self.path, self.busy_timeout_ms, self.memory)
 
-    def open_connections(self) -> int:
-        """How many of this engine's connections are open in this process."""
-        return self._connections.count_open()
-
     def close(self) -> None:
         self._connections.close()
         if self._keepalive is not None:
@@ -216,15 +202,63 @@ class SqliteEngine:
         """One auto-committed statement in the writer queue: a plain write."""
         return self.write_turn(((sql, params),))[0]
 
+    def write_batch(self, statements: Sequence[tuple[str, Params]]) -> list[Rows | Exception]:
+        """Independent write statements committed together: one transaction,
+        one turn of the writer queue, one fsync (group commit runs its
+        batches so). Each statement's RETURNING rows, or the error it alone
+        failed with: SQLite undoes a failing statement by itself and the
+        others commit. When the transaction itself fails (it cannot begin,
+        the disk is full) nothing is durable and every statement has that
+        error.
+
+        >>> engine = SqliteEngine(":memory:")
+        >>> engine.write_batch([("SELECT 1", {}), ("SELECT x", {})])[0]
+        [(1,)]
+        """
+        connections = self._connections
+        gate = connections.gate
+        gate.enter()
+        try:
+            slot = connections.slot()
+            try:
+                fd, shortened = self._queue.enter(slot)
+                try:
+                    outcomes = write_together(slot.conn, statements)
+                finally:
+                    self._queue.leave(slot, fd, shortened)
+            except sqlite3.Error as exc:
+                # Nothing is durable: every statement hears why, each in an error of its own.
+                failed: list[Rows | Exception] = []
+                for _ in statements:
+                    error = self._translate(exc)
+                    error.__cause__ = exc
+                    failed.append(error)
+                return failed
+        finally:
+            gate.leave()
+        self._group.committed(sum(1 for o in outcomes if not isinstance(o, Exception)))
+        for i, outcome in enumerate(outcomes):
+            if isinstance(outcome, sqlite3.Error):
+                error = outcomes[i] = self._translate(outcome)
+                error.__cause__ = outcome
+        return outcomes
+
     @property
     def batches_committed(self) -> int:
-        """Commits made by group commit in this process (a lone statement counts as one)."""
+        """Commits made by group commit (or `write_batch`) in this process; a
+        lone statement counts as one."""
         return self._group.batches
 
     @property
     def statements_committed(self) -> int:
         """Statements those commits made durable (failed statements not counted)."""
         return self._group.statements
+
+    @property
+    def statements_waiting(self) -> int:
+        """Write statements of this process queued for group commit's next
+        batch, behind the commit in progress (how far commits lag behind)."""
+        return len(self._group.queue)
 
     def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[Rows]:
         # The sweep's DELETEs share one turn of the writer queue: each extra

@@ -19,12 +19,10 @@ import os
 import sqlite3
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ...errors import StorageError
 from ..engine import Params, Rows
-from .connections import Connections
-from .writer_queue import WriterQueue
 
 # At most this many statements share one transaction, so a leader's turn
 # (and the queue's other processes) waits a bounded time.
@@ -57,18 +55,14 @@ class GroupCommit:
     def __init__(
         self,
         path: str,
-        connections: Callable[[], Connections],
-        queue: WriterQueue,
+        lock: Callable[[], threading.Lock],
         write_alone: Callable[[str, Params], Rows],
-        translate: Callable[[sqlite3.Error], StorageError],
+        write_batch: Callable[[Sequence[tuple[str, Params]]], list[Rows | Exception]],
     ) -> None:
         self.path = path
-        self._connections = connections
-        self._queue = queue
+        self._engine_lock = lock
         self._write_alone = write_alone
-        self._translate = translate
-        # A lone statement auto-commits as a plain write does.
-        self.lone_statement_autocommits = True
+        self._write_batch = write_batch
         self._restart(os.getpid())
 
     def _restart(self, pid: int) -> None:
@@ -78,6 +72,11 @@ class GroupCommit:
         self.leading = False
         self.batches = 0  # commits made in this process (a lone statement counts as one)
         self.statements = 0  # statements those commits made durable
+
+    def committed(self, statements: int) -> None:
+        """One commit made `statements` statements durable."""
+        self.batches += 1
+        self.statements += statements
 
     # -- fork (see connections.py) ------------------------------------------------------
     def hold_for_fork(self) -> None:
@@ -92,38 +91,35 @@ class GroupCommit:
     def _this_process(self) -> None:
         if self.pid != os.getpid():
             # Forked without the fork hooks: the parent's waiters are not ours.
-            with self._connections().lock:
+            with self._engine_lock():
                 if self.pid != os.getpid():
                     self._restart(os.getpid())
 
     # -- writing ----------------------------------------------------------------------------
     def write(self, sql: str, params: Params) -> Rows:
         self._this_process()
-        lone = self.lone_statement_autocommits
         with self.lock:
             # No leader means nothing is queued: this statement is a batch of
             # one, and its caller leads without queueing anything.
             alone = not self.leading
             self.leading = True
-            if not alone or not lone:
+            if not alone:
                 mine = Pending(sql, params)
                 self.queue.append(mine)
-        if alone and lone:
+        if alone:
             try:
                 rows = self._write_alone(sql, params)
-                self.batches += 1
-                self.statements += 1
+                self.committed(1)
                 return rows
             finally:
                 self._pass_on()
-        if not alone:
-            # Woken either because a leader committed our statement, or
-            # because leadership was handed to us.
-            try:
-                mine.wake.acquire()
-            except BaseException:
-                self._abandon(mine, leading=False)
-                raise
+        # Woken either because a leader committed our statement, or
+        # because leadership was handed to us.
+        try:
+            mine.wake.acquire()
+        except BaseException:
+            self._abandon(mine, leading=False)
+            raise
         while not mine.done:
             with self.lock:
                 mine.lead = False
@@ -141,8 +137,6 @@ class GroupCommit:
                 raise
             self._finish(batch, mine)
         if mine.error is not None:
-            if isinstance(mine.error, sqlite3.Error):
-                raise self._translate(mine.error) from mine.error
             raise mine.error
         return mine.rows
 
@@ -196,66 +190,46 @@ class GroupCommit:
             successor.wake.release()
 
     def _commit_batch(self, batch: list[Pending]) -> None:
-        """Run `batch` in one transaction; each request's rows or error.
-        sqlite3 errors are left untranslated on the requests: each caller
-        translates its own, in its own thread."""
-        gate = self._connections().gate
-        gate.enter()
-        try:
-            self._run_batch(batch)
-        finally:
-            gate.leave()
-
-    def _run_batch(self, batch: list[Pending]) -> None:
-        slot = self._connections().slot()
-        conn = slot.conn
-        try:
-            fd, shortened = self._queue.enter(slot)
-        except sqlite3.Error as exc:
-            for p in batch:
-                p.error = exc
-            return
-        try:
-            if len(batch) == 1 and self.lone_statement_autocommits:
-                # Alone: exactly the auto-committed statement of a plain write.
-                p = batch[0]
-                try:
-                    p.rows = conn.execute(p.sql, p.params).fetchall()
-                except Exception as exc:  # e.g. OverflowError binding a parameter: its caller's alone
-                    p.error = exc
-                else:
-                    self.batches += 1
-                    self.statements += 1
-                return
+        """Run `batch` in one commit; each request's rows or error. Alone, a
+        statement is exactly the auto-committed statement of a plain write."""
+        if len(batch) == 1:
+            p = batch[0]
             try:
-                conn.execute("BEGIN IMMEDIATE")
-                for p in batch:
-                    try:
-                        p.rows = conn.execute(p.sql, p.params).fetchall()
-                    except Exception as exc:
-                        # A failing statement is undone by SQLite itself (its
-                        # statement journal) and the transaction goes on, so
-                        # no savepoint per statement is needed; when SQLite
-                        # had to roll back the whole transaction instead
-                        # (disk full, I/O error), every statement fails.
-                        if not conn.in_transaction:
-                            raise
-                        p.rows, p.error = [], exc
-                conn.execute("COMMIT")
-            except sqlite3.Error as exc:
-                # Nothing of this batch is durable: every caller hears why.
-                if conn.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        conn.execute("ROLLBACK")
-                for p in batch:
-                    p.rows, p.error = [], exc
-                return
-            except BaseException:
-                if conn.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        conn.execute("ROLLBACK")
-                raise
-            self.batches += 1
-            self.statements += sum(1 for p in batch if p.error is None)
-        finally:
-            self._queue.leave(slot, fd, shortened)
+                p.rows = self._write_alone(p.sql, p.params)
+            except Exception as exc:  # e.g. OverflowError binding a parameter: its caller's alone
+                p.error = exc
+            else:
+                self.committed(1)
+            return
+        outcomes = self._write_batch([(p.sql, p.params) for p in batch])
+        for p, outcome in zip(batch, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                p.error = outcome
+            else:
+                p.rows = outcome
+
+
+def write_together(conn: sqlite3.Connection, statements: Sequence[tuple[str, Params]]) -> list[Rows | Exception]:
+    """Run `statements` in one transaction on `conn`: each one's rows, or the
+    error it alone failed with. A failing statement is undone by SQLite itself
+    (its statement journal) and the transaction goes on, so no savepoint per
+    statement is needed. When the transaction as a whole fails (it cannot
+    begin, or SQLite had to roll it back: disk full, I/O error), nothing is
+    durable and that sqlite3.Error is raised."""
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        outcomes: list[Rows | Exception] = []
+        for sql, params in statements:
+            try:
+                outcomes.append(conn.execute(sql, params).fetchall())
+            except Exception as exc:
+                if not conn.in_transaction:
+                    raise
+                outcomes.append(exc)
+        conn.execute("COMMIT")
+        return outcomes
+    except BaseException:
+        if conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+        raise
