@@ -8,6 +8,8 @@ import secrets
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import pytest
 
@@ -111,12 +113,11 @@ def mysql_test_database(base: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 
     from idemctl.storage import mysql
 
-    probe = mysql.MysqlEngine(base)
     name = f"t_{secrets.token_hex(6)}"
     url = base.split("?", 1)[0].rsplit("/", 1)[0] + f"/{name}" + (f"?{base.split('?', 1)[1]}" if "?" in base else "")
 
     def admin() -> pymysql.connections.Connection:
-        return pymysql.connect(**{**probe._connect_kwargs, "database": None})
+        return pymysql.connect(**{**mysql_connect_args(base), "database": None})
 
     with contextlib.closing(admin()) as conn, conn.cursor() as cur:
         cur.execute(f"CREATE DATABASE {name} CHARACTER SET utf8mb4 COLLATE utf8mb4_bin")
@@ -170,3 +171,19 @@ class EveryWriteInOneTransaction(SqliteEngine):
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
+
+
+def mysql_connect_args(url: str) -> dict[str, Any]:
+    """pymysql's arguments for a plain connection to the database a test's
+    mysql:// URL names (user, password, host, port), with the server's own
+    session defaults."""
+    parts = urlsplit(url)
+    return {
+        "user": unquote(parts.username or ""),
+        "password": unquote(parts.password or ""),
+        "host": unquote(parts.hostname or "127.0.0.1"),
+        "port": parts.port or 3306,
+        "database": unquote(parts.path.lstrip("/")),
+        "charset": "utf8mb4",
+        "autocommit": True,
+    }
