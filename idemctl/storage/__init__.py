@@ -6,7 +6,10 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Callable
+from typing import cast
 
 from ..errors import StorageError
 from .engine import Engine
@@ -30,6 +33,17 @@ def is_server_url(target: str | os.PathLike[str]) -> bool:
     return is_postgres_url(target) or is_mysql_url(target)
 
 
+def _server_engine(module: str, name: str, server: str, extra: str) -> Callable[..., Engine]:
+    """A server engine's class, imported only when a URL names that server:
+    its driver lives behind an extra of the package."""
+    try:
+        return cast("Callable[..., Engine]", getattr(importlib.import_module(f".{module}", __name__), name))
+    except ImportError as exc:
+        raise StorageError(
+            f"{server} support needs the driver: pip install 'idemctl[{extra}]' ({exc.name} is missing)"
+        ) from exc
+
+
 def open_engine(
     target: str | os.PathLike[str],
     *,
@@ -46,21 +60,11 @@ def open_engine(
     if not isinstance(target, (str, os.PathLike)):
         raise StorageError(f"a ledger is a file path or a postgresql:// or mysql:// URL, got {type(target).__name__}")
     if is_postgres_url(target):
-        try:
-            from .postgres import PostgresEngine
-        except ImportError as exc:  # the driver lives behind the `postgres` extra
-            raise StorageError(
-                f"PostgreSQL support needs the driver: pip install 'idemctl[postgres]' ({exc.name} is missing)"
-            ) from exc
-        return PostgresEngine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
+        engine = _server_engine("postgres", "PostgresEngine", "PostgreSQL", "postgres")
+        return engine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
     if is_mysql_url(target):
-        try:
-            from .mysql import MysqlEngine
-        except ImportError as exc:  # the driver lives behind the `mysql` extra
-            raise StorageError(
-                f"MariaDB/MySQL support needs the driver: pip install 'idemctl[mysql]' ({exc.name} is missing)"
-            ) from exc
-        return MysqlEngine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
+        engine = _server_engine("mysql", "MysqlEngine", "MariaDB/MySQL", "mysql")
+        return engine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
     if isinstance(target, str) and "://" in target:
         raise StorageError(
             f"unsupported ledger URL {target.split('://', 1)[0]}://…: use a file path, postgresql:// or mysql://"
