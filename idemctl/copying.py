@@ -5,7 +5,8 @@ The source is only read, a page at a time in primary-key order. Each page
 is compared with the destination's rows of the same keys (one read), and
 only what differs is written, gathered up to a batch: absent rows in one
 insert-if-absent statement, older versions in one guarded UPDATE (one a
-row on engines without arrays). The statements' own conflict clause and
+row on engines without arrays; on MariaDB/MySQL, which lack RETURNING, one
+statement a row for both, each answering through its affected-row count). The statements' own conflict clause and
 WHERE decide row by row, so a row the destination holds in a newer version
 is never overwritten, whatever happened since it was read. Running the copy
 again writes only what changed since; with nothing changed it writes

@@ -19,7 +19,7 @@ from .output import emit_json, say_no
 
 def _open_destination(url: str, busy_timeout_ms: int, *, init: bool, dry_run: bool) -> Ledger:
     if not url.strip():
-        raise UserError("--to is empty: give a ledger file path or a postgresql:// URL")
+        raise UserError("--to is empty: give a ledger file path, a postgresql:// or a mysql:// URL")
     how = (
         "run `idemctl --db DESTINATION init` first (a dry run writes nothing, not even a schema)"
         if dry_run
@@ -54,7 +54,7 @@ def copy(
         typer.Option(
             "--to",
             metavar="PATH|URL",
-            help="The ledger to copy into (a SQLite file or a postgresql:// URL).",
+            help="The ledger to copy into (a SQLite file, postgresql:// or mysql:// URL).",
             show_default=False,
         ),
     ],

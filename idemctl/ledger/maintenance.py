@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from .. import copying, decision
-from ..errors import IdemctlError, PolicyError, StorageError
+from ..errors import IdemctlError, PolicyError
 from ..outcomes import Answer, Drained, DrainStop, Outcome, SweepResult
 from .base import LedgerBase
 
@@ -207,16 +207,7 @@ class Maintenance(LedgerBase):
         >>> new.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (500, {}, b"")).body
         b'made'
         """
-        for side in (self, destination):
-            if not side.store.dialect.returning:
-                # Its statements decide row by row through RETURNING, which MariaDB/MySQL lack.
-                raise StorageError(
-                    f"idemctl copy does not yet read or write {side.store.dialect.name} ledgers "
-                    f"({side.describe()}); copy between SQLite and PostgreSQL ledgers"
-                )
-        return copying.copy_ledger(
-            self.store, destination.store, batch=batch, dry_run=dry_run, on_progress=on_progress
-        )
+        return copying.copy_ledger(self.store, destination.store, batch=batch, dry_run=dry_run, on_progress=on_progress)
 
     def count_rows(self) -> int:
         """How many rows the ledger holds (one count: a progress bar's total)."""

@@ -398,6 +398,36 @@ SELECT {", ".join(COPY_COLUMNS)} FROM idempotency_keys
 WHERE (principal, key) IN (SELECT * FROM unnest(CAST(:principals AS TEXT[]), CAST(:keys AS TEXT[])))
 """
 
+# The same statements without RETURNING (MariaDB, MySQL): one row a
+# statement, a batch of them on one connection (Engine.write_turn), each
+# committed on its own and its affected-row count saying what it decided for
+# its row. One row a statement also keeps each within max_allowed_packet,
+# whatever the batch's bodies add up to.
+#  * The page's lower bound as two ranges of the primary key: MariaDB does
+#    not read a row comparison as an index range, and would scan from the
+#    start of the index for every page.
+#  * Insert if absent: a duplicate's no-op update affects no row, as in
+#    MYSQL_CLAIM; only the statement that inserted gets a row back.
+#  * COPY_UPDATE's WHERE allows only a version that differs (a higher
+#    generation, another status or a later updated_at), so the row it
+#    matched is also a row it changed: the affected-row count says it.
+#  * The fenced-out event, NULL-safe on the current generation.
+_MYSQL_COPY_AFTER = " WHERE (principal = :after_principal AND key > :after_key) OR principal > :after_principal"
+_MYSQL_COPY_INSERT = f"""
+INSERT INTO idempotency_keys ({", ".join(COPY_COLUMNS)})
+VALUES ({", ".join(f":{c}" for c in COPY_COLUMNS)})
+ON DUPLICATE KEY UPDATE generation = generation
+"""
+MYSQL_COPY_UPDATE = _without_returning(COPY_UPDATE)
+_MYSQL_SAME_EVENT = """principal = :principal AND key = :key AND superseded_generation = :superseded
+  AND current_generation <=> :current AND computed_status = :status AND fenced_at = :fenced_at"""
+MYSQL_COPY_FENCED = f"""
+INSERT INTO idemctl_fenced_out
+  (principal, key, superseded_generation, current_generation, computed_status, fenced_at)
+SELECT :principal, :key, :superseded, :current, :status, :fenced_at FROM DUAL
+WHERE NOT EXISTS (SELECT 1 FROM idemctl_fenced_out WHERE {_MYSQL_SAME_EVENT})
+"""
+
 COUNT_ROWS = "SELECT count(*) FROM idempotency_keys"
 
 
@@ -441,6 +471,7 @@ def _as_stored(body: bytes | None) -> str | bytes | None:
         return body.decode("utf-8")
     except UnicodeDecodeError:
         return body
+
 
 def _database_ms(rows: Rows) -> int:
     return int(rows[0][0])
@@ -938,6 +969,8 @@ class Store:
             and (rbody is None or type(rbody) is bytes)
         ):
             return LedgerRow._make(values)
+        # MariaDB/MySQL hand principals and keys back as bytes (VARBINARY).
+        principal, key = self.dialect.read_text(principal), self.dialect.read_text(key)
         if not isinstance(principal, str) or not isinstance(key, str):
             raise MalformedRowError(principal, key, "principal and key must be text")
         for name, value in (("fingerprint", fp), ("status", status), ("response_headers", rheaders)):
@@ -968,7 +1001,7 @@ class Store:
         params: dict[str, Any] = {"limit": limit}
         where = ""
         if after is not None:
-            where = _COPY_AFTER
+            where = _COPY_AFTER if self.dialect.returning else _MYSQL_COPY_AFTER
             params["after_principal"], params["after_key"] = after
         rows = self._read(_COPY_PAGE.format(columns=columns, after=where), params)
         return [self._full_row(values) for values in rows]
@@ -1013,6 +1046,8 @@ class Store:
         self._guard()
         if self.dialect.batch_arrays:
             return {(str(p), str(k)) for p, k in self._write(_COPY_INSERT_ARRAYS, self._columns(rows))}
+        if not self.dialect.returning:
+            return self._row_by_row(_MYSQL_COPY_INSERT, rows)
         params: dict[str, Any] = {}
         values = []
         for i, row in enumerate(rows):
@@ -1030,7 +1065,12 @@ class Store:
         self._guard()
         if self.dialect.batch_arrays:
             return {(str(p), str(k)) for p, k in self._write(_COPY_UPDATE_ARRAYS, self._columns(rows))}
-        sql = self.sql(COPY_UPDATE)
+        return self._row_by_row(COPY_UPDATE if self.dialect.returning else MYSQL_COPY_UPDATE, rows)
+
+    def _row_by_row(self, text: str, rows: Sequence[LedgerRow]) -> set[tuple[str, str]]:
+        """One statement a row, all in one turn of the engine's writers; the
+        rows whose statement returned (or affected) a row."""
+        sql = self.sql(text)
         done = self.engine.write_turn([(sql, self._bind_row(row)) for row in rows])
         return {row.where for row, returned in zip(rows, done, strict=True) if returned}
 
@@ -1038,15 +1078,16 @@ class Store:
         """At most `limit` fenced-out events with an id above `after`, by id."""
         if not self.has_fenced_log():
             return []
-        return [FencedEvent(*values) for values in self._read(_COPY_FENCED_PAGE, {"after": after, "limit": limit})]
+        return [self._event(values) for values in self._read(_COPY_FENCED_PAGE, {"after": after, "limit": limit})]
 
     def copy_fenced(self, event: FencedEvent) -> bool:
         """Record this event unless an equal one is there already."""
         self._guard()
-        return bool(self._write(COPY_FENCED, _event_params(event)))
+        return bool(self._write(COPY_FENCED if self.dialect.returning else MYSQL_COPY_FENCED, _event_params(event)))
 
     def has_event(self, event: FencedEvent) -> bool:
-        return bool(self._read(f"SELECT 1 FROM idemctl_fenced_out WHERE {_SAME_EVENT}", _event_params(event)))
+        same = _SAME_EVENT if self.dialect.returning else _MYSQL_SAME_EVENT
+        return bool(self._read(f"SELECT 1 FROM idemctl_fenced_out WHERE {same}", _event_params(event)))
 
     # -- operator side ----------------------------------------------------------------------------
     def iter_pending(
