@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from idemctl import Ledger, Outcome, Policy, ReadOnlyDatabaseError, SchemaMissingError, fingerprint
 from idemctl.cli import app
 from idemctl.copying import CopyProgress, KeptReason
-from idemctl.storage.store import LedgerRow
+from idemctl.storage.rows import LedgerRow
 from tests.helpers import FakeClock, clean_env, mysql_test_database, postgres_test_schema
 
 COPY_PAIRS = [
