@@ -3,7 +3,7 @@
 No SQL lives here: every statement is built, and its rows decoded, by the
 same Store methods the synchronous path uses (``Store.claim_statement``,
 ``Store.sweep_steps``, ...); an AsyncStore only awaits them on an
-asynchronous engine (storage/postgres.py's AsyncPostgresEngine). Its methods
+asynchronous engine (storage/postgres/aio.py's AsyncPostgresEngine). Its methods
 carry the names of the Store's, so that the decision loop's operations
 (:class:`idemctl.decision.Call`) run on either."""
 
