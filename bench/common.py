@@ -19,7 +19,7 @@ from typing import Any
 
 import idemctl
 from idemctl.schema import schema_files
-from idemctl.storage.store import CLAIM, COMPLETE, LOOKUP
+from idemctl.storage.statements import CLAIM, COMPLETE, LOOKUP
 
 BODY_1K = b"b" * 1024  # the request body of every measured request
 STORED_1K = b"r" * 1024  # the response body every measured request stores

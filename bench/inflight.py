@@ -123,7 +123,7 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
     from psycopg_pool import AsyncConnectionPool
 
     from idemctl.storage.dialect import POSTGRES
-    from idemctl.storage.store import CLAIM, COMPLETE, LOOKUP
+    from idemctl.storage.statements import CLAIM, COMPLETE, LOOKUP
 
     sql_claim, sql_complete, sql_lookup = (POSTGRES.params(s) for s in (CLAIM, COMPLETE, LOOKUP))
     n, reps, seeds = ctx.size(600, 30), ctx.size(5, 1), ctx.size(100, 10)

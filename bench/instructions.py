@@ -56,7 +56,7 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
     from idemctl.fingerprint import fingerprint, fingerprint_body, parse_key
     from idemctl.ledger import check_principal, check_request_line
     from idemctl.outcomes import Outcome, Reservation, Ticket
-    from idemctl.storage.store import new_token
+    from idemctl.storage.statements import new_token
 
     from .common import (
         BODY_1K,

@@ -62,7 +62,7 @@ def _drop(admin, name: str) -> None:  # type: ignore[no-untyped-def]
 
 def cycle(ctx: Context, base: str, admin) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     from idemctl.storage.dialect import MYSQL
-    from idemctl.storage.store import CLAIM, COMPLETE, LOOKUP, WITHOUT_RETURNING
+    from idemctl.storage.statements import CLAIM, COMPLETE, LOOKUP, WITHOUT_RETURNING
 
     sql_claim, sql_complete = (MYSQL.params(WITHOUT_RETURNING[s]) for s in (CLAIM, COMPLETE))
     sql_lookup = MYSQL.params(LOOKUP)

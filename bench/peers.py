@@ -107,7 +107,7 @@ async def _throughput(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[st
     import redis
 
     from idemctl.storage.dialect import POSTGRES
-    from idemctl.storage.store import CLAIM, COMPLETE, LOOKUP
+    from idemctl.storage.statements import CLAIM, COMPLETE, LOOKUP
 
     sql_claim, sql_complete, sql_lookup = (POSTGRES.params(s) for s in (CLAIM, COMPLETE, LOOKUP))
     n, n_replay, reps, seeds = ctx.size(200, 15), ctx.size(500, 30), ctx.size(7, 2), ctx.size(100, 10)

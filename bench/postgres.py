@@ -60,7 +60,7 @@ def _fresh_schema(admin, name: str) -> None:  # type: ignore[no-untyped-def]
 
 def cycle(ctx: Context, base: str, admin) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     from idemctl.storage.dialect import POSTGRES
-    from idemctl.storage.store import CLAIM, COMPLETE, LOOKUP
+    from idemctl.storage.statements import CLAIM, COMPLETE, LOOKUP
 
     SQL_CLAIM, SQL_COMPLETE, SQL_LOOKUP = (POSTGRES.params(s) for s in (CLAIM, COMPLETE, LOOKUP))
 

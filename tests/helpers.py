@@ -8,10 +8,14 @@ import secrets
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import pytest
 
 from idemctl.cli.simulation import VirtualClock
+from idemctl.storage.engine import Params, Rows
+from idemctl.storage.sqlite import SqliteEngine
 
 # Test data lives inside the checkout, so a clone anywhere runs the suite.
 VECTORS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vectors")
@@ -109,12 +113,11 @@ def mysql_test_database(base: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 
     from idemctl.storage import mysql
 
-    probe = mysql.MysqlEngine(base)
     name = f"t_{secrets.token_hex(6)}"
     url = base.split("?", 1)[0].rsplit("/", 1)[0] + f"/{name}" + (f"?{base.split('?', 1)[1]}" if "?" in base else "")
 
     def admin() -> pymysql.connections.Connection:
-        return pymysql.connect(**{**probe._connect_kwargs, "database": None})
+        return pymysql.connect(**{**mysql_connect_args(base), "database": None})
 
     with contextlib.closing(admin()) as conn, conn.cursor() as cur:
         cur.execute(f"CREATE DATABASE {name} CHARACTER SET utf8mb4 COLLATE utf8mb4_bin")
@@ -137,3 +140,50 @@ def mysql_test_database(base: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[
                 with contextlib.suppress(pymysql.MySQLError):
                     cur.execute(f"KILL {int(thread_id)}")
             cur.execute(f"DROP DATABASE IF EXISTS {name}")
+
+
+def descriptors_of(path: str | os.PathLike[str]) -> list[int]:
+    """This process's open descriptors on the file at `path`."""
+    target = os.path.realpath(path)
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{name}") == target:
+                found.append(int(name))
+    return found
+
+
+def sqlite_connections_open(path: str | os.PathLike[str]) -> int:
+    """How many SQLite connections this process holds open on the WAL ledger
+    at `path`: SQLite opens the -wal file once per connection and closes it
+    with the connection. (Descriptors of the database file itself it may keep
+    for reuse after a connection closed, so those do not count connections.)"""
+    return len(descriptors_of(f"{os.fspath(path)}-wal"))
+
+
+class EveryWriteInOneTransaction(SqliteEngine):
+    """A SQLite engine whose every write, even one with no other to share a
+    commit with, runs as a group commit's batch runs (`write_batch`: its own
+    transaction), so that a test with one thread drives that path too."""
+
+    def write(self, sql: str, params: Params) -> Rows:
+        (outcome,) = self.write_batch([(sql, params)])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+
+def mysql_connect_args(url: str) -> dict[str, Any]:
+    """pymysql's arguments for a plain connection to the database a test's
+    mysql:// URL names (user, password, host, port), with the server's own
+    session defaults."""
+    parts = urlsplit(url)
+    return {
+        "user": unquote(parts.username or ""),
+        "password": unquote(parts.password or ""),
+        "host": unquote(parts.hostname or "127.0.0.1"),
+        "port": parts.port or 3306,
+        "database": unquote(parts.path.lstrip("/")),
+        "charset": "utf8mb4",
+        "autocommit": True,
+    }

@@ -25,7 +25,7 @@ from idemctl import Ledger, Outcome, Policy, fingerprint
 from idemctl.cli import app
 from idemctl.copying import CopyProgress, KeptReason
 from idemctl.errors import ReadOnlyDatabaseError, SchemaMissingError
-from idemctl.storage.store import LedgerRow
+from idemctl.storage.rows import LedgerRow
 from tests.helpers import FakeClock, clean_env, mysql_test_database, postgres_test_schema
 
 COPY_PAIRS = [

@@ -15,6 +15,7 @@ import warnings
 import pytest
 
 from idemctl import Ledger, Outcome, StorageError
+from tests.helpers import sqlite_connections_open
 
 CHILDREN = 12
 CHILD_DEADLINE_S = 30
@@ -122,17 +123,17 @@ def test_children_forked_while_parent_threads_write_all_work(ledger_target, back
 
 
 def test_the_parent_goes_on_after_a_fork_on_new_connections(tmp_path):
-    ledger = Ledger.open(tmp_path / "ledger.db")
+    path = tmp_path / "ledger.db"
+    ledger = Ledger.open(path)
     ledger.init()
     ledger.handle("acct", "before", "POST", "/o", {}, b"x", ok)
-    engine = ledger.store.engine
-    assert engine.open_connections() == 1
+    assert sqlite_connections_open(path) == 1
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
         code = 1
         try:
             _die_after(CHILD_DEADLINE_S)
-            code = 0 if engine.open_connections() == 0 else 5
+            code = 0 if sqlite_connections_open(path) == 0 else 5
             if code == 0:
                 code = _child(ledger, 0)
         finally:
@@ -140,7 +141,7 @@ def test_the_parent_goes_on_after_a_fork_on_new_connections(tmp_path):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     # The parent's connection was closed for the fork; its next statement opens another.
-    assert engine.open_connections() == 0
+    assert sqlite_connections_open(path) == 0
     assert ledger.handle("acct", "after", "POST", "/o", {}, b"x", ok).outcome is Outcome.EXECUTED
     assert ledger.stats().completed == 2 + 3
     ledger.close()

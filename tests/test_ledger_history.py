@@ -41,7 +41,8 @@ from pathlib import Path
 import pytest
 
 from idemctl import Ledger, Outcome, Policy, Status, wall_clock_ms
-from idemctl.storage.sqlite import SqliteEngine
+from idemctl.storage import SqliteOptions, Store
+from tests.helpers import EveryWriteInOneTransaction
 
 pytestmark = pytest.mark.slow
 
@@ -91,11 +92,12 @@ def _worker(
 
     journal(e="start", pid=pid, worker=name)
     # With group commit, the threads of one process share commits; here they
-    # rarely meet, so even a lone statement goes through a batch's transaction.
-    ledger = Ledger.open(target, policy=POLICY, group_commit=group_commit)
-    engine = ledger.store.engine
-    if isinstance(engine, SqliteEngine) and group_commit:
-        engine.lone_statement_autocommits = False
+    # rarely meet, so every statement goes through a batch's transaction.
+    if group_commit:
+        engine = EveryWriteInOneTransaction(target, options=SqliteOptions(group_commit=True))
+        ledger = Ledger(Store(engine), policy=POLICY)
+    else:
+        ledger = Ledger.open(target, policy=POLICY)
 
     def thread_main(tid: int) -> None:
         # A client sending one lane's requests in order, each until it gets a
@@ -160,9 +162,7 @@ def _worker(
     for t in threads:
         t.join()
     shared = (
-        {"batches": engine.batches_committed, "statements": engine.statements_committed}
-        if isinstance(engine, SqliteEngine) and group_commit
-        else {}
+        {"batches": engine.batches_committed, "statements": engine.statements_committed} if group_commit else {}
     )
     ledger.close()
     journal(e="exit", pid=pid, **shared)

@@ -46,8 +46,8 @@ from hypothesis.stateful import (
 
 from idemctl import Ledger, Outcome, Policy, Reservation, State, Status, StoredRow, fingerprint
 from idemctl.outcomes import PurgeOutcome
-from idemctl.storage.sqlite import SqliteEngine
-from tests.helpers import FakeClock
+from idemctl.storage import SqliteOptions, Store
+from tests.helpers import EveryWriteInOneTransaction, FakeClock
 
 TTL = 1_000
 RETENTION = 5_000
@@ -535,15 +535,13 @@ SETTINGS = {
 
 
 def open_ledger(backend_name: str, target: str, clock: FakeClock) -> Ledger:
-    """sqlite-group: group commit, with even a lone statement run as a
-    batch (transaction, savepoint, commit), since this machine has one thread."""
+    """sqlite-group: every statement run as group commit runs a batch (in a
+    transaction of its own), since this machine has one thread."""
     if backend_name != "sqlite-group":
         return Ledger.open(target, policy=POLICY, clock=clock)
-    ledger = Ledger.open(target, policy=POLICY, clock=clock, group_commit=True)
-    engine = ledger.store.engine
-    assert isinstance(engine, SqliteEngine) and engine.group_commit
-    engine.lone_statement_autocommits = False
-    return ledger
+    engine = EveryWriteInOneTransaction(target, options=SqliteOptions(group_commit=True))
+    assert engine.group_commit
+    return Ledger(Store(engine), policy=POLICY, clock=clock)
 
 # What every random run must have exercised, so that passing means something.
 # Only what every run does several times over; the rarer interleavings are

@@ -8,7 +8,7 @@ import pytest
 
 from idemctl import Ledger, Outcome, Policy, PolicyError
 from idemctl.storage.dialect import SQLITE
-from idemctl.storage.store import SWEEP_FENCED
+from idemctl.storage.statements import SWEEP_FENCED
 
 SQL_SWEEP, SQL_SWEEP_FENCED = SQLITE.sweep_keys, SWEEP_FENCED
 

@@ -33,6 +33,7 @@ from idemctl.outcomes import InitAction  # noqa: E402
 from idemctl.storage.dialect import MYSQL  # noqa: E402
 from idemctl.storage.mysql import MysqlEngine  # noqa: E402
 from idemctl.wsgi import IdempotencyMiddleware  # noqa: E402
+from tests.helpers import mysql_connect_args  # noqa: E402
 
 SECRET = "s3cr3t-Pa55"
 
@@ -45,7 +46,7 @@ def backend_name() -> str:
 
 def connect(url: str, **overrides: object) -> pymysql.connections.Connection:
     """A plain connection to the URL's database, with the server's own defaults."""
-    return pymysql.connect(**{**MysqlEngine(url)._connect_kwargs, **overrides})
+    return pymysql.connect(**{**mysql_connect_args(url), **overrides})
 
 
 @pytest.fixture
@@ -106,18 +107,17 @@ def test_a_sweep_batch_holding_its_locks_takes_no_gap_lock_that_a_new_claim_wait
     for i in range(5):
         ledger.claim("acct", f"old-{i}", "fp")
     clock.advance(120_000)
-    sweeper = ledger.store.engine
-    pooled, epoch = sweeper._acquire()
-    try:
-        with pooled.conn.cursor() as cur:
-            cur.execute("BEGIN")
-            batch = {"after": -(2**62), "cutoff": clock() - 60_000, "limit": 100}
-            assert cur.execute(cur.mogrify(MYSQL.params(MYSQL.sweep_keys), batch)) == 5
-            claimer = make_ledger(busy_timeout_ms=1000, init=False)
-            assert claimer.claim("acct", "new", "fp") is not None
-            cur.execute("ROLLBACK")
-    finally:
-        sweeper._release(pooled, epoch)
+    claimer = make_ledger(busy_timeout_ms=1000, init=False)
+
+    def batch_held_while_another_claims(tx) -> None:
+        # One of the engine's own pooled connections, with its session settings.
+        tx.execute("BEGIN", {})
+        batch = {"after": -(2**62), "cutoff": clock() - 60_000, "limit": 100}
+        assert len(tx.execute(MYSQL.params(MYSQL.sweep_keys), batch)) == 5  # one row per row deleted
+        assert claimer.claim("acct", "new", "fp") is not None
+        tx.execute("ROLLBACK", {})
+
+    ledger.store.engine.migrate(batch_held_while_another_claims, write=True)
     assert ledger.stats().total == 6
 
 
@@ -339,17 +339,21 @@ def test_when_the_server_drops_every_pooled_connection_only_one_statement_fails(
     ids: list[int] = []
 
     def hold() -> None:
-        with ledger.store.engine._connection() as pooled, pooled.conn.cursor() as cur:
-            cur.execute("SELECT CONNECTION_ID()")
-            ids.append(cur.fetchone()[0])
-            barrier.wait()
+        # A listing holds its pooled connection until its last row is read.
+        rows = ledger.store.engine.stream("SELECT CONNECTION_ID()", {})
+        ids.append(next(rows)[0])
+        barrier.wait()
+        assert list(rows) == []
 
     threads = [threading.Thread(target=hold) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(set(ids)) == 4 and len(ledger.store.engine._idle) == 4
+    assert len(set(ids)) == 4
+    # All four stay open, idle in the pool.
+    db.execute("SELECT count(*) FROM information_schema.processlist WHERE id IN (%s, %s, %s, %s)", ids)
+    assert db.fetchone() == (4,)
     for thread in ids:
         db.execute(f"KILL {thread}")
     with pytest.raises(ConnectionFailedError, match=r"^cannot reach MySQL at mysql://root@127\.0\.0\.1:3306/"):

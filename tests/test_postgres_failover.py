@@ -27,6 +27,9 @@ from idemctl.outcomes import Outcome, Status
 from idemctl.wsgi import IdempotencyMiddleware
 
 postgres = pytest.importorskip("idemctl.storage.postgres", reason="the failover tests need the postgres extra")
+import psycopg  # noqa: E402  (after the skip: the postgres extra brings it)
+
+from idemctl.storage.postgres import engine as postgres_engine  # noqa: E402
 
 MEASURED: list[FailoverRun] = []
 
@@ -79,20 +82,33 @@ def _order(body: bytes) -> tuple[int, dict[str, str], bytes]:
 # -- what the engine does with several hosts (no servers needed) ------------------------
 
 
-def test_a_url_naming_several_hosts_connects_only_to_one_that_accepts_writes() -> None:
-    engine = postgres.PostgresEngine("postgresql://app@db1:5432,db2:5432/payments")
-    assert "target_session_attrs=read-write" in engine._conninfo
+def conninfo_of(monkeypatch: pytest.MonkeyPatch, url: str, **engine_args: object) -> str:
+    """What the engine for `url` hands libpq when it connects (no server needed: the attempt is refused)."""
+    attempts: list[str] = []
+
+    def refused(conninfo: str, **kwargs: object) -> None:
+        attempts.append(conninfo)
+        raise psycopg.OperationalError("connection failed: Connection refused")
+
+    monkeypatch.setattr(psycopg, "connect", refused)
+    with pytest.raises(ConnectionFailedError):
+        postgres.PostgresEngine(url, **engine_args).read("SELECT 1", {})  # type: ignore[arg-type]
+    return attempts[0]
 
 
-def test_a_url_that_chooses_its_own_target_session_attrs_keeps_it() -> None:
-    engine = postgres.PostgresEngine("postgresql://app@db1,db2/payments?target_session_attrs=primary")
-    assert "target_session_attrs=primary" in engine._conninfo
-    assert "read-write" not in engine._conninfo
+def test_a_url_naming_several_hosts_connects_only_to_one_that_accepts_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "target_session_attrs=read-write" in conninfo_of(monkeypatch, "postgresql://app@db1:5432,db2:5432/payments")
 
 
-def test_a_read_only_ledger_and_a_single_host_url_take_any_session() -> None:
-    assert "target_session_attrs" not in postgres.PostgresEngine("postgresql://app@db1,db2/p", readonly=True)._conninfo
-    assert "target_session_attrs" not in postgres.PostgresEngine("postgresql://app@db1/p")._conninfo
+def test_a_url_that_chooses_its_own_target_session_attrs_keeps_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    conninfo = conninfo_of(monkeypatch, "postgresql://app@db1,db2/payments?target_session_attrs=primary")
+    assert "target_session_attrs=primary" in conninfo
+    assert "read-write" not in conninfo
+
+
+def test_a_read_only_ledger_and_a_single_host_url_take_any_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "target_session_attrs" not in conninfo_of(monkeypatch, "postgresql://app@db1,db2/p", readonly=True)
+    assert "target_session_attrs" not in conninfo_of(monkeypatch, "postgresql://app@db1/p")
 
 
 def test_while_no_host_accepts_connections_statements_fail_at_once_without_reconnecting_each_time(
@@ -102,16 +118,16 @@ def test_while_no_host_accepts_connections_statements_fail_at_once_without_recon
 
     def refused(conninfo: str, **kwargs: object) -> None:
         attempts.append(conninfo)
-        raise postgres.psycopg.OperationalError("connection failed: Connection refused")
+        raise psycopg.OperationalError("connection failed: Connection refused")
 
-    monkeypatch.setattr(postgres.psycopg, "connect", refused)
-    monkeypatch.setattr(postgres, "RECONNECT_PAUSE_S", 3600.0)
+    monkeypatch.setattr(psycopg, "connect", refused)
+    monkeypatch.setattr(postgres_engine, "RECONNECT_PAUSE_S", 0.5)
     engine = postgres.PostgresEngine("postgresql://app@127.0.0.1:1,127.0.0.1:2/payments")
     for _ in range(3):
         with pytest.raises(ConnectionFailedError, match=r"^cannot reach PostgreSQL at postgresql://app@127\.0\.0\.1:1,"):
             engine.read("SELECT 1", {})
     assert len(attempts) == 1
-    engine._unreachable = None  # the pause is over
+    time.sleep(0.6)  # the pause is over
     with pytest.raises(ConnectionFailedError):
         engine.read("SELECT 1", {})
     assert len(attempts) == 2

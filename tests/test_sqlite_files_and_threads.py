@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from idemctl import Ledger, Outcome, StorageError
 from idemctl.cli import app
 from idemctl.errors import SchemaMissingError
+from tests.helpers import sqlite_connections_open
 
 
 def mode_of(path: str | Path) -> int:
@@ -120,16 +121,16 @@ def test_connections_of_finished_threads_are_closed(tmp_path):
     # database descriptors of closed connections for reuse while another
     # connection of the process holds locks on the file: as many as ran at
     # once (100), not one per finished thread.
-    assert ledger.store.engine.open_connections() == 1
+    assert sqlite_connections_open(path) == 1
     after_one_wave = _fds()
     assert after_one_wave <= fds_before + 150
     wave(1500)
     assert outcomes == [Outcome.EXECUTED] * 3000
-    assert ledger.store.engine.open_connections() == 1
+    assert sqlite_connections_open(path) == 1
     assert _fds() <= fds_before + 150  # flat: another 1500 threads added nothing per thread
     assert ledger.stats().completed == 3001
     ledger.close()
-    assert ledger.store.engine.open_connections() == 0
+    assert sqlite_connections_open(path) == 0
     assert _fds() < fds_before
 
 

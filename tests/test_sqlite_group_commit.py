@@ -25,6 +25,7 @@ import pytest
 from idemctl import Ledger, StorageError
 from idemctl.errors import DatabaseLockedError
 from idemctl.storage.sqlite import SqliteEngine
+from idemctl.storage.sqlite import group_commit as group_commit_module
 
 fork = mp.get_context("fork")
 PRINCIPAL = "acct"
@@ -94,6 +95,14 @@ def writer_queue_held(db: str) -> Iterator[None]:
         os.close(fd)
 
 
+def flock_waiters(db: str) -> int:
+    """How many descriptors wait to lock `db`'s writer queue (/proc/locks
+    lists each blocked flock as `-> FLOCK ...` with the file's inode)."""
+    inode = os.stat(db + "-idemctl.lock").st_ino
+    with open("/proc/locks") as locks:
+        return sum(1 for line in locks if "->" in line and "FLOCK" in line and f":{inode} " in line)
+
+
 def wait_until(condition: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + 10
     while not condition():
@@ -112,7 +121,7 @@ class ForcedBatch:
         self.threads: list[threading.Thread] = []
 
     def queued(self) -> int:
-        return len(self.engine._group.queue)
+        return self.engine.statements_waiting
 
     def add(self, call: Callable[[], object]) -> None:
         n = len(self.threads)
@@ -127,7 +136,7 @@ class ForcedBatch:
         thread.start()
         self.threads.append(thread)
         if n == 0:
-            wait_until(lambda: self.engine._group.leading and self.queued() == 0, "the leader to take its statement")
+            wait_until(lambda: flock_waiters(self.db) == 1 and self.queued() == 0, "the leader to take its statement")
         else:
             wait_until(lambda: self.queued() == n, f"call {n} to queue")
 
@@ -431,7 +440,7 @@ def test_a_forked_child_does_not_join_its_parents_pending_batch(db, open_ledger)
 def test_with_small_batches_leaders_work_through_a_long_queue_and_hand_on(open_ledger, monkeypatch):
     # A queue longer than one batch: a leader whose own statement is not in
     # its first batch leads again, and the others are handed leadership.
-    monkeypatch.setattr("idemctl.storage.sqlite.GROUP_COMMIT_MAX_BATCH", 3)
+    monkeypatch.setattr(group_commit_module, "GROUP_COMMIT_MAX_BATCH", 3)
     ledger = open_ledger(group_commit=True)
     engine = engine_of(ledger)
 
@@ -451,24 +460,28 @@ class LeaderStopped(BaseException):
 def test_a_leader_stopped_mid_batch_fails_its_batch_mates_and_the_ledger_goes_on(db, open_ledger, monkeypatch):
     ledger = open_ledger(group_commit=True)
     engine = engine_of(ledger)
-    real = SqliteEngine._commit_batch
-    calls = []
-
-    def stopping(self: SqliteEngine, batch: list[Any]) -> None:
-        calls.append(len(batch))
-        if len(calls) == 1:
-            raise LeaderStopped
-        real(self, batch)
-
-    monkeypatch.setattr(SqliteEngine, "_commit_batch", stopping)
     batch = ForcedBatch(db, engine)
+    real_flock = fcntl.flock
+    stopped = []
+
+    def flock(fd: int, operation: int) -> None:
+        # The second caller leads the batch after the first: stopped as it
+        # takes the batch's turn of the writer queue.
+        if threading.current_thread() is batch.threads[1] and operation & fcntl.LOCK_EX and not stopped:
+            stopped.append(fd)
+            raise LeaderStopped
+        real_flock(fd, operation)
+
     with writer_queue_held(db):
         for key in ("lead", "second", "third", "fourth"):
             batch.add(lambda key=key: ledger.claim(PRINCIPAL, key, "fp"))
+        monkeypatch.setattr(fcntl, "flock", flock)
     results = batch.wait()
-    assert calls == [3]  # the first caller ran alone, as a plain write
-    assert results[0] is not None and not isinstance(results[0], BaseException)
+    monkeypatch.undo()
+    assert len(stopped) == 1
+    assert results[0] is not None and not isinstance(results[0], BaseException)  # the first caller ran alone
     # The second caller led the stopped batch and saw why; the others were told.
     assert isinstance(results[1], LeaderStopped)
     assert all(isinstance(r, StorageError) and "interrupted" in str(r) for r in results[2:]), results
+    assert (engine.batches_committed, engine.statements_committed) == (1, 1)
     assert ledger.claim(PRINCIPAL, "after", "fp") is not None

@@ -15,6 +15,7 @@ import pytest
 
 from idemctl import Ledger, Outcome
 from idemctl.errors import DatabaseLockedError
+from tests.helpers import descriptors_of
 
 fork = mp.get_context("fork")
 
@@ -132,7 +133,7 @@ def test_time_spent_queueing_is_taken_from_the_busy_timeout_and_then_restored(db
 def test_threads_of_one_process_take_turns_in_the_queue(db):
     ledger = Ledger.open(db)
     ledger.claim("acct", "warm", "fp")  # opens this thread's queue descriptor
-    fd = ledger.store.engine._slot().queue_fd
+    (fd,) = descriptors_of(db + "-idemctl.lock")  # the only thread that wrote so far
     fcntl.flock(fd, fcntl.LOCK_EX)  # as if this thread were mid-statement
     done = threading.Event()
     other = threading.Thread(target=lambda: (ledger.claim("acct", "t2", "fp"), done.set()))

@@ -17,7 +17,7 @@ from ..errors import PolicyError, SchemaMissingError
 from ..leases import LeaseKeeper
 from ..outcomes import Event, InitResult, Reservation
 from ..policy import Policy
-from ..storage import DEFAULT_FILE_MODE, Store, is_server_url, open_engine
+from ..storage import DEFAULT_FILE_MODE, SqliteOptions, Store, is_server_url, open_engine
 from ..storage.aio import AsyncStore
 from .events import EventHub
 
@@ -123,16 +123,11 @@ class LedgerBase:
         >>> Ledger.open(":memory:", policy=Policy(pending_ttl_ms=60_000)).policy.retry_after_seconds
         60
         """
-        engine = open_engine(
-            target,
-            create=create,
-            readonly=readonly,
-            busy_timeout_ms=busy_timeout_ms,
-            synchronous=synchronous,
-            write_queue=write_queue,
-            file_mode=file_mode,
+        sqlite = SqliteOptions(
+            create=create, synchronous=synchronous, write_queue=write_queue, file_mode=file_mode,
             group_commit=group_commit,
         )
+        engine = open_engine(target, readonly=readonly, busy_timeout_ms=busy_timeout_ms, sqlite=sqlite)
         store = Store(engine)
         if not is_server_url(target):
             # A file's schema is checked at open (it costs no connection):

@@ -6,11 +6,14 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Callable
+from typing import cast
 
 from ..errors import StorageError
 from .engine import Engine
-from .sqlite import DEFAULT_FILE_MODE, SqliteEngine
+from .sqlite import DEFAULT_FILE_MODE, SQLITE_DEFAULTS, SqliteEngine, SqliteOptions
 from .store import Store
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
@@ -30,19 +33,26 @@ def is_server_url(target: str | os.PathLike[str]) -> bool:
     return is_postgres_url(target) or is_mysql_url(target)
 
 
+def _server_engine(module: str, name: str, server: str, extra: str) -> Callable[..., Engine]:
+    """A server engine's class, imported only when a URL names that server:
+    its driver lives behind an extra of the package."""
+    try:
+        return cast("Callable[..., Engine]", getattr(importlib.import_module(f".{module}", __name__), name))
+    except ImportError as exc:
+        raise StorageError(
+            f"{server} support needs the driver: pip install 'idemctl[{extra}]' ({exc.name} is missing)"
+        ) from exc
+
+
 def open_engine(
     target: str | os.PathLike[str],
     *,
-    create: bool = True,
     readonly: bool = False,
     busy_timeout_ms: int = 5000,
-    synchronous: str = "FULL",
-    write_queue: bool = True,
-    file_mode: int = DEFAULT_FILE_MODE,
-    group_commit: bool = False,
+    sqlite: SqliteOptions = SQLITE_DEFAULTS,
 ) -> Engine:
-    """The engine for a SQLite file path, a postgresql:// or a mysql:// URL.
-    `synchronous`, `write_queue`, `file_mode` and `group_commit` are SQLite settings.
+    """The engine for a SQLite file path, a postgresql:// or a mysql:// URL;
+    `sqlite` holds what only a SQLite file has (a server URL ignores it).
 
     >>> open_engine(":memory:").dialect.name
     'sqlite'
@@ -50,35 +60,25 @@ def open_engine(
     if not isinstance(target, (str, os.PathLike)):
         raise StorageError(f"a ledger is a file path or a postgresql:// or mysql:// URL, got {type(target).__name__}")
     if is_postgres_url(target):
-        try:
-            from .postgres import PostgresEngine
-        except ImportError as exc:  # the driver lives behind the `postgres` extra
-            raise StorageError(
-                f"PostgreSQL support needs the driver: pip install 'idemctl[postgres]' ({exc.name} is missing)"
-            ) from exc
-        return PostgresEngine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
+        engine = _server_engine("postgres", "PostgresEngine", "PostgreSQL", "postgres")
+        return engine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
     if is_mysql_url(target):
-        try:
-            from .mysql import MysqlEngine
-        except ImportError as exc:  # the driver lives behind the `mysql` extra
-            raise StorageError(
-                f"MariaDB/MySQL support needs the driver: pip install 'idemctl[mysql]' ({exc.name} is missing)"
-            ) from exc
-        return MysqlEngine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
+        engine = _server_engine("mysql", "MysqlEngine", "MariaDB/MySQL", "mysql")
+        return engine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
     if isinstance(target, str) and "://" in target:
         raise StorageError(
             f"unsupported ledger URL {target.split('://', 1)[0]}://…: use a file path, postgresql:// or mysql://"
         )
-    return SqliteEngine(
-        target,
-        create=create,
-        readonly=readonly,
-        busy_timeout_ms=busy_timeout_ms,
-        synchronous=synchronous,
-        write_queue=write_queue,
-        file_mode=file_mode,
-        group_commit=group_commit,
-    )
+    return SqliteEngine(target, readonly=readonly, busy_timeout_ms=busy_timeout_ms, options=sqlite)
 
 
-__all__ = ["DEFAULT_FILE_MODE", "Engine", "Store", "is_mysql_url", "is_postgres_url", "is_server_url", "open_engine"]
+__all__ = [
+    "DEFAULT_FILE_MODE",
+    "Engine",
+    "SqliteOptions",
+    "Store",
+    "is_mysql_url",
+    "is_postgres_url",
+    "is_server_url",
+    "open_engine",
+]

@@ -3,22 +3,36 @@
 No SQL lives here: every statement is built, and its rows decoded, by the
 same Store methods the synchronous path uses (``Store.claim_statement``,
 ``Store.sweep_steps``, ...); an AsyncStore only awaits them on an
-asynchronous engine (storage/postgres.py's AsyncPostgresEngine). Its methods
+asynchronous engine (storage/postgres/aio.py's AsyncPostgresEngine). Its methods
 carry the names of the Store's, so that the decision loop's operations
 (:class:`idemctl.decision.Call`) run on either."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
-from ..errors import SchemaTooNewError
-from ..outcomes import FencedEvent, StoredRow, SweepResult
-from ..schema import SCHEMA_VERSION
+from ..outcomes import FencedEvent, SweepResult
 from .engine import Params, Rows
-from .store import FENCED_TABLE, LEDGER_TABLE, TABLES, VERSION, VERSION_TABLE, Statement, Store, Turn, _version
+from .statements import FENCED_TABLE, TABLES, VERSION
+from .store import Store
+from .store_base import Statement, Turn, reads_version, resume, version_in
 
 R = TypeVar("R")
+P = ParamSpec("P")
+
+
+def awaits(
+    build: Callable[Concatenate[Store, P], Statement[R]],
+) -> Callable[Concatenate[AsyncStore, P], Coroutine[Any, Any, R]]:
+    """The awaited request-path step that runs the Statement the Store's
+    `build` makes (the asynchronous twin of store.runs)."""
+
+    async def step(self: AsyncStore, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await self.run(build(self.store, *args, **kwargs))
+
+    step.__doc__ = build.__doc__
+    return step
 
 
 class AsyncEngine(Protocol):
@@ -61,64 +75,32 @@ class AsyncStore:
     # -- schema: Store.tables / check_not_newer, awaited -----------------------------
     async def _guard(self) -> None:
         # Once per store (shared with the synchronous path), before the first write.
-        if not self.store._checked:
+        if not self.store.schema_checked:
             await self.check_not_newer()
 
     async def tables(self) -> frozenset[str]:
-        store = self.store
-        if store._tables is not None:
-            return store._tables
-        found = frozenset(await self.engine.table_names(TABLES))
-        if len(found) == len(TABLES):
-            store._tables = found
-        return found
+        known = self.store.known_tables
+        if known is not None:
+            return known
+        return self.store.found_tables(await self.engine.table_names(TABLES))
 
     async def check_not_newer(self) -> None:
-        self.store.forget_schema()
+        store = self.store
+        store.forget_schema()
         tables = await self.tables()
-        version: int | None
-        if LEDGER_TABLE not in tables:
-            version = None
-        elif VERSION_TABLE not in tables:
-            version = 0
-        else:
-            version = _version(await self.engine.execute(self.store.sql(VERSION), {}))
-        if version is not None and version > SCHEMA_VERSION:
-            raise SchemaTooNewError(self.describe(), version, SCHEMA_VERSION)
-        self.store._checked = version is not None
+        rows = await self.engine.execute(store.sql(VERSION), {}) if reads_version(tables) else []
+        store.version_checked(version_in(tables, rows))
 
     async def has_fenced_log(self) -> bool:
         return FENCED_TABLE in await self.tables()
 
     # -- the request path: the Store's statements ----------------------------------
-    async def claim(self, principal: str, key: str, fingerprint: str, token: int, now: int) -> int | None:
-        return await self.run(self.store.claim_statement(principal, key, fingerprint, token, now))
-
-    async def lookup(self, principal: str, key: str) -> StoredRow | None:
-        return await self.run(self.store.lookup_statement(principal, key))
-
-    async def takeover(
-        self, principal: str, key: str, fingerprint: str, token: int, now: int, stale_before: int, expired_before: int
-    ) -> int | None:
-        statement = self.store.takeover_statement(principal, key, fingerprint, token, now, stale_before, expired_before)
-        return await self.run(statement)
-
-    async def complete(
-        self,
-        principal: str,
-        key: str,
-        generation: int,
-        token: int | None,
-        status: int,
-        body: str | bytes | None,
-        headers_json: str,
-        now: int,
-    ) -> bool:
-        statement = self.store.complete_statement(principal, key, generation, token, status, body, headers_json, now)
-        return await self.run(statement)
-
-    async def release(self, principal: str, key: str, generation: int, token: int | None) -> bool:
-        return await self.run(self.store.release_statement(principal, key, generation, token))
+    claim = awaits(Store.claim_statement)
+    lookup = awaits(Store.lookup_statement)
+    takeover = awaits(Store.takeover_statement)
+    complete = awaits(Store.complete_statement)
+    release = awaits(Store.release_statement)
+    database_now = awaits(Store.database_now_statement)
 
     async def record_fenced(
         self, principal: str, key: str, generation: int, computed_status: int, now: int
@@ -127,23 +109,18 @@ class AsyncStore:
             return None
         return await self.run(self.store.record_fenced_statement(principal, key, generation, computed_status, now))
 
-    async def database_now(self) -> int:
-        return await self.run(self.store.database_now_statement())
-
     async def sweep(self, now: int, cutoff: int, fenced_cutoff: int, limit: int) -> SweepResult:
         """Store.sweep's steps, each awaited (see Store.sweep_steps)."""
         await self._guard()
         steps = self.store.sweep_steps(now, cutoff, fenced_cutoff, limit, await self.has_fenced_log())
-        sent: Any = None
-        while True:
-            try:
-                step = steps.send(sent)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+        step = resume(steps, None)
+        engine = self.engine
+        while not isinstance(step, SweepResult):
             if isinstance(step, Turn):
-                sent = await self.engine.write_turn(step.statements)
+                step = resume(steps, await engine.write_turn(step.statements))
             else:
-                sent = await self.engine.execute(step.sql, step.params)
+                step = resume(steps, await engine.execute(step.sql, step.params))
+        return step
 
     async def aclose(self) -> None:
         await self.engine.aclose()

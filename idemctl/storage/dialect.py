@@ -1,6 +1,6 @@
 """What differs between SQL engines in the statements themselves.
 
-Every statement is written once, in storage/store.py, with ``:name``
+Every statement is written once, in storage/statements.py, with ``:name``
 parameters; a dialect says how an engine spells parameters, how it bounds a
 DELETE (SQLite and PostgreSQL have no ``DELETE … LIMIT``), how it binds
 response bodies and whether its statements can hand rows back with
@@ -152,7 +152,7 @@ class Dialect:
     # array per column that the server unnests, where parsing and planning
     # thousands of placeholders would cost more than the statement itself.
     batch_arrays: bool = False
-    # False: the engine has no RETURNING, and store.py runs its own forms of
+    # False: the engine has no RETURNING, and statements.py has its own forms of
     # the statements that need one; the engine hands back one row per
     # affected row holding LAST_INSERT_ID(), through which those forms
     # return the one value they must (storage/engine.py, Engine.write).

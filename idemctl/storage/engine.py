@@ -1,7 +1,7 @@
 """What the SQL core needs from an engine: running statements.
 
 An engine knows its connections, its locking and its error classes, and
-nothing about the ledger's statements (those live in storage/store.py)."""
+nothing about the ledger's statements (those live in storage/statements.py)."""
 
 from __future__ import annotations
 

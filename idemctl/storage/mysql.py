@@ -51,13 +51,13 @@ from ..errors import (
     LedgerNotFoundError,
     LedgerUnavailableError,
     ReadOnlyDatabaseError,
-    SchemaMissingError,
     SchemaOutdatedError,
     StorageError,
 )
 from ..text import single_line
 from .dialect import MYSQL
 from .engine import Params, Rows
+from .server import checked_busy_timeout, missing_table, scrub
 
 log = logging.getLogger("idemctl")
 T = TypeVar("T")
@@ -160,9 +160,7 @@ class MysqlEngine:
 
     def __init__(self, url: str, *, readonly: bool = False, busy_timeout_ms: int = 5000) -> None:
         self.readonly = readonly
-        self.busy_timeout_ms = int(busy_timeout_ms)
-        if self.busy_timeout_ms < 0:
-            raise StorageError(f"busy timeout must be >= 0 ms, got {busy_timeout_ms}")
+        self.busy_timeout_ms = checked_busy_timeout(busy_timeout_ms)
         self._scheme = url.split("://", 1)[0]
         self._secrets: list[str] = []
         try:
@@ -238,9 +236,7 @@ class MysqlEngine:
         return f"{self._scheme}://{user}{where}/{quote(self.database, safe='')}"
 
     def _scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+        return scrub(text, self._secrets)
 
     @staticmethod
     def _scrub_raw(url: str, text: str) -> str:
@@ -391,11 +387,9 @@ class MysqlEngine:
             return DatabaseLockedError(f"a statement on {where} ran past the server's statement time limit: {msg}")
         if code in _READ_ONLY:
             return ReadOnlyDatabaseError(f"{where} is read-only ({msg})")
-        if code == 1146:
-            if "idempotency_keys" in msg:
-                return SchemaMissingError(where)
-            if "idemctl_" in msg:
-                return SchemaOutdatedError(where)
+        missing = missing_table(where, msg) if code == 1146 else None
+        if missing is not None:
+            return missing
         if code == 1054 and "'token'" in msg:
             return SchemaOutdatedError(where)
         if code == 1049:

@@ -1,0 +1,156 @@
+"""The asynchronous engine: a PostgresEngine's request path on one event
+loop, with the same statements and the same errors, awaited on psycopg's
+AsyncConnection instead of run in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from ..dialect import POSTGRES
+from ..engine import Params, Rows
+from .errors import Translator
+from .schema import EXISTING, existing_tables
+
+log = logging.getLogger("idemctl")
+
+
+class _AsyncPooledConnection(psycopg.AsyncConnection[tuple[Any, ...]]):
+    """A pooled connection with one kept cursor for the one-statement steps
+    (as the synchronous pool's connections have)."""
+
+    statement_cursor: psycopg.AsyncCursor[tuple[Any, ...]] | None = None
+
+
+class AsyncPostgresEngine:
+    """The request path of a PostgresEngine on one event loop: psycopg's
+    AsyncConnection in a psycopg_pool.AsyncConnectionPool with the same
+    settings (URL, pool sizes, timeouts, session options) and the same error
+    translation; a statement waits on the loop, never in a thread. Nothing
+    connects until the first statement; `aclose` closes the pool.
+    `PostgresEngine.open_async` makes one."""
+
+    dialect = POSTGRES
+
+    def __init__(self, conninfo: str, translate: Translator) -> None:
+        self._conninfo = conninfo
+        self._translate = translate
+        self._pool: AsyncConnectionPool[_AsyncPooledConnection] | None = None
+        self._opening: asyncio.Lock | None = None
+        # Every connection the pool made, so that `abandon` can close their
+        # sockets without the loop (once the loop is gone).
+        self._made: weakref.WeakSet[_AsyncPooledConnection] = weakref.WeakSet()
+
+    def describe(self) -> str:
+        return self._translate.where
+
+    async def _current_pool(self) -> AsyncConnectionPool[_AsyncPooledConnection]:
+        pool = self._pool
+        if pool is not None:
+            return pool
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            if self._pool is None:
+                self._pool = await self._new_pool()
+            return self._pool
+
+    async def _new_pool(self) -> AsyncConnectionPool[_AsyncPooledConnection]:
+        # As the synchronous pool: a direct connection first, for libpq's reason.
+        try:
+            conn = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True)
+        except psycopg.Error as exc:
+            raise self._translate(exc, connecting=True) from exc
+        await conn.close()
+
+        async def remember(made: _AsyncPooledConnection) -> None:
+            self._made.add(made)
+
+        pool = AsyncConnectionPool(
+            self._conninfo,
+            connection_class=_AsyncPooledConnection,
+            kwargs={"autocommit": True},
+            # Connections are made as the loop needs them, never ahead: the
+            # pool's workers swallow a cancellation while they connect, and
+            # a loop ending then (asyncio.run returning) would wait forever.
+            min_size=0,
+            max_size=self._translate.pool_max_size,
+            timeout=self._translate.pool_timeout_s,
+            name=f"idemctl-async-{os.getpid()}",
+            configure=remember,
+            open=False,
+        )
+        await pool.open()
+        return pool
+
+    async def execute(self, sql: str, params: Params) -> Rows:
+        """One auto-committed statement (read or write); its rows."""
+        pool = await self._current_pool()
+        try:
+            conn = await pool.getconn()
+        except psycopg.Error as exc:
+            raise self._translate(exc) from exc
+        try:
+            cur = conn.statement_cursor
+            if cur is None:
+                cur = conn.statement_cursor = conn.cursor()
+            await cur.execute(sql, params)
+            rows: Rows = await cur.fetchall()
+            return rows
+        except psycopg.Error as exc:
+            conn.statement_cursor = None
+            if conn.broken:
+                await self._drop_broken_idle(pool)
+            raise self._translate(exc) from exc
+        finally:
+            await pool.putconn(conn)
+
+    async def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[Rows]:
+        pool = await self._current_pool()
+        try:
+            async with pool.connection() as conn:
+                out: list[Rows] = []
+                for sql, params in statements:
+                    cur = await conn.execute(sql, params)
+                    out.append(await cur.fetchall())
+                return out
+        except psycopg.Error as exc:
+            raise self._translate(exc) from exc
+
+    async def table_names(self, names: Iterable[str]) -> set[str]:
+        return existing_tables(await self.execute(EXISTING, {"names": list(names)}))
+
+    @staticmethod
+    async def _drop_broken_idle(pool: AsyncConnectionPool[_AsyncPooledConnection]) -> None:
+        # The server closed a connection: a restart or failover closes every
+        # idle one too, and each would fail one more request. The pool's
+        # check drops the dead ones now.
+        try:
+            await pool.check()
+        except Exception:
+            log.debug("checking the pool's idle connections failed", exc_info=True)
+
+    async def aclose(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+    def abandon(self) -> None:
+        """Close the sockets of a pool whose event loop is gone (it cannot
+        be closed the asynchronous way any more)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            # Its workers died with their loop: nothing is left to stop when
+            # the pool is collected (which would call into the closed loop).
+            pool._closed = True
+        for conn in list(self._made):
+            with contextlib.suppress(Exception):
+                conn.pgconn.finish()

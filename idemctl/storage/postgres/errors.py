@@ -1,0 +1,127 @@
+"""PostgreSQL's errors (SQLSTATEs, libpq's connection failures, the pool's
+timeouts) as idemctl's typed errors, never showing the URL's password."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import psycopg
+from psycopg import errors as pgerrors
+from psycopg_pool import PoolClosed, PoolTimeout
+
+from ...errors import (
+    ConnectionFailedError,
+    DatabaseLockedError,
+    LedgerNotFoundError,
+    LedgerUnavailableError,
+    ReadOnlyDatabaseError,
+    SchemaOutdatedError,
+    StorageError,
+)
+from ...text import single_line
+from ..server import missing_table
+
+# SQLSTATEs that mean "waited on another session past a timeout".
+_LOCKED_STATES = {"55P03", "57014", "40P01", "40001"}
+# Server going away, refusing, or out of connection slots.
+_GONE_STATES = {"57P01", "57P02", "57P03", "53300", "53400"}
+# Errors that mean two inits raced to create the same catalog objects.
+INIT_RACE = (pgerrors.UniqueViolation, pgerrors.DuplicateTable, pgerrors.DuplicateObject)
+
+_SERVER_PREFIX = re.compile(r'^connection to server (?:at|on socket) "[^"]*"(?: \([^)]*\))?(?:, port \d+)? failed: ')
+
+
+class DatabaseNotCreatedError(StorageError):
+    """The database a URL names does not exist, and this role could not create
+    it (`PostgresEngine.create_database`): `reason` is the server's word."""
+
+    def __init__(self, where: str, database: str, role: str | None, reason: str) -> None:
+        self.where, self.database, self.role, self.reason = where, database, role, reason
+        super().__init__(f"cannot create the database {database!r} for {where}: {reason}")
+
+
+def libpq_reason(text: str) -> str:
+    """The reason inside libpq's connection error, without the parts the
+    caller already shows (which server) or that add nothing (hint lines).
+    With several hosts in the URL, one `host:port: reason` per host."""
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("\t")]
+    if "All failures were:" in text:
+        per_host = []
+        for line in lines:
+            m = re.match(r"- host: '([^']*)', port: '([^']*)'(?:, hostaddr: '[^']*')?: (.*)", line)
+            if m:
+                per_host.append(f"{m.group(1)}:{m.group(2)}: {libpq_reason(m.group(3))}")
+        if per_host:
+            return "; ".join(per_host)
+    reasons: list[str] = []
+    for line in lines:
+        line = line.strip().removeprefix("connection failed: ")
+        line = _SERVER_PREFIX.sub("", line)
+        line = re.sub(r"^FATAL:\s+", "", line)
+        if line not in reasons:
+            reasons.append(line)
+    return single_line("; ".join(reasons)) or "connection failed"
+
+
+class Translator:
+    """Turns what psycopg and its pool raise into idemctl's errors for one
+    ledger: `where` names it, `scrub` takes the password out of any text."""
+
+    __slots__ = ("busy_timeout_ms", "pool_max_size", "pool_timeout_s", "scrub", "where")
+
+    def __init__(
+        self, where: str, scrub: Callable[[str], str], busy_timeout_ms: int, pool_timeout_s: float, pool_max_size: int
+    ) -> None:
+        self.where = where
+        self.scrub = scrub
+        self.busy_timeout_ms = busy_timeout_ms
+        self.pool_timeout_s = pool_timeout_s
+        self.pool_max_size = pool_max_size
+
+    def __call__(self, exc: BaseException, *, connecting: bool = False) -> StorageError:
+        where = self.where
+        if isinstance(exc, PoolTimeout):
+            return LedgerUnavailableError(
+                f"no connection to {where} within {self.pool_timeout_s:g} s: "
+                f"the server is unreachable or all {self.pool_max_size} pooled connections are busy"
+            )
+        if isinstance(exc, PoolClosed):
+            return StorageError(f"the ledger at {where} is closed")
+        state = getattr(exc, "sqlstate", None)
+        diag = getattr(exc, "diag", None)
+        primary = getattr(diag, "message_primary", None) if diag is not None else None
+        msg = self.scrub(single_line(primary or str(exc)))
+        if state == "55P03":
+            return DatabaseLockedError(
+                f"{where} is locked: another session held the row or table past the lock timeout "
+                f"({self.busy_timeout_ms} ms unless the URL sets lock_timeout): {msg}"
+            )
+        if state == "57014":
+            return DatabaseLockedError(f"a statement on {where} was cancelled or ran past statement_timeout: {msg}")
+        if state in _LOCKED_STATES:  # deadlock or serialisation failure: the other session won
+            return DatabaseLockedError(f"{where} is busy: this statement conflicted with another session: {msg}")
+        if state == "25006":
+            return ReadOnlyDatabaseError(f"{where} is read-only ({msg})")
+        if state == "42P01":
+            return missing_table(where, msg) or StorageError(f"database error on {where}: {msg}")
+        if state == "42703" and '"token"' in msg:
+            return SchemaOutdatedError(where)
+        if state == "3F000":
+            return StorageError(f"{where}: the search_path names no existing schema to create the ledger in ({msg})")
+        if state == "42501":
+            return StorageError(f"permission denied on {where}: {msg}")
+        if state == "3D000" or (connecting and re.search(r'database "[^"]*" does not exist', msg)):
+            reason = self.scrub(libpq_reason(primary or str(exc)))
+            return LedgerNotFoundError(where, f"cannot open the ledger at {where}: {reason}")
+        if (
+            connecting
+            or state in _GONE_STATES
+            or (state or "").startswith("08")
+            or (isinstance(exc, psycopg.OperationalError) and state is None)
+        ):
+            detail = self.scrub(libpq_reason(primary or str(exc)))
+            return ConnectionFailedError(f"cannot reach PostgreSQL at {where}: {detail}")
+        if isinstance(exc, psycopg.DataError) and "NUL" in msg:
+            return StorageError(f"PostgreSQL cannot store a NUL character in a text column ({msg})")
+        return StorageError(f"database error on {where}: {msg}")

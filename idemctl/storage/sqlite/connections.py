@@ -1,0 +1,264 @@
+"""One engine's SQLite connections: one per thread and per process, closed
+when their thread ends, and never carried across a fork.
+
+SQLite connections must not cross threads, and must never be used on the
+far side of a fork. A thread's connection is closed when the thread ends, so
+servers that start a thread per request do not pile up connections.
+
+A child forked at any moment must find no SQLite state for the file: SQLite
+keeps its locks and its view of the file per process, and a child that
+inherits a connection mid-statement (or even idle) shares that view with a
+parent it cannot see, which makes its writes fail as locked, hang on a
+mutex, or worse. So before fork() the parent waits for the statements in
+flight, closes every connection of each engine (each thread opens a new one
+at its next statement) and lets none start until the fork is done; the
+child starts with no connection at all. A statement can wait (for the
+writer queue, or in SQLite's busy handler) about one busy timeout: the fork
+waits that long for it, and no longer, so that fork() never hangs on
+another process's writer."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Protocol
+
+from ...errors import StorageError
+
+UNOPENED = object()  # a thread's queue descriptor before its first write
+
+# Connections a forked child inherited: never closed there (closing could
+# checkpoint or unlock on behalf of the parent) and never freed, which would
+# close them too.
+_INHERITED: list[object] = []
+
+
+class Slot:
+    """One thread's connection and writer-queue descriptor. When the thread
+    ends, its thread-local storage drops the slot and the finalizer closes
+    both."""
+
+    __slots__ = ("__weakref__", "conn", "fds", "pid", "queue_fd")
+
+    def __init__(self, conn: sqlite3.Connection, pid: int) -> None:
+        self.conn = conn
+        self.pid = pid
+        self.queue_fd: int | object | None = UNOPENED
+        self.fds: list[int] = []  # shared with the finalizer: the queue fd once opened
+
+
+def _release(conn: sqlite3.Connection, fds: list[int], pid: int) -> None:
+    if os.getpid() != pid:
+        _INHERITED.append(conn)
+        return
+    with contextlib.suppress(sqlite3.Error):
+        conn.close()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
+
+
+class ForkGate:
+    """Statements in flight on one engine, so that a fork() can wait for
+    them: a child must never inherit SQLite mid-statement (its locks, its
+    mutexes) nor any of this file's connections. Each statement passes
+    through it (two uncontended lock operations); `hold` waits until none is
+    in flight and keeps new ones out until `reopen`."""
+
+    __slots__ = ("busy", "forking", "idle", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)
+        self.busy = 0
+        self.forking = False
+
+    def enter(self) -> None:
+        with self.lock:
+            while self.forking:
+                self.idle.wait()
+            self.busy += 1
+
+    def leave(self) -> None:
+        with self.lock:
+            self.busy -= 1
+            if self.forking and not self.busy:
+                self.idle.notify_all()
+
+    def hold(self, timeout_s: float) -> bool:
+        """Keep new statements out; True once none is in flight, False if
+        some still are after `timeout_s` (a statement stuck behind another
+        process's writer)."""
+        self.lock.acquire()
+        self.forking = True
+        deadline = time.monotonic() + timeout_s
+        while self.busy:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.idle.wait(left)
+        return True
+
+    def reopen(self) -> None:
+        self.forking = False
+        self.idle.notify_all()
+        self.lock.release()
+
+
+class ForkCompanion(Protocol):
+    """Per-process state beside the connections (group commit's queue) that
+    a fork must find at rest, and that a child starts afresh."""
+
+    def hold_for_fork(self) -> None: ...
+
+    def release_after_fork(self) -> None: ...
+
+    def restart_in_child(self) -> None: ...
+
+
+# Every file-backed engine's connections in this process, for the fork hooks below.
+_ALL: weakref.WeakSet[Connections] = weakref.WeakSet()
+# Ledger files this process must not use, and why: it was forked while the
+# parent was inside SQLite for them, so SQLite's per-process state for the
+# file was copied mid-statement (a new connection here would share it).
+# Inherited by this process's own children, who share the same state.
+_UNSAFE_FILES: dict[str, str] = {}
+_FORKING: list[Connections] = []
+
+
+def _before_fork() -> None:
+    # Runs in the forking thread just before fork(), in the parent.
+    every = list(_ALL)
+    for connections in every:
+        connections.quiesce_for_fork()
+    _FORKING[:] = every
+
+
+def _after_fork_in_parent() -> None:
+    every, _FORKING[:] = list(_FORKING), []
+    for connections in every:
+        connections.resume_after_fork()
+
+
+def _after_fork_in_child() -> None:
+    every, _FORKING[:] = list(_FORKING), []
+    for connections in every:
+        connections.start_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+    )
+
+
+class Connections:
+    """The connections of one engine in this process: `slot` is the calling
+    thread's, opened by `connect` on first use. Every statement runs between
+    `gate.enter()` and `gate.leave()`; a listing open on a private
+    connection is counted between `stream_opened` and `stream_closed`."""
+
+    def __init__(
+        self,
+        path: str,
+        connect: Callable[[], sqlite3.Connection],
+        busy_timeout_ms: int,
+        *,
+        memory: bool,
+        companion: ForkCompanion,
+    ) -> None:
+        self.path = path
+        self._connect = connect
+        self._busy_timeout_ms = busy_timeout_ms
+        self._companion = companion
+        self._local = threading.local()
+        self.lock = threading.Lock()
+        self.gate = ForkGate()
+        self._finalizers: list[weakref.finalize] = []  # type: ignore[type-arg]
+        self._streams = 0  # listings being read (each on a private connection)
+        self._streams_at_fork = 0
+        self._drained_at_fork = True
+        # Why these connections cannot be used in this process (a child
+        # forked while the parent was inside SQLite for this file), or None.
+        self.unusable: str | None = None if memory else _UNSAFE_FILES.get(os.path.realpath(path))
+        if not memory:
+            _ALL.add(self)
+
+    def slot(self) -> Slot:
+        local = self._local
+        slot: Slot | None = getattr(local, "slot", None)
+        pid = os.getpid()
+        if slot is not None and slot.pid == pid:
+            return slot
+        if self.unusable is not None:
+            raise StorageError(self.unusable)
+        conn = self._connect()
+        slot = Slot(conn, pid)
+        finalizer = weakref.finalize(slot, _release, conn, slot.fds, pid)
+        with self.lock:
+            if len(self._finalizers) > 64:
+                self._finalizers = [f for f in self._finalizers if f.alive]
+            self._finalizers.append(finalizer)
+        local.slot = slot
+        return slot
+
+    def stream_opened(self) -> None:
+        with self.lock:
+            self._streams += 1
+
+    def stream_closed(self) -> None:
+        with self.lock:
+            self._streams -= 1
+
+    def close(self) -> None:
+        """Close every thread's connection; each opens a new one at its next statement."""
+        with self.lock:
+            finalizers, self._finalizers = self._finalizers, []
+        for finalizer in finalizers:
+            finalizer()
+        self._local = threading.local()
+
+    # -- fork -----------------------------------------------------------------------
+    def quiesce_for_fork(self) -> None:
+        drained = self.gate.hold(self._busy_timeout_ms / 1000 + 1)
+        self.lock.acquire()
+        self._companion.hold_for_fork()
+        if drained:
+            for finalizer in self._finalizers:
+                found = finalizer.peek()
+                if found is not None:
+                    found[0].pid = -1  # the thread's slot is stale: it reconnects
+                finalizer()  # closes the connection and the writer-queue descriptor
+            self._finalizers = []
+        self._drained_at_fork = drained
+        self._streams_at_fork = self._streams
+
+    def resume_after_fork(self) -> None:
+        self._companion.release_after_fork()
+        self.lock.release()
+        self.gate.reopen()
+
+    def start_in_child(self) -> None:
+        # Fresh locks: the parent's threads that held or waited on them are not here.
+        self._companion.restart_in_child()
+        self.lock = threading.Lock()
+        self.gate = ForkGate()
+        self._streams = 0
+        self._finalizers = []  # the parent's, when it could not close them: never ours to close
+        why = None
+        if not self._drained_at_fork:
+            why = "a statement on it had been running for over the busy timeout"
+        elif self._streams_at_fork:
+            why = "it was being listed (pending rows, a stream)"
+        if why is not None:
+            self.unusable = _UNSAFE_FILES[os.path.realpath(self.path)] = (
+                f"this process was forked while {why} in the parent process, so SQLite's state for "
+                f"{self.path} was copied into this one and no connection to it is safe here: fork when no "
+                "listing is open and no write is stuck, or open the ledger only after fork (in each child)"
+            )

@@ -1,0 +1,258 @@
+"""Every statement of the request path, the sweep, the schema version and
+the operator's counts, written once with ``:name`` parameters; an engine's
+dialect spells them. For an engine without RETURNING (MariaDB, MySQL) the
+forms written for it below decide in the same WHERE clauses (Store.sql picks
+them through WITHOUT_RETURNING). The copy's statements are in
+copy_statements.py."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Mapping
+
+from ..outcomes import State
+from .rows import STATE_SQL
+
+LEDGER_TABLE = "idempotency_keys"
+FENCED_TABLE = "idemctl_fenced_out"
+VERSION_TABLE = "idemctl_schema_version"
+TABLES = (LEDGER_TABLE, FENCED_TABLE, VERSION_TABLE)
+
+# The schema version whose request path this idemctl runs: the fencing token
+# column arrived in version 2.
+REQUEST_PATH_VERSION = 2
+
+ROW_COLUMNS = (
+    "principal, key, fingerprint, status, generation, response_status, "
+    "response_body, response_headers, created_at, updated_at"
+)
+EVENT_COLUMNS = "id, principal, key, superseded_generation, current_generation, computed_status, fenced_at"
+
+# -- the request path: one statement each ----------------------------------------
+
+CLAIM = """
+INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, token, created_at, updated_at)
+VALUES (:principal, :key, :fingerprint, 'pending', 1, :token, :now, :now)
+ON CONFLICT (principal, key) DO NOTHING
+RETURNING generation
+"""
+
+LOOKUP = f"SELECT {ROW_COLUMNS} FROM idempotency_keys WHERE principal = :principal AND key = :key"
+
+# Two kinds of takeover, decided in the WHERE so two racers cannot both win;
+# the new owner draws a new token and the generation goes up either way.
+#  * A stale reservation: still pending, still stale, still the same request.
+#  * A row past retention, whatever it holds: it counts as absent, so the
+#    request is a new operation (any fingerprint; a completed answer is
+#    forgotten, never replayed past retention). The row is reset to a fresh
+#    pending reservation of this request, created now.
+# SET expressions read the row as it was, on every engine, so the CASE sees
+# the old updated_at. For a stale takeover the reset columns already hold
+# those values (pending, same fingerprint, no response).
+TAKEOVER = """
+UPDATE idempotency_keys
+SET generation = generation + 1, token = :token, updated_at = :now,
+    created_at = CASE WHEN updated_at < :expired_before THEN :now ELSE created_at END,
+    fingerprint = :fingerprint, status = 'pending',
+    response_status = NULL, response_body = NULL, response_headers = NULL
+WHERE principal = :principal AND key = :key
+  AND ((status = 'pending' AND fingerprint = :fingerprint AND updated_at < :stale_before)
+       OR updated_at < :expired_before)
+RETURNING generation
+"""
+
+# Fenced by generation and token together: the token because generations
+# restart at 1 once a row is deleted and claimed again; the generation
+# because an older writer (the recipe's Worker) bumps it without a token.
+COMPLETE = """
+UPDATE idempotency_keys
+SET status = 'completed', response_status = :status, response_body = :body,
+    response_headers = :headers, updated_at = :now
+WHERE principal = :principal AND key = :key AND generation = :generation
+  AND token = :token AND status = 'pending'
+RETURNING generation
+"""
+
+RELEASE = """
+DELETE FROM idempotency_keys
+WHERE principal = :principal AND key = :key AND generation = :generation
+  AND token = :token AND status = 'pending'
+RETURNING generation
+"""
+
+# A live owner's reservations, renewed together (see leases.py): each row
+# only while it is still pending under the very generation and token it was
+# claimed with, so a renewal never revives or steals a row a takeover moved
+# on. The VALUES list is padded to a power of two (the statement text is
+# cached per size).
+RENEW_MAX = 512
+
+
+def renew_text(size: int, returning: bool = True) -> str:
+    values = ", ".join(f"(:p{i}, :k{i}, :g{i}, :t{i})" for i in range(size))
+    return (
+        "UPDATE idempotency_keys SET updated_at = :now"
+        f" WHERE status = 'pending' AND (principal, key, generation, token) IN (VALUES {values})"
+        # Without RETURNING the engine hands back one row per affected row.
+        + (" RETURNING generation" if returning else "")
+    )
+
+
+# One statement: the event and the generation the row held then are read and
+# written together, so the log never disagrees with the row it describes.
+RECORD_FENCED = f"""
+INSERT INTO idemctl_fenced_out
+  (principal, key, superseded_generation, current_generation, computed_status, fenced_at)
+VALUES (:principal, :key, :generation,
+        (SELECT generation FROM idempotency_keys WHERE principal = :principal AND key = :key),
+        :status, :now)
+RETURNING {EVENT_COLUMNS}
+"""
+
+# -- the sweep -----------------------------------------------------------------------
+
+SWEEP_FENCED = """
+DELETE FROM idemctl_fenced_out WHERE id IN (
+  SELECT id FROM idemctl_fenced_out WHERE fenced_at < :cutoff ORDER BY fenced_at LIMIT :limit
+)
+RETURNING id
+"""
+
+# Read-only probes through the same indexes (a min() is one index step):
+# when nothing is past retention, the per-request sweep takes no write lock,
+# and the oldest timestamps say how long nothing will be. `:after` is where
+# the index walk may start (see Store.sweep).
+OLDEST = "SELECT (SELECT min(updated_at) FROM idempotency_keys WHERE updated_at >= :after)"
+OLDEST_WITH_FENCED = (
+    "SELECT (SELECT min(updated_at) FROM idempotency_keys WHERE updated_at >= :after),"
+    " (SELECT min(fenced_at) FROM idemctl_fenced_out)"
+)
+# Below every timestamp a ledger holds: an index walk from the start.
+FROM_THE_START = -(2**62)
+
+INSERT_VERSION = (
+    "INSERT INTO idemctl_schema_version (version, applied_at) VALUES (:version, :now)"
+    " ON CONFLICT DO NOTHING RETURNING version"
+)
+
+COUNT_EXPIRED = "SELECT count(*) FROM idempotency_keys WHERE updated_at < :cutoff"
+COUNT_FENCED_EXPIRED = "SELECT count(*) FROM idemctl_fenced_out WHERE fenced_at < :cutoff"
+COUNT_FENCED = "SELECT count(*) FROM idemctl_fenced_out"
+
+VERSION = f"SELECT max(version) FROM {VERSION_TABLE}"
+
+
+def new_token() -> int:
+    """A fencing token: random, positive, fits a signed 64-bit column."""
+    return secrets.randbits(63) or 1
+
+
+def _count(state: State) -> str:
+    return f"coalesce(sum(CASE WHEN {STATE_SQL[state]} THEN 1 ELSE 0 END), 0)"
+
+
+STATS = f"""
+SELECT
+  count(*),
+  {_count(State.PENDING_FRESH)},
+  {_count(State.PENDING_STALE)},
+  {_count(State.COMPLETED)},
+  {_count(State.EXPIRED)},
+  coalesce(sum(CASE WHEN generation > 1 THEN 1 ELSE 0 END), 0),
+  min(CASE WHEN status = 'pending' THEN created_at END),
+  min(CASE WHEN status = 'completed' THEN created_at END),
+  min(created_at)
+FROM idempotency_keys
+"""
+
+# Purge refuses a fresh pending row inside the statement itself: its owner may
+# still be running, and deleting it would let a retry run the mutation twice.
+PURGE = f"""
+DELETE FROM idempotency_keys
+WHERE principal = :principal AND key = :key
+  AND (status <> 'pending' OR CAST(:stale_before AS BIGINT) IS NULL OR updated_at < :stale_before)
+RETURNING {ROW_COLUMNS}
+"""
+
+# -- engines without RETURNING (MariaDB, MySQL) ----------------------------------------
+# MariaDB has RETURNING on INSERT and DELETE but not on UPDATE; MySQL has
+# none. One set of forms serves both: the engine hands back one row per
+# affected row, holding LAST_INSERT_ID(), so the affected-row count answers
+# "did this statement decide for me" and a form that must return a value
+# sets it with LAST_INSERT_ID(expr) inside the same statement. Every
+# decision stays in the same WHERE clause as above.
+
+
+def without_returning(sql: str) -> str:
+    """A statement whose RETURNING only said "a row matched": its
+    affected-row count says the same."""
+    return re.sub(r"\s*RETURNING [^;]*\Z", "\n", sql)
+
+
+# A no-op update of a duplicate affects no row (the driver does not set
+# CLIENT_FOUND_ROWS), so exactly the claim that inserted gets a row back.
+# Not INSERT IGNORE: that would also turn a value the column cannot hold
+# into a warning.
+MYSQL_CLAIM = """
+INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, token, created_at, updated_at)
+VALUES (:principal, :key, :fingerprint, 'pending', LAST_INSERT_ID(1), :token, :now, :now)
+ON DUPLICATE KEY UPDATE generation = generation
+"""
+
+# TAKEOVER's two kinds, decided in the same WHERE. The new generation travels
+# back through LAST_INSERT_ID(expr), set by the very assignment the WHERE
+# allowed. MySQL assigns left to right, each assignment seeing the ones
+# before it: created_at reads the old updated_at, so updated_at comes last.
+MYSQL_TAKEOVER = """
+UPDATE idempotency_keys
+SET created_at = CASE WHEN updated_at < :expired_before THEN :now ELSE created_at END,
+    generation = LAST_INSERT_ID(generation + 1), token = :token,
+    fingerprint = :fingerprint, status = 'pending',
+    response_status = NULL, response_body = NULL, response_headers = NULL,
+    updated_at = :now
+WHERE principal = :principal AND key = :key
+  AND ((status = 'pending' AND fingerprint = :fingerprint AND updated_at < :stale_before)
+       OR updated_at < :expired_before)
+"""
+
+# The event's id comes back as LAST_INSERT_ID(); the event is read back by
+# it (the log is append-only: the row cannot change in between).
+MYSQL_RECORD_FENCED = """
+INSERT INTO idemctl_fenced_out
+  (principal, key, superseded_generation, current_generation, computed_status, fenced_at)
+VALUES (:principal, :key, :generation,
+        (SELECT generation FROM idempotency_keys WHERE principal = :principal AND key = :key),
+        :status, :now)
+"""
+FENCED_EVENT = f"SELECT {EVENT_COLUMNS} FROM idemctl_fenced_out WHERE id = :id"
+
+MYSQL_SWEEP_FENCED = """
+DELETE FROM idemctl_fenced_out WHERE fenced_at < :cutoff ORDER BY fenced_at LIMIT :limit
+"""
+
+# Purge without RETURNING: read the row, then delete exactly that version of
+# it (token, generation, status and updated_at in the WHERE, with the
+# refusal of a fresh pending row): a row that changed in between is not
+# deleted, and is read again.
+PURGE_READ = f"SELECT {ROW_COLUMNS}, token FROM idempotency_keys WHERE principal = :principal AND key = :key"
+PURGE_VERSION = """
+DELETE FROM idempotency_keys
+WHERE principal = :principal AND key = :key AND token <=> :token AND generation = :generation
+  AND status = :status AND updated_at = :updated_at
+  AND (status <> 'pending' OR :stale_before IS NULL OR updated_at < :stale_before)
+"""
+PURGE_TRIES = 10
+
+WITHOUT_RETURNING: Mapping[str, str] = {
+    CLAIM: MYSQL_CLAIM,
+    TAKEOVER: MYSQL_TAKEOVER,
+    COMPLETE: without_returning(COMPLETE),
+    RELEASE: without_returning(RELEASE),
+    RECORD_FENCED: MYSQL_RECORD_FENCED,
+    SWEEP_FENCED: MYSQL_SWEEP_FENCED,
+    INSERT_VERSION: (
+        "INSERT INTO idemctl_schema_version (version, applied_at) VALUES (:version, :now)"
+        " ON DUPLICATE KEY UPDATE version = version"
+    ),
+}

@@ -1,0 +1,256 @@
+"""The store's foundation: a statement ready to run, and a Store's plumbing
+over its engine (spelling, running, the schema guard, init's decision, the
+row reads every part needs). store.py assembles the Store from it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Generator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from ..errors import SchemaTooNewError, StorageError
+from ..outcomes import FencedEvent, InitAction, InitResult, StoredRow, SweepResult
+from ..schema import SCHEMA_VERSION, schema_files
+from .engine import Engine, Rows, SchemaTx
+from .rows import database_ms, decode_event, decode_row, version_of
+from .statements import (
+    FENCED_TABLE,
+    FROM_THE_START,
+    INSERT_VERSION,
+    LEDGER_TABLE,
+    LOOKUP,
+    TABLES,
+    VERSION,
+    VERSION_TABLE,
+    WITHOUT_RETURNING,
+)
+
+R = TypeVar("R")
+
+# -- one statement, whichever way it runs ---------------------------------------------
+# Each request-path method of Store is split in two halves: `*_statement`
+# builds a Statement (the text as the engine spells it, its parameters, and
+# how its rows decode), and the method itself runs it with `Store.run`. The
+# asynchronous store (storage/aio.py) runs the very same Statements on an
+# asynchronous connection: the SQL and its decoding exist once, only the
+# execution differs.
+
+
+@dataclass(frozen=True)
+class Statement(Generic[R]):
+    """One statement ready to run: spelled, bound, and how its rows decode.
+    A `write` runs only after the store's schema guard."""
+
+    sql: str
+    params: Mapping[str, Any]
+    decode: Callable[[Rows], R]
+    write: bool
+
+
+@dataclass(frozen=True)
+class Turn:
+    """Statements that run together in one turn of the engine's writers
+    (`Engine.write_turn`); the sweep's deletes."""
+
+    statements: Sequence[tuple[str, Mapping[str, Any]]]
+
+
+#: The sweep as steps: it yields a read (a Statement) or a Turn and is sent
+#: the rows (a list of rows per statement for a Turn); it returns its result.
+SweepSteps = Generator["Statement[Rows] | Turn", Any, SweepResult]
+
+
+
+def resume(steps: SweepSteps, sent: Any) -> Statement[Rows] | Turn | SweepResult:
+    """The sweep's next step, sent the rows of the last one; its result once done."""
+    try:
+        return steps.send(sent)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+def reads_version(tables: Collection[str]) -> bool:
+    """Whether a ledger with these tables has a schema version to read (VERSION)."""
+    return LEDGER_TABLE in tables and VERSION_TABLE in tables
+
+
+def version_in(tables: Collection[str], version_rows: Rows) -> int | None:
+    """None: no ledger table; 0: the recipe's table only; N: idemctl schema N
+    (VERSION's rows, read when `reads_version`)."""
+    if LEDGER_TABLE not in tables:
+        return None
+    if VERSION_TABLE not in tables:
+        return 0
+    return version_of(version_rows)
+
+
+class StoreBase:
+    """A store's engine, how it spells and runs statements, and what it knows
+    of the schema."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.dialect = engine.dialect
+        spell = engine.dialect.params
+        self._sql: dict[str, str] = {}
+        self._spell = spell
+        self._tables: frozenset[str] | None = None
+        self._checked = False
+        # Where the last batch that deleted rows ended (the newest timestamp
+        # it deleted). While a backlog drains, the next batch starts its index
+        # walk there: on PostgreSQL the rows earlier batches deleted stay in
+        # the index as dead entries until VACUUM, and a walk from the start
+        # would step over all of them. Rows only get newer (claims and
+        # takeovers write the current time), so nothing is left below it;
+        # it is dropped once a sweep finds nothing due, after one more walk
+        # from the start.
+        self._sweep_from = FROM_THE_START
+        # The last batch was full: the backlog goes on, and the next batch
+        # skips the probe (its DELETE decides on its own anyway).
+        self._draining = False
+
+    # -- plumbing -------------------------------------------------------------------
+    def sql(self, text: str) -> str:
+        """A statement as this engine spells it (cached: the hot path asks twice a request)."""
+        spelled = self._sql.get(text)
+        if spelled is None:
+            form = text if self.dialect.returning else WITHOUT_RETURNING.get(text, text)
+            if not self.dialect.returning and "RETURNING" in form:
+                raise StorageError(f"no form for {self.dialect.name} of: {' '.join(text.split())}")
+            spelled = self._sql[text] = self._spell(form)
+        return spelled
+
+    def _read(self, text: str, params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        return self.engine.read(self.sql(text), params or {})
+
+    def _write(self, text: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        return self.engine.write(self.sql(text), params)
+
+    def describe(self) -> str:
+        return self.engine.describe()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    @property
+    def drain_batch(self) -> int:
+        return self.dialect.drain_batch
+
+    def run(self, statement: Statement[R]) -> R:
+        """Run a built statement on this store's engine and decode its rows."""
+        if statement.write:
+            self._guard()
+            return statement.decode(self.engine.write(statement.sql, statement.params))
+        return statement.decode(self.engine.read(statement.sql, statement.params))
+
+    def database_now_statement(self) -> Statement[int]:
+        return Statement(self.sql(self.dialect.now_sql), {}, database_ms, False)
+
+    def database_now(self) -> int:
+        """The database server's clock in ms since the epoch (one round trip)."""
+        return self.run(self.database_now_statement())
+
+    def decode_row(self, values: tuple[Any, ...]) -> StoredRow:
+        """A row as stored, or MalformedRowError naming what is wrong with it."""
+        return decode_row(self.dialect, values)
+
+    def _event(self, values: tuple[Any, ...]) -> FencedEvent:
+        return decode_event(self.dialect, values)
+
+    def lookup_statement(self, principal: str, key: str) -> Statement[StoredRow | None]:
+        return Statement(self.sql(LOOKUP), {"principal": principal, "key": key}, self._decode_first_row, False)
+
+    def _decode_first_row(self, rows: Rows) -> StoredRow | None:
+        return self.decode_row(rows[0]) if rows else None
+
+    def lookup(self, principal: str, key: str) -> StoredRow | None:
+        return self.run(self.lookup_statement(principal, key))
+
+    # -- schema ---------------------------------------------------------------------
+    def tables(self) -> frozenset[str]:
+        """Which of idemctl's tables exist. Only a complete schema is
+        remembered (idemctl never drops a table): while one is missing,
+        every use looks again, because `idemctl init` in another process may
+        have just created it. A current ledger pays nothing; an outdated one
+        one catalog read per use, and only until it is upgraded."""
+        if self._tables is not None:
+            return self._tables
+        return self.found_tables(self.engine.table_names(TABLES))
+
+    @property
+    def known_tables(self) -> frozenset[str] | None:
+        """The tables of a complete schema once found; None until then."""
+        return self._tables
+
+    def found_tables(self, found: Collection[str]) -> frozenset[str]:
+        """Which tables a look-up found; remembered once the schema is complete."""
+        tables = frozenset(found)
+        if len(tables) == len(TABLES):
+            self._tables = tables
+        return tables
+
+    def forget_schema(self) -> None:
+        """Look the tables up again at next use (another process may have run init)."""
+        self._tables = None
+
+    def has_fenced_log(self) -> bool:
+        return FENCED_TABLE in self.tables()
+
+    def schema_version(self) -> int | None:
+        """None: no ledger table; 0: the recipe's table only; N: idemctl schema N."""
+        self.forget_schema()
+        tables = self.tables()
+        return version_in(tables, self._read(VERSION) if reads_version(tables) else [])
+
+    def check_not_newer(self) -> None:
+        """Refuse a ledger written by a newer idemctl before writing to it."""
+        self.version_checked(self.schema_version())
+
+    def version_checked(self, version: int | None) -> None:
+        """The ledger's schema version was read (`version_in`): refuse one
+        written by a newer idemctl; a ledger that has one is not checked again."""
+        if version is not None and version > SCHEMA_VERSION:
+            raise SchemaTooNewError(self.describe(), version, SCHEMA_VERSION)
+        self._checked = version is not None
+
+    @property
+    def schema_checked(self) -> bool:
+        """Whether the schema guard has passed (it runs before the first write)."""
+        return self._checked
+
+    def _guard(self) -> None:
+        # Once per store (and so per process), before its first write.
+        if not self._checked:
+            self.check_not_newer()
+
+    def init(self, now: int, dry_run: bool) -> InitResult:
+        """Create or upgrade the schema in one transaction that the engine
+        serialises against other inits."""
+
+        def decide(tx: SchemaTx) -> InitResult:
+            tables = tx.table_names(TABLES)
+            before = version_in(tables, tx.execute(self.sql(VERSION), {}) if reads_version(tables) else [])
+            if before is not None and before > SCHEMA_VERSION:
+                raise SchemaTooNewError(self.describe(), before, SCHEMA_VERSION)
+            if before == SCHEMA_VERSION:
+                return InitResult(InitAction.UP_TO_DATE, before, SCHEMA_VERSION, dry_run)
+            action = InitAction.CREATED if before is None else InitAction.UPGRADED
+            if before == 0:
+                tx.check_recipe_table()
+            if dry_run:
+                return InitResult(action, before, SCHEMA_VERSION, dry_run)
+            floor = -1 if before is None else before
+            for f in schema_files(self.dialect.name):
+                if f.version > floor:
+                    tx.script(f.sql)
+            mine = tx.execute(self.sql(INSERT_VERSION), {"version": SCHEMA_VERSION, "now": now})
+            if not mine:
+                # Another init decided from the same state and committed first
+                # (with no version table there was nothing to lock); our
+                # IF NOT EXISTS DDL did nothing. Whoever inserted the row did the work.
+                return InitResult(InitAction.UP_TO_DATE, SCHEMA_VERSION, SCHEMA_VERSION, dry_run)
+            return InitResult(action, before, SCHEMA_VERSION, dry_run)
+
+        result = self.engine.migrate(decide, write=not dry_run)
+        self.forget_schema()
+        return result
