@@ -786,11 +786,11 @@ def render(r: dict[str, Any]) -> str:
         parts += ([gap] if gap else _inflight(b["inflight"])) + [""]
     if "move" in b:  # measured in a run of its own: python -m bench.move
         gap = _gap("move", b["move"])
-        parts += ([gap] if gap else _move(b["move"])) + [""]
+        parts += ([gap] if gap else move_table(b["move"])) + [""]
     return "\n".join(parts).rstrip() + "\n"
 
 
-def _move(res: dict[str, Any]) -> list[str]:
+def move_table(res: dict[str, Any]) -> list[str]:
     rows, floor = res["rows"], res["floor"]["seconds"]
     out = [
         f"| moving a ledger: `idemctl copy`, {rows:,} SQLite rows → PostgreSQL | rows read | written | seconds "

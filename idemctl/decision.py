@@ -311,8 +311,7 @@ async def run_async(
         try:
             advanced: _Step = await asyncio.shield(step)
         except asyncio.CancelledError:
-            if orphaned is not None:
-                step.add_done_callback(lambda future: _adopt(future, in_thread, orphaned))
+            _keep(asyncio.ensure_future(_land_then_release(step, in_thread, orphaned)))
             raise
         if advanced.done:
             return advanced.value  # type: ignore[no-any-return]
@@ -386,16 +385,43 @@ def _keep(future: asyncio.Future[Any]) -> None:
     future.add_done_callback(_orphans.discard)
 
 
-def _adopt(future: asyncio.Future[_Step], in_thread: InThread, orphaned: Callable[[Any], object]) -> None:
-    if future.cancelled() or future.exception() is not None:
+async def _land_then_release(
+    step: asyncio.Future[_Step], in_thread: InThread, orphaned: Callable[[Any], object] | None
+) -> None:
+    """A cancelled hand-off: its operations still land in their thread; a
+    decision that finished there goes to `orphaned` (the release), as on the
+    loop path."""
+    try:
+        advanced = await step
+    except Exception:
+        return  # it failed in its thread: nothing was claimed
+    if orphaned is None or not advanced.done:
         return
-    advanced = future.result()
-    if advanced.done:
-        # Its errors are logged by `orphaned`.
-        _keep(asyncio.ensure_future(in_thread(lambda value: _settled(orphaned(value)), advanced.value)))
+    try:
+        await in_thread(lambda value: _settled(orphaned(value)), advanced.value)
+    except Exception:
+        log.exception("releasing the claim of a cancelled request failed")
 
 
+# What cancelled requests left running (a landing operation, then its
+# release), kept referenced until done; settle_orphans waits for them.
 _orphans: set[asyncio.Future[Any]] = set()
+
+
+async def settle_orphans(timeout_s: float = 5.0) -> int:
+    """Wait, up to `timeout_s`, for what cancelled requests left running on
+    this event loop: a claim still landing, then its release. Call it before
+    closing the loop's connections (`Ledger.aclose` does), so that shutting
+    down does not cut a release off. Returns how many are still running.
+
+    >>> asyncio.run(settle_orphans())
+    0
+    """
+    loop = asyncio.get_running_loop()
+    mine = [future for future in _orphans if future.get_loop() is loop]
+    if mine:
+        await asyncio.wait(mine, timeout=timeout_s)
+    return sum(1 for future in mine if not future.done())
 
 
 __all__ = [

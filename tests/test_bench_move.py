@@ -37,6 +37,6 @@ def test_quick_move_benchmark_copies_then_finds_all_then_only_the_changes(tmp_pa
     assert (again["inserted"], again["updated"], again["unchanged"], again["fenced_copied"]) == (0, 0, 2000, 0)
     assert (after["rows_read"], after["inserted"], after["updated"], after["unchanged"]) == (2010, 10, 10, 1990)
     assert all(p["conflicts"] == p["kept_newer"] == 0 for p in (first, again, after))
-    table = "\n".join(report._move(res))
+    table = "\n".join(report.move_table(res))
     assert "| moving a ledger: `idemctl copy`, 2,000 SQLite rows → PostgreSQL |" in table
     assert "| after 20 rows changed (the paused pass) | 2,010 | 20 |" in table

@@ -202,7 +202,10 @@ class LedgerBase:
 
     async def aclose(self) -> None:
         """Close the running event loop's asynchronous connections (see
-        :meth:`async_store`); the next request on this loop opens them again."""
+        :meth:`async_store`), once the releases that cancelled requests left
+        running on this loop have finished (up to 5 s); the next request on
+        this loop opens them again."""
+        await decision.settle_orphans()
         with self._async_lock:
             store = self._async.pop(asyncio.get_running_loop(), None)
         if store is not None:
