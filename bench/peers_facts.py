@@ -9,7 +9,7 @@ through its real entry point (bench/peers_systems.py):
 (c) a late writer: owner A claims and stalls past the TTL, B takes over and
     stores its answer, then A finishes; which answer does the store hold.
 
-tests/test_peers_correctness.py asserts them (exactly for idemctl, as
+tests/adapters/test_peers_correctness.py asserts them (exactly for idemctl, as
 observed for the peers); `python -m bench --peers` records and renders them.
 
     python -m bench.peers_facts crash SPEC_JSON KEY   # the child of (b)

@@ -1,4 +1,4 @@
-"""The systems the peers benchmark and tests/test_peers_correctness.py put
+"""The systems the peers benchmark and tests/adapters/test_peers_correctness.py put
 side by side, each through its own real entry point on its own real store:
 
 - idemctl on PostgreSQL: `idemctl.wsgi.IdempotencyMiddleware`,

@@ -299,7 +299,7 @@ class IdempotentCall:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._end(exc)
+        self._close(exc)
 
     async def __aenter__(self) -> IdempotentCall:
         self._enter()
@@ -314,7 +314,7 @@ class IdempotentCall:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await decision.drive(self._end_steps(exc), asyncio.to_thread, self.ledger.async_store())
+        await decision.drive(self._close_steps(exc), asyncio.to_thread, self.ledger.async_store())
 
     # -- the steps --------------------------------------------------------------------
     def _enter(self) -> None:
@@ -383,10 +383,10 @@ class IdempotentCall:
             )
         )
 
-    def _end(self, exc: BaseException | None) -> None:
-        decision.run(self._end_steps(exc))
+    def _close(self, exc: BaseException | None) -> None:
+        decision.run(self._close_steps(exc))
 
-    def _end_steps(self, exc: BaseException | None) -> decision.Steps[None]:
+    def _close_steps(self, exc: BaseException | None) -> decision.Steps[None]:
         reservation = self._reservation
         if reservation is None or self._ended:
             return
@@ -398,9 +398,9 @@ class IdempotentCall:
                             self._ledger_s * 1000, self._owned_at)
             yield from self.ledger.abandon_steps(ticket, release=release)
             return
-        yield from self._complete(reservation, None if self._result is None else self._result[0])
+        yield from self._store_value(reservation, None if self._result is None else self._result[0])
 
-    def _complete(self, reservation: Reservation, value: Any) -> decision.Steps[None]:
+    def _store_value(self, reservation: Reservation, value: Any) -> decision.Steps[None]:
         try:
             data = self.serializer.dumps(value)
             if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -409,10 +409,10 @@ class IdempotentCall:
             # It ran: a row left pending would run it again after the TTL.
             type_name = type(value).__qualname__
             note = {"error": _NOT_SERIALIZABLE, "type": type_name}
-            yield from self._finish(reservation, NOT_STORED_STATUS, JSON.dumps(note))
+            yield from self._store_bytes(reservation, NOT_STORED_STATUS, JSON.dumps(note))
             raise ResultNotSerializableError(self.principal, self.key, type_name, str(exc)) from exc
         data = bytes(data)
-        done = yield from self._finish(reservation, STORED_STATUS, data)
+        done = yield from self._store_bytes(reservation, STORED_STATUS, data)
         if done.oversize:
             raise ResultTooLargeError(self.principal, self.key, len(data), self.ledger.policy.body_cap_bytes)
         if not done.stored:
@@ -421,7 +421,7 @@ class IdempotentCall:
             self.outcome, self.event = Outcome.FENCED_OUT, done.event
         self.value = self._load(data)
 
-    def _finish(self, reservation: Reservation, status: int, body: bytes) -> decision.Steps[Completion]:
+    def _store_bytes(self, reservation: Reservation, status: int, body: bytes) -> decision.Steps[Completion]:
         app_s = time.perf_counter() - self._owned_at
         started = time.perf_counter()
         done = yield from self.ledger.complete_steps(reservation, status, None, body)

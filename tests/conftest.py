@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ from tests.helpers import FakeClock, mysql_test_database, postgres_test_schema
 
 # The suite runs with --doctest-modules (for the library's examples); these
 # are support modules, not tests, and some start servers' apps on import.
-collect_ignore = ["helpers.py", "django_site.py", "e2e"]
+collect_ignore = ["helpers.py"]
 
 BACKENDS = ["sqlite", "postgres", "mysql"]
 
@@ -28,13 +29,30 @@ DEFAULT_MYSQL_URL = "mysql://root@127.0.0.1:3306/test"
 
 
 @pytest.fixture
+def db(tmp_path: Path) -> str:
+    """The path of an initialised SQLite ledger, for tests of the file itself
+    (its processes, its queue, the CLI's environment)."""
+    path = str(tmp_path / "ledger.db")
+    with Ledger.open(path) as ledger:
+        ledger.init()
+    return path
+
+
+@pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
 
 
-@pytest.fixture(params=BACKENDS)
-def backend_name(request: pytest.FixtureRequest) -> str:
-    return request.param
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test that uses a ledger runs on each engine (`backend_name`):
+    all of them, or those its `engines` mark names, unless the test
+    parametrises `backend_name` itself."""
+    if "backend_name" not in metafunc.fixturenames:
+        return
+    if any(mark.args and mark.args[0] == "backend_name" for mark in metafunc.definition.iter_markers("parametrize")):
+        return
+    marker = metafunc.definition.get_closest_marker("engines")
+    metafunc.parametrize("backend_name", list(marker.args) if marker else BACKENDS)
 
 
 @pytest.fixture(scope="session")

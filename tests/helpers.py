@@ -18,6 +18,8 @@ from idemctl.storage.engine import Params, Rows
 from idemctl.storage.sqlite import SqliteEngine
 
 # Test data lives inside the checkout, so a clone anywhere runs the suite.
+# The checkout the suite runs from: docs, examples and bench are read from it.
+ROOT = Path(__file__).resolve().parent.parent
 VECTORS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vectors")
 
 # The environment variables idemctl.config reads (the CLI's defaults), and the

@@ -1,6 +1,6 @@
 """Stream a 256 MiB answer through one adapter and print how much the
 process's peak RSS grew (KiB). Run as `python -m tests.e2e.stream_rss ADAPTER LEDGER`
-from the repository root; tests/test_bounded_capture.py reads the number."""
+from the repository root; tests/adapters/test_bounded_capture.py reads the number."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def django(ledger: Ledger) -> callable:
     from django.http import StreamingHttpResponse
     from django.urls import path
 
-    from tests.django_site import Site
+    from tests.adapters.django_site import Site
 
     def view(request, n):  # type: ignore[no-untyped-def]
         return StreamingHttpResponse(stream(n))
