@@ -344,26 +344,24 @@ def json_error(status: int, payload: dict[str, object], extra: Headers = ()) -> 
     return status, (JSON_CONTENT_TYPE, *extra), _dumps(payload).encode("utf-8")
 
 
+def _refusal(status: int, error: str, message: str) -> tuple[int, Headers, bytes]:
+    return json_error(status, {"error": error, "message": message})
+
+
 def key_required() -> tuple[int, Headers, bytes]:
     return json_error(400, {"error": "idempotency_key_required"})
 
 
 def key_invalid() -> tuple[int, Headers, bytes]:
-    return json_error(
-        400,
-        {"error": "idempotency_key_invalid", "message": "Idempotency-Key must be 1-255 printable ASCII characters."},
-    )
+    return _refusal(400, "idempotency_key_invalid", "Idempotency-Key must be 1-255 printable ASCII characters.")
 
 
 def key_repeated() -> tuple[int, Headers, bytes]:
-    return json_error(
-        400,
-        {"error": "idempotency_key_invalid", "message": "Send exactly one Idempotency-Key header field."},
-    )
+    return _refusal(400, "idempotency_key_invalid", "Send exactly one Idempotency-Key header field.")
 
 
 def unauthenticated() -> tuple[int, Headers, bytes]:
-    return json_error(401, {"error": "unauthenticated", "message": "No authenticated principal for this request."})
+    return _refusal(401, "unauthenticated", "No authenticated principal for this request.")
 
 
 def reused(policy: Policy) -> tuple[int, Headers, bytes]:
@@ -387,7 +385,7 @@ def _retry_after(ms: int) -> Headers:
 
 
 def retry() -> tuple[int, Headers, bytes]:
-    return json_error(409, {"error": "idempotency_key_retry", "message": "Retry the request."})
+    return _refusal(409, "idempotency_key_retry", "Retry the request.")
 
 
 def unavailable(retry_after_ms: int) -> tuple[int, Headers, bytes]:
@@ -403,17 +401,11 @@ def unavailable(retry_after_ms: int) -> tuple[int, Headers, bytes]:
 
 
 def length_required() -> tuple[int, Headers, bytes]:
-    return json_error(
-        411,
-        {"error": "content_length_required", "message": "A request body needs a Content-Length header."},
-    )
+    return _refusal(411, "content_length_required", "A request body needs a Content-Length header.")
 
 
 def content_length_invalid() -> tuple[int, Headers, bytes]:
-    return json_error(
-        400,
-        {"error": "content_length_invalid", "message": "Content-Length must be a non-negative decimal integer."},
-    )
+    return _refusal(400, "content_length_invalid", "Content-Length must be a non-negative decimal integer.")
 
 
 def body_too_large(limit_bytes: int) -> tuple[int, Headers, bytes]:
@@ -428,7 +420,4 @@ def body_too_large(limit_bytes: int) -> tuple[int, Headers, bytes]:
 
 
 def body_incomplete() -> tuple[int, Headers, bytes]:
-    return json_error(
-        400,
-        {"error": "request_body_incomplete", "message": "The request body ended before Content-Length bytes arrived."},
-    )
+    return _refusal(400, "request_body_incomplete", "The request body ended before Content-Length bytes arrived.")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 _NAMED = re.compile(r"(?<![:\w]):([a-z_][a-z0-9_]*)")
@@ -194,17 +194,17 @@ POSTGRES = Dialect(
     batch_arrays=True,
 )
 
-MYSQL = Dialect(
-    name="mysql",  # MariaDB and MySQL alike
+# MariaDB and MySQL alike: as PostgreSQL (bytes bodies; row locks, so a
+# sweep batch locks only the expired rows it deletes), except for these.
+MYSQL = replace(
+    POSTGRES,
+    name="mysql",
     params=_mysql_spelling,
     sweep_keys=_MYSQL_SWEEP_KEYS,
     sweep_tally=_tally_affected,
-    bind_body=_body_as_bytes,
-    read_body=_body_text_or_bytes,
-    # Row locks as on PostgreSQL: a batch locks only the expired rows it deletes.
-    drain_batch=5000,
     # The session's time zone is UTC (storage/mysql.py): no DST fold.
     now_sql="SELECT CAST(FLOOR(UNIX_TIMESTAMP(NOW(3)) * 1000) AS SIGNED)",
+    batch_arrays=False,
     returning=False,
     read_text=_text_from_utf8,
     # schema/mysql: principal VARBINARY(1024) + key VARBINARY(255) is well
