@@ -53,7 +53,7 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
     import io
 
     from idemctl import Ledger, Policy
-    from idemctl.fingerprint import fingerprint, fingerprint_body, parse_key
+    from idemctl.fingerprint import fingerprint, parse_key, request_digest
     from idemctl.ledger import check_principal, check_request_line
     from idemctl.outcomes import Outcome, Reservation, Ticket
     from idemctl.storage.store import new_token
@@ -139,8 +139,8 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
         check_principal(principal)
         parse_key(key)
         check_request_line("POST", "/orders")
-        fp_body, _ = fingerprint_body(BODY_1K, HEADERS, policy.fingerprint_body, policy.fingerprint_ignore_fields)
-        fingerprint("POST", "/orders", HEADERS, fp_body, policy.fingerprint_headers)
+        # As begin does it: the body is bytes, and fingerprinted raw by default.
+        request_digest("POST", "/orders", HEADERS, BODY_1K, policy.fingerprint_headers)
 
     segment("phase_fingerprint", phase_fingerprint, what="key, principal and request-line checks + fingerprint")
     segment(

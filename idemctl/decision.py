@@ -140,8 +140,10 @@ def decide(
     token = new_token()
     deadline: float | None = None
     expired_races = 0
+    # The database's clock is a statement (now_steps); any other is a plain call.
+    local_clock = clock != store.database_now
     while True:
-        now = yield from now_steps(store, clock)
+        now = int(clock()) if local_clock else (yield from now_steps(store, clock))
         generation = yield Call(store, "claim", (principal, key, fingerprint, token, now))
         if generation is not None:
             return Claimed(Reservation(principal, key, generation, fingerprint, token), Outcome.EXECUTED, now)

@@ -13,7 +13,15 @@ from email.utils import formatdate
 
 from .. import decision, responses
 from ..errors import AnswerNotStoredError, InvalidResponseError, StorageError
-from ..fingerprint import HeadersLike, as_body_bytes, check_key, fingerprint, fingerprint_body, header_pairs, parse_key
+from ..fingerprint import (
+    HeadersLike,
+    as_body_bytes,
+    check_key,
+    fingerprint_body,
+    header_pairs,
+    parse_key,
+    request_digest,
+)
 from ..outcomes import Answer, Event, Outcome, Ticket
 from .base import wall_clock_ms
 from .inputs import check_principal, check_request_line
@@ -94,8 +102,11 @@ class RequestFlow(SingleSteps):
         key = parsed  # "abc" (an sf-string, as the IETF draft sends it) and abc are one key
         check_request_line(method, path_and_query)
 
-        fp_body, _ = fingerprint_body(raw, headers, policy.fingerprint_body, policy.fingerprint_ignore_fields)
-        fp = fingerprint(method, path_and_query, headers, fp_body, policy.fingerprint_headers)
+        fp_body = raw
+        if policy.fingerprint_body != "raw":
+            fp_body, _ = fingerprint_body(raw, headers, policy.fingerprint_body, policy.fingerprint_ignore_fields)
+        # The policy's names are lower-case already, and the body is bytes.
+        fp = request_digest(method, path_and_query, headers, fp_body, policy.fingerprint_headers)
         mark = time.perf_counter()
         try:
             made = self._hold((yield from decision.decide(self.store, policy, self.clock, principal, key, fp)))
@@ -362,4 +373,3 @@ class RequestFlow(SingleSteps):
             self.abandon(decision, release=release_on_error)
             raise
         return self.finish(decision, status, out_headers, out_body)
-
