@@ -52,7 +52,7 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
     import asyncio
     import io
 
-    from idemctl import Ledger, Policy
+    from idemctl import Ledger, Policy, decision
     from idemctl.fingerprint import fingerprint, parse_key, request_digest
     from idemctl.ledger import check_principal, check_request_line
     from idemctl.outcomes import Outcome, Reservation, Ticket
@@ -155,8 +155,9 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
 
     def phase_store(key: str) -> None:
         reservation = held[key]
-        stored, computed = ledger._prepare(reservation, 201, RESPONSE_HEADERS, STORED_1K)
-        ledger._store_answer(reservation, stored, computed, now + 1)
+        stored, _ = ledger._prepare(reservation, 201, RESPONSE_HEADERS, STORED_1K)
+        # Steps: driven here, as finish drives them.
+        decision.run(ledger._store_answer(reservation, stored, now + 1))
 
     segment("phase_store", phase_store, what="to_store + the answer + Store.complete")
 

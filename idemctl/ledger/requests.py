@@ -274,16 +274,22 @@ class RequestFlow(SingleSteps):
             # Inside the guard: with clock="database", reading the clock is a
             # statement too, and any storage failure after the mutation ran
             # must hand back the answer it computed.
-            stamp = yield from self._now_steps()
-            done = yield from self._store_answer(reservation, stored, computed, stamp)
+            clock = self.clock
+            stamp = int(clock()) if clock != self.store.database_now else (yield from self._now_steps())
+            stored_ok, _ = yield from self._store_answer(reservation, stored, stamp)
         except StorageError as exc:
             answer = Answer(*computed, ticket.outcome, reservation.generation, ticket.started_at)
             self._finished(ticket, Outcome.NOT_STORED, answer.status, mark, app_ms)
             raise AnswerNotStoredError(answer, exc) from exc
-        outcome = ticket.outcome if done.stored else Outcome.FENCED_OUT
-        out_headers = self._with_expiry(done.headers, stamp) if done.stored else done.headers
-        answer = Answer(done.status, out_headers, done.body, outcome, reservation.generation, ticket.started_at)
-        self._finished(ticket, outcome, answer.status, mark, app_ms)
+        status, out_headers, out_body = computed
+        if stored_ok:
+            outcome = ticket.outcome
+            if self.policy.expires_header is not None:
+                out_headers = self._with_expiry(out_headers, stamp)
+        else:
+            outcome = Outcome.FENCED_OUT
+        answer = Answer(status, out_headers, out_body, outcome, reservation.generation, ticket.started_at)
+        self._finished(ticket, outcome, status, mark, app_ms)
         return answer
 
     finish = decision.blocking(finish_steps)
