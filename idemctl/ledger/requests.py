@@ -370,12 +370,13 @@ class RequestFlow(SingleSteps):
         >>> ledger.handle("acct_1", "k1", "POST", "/orders", {}, b'{"sku":"x"}', order).outcome
         <Outcome.REPLAYED: 'replayed'>
         """
-        decision = self.begin(principal, key, method, path_and_query, headers, body)
-        if isinstance(decision, Answer):
-            return decision
+        # begin and finish, their steps driven here with no wrapper between.
+        decided = decision.run(self.begin_steps(principal, key, method, path_and_query, headers, body))
+        if isinstance(decided, Answer):
+            return decided
         try:
-            status, out_headers, out_body = run(decision.body)
+            status, out_headers, out_body = run(decided.body)
         except BaseException:
-            self.abandon(decision, release=release_on_error)
+            self.abandon(decided, release=release_on_error)
             raise
-        return self.finish(decision, status, out_headers, out_body)
+        return decision.run(self.finish_steps(decided, status, out_headers, out_body))
