@@ -165,7 +165,8 @@ class RequestFlow(SingleSteps):
         status, out_headers, out_body = responses.from_stored(
             row.response_status, row.response_body, row.response_headers, row=(principal, key)
         )
-        out_headers = self._with_expiry(out_headers, row.updated_at)
+        if self.policy.expires_header is not None:
+            out_headers = self._with_expiry(out_headers, row.updated_at)
         return Answer(status, out_headers, out_body, Outcome.REPLAYED, row.generation, made.now)
 
     def _with_expiry(self, headers: tuple[tuple[str, str], ...], updated_at: int) -> tuple[tuple[str, str], ...]:
