@@ -42,8 +42,9 @@ S = TypeVar("S")
 P = ParamSpec("P")
 
 
-@quick_init
-@dataclass(frozen=True)
+# Not frozen: one is built for every statement, and a frozen dataclass pays
+# for its guard on every field; a Call is a message, read once by a driver.
+@dataclass(slots=True)
 class Call:
     """One operation of the store the loop needs: ``store.<name>(*args)``
     synchronously, or the asynchronous store's method of the same name."""
