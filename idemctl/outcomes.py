@@ -307,6 +307,7 @@ class FencedEvent:
     fenced_at: int
 
 
+@quick_init
 @dataclass(frozen=True)
 class SweepResult:
     """One bounded sweep batch."""
