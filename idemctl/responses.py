@@ -227,7 +227,9 @@ def _replayable(
     """
     found: dict[str, list[str]] = {}
     if headers is not None:
-        for name, value in headers.items() if isinstance(headers, Mapping) else headers:
+        # A dict first: isinstance against the Mapping ABC is a Python call.
+        sent = headers.items() if type(headers) is dict or isinstance(headers, Mapping) else headers
+        for name, value in sent:
             lname = str(name).lower()
             if lname in names:
                 if lname in found:
