@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import InvalidResponseError
-from .fingerprint import HeadersLike, as_body_bytes
+from .fingerprint import HeadersLike, as_body_bytes, picked_headers
 from .outcomes import quick_init
 from .policy import Policy
 
@@ -225,17 +225,7 @@ def _replayable(
     >>> column
     '{"location":"/x","set-cookie":["a=1","b=2"]}'
     """
-    found: dict[str, list[str]] = {}
-    if headers is not None:
-        # A dict first: isinstance against the Mapping ABC is a Python call.
-        sent = headers.items() if type(headers) is dict or isinstance(headers, Mapping) else headers
-        for name, value in sent:
-            lname = str(name).lower()
-            if lname in names:
-                if lname in found:
-                    found[lname].append(str(value).strip(" \t\r\n"))
-                else:
-                    found[lname] = [str(value).strip(" \t\r\n")]
+    found = picked_headers(headers, names)
     pairs: list[tuple[str, str]] = []
     kept: dict[str, list[str]] = {}
     for name in names:
