@@ -371,8 +371,7 @@ class RequestFlow(SingleSteps):
         >>> ledger.handle("acct_1", "k1", "POST", "/orders", {}, b'{"sku":"x"}', order).outcome
         <Outcome.REPLAYED: 'replayed'>
         """
-        # begin and finish, their steps driven here with no wrapper between.
-        decided = decision.run(self.begin_steps(principal, key, method, path_and_query, headers, body))
+        decided = self.begin(principal, key, method, path_and_query, headers, body)
         if isinstance(decided, Answer):
             return decided
         try:
@@ -380,4 +379,4 @@ class RequestFlow(SingleSteps):
         except BaseException:
             self.abandon(decided, release=release_on_error)
             raise
-        return decision.run(self.finish_steps(decided, status, out_headers, out_body))
+        return self.finish(decided, status, out_headers, out_body)
