@@ -351,7 +351,8 @@ key and request-line checks (about 10 000), picking the fingerprint headers
 and writing the hashed head (16 000), picking, checking and writing the
 replayable headers and the body's column (`to_store`, 30 000), the decision
 loop and the values it hands out (reservation, ticket, answer; with the
-token, the phase table's rest of about 20 000), and on a replay the answer rebuilt from its row (about 10 000 once
+token and the wrappers of begin and finish, the phase table's rest of about
+25 000), and on a replay the answer rebuilt from its row (about 10 000 once
 its headers column has been seen). Each is a check or a value the contract
 needs once; the savings kept (listed in (0)) removed what did nothing for
 it. A first call's bound of 1.6× leaves about 100 000 instructions above
