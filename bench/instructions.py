@@ -52,8 +52,8 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
     import asyncio
     import io
 
-    from idemctl import Ledger, Policy
-    from idemctl.fingerprint import fingerprint, fingerprint_body, parse_key
+    from idemctl import Ledger, Policy, decision
+    from idemctl.fingerprint import fingerprint, parse_key, request_digest
     from idemctl.ledger import check_principal, check_request_line
     from idemctl.outcomes import Outcome, Reservation, Ticket
     from idemctl.storage.statements import new_token
@@ -139,8 +139,8 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
         check_principal(principal)
         parse_key(key)
         check_request_line("POST", "/orders")
-        fp_body, _ = fingerprint_body(BODY_1K, HEADERS, policy.fingerprint_body, policy.fingerprint_ignore_fields)
-        fingerprint("POST", "/orders", HEADERS, fp_body, policy.fingerprint_headers)
+        # As begin does it: the body is bytes, and fingerprinted raw by default.
+        request_digest("POST", "/orders", HEADERS, BODY_1K, policy.fingerprint_headers)
 
     segment("phase_fingerprint", phase_fingerprint, what="key, principal and request-line checks + fingerprint")
     segment(
@@ -155,8 +155,9 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
 
     def phase_store(key: str) -> None:
         reservation = held[key]
-        stored, computed = ledger._prepare(reservation, 201, RESPONSE_HEADERS, STORED_1K)
-        ledger._store_answer(reservation, stored, computed, now + 1)
+        stored, _ = ledger._prepare(reservation, 201, RESPONSE_HEADERS, STORED_1K)
+        # Steps: driven here, as finish drives them.
+        decision.run(ledger._store_answer(reservation, stored, now + 1))
 
     segment("phase_store", phase_store, what="to_store + the answer + Store.complete")
 

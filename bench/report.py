@@ -331,23 +331,45 @@ def aims(b: dict[str, Any]) -> str:
 LEFT_OVER = """\
 What is left, and why. The SQLite library does the same work under the
 ledger as under the raw statements (callgrind's inclusive cost of
-`sqlite3_step`, below (0)): everything above the raw figures is Python. Of
-it, the sha256 of the fingerprint is about 35 000 instructions a request
-(1 KiB body), a fifth of the raw pair by itself: the raw floor never hashes,
-and the contract cannot do without it. The rest is CPython's price per
-operation, about 500 instructions a function call: validating the key,
-principal and request line, picking headers, building the stored columns
-and the answer, and the store's plumbing around each statement (parameters,
-the writer queue, decoding a row). The savings kept (listed in (0)) removed
-what did nothing for the contract; what remains is each check and value
-the contract needs once. A first call's bound of 1.6× leaves about 100 000
-instructions for all of it, sha256 included, which Python cannot reach
-without dropping checks. In seconds, the fsync of a FULL commit hides much
-of this; under NORMAL and on replays it shows. The ASGI adapter hands each
-first call to a worker thread twice (claim, then store and sweep), each
-hand-off a thread switch and a future: one hand-off per request needs the
-asynchronous decision path to carry the claim and the sweep probe together,
-which is a change to the decision loop and the gate, not to the ledger."""
+`sqlite3_step`, below (0)): everything above the raw figures is Python, in
+three parts. First the storage layer's plumbing around each statement: about
+20 000 instructions on a claim and 15 000 on a completion beyond the raw
+statements (the writer queue's two `flock` calls, the fork guard's lock, the
+thread's connection, the statement value, the schema guard), and on a
+replay about 22 000 around the claim attempt and 43 000 around the lookup,
+26 000 of them decoding the row (an enum call for its status, four integer
+checks, a ten-field `StoredRow`), which a row another program may have
+written needs in some form; the fencing token drawn through `secrets`
+(`new_token`) costs 4 800 more. That is `idemctl/storage/`, and it is the largest share
+left that is not a check of the contract: a row decoded without a Python
+call per column and a cheaper statement path are the next savings, there.
+Then the sha256 of the fingerprint, about 36 000 a request (1 KiB body), a
+fifth of the raw pair by itself: the raw floor never hashes, and the
+contract cannot do without it. The rest is the ledger's own Python, at
+CPython's price of about 500 instructions a function call: the principal,
+key and request-line checks (about 10 000), picking the fingerprint headers
+and writing the hashed head (16 000), picking, checking and writing the
+replayable headers and the body's column (`to_store`, 30 000), the decision
+loop and the values it hands out (reservation, ticket, answer; with the
+token and the wrappers of begin and finish, the phase table's rest of about
+25 000), and on a replay the answer rebuilt from its row (about 10 000 once
+its headers column has been seen). Each is a check or a value the contract
+needs once; the savings kept (listed in (0)) removed what did nothing for
+it. A first call's bound of 1.6× leaves about 100 000 instructions above
+the raw pair, of which the storage plumbing and the sha256 already take
+about 75 000; a replay's bound of 2.0× leaves about 93 000, less than the
+storage plumbing and the sha256 take together (about 105 000): neither
+bound can be reached in Python without dropping checks, and the replay's
+not even with the ledger's own part at nothing while the storage layer
+stays as it is. In seconds, the fsync of a FULL commit hides much of this;
+under NORMAL and on replays it shows. The ASGI adapter hands each first
+call to a worker thread twice (the claim, then the completion: the app
+runs between them, so on SQLite there is no one hand-off for both); each
+costs about 170 000 instructions of executor, futures and loop wake-up for
+a no-op, and with the shield that lets a claim land for a cancelled caller
+and the task that keeps a mutation running for a client that left, they are
+most of the adapter's own count. Running the statements on the loop instead
+is what the event-loop lag table (8) shows not to do."""
 
 
 # What each saving on the request path bought, counted as (0) counts (30
@@ -361,13 +383,33 @@ Savings kept, each counted before and after (instructions per request, `Ledger.h
 | an `Event` built only when a listener or the INFO log hears it (events phase 20 816 → about 5 000, the check alone, for routine outcomes); the first answer built from the stored columns' own checked pairs and bytes, not by decoding the JSON and checking every header again (store phase −33 000); control characters in the request line found by one regex, not a Python step per character (fingerprint phase −12 500) | 399 370 | 283 333 |
 | the JSON encoder built once; a free writer queue taken without reading the clock twice; fingerprint and replayable headers picked in one pass with no list of every pair; the headers column written with JSON's own string encoder instead of an encoder object per answer; a header pair once found sendable not matched against three patterns again (a bounded memo) | 379 125 | 274 145 |
 | the values built per request (answer, ticket, reservation, row, completion, stored columns, event) filled in one step instead of one `object.__setattr__` call per field | 352 267 | 260 158 |
+| counted again at `3eaf498`, after the decision loop learnt to yield its statements (one loop for threads and event loops) and the ledger was split into parts | 428 735 | 320 974 |
+| the drivers call the store straight from the operation the steps yield, with no step value, outcome pair or bound method per statement; the loop's values filled in one step | 406 689 | 305 672 |
+| the fingerprint hashed in one pass from the policy's lower-case names and the body already checked as bytes (fingerprint phase 75 644 → 63 052); a clock that is not the database's read without a generator; finish builds its answer from the one it already holds, with no `Completion` in between | 385 379 | 291 942 |
+| the replayable headers picked, checked and written as the headers column in one function, the sendable memo asked before any call (`to_store` alone 40 200 → 30 800) | 376 217 | 292 758 |
+| `handle` drives the steps of begin and finish itself, not through wrappers that repacked every argument; `Outcome` members hashed by identity (Enum's own `__hash__` is a Python call, made by every check of whether an event is heard) | 370 120 | 289 211 |
+| a replay reuses the checked pairs of a headers column it replayed before (a bounded memo of columns whose every pair may be sent; a column with one that may not is logged on every replay, as before) | 370 493 | 271 407 |
+| the statement message (`decision.Call`) slotted and not frozen; the control-character pattern asked directly | 365 324 | 266 032 |
+| the passes over the request's and the answer's headers ask whether they are a dict before asking the `Mapping` ABC (its `isinstance` is a Python call): 362 115 and 264 355; then one helper picks the headers for both passes and for `header_values`, instead of three copies of its loop (a call more, kept for clarity) | 363 178 | 265 225 |
+| `handle` goes through `begin` and `finish` again, undoing the first half of the fifth row above: driving their steps itself skipped them as the methods a subclass or a patch replaces | 367 703 | 267 335 |
+
+The adapters, counted the same way: the ASGI middleware hands each step to a
+worker thread as the executor's own future instead of a coroutine around it,
+which cost a task per hand-off (first call 1 192 009 → 1 146 379, replay
+734 430 → 684 925); WSGI builds each status line once (`HTTPStatus(code)` is
+a Python call; Flask and Django ask for it too) and copies the environ once
+for the app, not twice (first call 485 097 → 477 529, replay 341 792 →
+335 769); a resting `after_response` builds its `SweepResult` in one step
+(16 500 → 12 300).
 
 Tried and not kept: Python's built-in `_sha256` instead of OpenSSL's (54 000
 instructions for 1 KiB against 35 000); copying a prepared sha256 object
-instead of making one (no difference in time). Not done: one pre-built
-statement per step, since the store's cache already hands back the spelled
-text for a dictionary lookup (the store's whole plumbing around a statement,
-parameters included, is about 3 000 instructions)."""
+instead of making one (no difference in time); filling the values by one
+dictionary store per field instead of one `update` (no gain over a whole
+request: 371 671 → 372 230); a second copy of the driver loop inside `run`
+to save it a call (1 600 a run, not worth two copies of the loop). Not
+done: one pre-built statement per step, since the store's cache already
+hands back the spelled text for a dictionary lookup."""
 
 
 def _instructions(res: dict[str, Any]) -> list[str]:

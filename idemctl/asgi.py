@@ -227,9 +227,13 @@ class IdempotencyMiddleware(gates.GatedMiddleware[ASGIApp, Scope]):
         # referenced here so the loop cannot drop it half-way.
         self._background: set[asyncio.Future[Any]] = set()
 
-    async def _in_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    def _in_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
+        # The executor's own future, awaitable as it is: a coroutine around it
+        # would cost a task of its own for every hand-off.
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+        if kwargs:
+            return loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+        return loop.run_in_executor(self.executor, fn, *args)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") == "lifespan":

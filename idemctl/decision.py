@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 
-from .outcomes import Outcome, Reservation, Status, StoredRow
+from .outcomes import Outcome, Reservation, Status, StoredRow, quick_init
 from .policy import Policy
 from .storage import Store
 from .storage.store import new_token
@@ -42,7 +42,9 @@ S = TypeVar("S")
 P = ParamSpec("P")
 
 
-@dataclass(frozen=True)
+# Not frozen: one is built for every statement, and a frozen dataclass pays
+# for its guard on every field; a Call is a message, read once by a driver.
+@dataclass(slots=True)
 class Call:
     """One operation of the store the loop needs: ``store.<name>(*args)``
     synchronously, or the asynchronous store's method of the same name."""
@@ -81,6 +83,7 @@ _LONGEST_PAUSE_S = 0.1
 _EXPIRED_RACES = 3
 
 
+@quick_init
 @dataclass(frozen=True)
 class Claimed:
     """This caller owns the reservation (a new claim or a takeover): run once."""
@@ -90,6 +93,7 @@ class Claimed:
     now: int
 
 
+@quick_init
 @dataclass(frozen=True)
 class Completed:
     """The same request completed earlier: replay its row."""
@@ -98,6 +102,7 @@ class Completed:
     now: int
 
 
+@quick_init
 @dataclass(frozen=True)
 class Reused:
     """The key belongs to another request (another fingerprint)."""
@@ -106,6 +111,7 @@ class Reused:
     now: int
 
 
+@quick_init
 @dataclass(frozen=True)
 class Busy:
     """The same request is still running under a live reservation."""
@@ -115,6 +121,7 @@ class Busy:
     takeover_in_ms: int  # until the reservation is stale and can be taken over
 
 
+@quick_init
 @dataclass(frozen=True)
 class Vanished:
     """The row went (swept, released, purged) between the failed claim and the lookup."""
@@ -134,8 +141,10 @@ def decide(
     token = new_token()
     deadline: float | None = None
     expired_races = 0
+    # The database's clock is a statement (now_steps); any other is a plain call.
+    local_clock = clock != store.database_now
     while True:
-        now = yield from now_steps(store, clock)
+        now = int(clock()) if local_clock else (yield from now_steps(store, clock))
         generation = yield Call(store, "claim", (principal, key, fingerprint, token, now))
         if generation is not None:
             return Claimed(Reservation(principal, key, generation, fingerprint, token), Outcome.EXECUTED, now)
@@ -207,6 +216,7 @@ def now_steps(store: Store, clock: Callable[[], int]) -> Steps[int]:
     return int(clock())
 
 
+@quick_init
 @dataclass(frozen=True)
 class _Step:
     pause: float
@@ -224,13 +234,6 @@ def _resume(steps: Steps[Any], value: Any, error: Exception | None) -> Op | _Ste
         return _Step(0.0, True, done.value)
 
 
-def _outcome(call: Callable[[], Any]) -> tuple[Any, Exception | None]:
-    try:
-        return call(), None
-    except Exception as exc:
-        return None, exc
-
-
 async def _outcome_async(op: Call, store: AsyncStore) -> tuple[Any, Exception | None]:
     try:
         return await op.run_async(store), None
@@ -240,9 +243,13 @@ async def _outcome_async(op: Call, store: AsyncStore) -> tuple[Any, Exception | 
 
 def run(steps: Steps[T]) -> T:
     """Drive steps in this thread: call the store, sleep through the pauses."""
-    while not (step := _advance(steps)).done:
-        time.sleep(step.pause)
-    return cast(T, step.value)
+    try:
+        pause = _until_pause(steps, steps.send(None))
+        while True:
+            time.sleep(pause.seconds)
+            pause = _until_pause(steps, steps.send(None))
+    except StopIteration as done:
+        return cast(T, done.value)
 
 
 def blocking(steps: Callable[Concatenate[S, P], Steps[T]]) -> Callable[Concatenate[S, P], T]:
@@ -271,11 +278,26 @@ def blocking(steps: Callable[Concatenate[S, P], Steps[T]]) -> Callable[Concatena
 def _advance(steps: Steps[Any]) -> _Step:
     """Every operation up to the next pause (or the end), in this thread:
     one hand-off to a worker thread runs them all."""
-    value: Any = None
-    error: Exception | None = None
-    while isinstance(op := _resume(steps, value, error), Call):
-        value, error = _outcome(op.run)
-    return op if isinstance(op, _Step) else _Step(op.seconds, False, None)
+    try:
+        return _Step(_until_pause(steps, steps.send(None)).seconds, False, None)
+    except StopIteration as done:  # it cannot cross a Future: the result travels in a value
+        return _Step(0.0, True, done.value)
+
+
+def _until_pause(steps: Steps[Any], op: Op) -> Pause:
+    """Run the operations the steps yield, from `op` on, up to the next
+    pause; the steps' end raises StopIteration. This is every request's
+    driver: the store is called directly, with no value built per step."""
+    while isinstance(op, Call):
+        try:
+            value = getattr(op.store, op.name)(*op.args)
+        except Exception as exc:
+            error = exc  # raised inside the steps, where it happened (outside this handler)
+        else:
+            op = steps.send(value)
+            continue
+        op = steps.throw(error)
+    return op
 
 
 def _settled(outcome: object) -> object:

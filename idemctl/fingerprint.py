@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 
 from .errors import InvalidBodyError, InvalidKeyError
 from .policy import DEFAULT_FINGERPRINT_HEADERS
@@ -116,18 +116,33 @@ def header_values(headers: HeadersLike | None, names: Iterable[str]) -> dict[str
     >>> header_values([("Accept", "a"), ("accept", " b ")], ["accept", "x-api-version"])
     {'accept': 'a, b', 'x-api-version': None}
     """
-    wanted = dict.fromkeys(n.lower() for n in names)  # type: dict[str, list[str] | None]
-    if headers is not None:
-        # One pass over the headers, and no pair list: this runs on every request.
-        items = headers.items() if isinstance(headers, Mapping) else headers
-        for name, value in items:
-            lname = str(name).lower()
-            if lname in wanted:
-                bucket = wanted[lname]
-                if bucket is None:
-                    bucket = wanted[lname] = []
-                bucket.append(str(value).strip(_HTTP_WHITESPACE))
-    return {n: (", ".join(v) if v else None) for n, v in wanted.items()}
+    wanted = tuple(dict.fromkeys(n.lower() for n in names))
+    found = picked_headers(headers, wanted)
+    return {n: (", ".join(found[n]) if n in found else None) for n in wanted}
+
+
+def picked_headers(headers: HeadersLike | None, names: Container[str]) -> dict[str, list[str]]:
+    """The values of the headers `names` lists (lower-case names), by
+    lower-case name, in the order sent, each trimmed of HTTP whitespace; a
+    name not sent is absent. One pass over the headers, and no pair list:
+    every request and every answer goes through it.
+
+    >>> picked_headers([("Accept", "a"), ("X-Other", "b"), ("accept", " c ")], ("accept",))
+    {'accept': ['a', 'c']}
+    """
+    found: dict[str, list[str]] = {}
+    if headers is None:
+        return found
+    # A dict first: isinstance against the Mapping ABC is a Python call.
+    sent = headers.items() if type(headers) is dict or isinstance(headers, Mapping) else headers
+    for name, value in sent:
+        lname = str(name).lower()
+        if lname in names:
+            if lname in found:
+                found[lname].append(str(value).strip(_HTTP_WHITESPACE))
+            else:
+                found[lname] = [str(value).strip(_HTTP_WHITESPACE)]
+    return found
 
 
 def as_body_bytes(body: object, what: str = "body") -> bytes:
@@ -154,17 +169,41 @@ def fingerprint(
     >>> fingerprint("POST", "/orders", [], b"")
     'fc4d6d6663d197e95ef43ecc071614db7227f117beb78b985980d692380c7654'
     """
-    raw = as_body_bytes(body)
-    names = names if isinstance(names, tuple) else tuple(names)
-    values = header_values(headers, names)  # its keys: `names` lower-cased, in order
-    lines = [method.upper(), path_and_query]
-    if len(values) == len(names):
-        lines.extend(f"{n}:{v or ''}" for n, v in values.items())
-    else:  # a name given twice counts twice, as it always has
-        lines.extend(f"{n.lower()}:{values[n.lower()] or ''}" for n in names)
-    lines.append("")  # the header block ends with a newline
-    digest = hashlib.sha256("\n".join(lines).encode("utf-8"))
-    digest.update(raw)
+    return request_digest(method, path_and_query, headers, as_body_bytes(body), _lowered(names))
+
+
+# The lower-cased form of each tuple of names asked for (a policy's, mostly):
+# lower-casing them is not redone per request. Bounded: emptied when full.
+_LOWERED: dict[tuple[str, ...], tuple[str, ...]] = {}
+_LOWERED_MAX = 64
+
+
+def _lowered(names: Iterable[str]) -> tuple[str, ...]:
+    if not isinstance(names, tuple):
+        return tuple(n.lower() for n in names)
+    lowered = _LOWERED.get(names)
+    if lowered is None:
+        if len(_LOWERED) >= _LOWERED_MAX:
+            _LOWERED.clear()
+        lowered = _LOWERED[names] = tuple(n.lower() for n in names)
+    return lowered
+
+
+def request_digest(
+    method: str, path_and_query: str, headers: HeadersLike | None, body: bytes, names: tuple[str, ...]
+) -> str:
+    """:func:`fingerprint` of a body already known to be bytes, with `names`
+    already lower-case (a `Policy`'s are): what every request computes, in
+    one pass over its headers. A name given twice counts twice.
+
+    >>> request_digest("POST", "/orders", {}, b"", ("content-type", "x-api-version"))
+    'fc4d6d6663d197e95ef43ecc071614db7227f117beb78b985980d692380c7654'
+    """
+    found = picked_headers(headers, names)
+    # Fetch-style: a header's values trimmed and joined with ", "; absent is empty.
+    lines = "".join([f"{n}:{', '.join(found[n]) if n in found else ''}\n" for n in names])
+    digest = hashlib.sha256(f"{method.upper()}\n{path_and_query}\n{lines}".encode())
+    digest.update(body)
     return digest.hexdigest()
 
 

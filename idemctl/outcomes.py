@@ -67,6 +67,11 @@ class Outcome(enum.Enum):
     NOT_KEPT = "not_kept"  # ran; Policy.keep_answer declined to store it, the reservation was released
     NOT_STORED = "not_stored"  # ran; storing its answer failed (AnswerNotStoredError)
 
+    # Members are singletons, equal only to themselves: hashing them by
+    # identity keeps `outcome in some_set` (asked for every answer, to see
+    # whether anyone hears its event) free of Enum's __hash__, a Python call.
+    __hash__ = object.__hash__
+
     @property
     def ran_mutation(self) -> bool:
         return self in (
@@ -302,6 +307,7 @@ class FencedEvent:
     fenced_at: int
 
 
+@quick_init
 @dataclass(frozen=True)
 class SweepResult:
     """One bounded sweep batch."""

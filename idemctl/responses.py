@@ -11,11 +11,11 @@ import json
 import logging
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import InvalidResponseError
-from .fingerprint import HeadersLike, as_body_bytes
+from .fingerprint import HeadersLike, as_body_bytes, picked_headers
 from .outcomes import quick_init
 from .policy import Policy
 
@@ -160,10 +160,14 @@ def _sendable(
         problem = header_problem(name, value)
         if problem is None:
             out.append((name, value))  # type: ignore[arg-type]  # checked by header_problem
-            continue
-        where = "" if row is None else f" for principal={_quoted(row[0])} key={_quoted(row[1])}"
-        log.error("response header %s %s%s: %s: %s", _quoted(name), action, where, problem, _quoted(value))
+        else:
+            _dropped(name, value, problem, action, row)
     return out
+
+
+def _dropped(name: object, value: object, problem: str, action: str, row: tuple[str, str] | None) -> None:
+    where = "" if row is None else f" for principal={_quoted(row[0])} key={_quoted(row[1])}"
+    log.error("response header %s %s%s: %s: %s", _quoted(name), action, where, problem, _quoted(value))
 
 
 def to_store(
@@ -186,11 +190,7 @@ def to_store(
     raw = as_body_bytes(body, "response body")
     if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 999:
         raise InvalidResponseError(f"response status must be an integer 100-999, got {status!r}")
-    kept = _sendable(replayable_pairs(headers, policy.replayable_headers), "not stored", row)
-    headers_json = headers_to_json(kept)
-    # replayable_pairs keeps a repeated header's fields together, so `kept`
-    # is already in the order the stored JSON object reads back in.
-    wire_headers = tuple(kept)
+    wire_headers, headers_json = _replayable(headers, policy.replayable_headers, row)
     if len(headers_json.encode("utf-8")) > policy.header_cap_bytes:
         # Like an oversize body: nothing partial is stored, replays fail loudly.
         return ToStore(OVERSIZE_STATUS, None, "{}", True, "headers")
@@ -205,39 +205,51 @@ def to_store(
     return ToStore(status, column, headers_json, False, "", wire_headers, raw)
 
 
-def replayable_pairs(headers: HeadersLike | None, names: Iterable[str]) -> list[tuple[str, str]]:
-    """The allowlisted headers as (lower-case name, value) pairs: names in
-    the allowlist's order, every field of a repeated header kept separately
-    in the order sent (never folded: a folded Set-Cookie is a different
-    cookie), each value trimmed of surrounding HTTP whitespace.
+def _replayable(
+    headers: HeadersLike | None, names: tuple[str, ...], row: tuple[str, str] | None
+) -> tuple[Headers, str]:
+    """The allowlisted headers that may be sent, as (name, value) pairs, and
+    the `response_headers` column that replays as exactly those pairs, made
+    in one pass over the headers (`names` lower-case, as a Policy's are).
 
-    >>> replayable_pairs([("Set-Cookie", "a=1"), ("Location", "/x"), ("set-cookie", "b=2")], ["location", "set-cookie"])
-    [('location', '/x'), ('set-cookie', 'a=1'), ('set-cookie', 'b=2')]
+    Names come in the allowlist's order, every field of a repeated header
+    kept separately in the order sent (never folded: a folded Set-Cookie is
+    a different cookie), each value trimmed of surrounding HTTP whitespace.
+    A pair that may not be sent (see `header_problem`) is left out and
+    logged at ERROR.
+
+    >>> sent = [("Set-Cookie", "a=1"), ("Location", "/x"), ("set-cookie", "b=2")]
+    >>> pairs, column = _replayable(sent, ("location", "set-cookie"), None)
+    >>> pairs
+    (('location', '/x'), ('set-cookie', 'a=1'), ('set-cookie', 'b=2'))
+    >>> column
+    '{"location":"/x","set-cookie":["a=1","b=2"]}'
     """
-    wanted: dict[str, list[str] | None] = dict.fromkeys(n.lower() for n in names)
-    if headers is not None:
-        # One pass over the headers, and no pair list: this runs on every completion.
-        for name, value in headers.items() if isinstance(headers, Mapping) else headers:
-            lname = str(name).lower()
-            if lname in wanted:
-                bucket = wanted[lname]
-                if bucket is None:
-                    bucket = wanted[lname] = []
-                bucket.append(str(value).strip(" \t\r\n"))
-    return [(name, value) for name, values in wanted.items() if values for value in values]
+    found = picked_headers(headers, names)
+    pairs: list[tuple[str, str]] = []
+    kept: dict[str, list[str]] = {}
+    for name in names:
+        for value in found.get(name, ()):
+            # The memo first: a pair once found sendable costs no call.
+            if (name, value) in _SENDABLE or (problem := header_problem(name, value)) is None:
+                pairs.append((name, value))
+                if name in kept:
+                    kept[name].append(value)
+                else:
+                    kept[name] = [value]
+            else:
+                _dropped(name, value, problem, "not stored", row)
+    return tuple(pairs), headers_to_json(kept)
 
 
-def headers_to_json(pairs: Iterable[tuple[str, str]]) -> str:
+def headers_to_json(grouped: Mapping[str, Sequence[str]]) -> str:
     """The `response_headers` column: the recipe's JSON object of name to
     value, and a JSON array of the values for a header sent more than once
     (the recipe's rows, one string per name, read back unchanged).
 
-    >>> headers_to_json([("content-type", "text/plain"), ("set-cookie", "a=1"), ("set-cookie", "b=2")])
+    >>> headers_to_json({"content-type": ["text/plain"], "set-cookie": ["a=1", "b=2"]})
     '{"content-type":"text/plain","set-cookie":["a=1","b=2"]}'
     """
-    grouped: dict[str, list[str]] = {}
-    for name, value in pairs:
-        grouped.setdefault(name, []).append(value)
     # What _dumps writes for this object of strings, without building an
     # encoder for it on every completion: the string encoder is the one it uses.
     fields = [
@@ -281,7 +293,7 @@ def from_stored(
     by other programs are not trusted: a header that may not be sent (see
     `header_problem`) is left out and logged at ERROR, on every replay."""
     status = OVERSIZE_STATUS if status is None else int(status)
-    headers: Headers = tuple(_sendable(stored_header_pairs(headers_json), "not replayed", row))
+    headers = _replayed_headers(headers_json, row)
     if status in NULL_BODY_STATUSES or body is None:
         raw = b""
     elif isinstance(body, str):
@@ -289,6 +301,30 @@ def from_stored(
     else:
         raw = bytes(body)
     return status, headers, raw
+
+
+# Headers columns every pair of which may be sent, and the pairs they replay
+# as: most rows hold one of a few columns (the app's content-type), and every
+# replay decoded and checked its row's again. A column with a pair that may
+# not be sent is never kept, so it is logged on every replay. Bounded like
+# _SENDABLE: emptied when full, and only short columns are kept.
+_REPLAYED: dict[str, Headers] = {}
+_REPLAYED_MAX = 256
+_REPLAYED_LONGEST = 1024
+
+
+def _replayed_headers(headers_json: str | None, row: tuple[str, str] | None) -> Headers:
+    if type(headers_json) is str:  # a subclass could hash or compare its own way
+        known = _REPLAYED.get(headers_json)
+        if known is not None:
+            return known
+    pairs = stored_header_pairs(headers_json)
+    headers = tuple(_sendable(pairs, "not replayed", row))
+    if len(headers) == len(pairs) and type(headers_json) is str and len(headers_json) <= _REPLAYED_LONGEST:
+        if len(_REPLAYED) >= _REPLAYED_MAX:
+            _REPLAYED.clear()
+        _REPLAYED[headers_json] = headers
+    return headers
 
 
 # RFC 9457 problem types: one stable URI per error code, documented in docs/library.md.

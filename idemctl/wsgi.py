@@ -15,6 +15,7 @@ the iterable handed to the server, after the answer has gone out.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import re
@@ -149,6 +150,7 @@ def _read_to_end(stream: io.RawIOBase, limit: int) -> bytes:
         parts.append(chunk)
 
 
+@functools.lru_cache(maxsize=128)  # a few codes, each line built once: HTTPStatus(code) is a Python call
 def status_line(status: int) -> str:
     """The WSGI status string for a stored status code. Replays only know the
     code, so the first answer uses the same standard phrase to stay identical.
@@ -219,8 +221,8 @@ class _Captured:
 
 
 def _run_app(app: WSGIApplication, environ: WSGIEnvironment, body: bytes, capture: Capture) -> None:
-    """Run the wrapped app once, its answer captured instead of sent."""
-    environ = dict(environ)
+    """Run the wrapped app once on `environ` (the request's, copied for the
+    app), its answer captured instead of sent."""
     # The app gets the body the fingerprint covered, de-chunked, with its
     # exact length: plain PEP 3333 input, read by CONTENT_LENGTH. The
     # input_terminated extension is dropped because frameworks honour it by
@@ -325,7 +327,7 @@ class IdempotencyMiddleware(gates.GatedMiddleware[WSGIApplication, WSGIEnvironme
         return self._send(start_response, self._run(environ, who, decision))
 
     def _run(self, environ: WSGIEnvironment, who: str, ticket: Ticket) -> Delivery:
-        inner = dict(environ)
+        inner = dict(environ)  # the app's own copy, changed by _run_app too
         inner[PRINCIPAL_ENVIRON_KEY] = who
         capture = self.gate.capture()
         try:

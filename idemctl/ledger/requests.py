@@ -13,7 +13,15 @@ from email.utils import formatdate
 
 from .. import decision, responses
 from ..errors import AnswerNotStoredError, InvalidResponseError, StorageError
-from ..fingerprint import HeadersLike, as_body_bytes, check_key, fingerprint, fingerprint_body, header_pairs, parse_key
+from ..fingerprint import (
+    HeadersLike,
+    as_body_bytes,
+    check_key,
+    fingerprint_body,
+    header_pairs,
+    parse_key,
+    request_digest,
+)
 from ..outcomes import Answer, Event, Outcome, Ticket
 from .base import wall_clock_ms
 from .inputs import check_principal, check_request_line
@@ -94,8 +102,11 @@ class RequestFlow(SingleSteps):
         key = parsed  # "abc" (an sf-string, as the IETF draft sends it) and abc are one key
         check_request_line(method, path_and_query)
 
-        fp_body, _ = fingerprint_body(raw, headers, policy.fingerprint_body, policy.fingerprint_ignore_fields)
-        fp = fingerprint(method, path_and_query, headers, fp_body, policy.fingerprint_headers)
+        fp_body = raw
+        if policy.fingerprint_body != "raw":
+            fp_body, _ = fingerprint_body(raw, headers, policy.fingerprint_body, policy.fingerprint_ignore_fields)
+        # The policy's names are lower-case already, and the body is bytes.
+        fp = request_digest(method, path_and_query, headers, fp_body, policy.fingerprint_headers)
         mark = time.perf_counter()
         try:
             made = self._hold((yield from decision.decide(self.store, policy, self.clock, principal, key, fp)))
@@ -154,7 +165,8 @@ class RequestFlow(SingleSteps):
         status, out_headers, out_body = responses.from_stored(
             row.response_status, row.response_body, row.response_headers, row=(principal, key)
         )
-        out_headers = self._with_expiry(out_headers, row.updated_at)
+        if self.policy.expires_header is not None:
+            out_headers = self._with_expiry(out_headers, row.updated_at)
         return Answer(status, out_headers, out_body, Outcome.REPLAYED, row.generation, made.now)
 
     def _with_expiry(self, headers: tuple[tuple[str, str], ...], updated_at: int) -> tuple[tuple[str, str], ...]:
@@ -263,16 +275,22 @@ class RequestFlow(SingleSteps):
             # Inside the guard: with clock="database", reading the clock is a
             # statement too, and any storage failure after the mutation ran
             # must hand back the answer it computed.
-            stamp = yield from self._now_steps()
-            done = yield from self._store_answer(reservation, stored, computed, stamp)
+            clock = self.clock
+            stamp = int(clock()) if clock != self.store.database_now else (yield from self._now_steps())
+            stored_ok, _ = yield from self._store_answer(reservation, stored, stamp)
         except StorageError as exc:
             answer = Answer(*computed, ticket.outcome, reservation.generation, ticket.started_at)
             self._finished(ticket, Outcome.NOT_STORED, answer.status, mark, app_ms)
             raise AnswerNotStoredError(answer, exc) from exc
-        outcome = ticket.outcome if done.stored else Outcome.FENCED_OUT
-        out_headers = self._with_expiry(done.headers, stamp) if done.stored else done.headers
-        answer = Answer(done.status, out_headers, done.body, outcome, reservation.generation, ticket.started_at)
-        self._finished(ticket, outcome, answer.status, mark, app_ms)
+        status, out_headers, out_body = computed
+        if stored_ok:
+            outcome = ticket.outcome
+            if self.policy.expires_header is not None:
+                out_headers = self._with_expiry(out_headers, stamp)
+        else:
+            outcome = Outcome.FENCED_OUT
+        answer = Answer(status, out_headers, out_body, outcome, reservation.generation, ticket.started_at)
+        self._finished(ticket, outcome, status, mark, app_ms)
         return answer
 
     finish = decision.blocking(finish_steps)
@@ -353,13 +371,12 @@ class RequestFlow(SingleSteps):
         >>> ledger.handle("acct_1", "k1", "POST", "/orders", {}, b'{"sku":"x"}', order).outcome
         <Outcome.REPLAYED: 'replayed'>
         """
-        decision = self.begin(principal, key, method, path_and_query, headers, body)
-        if isinstance(decision, Answer):
-            return decision
+        decided = self.begin(principal, key, method, path_and_query, headers, body)
+        if isinstance(decided, Answer):
+            return decided
         try:
-            status, out_headers, out_body = run(decision.body)
+            status, out_headers, out_body = run(decided.body)
         except BaseException:
-            self.abandon(decision, release=release_on_error)
+            self.abandon(decided, release=release_on_error)
             raise
-        return self.finish(decision, status, out_headers, out_body)
-
+        return self.finish(decided, status, out_headers, out_body)

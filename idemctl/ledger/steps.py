@@ -9,7 +9,7 @@ import logging
 from .. import decision, responses
 from ..errors import IdemctlError
 from ..fingerprint import HeadersLike, check_key, parse_key
-from ..outcomes import Completion, Reservation, StoredRow
+from ..outcomes import Completion, FencedEvent, Reservation, StoredRow
 from ..storage.store import new_token
 from .base import LedgerBase
 from .inputs import check_principal
@@ -99,7 +99,8 @@ class SingleSteps(LedgerBase):
         self._drop(reservation)
         stored, answer = self._prepare(reservation, status, headers, body)
         stamp = (yield from self._now_steps()) if now is None else now
-        return (yield from self._store_answer(reservation, stored, answer, stamp))
+        ok, event = yield from self._store_answer(reservation, stored, stamp)
+        return Completion(ok, answer[0], answer[1], answer[2], stored.oversize, event)
 
     complete = decision.blocking(complete_steps)
 
@@ -125,12 +126,9 @@ class SingleSteps(LedgerBase):
         return stored, stored.answer
 
     def _store_answer(
-        self,
-        reservation: Reservation,
-        stored: responses.ToStore,
-        answer: tuple[int, responses.Headers, bytes],
-        stamp: int,
-    ) -> decision.Steps[Completion]:
+        self, reservation: Reservation, stored: responses.ToStore, stamp: int
+    ) -> decision.Steps[tuple[bool, FencedEvent | None]]:
+        """Whether the answer was stored; when fenced out, the event recorded."""
         who = (reservation.principal, reservation.key, reservation.generation)
         args = (*who, reservation.token, stored.status, stored.body, stored.headers_json, stamp)
         ok = yield decision.Call(self.store, "complete", args)
@@ -147,7 +145,7 @@ class SingleSteps(LedgerBase):
                 event.current_generation if event is not None else "?",
                 stored.status,
             )
-        return Completion(ok, answer[0], answer[1], answer[2], stored.oversize, event)
+        return ok, event
 
     def release_steps(self, reservation: Reservation) -> decision.Steps[bool]:
         """Opt-in: delete a pending reservation whose mutation is known to have
