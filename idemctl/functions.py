@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import inspect
 import json
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
 from . import decision
+from .call_values import JSON, Serializer, call_fingerprint
 from .errors import (
     CallInProgressError,
     IdemctlError,
@@ -43,7 +43,6 @@ from .errors import (
     ResultNotSerializableError,
     ResultNotStoredError,
     ResultTooLargeError,
-    UnserializableArgumentsError,
     UnsupportedFunctionError,
 )
 from .fingerprint import check_key
@@ -92,106 +91,20 @@ _NOT_SERIALIZABLE = "result_not_serializable"
 _CLAIM_ATTEMPTS = 3
 
 
-class Serializer(Protocol):
-    """How return values are stored: `dumps(value) -> bytes`, `loads(bytes) -> value`."""
+@dataclass(frozen=True)
+class CallSettings:
+    """How a call is stored, the same for every call a decorator makes: the
+    `name` its fingerprint carries (None: the function's ``__qualname__``),
+    the `serializer` of its value (None: JSON), and whether a call that
+    raised releases its reservation.
 
-    def dumps(self, value: Any) -> bytes: ...
-
-    def loads(self, data: bytes) -> Any: ...
-
-
-class JsonSerializer:
-    """The default serializer: compact UTF-8 JSON, readable in `idemctl inspect`.
-
-    >>> JSON.dumps({"id": 7, "note": "thé"})
-    b'{"id":7,"note":"th\\xc3\\xa9"}'
-    >>> JSON.loads(b'[1,2]')
-    [1, 2]
+    >>> CallSettings().release_on_error
+    False
     """
 
-    def dumps(self, value: Any) -> bytes:
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
-
-    def loads(self, data: bytes) -> Any:
-        return json.loads(data.decode("utf-8"))
-
-
-JSON = JsonSerializer()
-
-
-def canonical_json(value: object, *, what: str = "args") -> bytes:
-    """The one byte string a JSON value has: sorted keys, no whitespace,
-    non-ASCII as UTF-8, floats as Python's shortest round-trip form (the
-    same on every Python 3 since 3.1). Anything JSON cannot carry exactly
-    raises UnserializableArgumentsError naming where it is; `what` names the
-    value in that message.
-
-    >>> canonical_json({"b": [1, 2.5, None], "a": "é"})
-    b'{"a":"\\xc3\\xa9","b":[1,2.5,null]}'
-    >>> canonical_json({"when": float("nan")})  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    idemctl.errors.UnserializableArgumentsError: cannot fingerprint the call: args['when'] is nan, not JSON; ...
-    """
-    _check_json(value, what, set())
-    try:
-        text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except ValueError as exc:  # an int beyond Python's int-to-str digit limit
-        raise UnserializableArgumentsError(what, f"not writable as JSON ({exc})") from None
-    return text.encode("utf-8")
-
-
-def _check_json(value: object, path: str, open_containers: set[int]) -> None:
-    """Refuse what json.dumps would write lossily or not at all: non-str keys
-    ({1: x} would collide with {"1": x}), NaN and infinities, lone
-    surrogates, cycles, and every type that is not JSON."""
-    if value is None or isinstance(value, (bool, int)):
-        return
-    if isinstance(value, str):
-        _check_text(value, path)
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise UnserializableArgumentsError(path, repr(value))
-        return
-    if not isinstance(value, (list, tuple, dict)):
-        raise UnserializableArgumentsError(path, f"a {type(value).__qualname__}")
-    if id(value) in open_containers:
-        raise UnserializableArgumentsError(path, "a container that holds itself")
-    open_containers.add(id(value))
-    if isinstance(value, dict):
-        for name, item in value.items():
-            if not isinstance(name, str):
-                raise UnserializableArgumentsError(path, f"a dict with the {type(name).__qualname__} key {name!r}")
-            _check_text(name, path)
-            _check_json(item, f"{path}[{name!r}]", open_containers)
-    else:
-        for index, item in enumerate(value):
-            _check_json(item, f"{path}[{index}]", open_containers)
-    open_containers.discard(id(value))
-
-
-def _check_text(text: str, path: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise UnserializableArgumentsError(path, "a str holding a lone surrogate") from None
-
-
-def call_fingerprint(args: object, *, name: str | None = None) -> str:
-    """The fingerprint of a call: sha256 (hex) of the canonical JSON of
-    ``{"args": args, "function": name}``. The same arguments give the same
-    fingerprint in every process and on every Python version, whatever the
-    order their dicts were built in.
-
-    >>> call_fingerprint({"amount": 500, "currency": "EUR"}, name="charge")
-    '6dd2bf33cc6445a039c8a61d943e034895fd289c3565338984cc01f3a0b81569'
-    >>> call_fingerprint({"currency": "EUR", "amount": 500}, name="charge")
-    '6dd2bf33cc6445a039c8a61d943e034895fd289c3565338984cc01f3a0b81569'
-    """
-    # The canonical form of {"args": ..., "function": ...}: its keys are already in order.
-    document = b'{"args":' + canonical_json(args) + b',"function":' + canonical_json(name, what="name") + b"}"
-    return hashlib.sha256(document).hexdigest()
+    name: str | None = None
+    serializer: Serializer | None = None
+    release_on_error: ReleasePolicy = False
 
 
 class IdempotentCall:
@@ -221,23 +134,15 @@ class IdempotentCall:
     """
 
     def __init__(
-        self,
-        ledger: CallLedger,
-        *,
-        principal: str,
-        key: str,
-        args: object,
-        name: str | None = None,
-        serializer: Serializer | None = None,
-        release_on_error: ReleasePolicy = False,
+        self, ledger: CallLedger, *, principal: str, key: str, args: object, settings: CallSettings = CallSettings()
     ) -> None:
         key = check_key(key)
         self.ledger = ledger
         self.principal = principal
         self.key = key
-        self.fingerprint = call_fingerprint(args, name=name)
-        self.serializer: Serializer = JSON if serializer is None else serializer
-        self.release_on_error = release_on_error
+        self.fingerprint = call_fingerprint(args, name=settings.name)
+        self.serializer: Serializer = JSON if settings.serializer is None else settings.serializer
+        self.release_on_error = settings.release_on_error
         #: EXECUTED or TAKEN_OVER (this call runs), REPLAYED, or, after a
         #: late completion, FENCED_OUT; None before the call is entered.
         self.outcome: Outcome | None = None
@@ -250,7 +155,7 @@ class IdempotentCall:
         self._reservation: Reservation | None = None
         self._started_at: int | None = None
         # For the events: a call shows as method CALL and its function's name.
-        self._name = name or ""
+        self._name = settings.name or ""
         self._ledger_s = 0.0
         self._owned_at = 0.0
         self._result: tuple[Any] | None = None
@@ -484,10 +389,9 @@ class IdempotentDecorator:
         key: KeySource,
         principal: PrincipalSource,
         args: ArgsSelector | None = None,
-        name: str | None = None,
-        serializer: Serializer | None = None,
-        release_on_error: ReleasePolicy = False,
+        settings: CallSettings = CallSettings(),
     ) -> None:
+        serializer = settings.serializer
         if not (isinstance(key, str) or callable(key)):
             raise TypeError(f"key must be a str or a callable of the function's arguments, got {type(key).__name__}")
         if not (isinstance(principal, str) or callable(principal)):
@@ -502,14 +406,13 @@ class IdempotentDecorator:
         self.key = key
         self.principal = principal
         self.args = args
-        self.name = name
-        self.serializer = serializer
-        self.release_on_error = release_on_error
+        self.settings = settings
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
-        name = self.name if self.name is not None else getattr(fn, "__qualname__", None)
+        name = self.settings.name if self.settings.name is not None else getattr(fn, "__qualname__", None)
         if name is None:
             raise TypeError(f"{fn!r} has no __qualname__: give the call a name with name=...")
+        settings = replace(self.settings, name=name)
         is_async = _kind(fn, name)
         signature = inspect.signature(fn)
         names = self._names(signature)
@@ -520,9 +423,7 @@ class IdempotentDecorator:
                 principal=_resolve(self.principal, a, kw),
                 key=_resolve(self.key, a, kw),
                 args=self._arguments(signature, names, a, kw),
-                name=name,
-                serializer=self.serializer,
-                release_on_error=self.release_on_error,
+                settings=settings,
             )
 
         if is_async:

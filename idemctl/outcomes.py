@@ -381,6 +381,8 @@ class Stats:
 
 
 class InitAction(enum.Enum):
+    """What `Ledger.init` did to the schema."""
+
     CREATED = "created"
     UP_TO_DATE = "already up to date"
     UPGRADED = "upgraded"
@@ -388,6 +390,13 @@ class InitAction(enum.Enum):
 
 @dataclass(frozen=True)
 class InitResult:
+    """What `Ledger.init` did (or, with ``dry_run``, would do), from which
+    schema version to which.
+
+    >>> InitResult(InitAction.UPGRADED, 1, 2).describe()
+    'upgraded from 1 to 2'
+    """
+
     action: InitAction
     from_version: int | None  # None: there was no ledger table at all
     to_version: int
@@ -402,6 +411,9 @@ class InitResult:
 
 
 class PurgeOutcome(enum.Enum):
+    """What `Ledger.purge` did: deleted the row, found none, or refused a
+    fresh pending row whose owner may still be running (``force`` deletes it)."""
+
     PURGED = "purged"
     NOT_FOUND = "not_found"
     REFUSED_FRESH_PENDING = "refused_fresh_pending"
@@ -409,5 +421,7 @@ class PurgeOutcome(enum.Enum):
 
 @dataclass(frozen=True)
 class PurgeResult:
+    """The purge's outcome and the row as it was (None when there was none)."""
+
     outcome: PurgeOutcome
     row: StoredRow | None

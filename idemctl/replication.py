@@ -20,6 +20,8 @@ WAITS_FOR_STANDBY = ("on", "remote_apply", "remote_write")
 
 
 class Severity(enum.Enum):
+    """How much a finding of `idemctl doctor` matters to the promise."""
+
     OK = "ok"
     NOTE = "note"
     WARNING = "warning"
@@ -27,6 +29,12 @@ class Severity(enum.Enum):
 
 @dataclass(frozen=True)
 class Finding:
+    """One line of `idemctl doctor`'s verdict on the replication setup.
+
+    >>> Finding(Severity.WARNING, "no synchronous standby").severity.value
+    'warning'
+    """
+
     severity: Severity
     message: str
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from .. import functions
+from ..call_values import Serializer
 from .maintenance import Maintenance
 from .requests import RequestFlow
 
@@ -19,7 +20,7 @@ class FunctionShortcuts(RequestFlow, Maintenance):
         principal: functions.PrincipalSource,
         args: functions.ArgsSelector | None = None,
         name: str | None = None,
-        serializer: functions.Serializer | None = None,
+        serializer: Serializer | None = None,
         release_on_error: functions.ReleasePolicy = False,
     ) -> functions.IdempotentDecorator:
         """Decorator: run a function (plain or ``async def``) once per
@@ -45,15 +46,8 @@ class FunctionShortcuts(RequestFlow, Maintenance):
         ...
         idemctl.errors.KeyReusedError: key 'pay_1' of principal 'billing' was used for a call with other arguments; ...
         """
-        return functions.IdempotentDecorator(
-            self,
-            key=key,
-            principal=principal,
-            args=args,
-            name=name,
-            serializer=serializer,
-            release_on_error=release_on_error,
-        )
+        settings = functions.CallSettings(name, serializer, release_on_error)
+        return functions.IdempotentDecorator(self, key=key, principal=principal, args=args, settings=settings)
 
     def idempotent_call(
         self,
@@ -62,7 +56,7 @@ class FunctionShortcuts(RequestFlow, Maintenance):
         key: str,
         args: object,
         name: str | None = None,
-        serializer: functions.Serializer | None = None,
+        serializer: Serializer | None = None,
         release_on_error: functions.ReleasePolicy = False,
     ) -> functions.IdempotentCall:
         """One idempotent call as a context manager (``with`` or ``async
@@ -81,13 +75,6 @@ class FunctionShortcuts(RequestFlow, Maintenance):
         1 executed {'charged': 500}
         2 replayed {'charged': 500}
         """
-        return functions.IdempotentCall(
-            self,
-            principal=principal,
-            key=key,
-            args=args,
-            name=name,
-            serializer=serializer,
-            release_on_error=release_on_error,
-        )
+        settings = functions.CallSettings(name, serializer, release_on_error)
+        return functions.IdempotentCall(self, principal=principal, key=key, args=args, settings=settings)
 

@@ -46,15 +46,13 @@ import pymysql
 import pymysql.cursors
 
 from ..errors import (
-    ConnectionFailedError,
     DatabaseLockedError,
-    LedgerNotFoundError,
     LedgerUnavailableError,
-    ReadOnlyDatabaseError,
     SchemaOutdatedError,
     StorageError,
 )
 from ..text import single_line
+from . import server
 from .dialect import MYSQL
 from .engine import Params, Rows
 from .server import checked_busy_timeout, missing_table, scrub
@@ -386,26 +384,26 @@ class MysqlEngine:
         if code in _TIMED_OUT:
             return DatabaseLockedError(f"a statement on {where} ran past the server's statement time limit: {msg}")
         if code in _READ_ONLY:
-            return ReadOnlyDatabaseError(f"{where} is read-only ({msg})")
+            return server.read_only(where, msg)
         missing = missing_table(where, msg) if code == 1146 else None
         if missing is not None:
             return missing
         if code == 1054 and "'token'" in msg:
             return SchemaOutdatedError(where)
         if code == 1049:
-            return LedgerNotFoundError(where, f"cannot open the ledger at {where}: {msg}")
+            return server.no_such_database(where, msg)
         if code in _ACCESS_DENIED:
-            return ConnectionFailedError(f"cannot reach MySQL at {where}: {msg}")
+            return server.unreachable("MySQL", where, msg)
         if code in _NO_PRIVILEGE:
-            return StorageError(f"permission denied on {where}: {msg}")
+            return server.permission_denied(where, msg)
         if code == 1153:
             return StorageError(
                 f"a statement to {where} was larger than the server's max_allowed_packet: {msg} "
                 "(raise max_allowed_packet above twice the policy's body cap)"
             )
         if connecting or self._is_gone(exc):
-            return ConnectionFailedError(f"cannot reach MySQL at {where}: {msg}")
-        return StorageError(f"database error on {where}: {msg}")
+            return server.unreachable("MySQL", where, msg)
+        return server.database_error(where, msg)
 
     # -- statements --------------------------------------------------------------------
     def read(self, sql: str, params: Params) -> Rows:

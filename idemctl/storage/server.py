@@ -1,12 +1,20 @@
 """What the engines of a database server (PostgreSQL, MariaDB/MySQL) share:
-the busy timeout's check, the URL's password kept out of every message, and
-what a missing table means."""
+the busy timeout's check, the URL's password kept out of every message,
+what a missing table means, and the words of the errors both translate
+their drivers' errors into, so an operator reads the same line on either."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..errors import SchemaMissingError, SchemaOutdatedError, StorageError
+from ..errors import (
+    ConnectionFailedError,
+    LedgerNotFoundError,
+    ReadOnlyDatabaseError,
+    SchemaMissingError,
+    SchemaOutdatedError,
+    StorageError,
+)
 
 
 def checked_busy_timeout(busy_timeout_ms: int) -> int:
@@ -41,3 +49,28 @@ def missing_table(where: str, message: str) -> StorageError | None:
     if "idemctl_" in message:
         return SchemaOutdatedError(where)
     return None
+
+
+def read_only(where: str, message: str) -> ReadOnlyDatabaseError:
+    return ReadOnlyDatabaseError(f"{where} is read-only ({message})")
+
+
+def no_such_database(where: str, reason: str) -> LedgerNotFoundError:
+    return LedgerNotFoundError(where, f"cannot open the ledger at {where}: {reason}")
+
+
+def unreachable(server: str, where: str, reason: str) -> ConnectionFailedError:
+    """A connection that could not be made or was lost (a 503 from the adapters).
+
+    >>> str(unreachable("MySQL", "mysql://app@db/ledger", "Connection refused"))
+    'cannot reach MySQL at mysql://app@db/ledger: Connection refused'
+    """
+    return ConnectionFailedError(f"cannot reach {server} at {where}: {reason}")
+
+
+def permission_denied(where: str, message: str) -> StorageError:
+    return StorageError(f"permission denied on {where}: {message}")
+
+
+def database_error(where: str, message: str) -> StorageError:
+    return StorageError(f"database error on {where}: {message}")

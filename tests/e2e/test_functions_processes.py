@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from idemctl import Status, wall_clock_ms
-from idemctl.functions import call_fingerprint
+from idemctl.call_values import call_fingerprint
 from tests.e2e.function_calls import make_fulfil
 from tests.helpers import ROOT
 
@@ -55,7 +55,7 @@ ORDER_REVERSED_JSON = '{"gift":null,"note":"thé","lines":[{"price":4.5,"qty":2,
 
 def test_another_process_with_another_hash_seed_and_dict_order_computes_the_same_fingerprint():
     code = (
-        "import json, sys; from idemctl.functions import call_fingerprint; "
+        "import json, sys; from idemctl.call_values import call_fingerprint; "
         "order = json.loads(sys.argv[1]); assert list(order) == ['gift', 'note', 'lines', 'id']; "
         "print(call_fingerprint({'order': order}, name='fulfil'))"
     )

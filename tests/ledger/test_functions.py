@@ -16,6 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from idemctl import CallInProgressError, IdemctlError, KeyReusedError, Outcome, Policy, State, Status
+from idemctl.call_values import call_fingerprint, canonical_json
 from idemctl.cli import app
 from idemctl.errors import (
     InvalidKeyError,
@@ -25,7 +26,6 @@ from idemctl.errors import (
     ResultTooLargeError,
     UnserializableArgumentsError,
 )
-from idemctl.functions import call_fingerprint, canonical_json
 from tests.helpers import clean_env
 
 TTL = Policy().pending_ttl_ms

@@ -11,15 +11,13 @@ from psycopg import errors as pgerrors
 from psycopg_pool import PoolClosed, PoolTimeout
 
 from ...errors import (
-    ConnectionFailedError,
     DatabaseLockedError,
-    LedgerNotFoundError,
     LedgerUnavailableError,
-    ReadOnlyDatabaseError,
     SchemaOutdatedError,
     StorageError,
 )
 from ...text import single_line
+from .. import server
 from ..server import missing_table
 
 # SQLSTATEs that mean "waited on another session past a timeout".
@@ -102,18 +100,18 @@ class Translator:
         if state in _LOCKED_STATES:  # deadlock or serialisation failure: the other session won
             return DatabaseLockedError(f"{where} is busy: this statement conflicted with another session: {msg}")
         if state == "25006":
-            return ReadOnlyDatabaseError(f"{where} is read-only ({msg})")
+            return server.read_only(where, msg)
         if state == "42P01":
-            return missing_table(where, msg) or StorageError(f"database error on {where}: {msg}")
+            return missing_table(where, msg) or server.database_error(where, msg)
         if state == "42703" and '"token"' in msg:
             return SchemaOutdatedError(where)
         if state == "3F000":
             return StorageError(f"{where}: the search_path names no existing schema to create the ledger in ({msg})")
         if state == "42501":
-            return StorageError(f"permission denied on {where}: {msg}")
+            return server.permission_denied(where, msg)
         if state == "3D000" or (connecting and re.search(r'database "[^"]*" does not exist', msg)):
             reason = self.scrub(libpq_reason(primary or str(exc)))
-            return LedgerNotFoundError(where, f"cannot open the ledger at {where}: {reason}")
+            return server.no_such_database(where, reason)
         if (
             connecting
             or state in _GONE_STATES
@@ -121,7 +119,7 @@ class Translator:
             or (isinstance(exc, psycopg.OperationalError) and state is None)
         ):
             detail = self.scrub(libpq_reason(primary or str(exc)))
-            return ConnectionFailedError(f"cannot reach PostgreSQL at {where}: {detail}")
+            return server.unreachable("PostgreSQL", where, detail)
         if isinstance(exc, psycopg.DataError) and "NUL" in msg:
             return StorageError(f"PostgreSQL cannot store a NUL character in a text column ({msg})")
-        return StorageError(f"database error on {where}: {msg}")
+        return server.database_error(where, msg)
