@@ -155,7 +155,7 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
 
     def phase_store(key: str) -> None:
         reservation = held[key]
-        stored, _ = ledger._prepare(reservation, 201, RESPONSE_HEADERS, STORED_1K)
+        stored = ledger._prepare(reservation, 201, RESPONSE_HEADERS, STORED_1K)
         # Steps: driven here, as finish drives them.
         decision.run(ledger._store_answer(reservation, stored, now + 1))
 

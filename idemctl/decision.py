@@ -47,14 +47,12 @@ P = ParamSpec("P")
 @dataclass(slots=True)
 class Call:
     """One operation of the store the loop needs: ``store.<name>(*args)``
-    synchronously, or the asynchronous store's method of the same name."""
+    synchronously (the drivers call it directly), or the asynchronous
+    store's method of the same name."""
 
     store: Store
     name: str
     args: tuple[Any, ...] = ()
-
-    def run(self) -> Any:
-        return getattr(self.store, self.name)(*self.args)
 
     async def run_async(self, store: AsyncStore) -> Any:
         return await getattr(store, self.name)(*self.args)

@@ -165,14 +165,14 @@ class RequestFlow(SingleSteps):
         status, out_headers, out_body = responses.from_stored(
             row.response_status, row.response_body, row.response_headers, row=(principal, key)
         )
-        if self.policy.expires_header is not None:
-            out_headers = self._with_expiry(out_headers, row.updated_at)
+        if (expires := self.policy.expires_header) is not None:
+            out_headers = self._with_expiry(out_headers, expires, row.updated_at)
         return Answer(status, out_headers, out_body, Outcome.REPLAYED, row.generation, made.now)
 
-    def _with_expiry(self, headers: tuple[tuple[str, str], ...], updated_at: int) -> tuple[tuple[str, str], ...]:
-        name = self.policy.expires_header
-        if name is None:
-            return headers
+    def _with_expiry(
+        self, headers: tuple[tuple[str, str], ...], name: str, updated_at: int
+    ) -> tuple[tuple[str, str], ...]:
+        """The answer's headers and `name`: when its row expires from the ledger."""
         until = (updated_at + self.policy.retention_ms) / 1000
         return (*headers, (name, formatdate(until, usegmt=True)))
 
@@ -261,7 +261,8 @@ class RequestFlow(SingleSteps):
         self._drop(reservation)
         app_ms = (time.perf_counter() - ticket.issued) * 1000 if ticket.issued else None
         mark = time.perf_counter()
-        stored, computed = self._prepare(reservation, status, headers, body)
+        stored = self._prepare(reservation, status, headers, body)
+        computed = stored.answer
         keep = self.policy.keep_answer
         # keep_answer judges what the app answered: an oversize answer's 500
         # sentinel is the ledger's own, and is stored like any kept answer.
@@ -285,8 +286,8 @@ class RequestFlow(SingleSteps):
         status, out_headers, out_body = computed
         if stored_ok:
             outcome = ticket.outcome
-            if self.policy.expires_header is not None:
-                out_headers = self._with_expiry(out_headers, stamp)
+            if (expires := self.policy.expires_header) is not None:
+                out_headers = self._with_expiry(out_headers, expires, stamp)
         else:
             outcome = Outcome.FENCED_OUT
         answer = Answer(status, out_headers, out_body, outcome, reservation.generation, ticket.started_at)

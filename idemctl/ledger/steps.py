@@ -97,10 +97,10 @@ class SingleSteps(LedgerBase):
         False
         """
         self._drop(reservation)
-        stored, answer = self._prepare(reservation, status, headers, body)
+        stored = self._prepare(reservation, status, headers, body)
         stamp = (yield from self._now_steps()) if now is None else now
         ok, event = yield from self._store_answer(reservation, stored, stamp)
-        return Completion(ok, answer[0], answer[1], answer[2], stored.oversize, event)
+        return Completion(ok, *stored.answer, stored.oversize, event)
 
     complete = decision.blocking(complete_steps)
 
@@ -110,8 +110,8 @@ class SingleSteps(LedgerBase):
         status: int,
         headers: HeadersLike | None,
         body: bytes | bytearray | memoryview | str | responses.OversizeBody,
-    ) -> tuple[responses.ToStore, tuple[int, responses.Headers, bytes]]:
-        """What will be stored for this answer, and the answer built from it."""
+    ) -> responses.ToStore:
+        """What will be stored for this answer (with the answer built from it)."""
         where = (reservation.principal, reservation.key)
         stored = responses.to_store(status, headers, body, self.policy, row=where)
         if stored.oversize:
@@ -123,7 +123,7 @@ class SingleSteps(LedgerBase):
                 "headers" if stored.over_cap == "headers" else "body bytes",
                 cap,
             )
-        return stored, stored.answer
+        return stored
 
     def _store_answer(
         self, reservation: Reservation, stored: responses.ToStore, stamp: int
