@@ -332,17 +332,19 @@ LEFT_OVER = """\
 What is left, and why. The SQLite library does the same work under the
 ledger as under the raw statements (callgrind's inclusive cost of
 `sqlite3_step`, below (0)): everything above the raw figures is Python, in
-three parts. First the storage layer's plumbing around each statement: about
-20 000 instructions on a claim and 15 000 on a completion beyond the raw
-statements (the writer queue's two `flock` calls, the fork guard's lock, the
-thread's connection, the statement value, the schema guard), and on a
-replay about 22 000 around the claim attempt and 43 000 around the lookup,
-26 000 of them decoding the row (an enum call for its status, four integer
-checks, a ten-field `StoredRow`), which a row another program may have
-written needs in some form; the fencing token drawn through `secrets`
-(`new_token`) costs 4 800 more. That is `idemctl/storage/`, and it is the largest share
-left that is not a check of the contract: a row decoded without a Python
-call per column and a cheaper statement path are the next savings, there.
+three parts. First the storage layer's plumbing around each statement,
+counted alone beside the raw statement: about 18 000 instructions on a
+claim and 17 000 on a completion, 15 000 around a replay's claim attempt
+and 19 000 around its lookup, 10 000 of them decoding the row (one check
+of every column's type in one expression, and the ten-field `StoredRow`;
+a row another program wrote still gets every check, with its message).
+What is in it: the writer queue's two `flock` calls (about 3 000 by
+themselves), the fork gate, the thread's connection and its process
+check, the statement value and its parameters, the schema guard, the
+decoding; the fencing token (`new_token`, 63 bits from `os.urandom`)
+costs 3 500 more. Each of these is a thing the contract or safety needs
+(writers of several processes take turns; a fork never copies SQLite
+mid-statement; a foreign row is checked), done once, in a few calls each.
 Then the sha256 of the fingerprint, about 36 000 a request (1 KiB body), a
 fifth of the raw pair by itself: the raw floor never hashes, and the
 contract cannot do without it. The rest is the ledger's own Python, at
@@ -356,12 +358,12 @@ token and the wrappers of begin and finish, the phase table's rest of about
 its headers column has been seen). Each is a check or a value the contract
 needs once; the savings kept (listed in (0)) removed what did nothing for
 it. A first call's bound of 1.6× leaves about 100 000 instructions above
-the raw pair, of which the storage plumbing and the sha256 already take
-about 75 000; a replay's bound of 2.0× leaves about 93 000, less than the
-storage plumbing and the sha256 take together (about 105 000): neither
-bound can be reached in Python without dropping checks, and the replay's
-not even with the ledger's own part at nothing while the storage layer
-stays as it is. In seconds, the fsync of a FULL commit hides much of this;
+the raw pair, of which the storage plumbing, the token and the sha256
+already take about 75 000, leaving 25 000 for the ledger's own checks and
+values (about 110 000 now); a replay's bound of 2.0× leaves about 93 000,
+of which the storage plumbing and the sha256 take about 70 000, leaving
+23 000 for a part that is about 70 000: neither bound can be reached in
+Python without dropping checks. In seconds, the fsync of a FULL commit hides much of this;
 under NORMAL and on replays it shows. The ASGI adapter hands each first
 call to a worker thread twice (the claim, then the completion: the app
 runs between them, so on SQLite there is no one hand-off for both); each
@@ -392,6 +394,8 @@ Savings kept, each counted before and after (instructions per request, `Ledger.h
 | the statement message (`decision.Call`) slotted and not frozen; the control-character pattern asked directly | 365 324 | 266 032 |
 | the passes over the request's and the answer's headers ask whether they are a dict before asking the `Mapping` ABC (its `isinstance` is a Python call): 362 115 and 264 355; then one helper picks the headers for both passes and for `header_values`, instead of three copies of its loop (a call more, kept for clarity) | 363 178 | 265 225 |
 | `handle` goes through `begin` and `finish` again, undoing the first half of the fifth row above: driving their steps itself skipped them as the methods a subclass or a patch replaces | 367 703 | 267 335 |
+| counted again at `46fb4c7`, after the modules were reshaped into packages | 380 488 | 272 956 |
+| the storage layer's own plumbing, each part counted alone: a row decoded by one check of every column's type, with the detailed checks only when it fails (26 200 → 10 700 a row); the fork gate passed without a lock, a statement in flight being one item of a list (6 300 → 2 700 a statement); a `Statement` slotted and not frozen (5 100 → 2 700); one write run without the list of a writer-queue turn (−6 000 a write); the fencing token read from `os.urandom` directly (4 400 → 3 500) | 354 851 | 234 380 |
 
 The adapters, counted the same way: the ASGI middleware hands each step to a
 worker thread as the executor's own future instead of a coroutine around it,

@@ -29,7 +29,7 @@ def quick_init(cls: C) -> C:
     fields = dataclasses.fields(cls)
     if (
         hasattr(cls, "__post_init__")
-        or hasattr(cls, "__slots__")
+        or "__slots__" in vars(cls)
         or any(not f.init or f.kw_only or f.default_factory is not dataclasses.MISSING for f in fields)
     ):
         raise TypeError(f"quick_init cannot build {cls.__name__}: only plain fields are supported")

@@ -115,8 +115,40 @@ def version_of(rows: Rows) -> int:
     return int(rows[0][0]) if rows and rows[0][0] is not None else 0
 
 
+# A status column's value as the enum member, without Enum's own call.
+_STATUS: Mapping[object, Status] = {s.value: s for s in Status}
+
+
 def decode_row(dialect: Dialect, values: tuple[Any, ...]) -> StoredRow:
-    """A row as stored, or MalformedRowError naming what is wrong with it."""
+    """A row as stored, or MalformedRowError naming what is wrong with it.
+
+    >>> from idemctl.storage.dialect import SQLITE
+    >>> decode_row(SQLITE, ("acct", "k", "fp", "pending", 1, None, None, None, 5, 5)).status
+    <Status.PENDING: 'pending'>
+    """
+    principal, key, fp, status, generation, rstatus, rbody, rheaders, created, updated = values
+    if type(rbody) is bytes:
+        rbody = dialect.read_body(rbody)  # PostgreSQL: text again when it is UTF-8
+    state = _STATUS.get(status) if type(status) is str else None
+    # Every replay decodes a row: the common case is checked in one
+    # expression, the detailed checks (and their messages) only run when it fails.
+    if (
+        state is not None
+        and type(principal) is str
+        and type(key) is str
+        and type(fp) is str
+        and type(generation) is int
+        and type(created) is int
+        and type(updated) is int
+        and (rstatus is None or type(rstatus) is int)
+        and (rheaders is None or type(rheaders) is str)
+        and (rbody is None or type(rbody) is str or type(rbody) is bytes)
+    ):
+        return StoredRow(principal, key, fp, state, generation, rstatus, rbody, rheaders, created, updated)
+    return _decode_row_checked(dialect, values)
+
+
+def _decode_row_checked(dialect: Dialect, values: tuple[Any, ...]) -> StoredRow:
     principal, key, fp, status, generation, rstatus, rbody, rheaders, created, updated = values
     text = dialect.read_text
     principal, key, fp = text(principal), text(key), text(fp)

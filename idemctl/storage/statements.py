@@ -7,8 +7,8 @@ copy_statements.py."""
 
 from __future__ import annotations
 
+import os
 import re
-import secrets
 from collections.abc import Mapping
 
 from ..outcomes import State
@@ -145,7 +145,9 @@ VERSION = f"SELECT max(version) FROM {VERSION_TABLE}"
 
 def new_token() -> int:
     """A fencing token: random, positive, fits a signed 64-bit column."""
-    return secrets.randbits(63) or 1
+    # 63 bits from the OS's random source, as secrets.randbits(63) draws
+    # them, with two fewer Python calls on the way (one per request).
+    return int.from_bytes(os.urandom(8), "little") >> 1 or 1
 
 
 def _count(state: State) -> str:

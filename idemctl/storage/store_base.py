@@ -36,7 +36,9 @@ R = TypeVar("R")
 # execution differs.
 
 
-@dataclass(frozen=True)
+# Not frozen: two are built for every request, and a frozen dataclass pays
+# for its guard on every field; a Statement is read once, by the store that runs it.
+@dataclass(slots=True)
 class Statement(Generic[R]):
     """One statement ready to run: spelled, bound, and how its rows decode.
     A `write` runs only after the store's schema guard."""
@@ -161,7 +163,7 @@ class StoreBase:
         return Statement(self.sql(LOOKUP), {"principal": principal, "key": key}, self._decode_first_row, False)
 
     def _decode_first_row(self, rows: Rows) -> StoredRow | None:
-        return self.decode_row(rows[0]) if rows else None
+        return decode_row(self.dialect, rows[0]) if rows else None
 
     def lookup(self, principal: str, key: str) -> StoredRow | None:
         return self.run(self.lookup_statement(principal, key))

@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 from idemctl import Ledger, Policy, State, fingerprint
 from idemctl.cli import app
 from idemctl.errors import InvalidPrincipalError, InvalidRequestError, MalformedRowError
+from idemctl.storage.dialect import SQLITE
+from idemctl.storage.rows import decode_row
 
 NOW = 1_700_000_000_000
 
@@ -250,3 +252,48 @@ def test_stats_and_get_agree_on_every_row_of_a_random_ledger(make_ledger, clock)
     }
     assert stats.pending_stale == len(list(ledger.pending(stale_only=True)))
     assert all(counts.values())  # the walk visited every state
+
+
+def test_a_foreign_row_with_real_numbers_and_a_blob_body_replays_like_one_the_ledger_wrote(tmp_path):
+    # SQLite stores integral REALs in INTEGER columns as integers; the body
+    # stays a BLOB, and replays byte for byte like the TEXT one.
+    path = tmp_path / "ledger.db"
+    with Ledger.open(path, clock=lambda: NOW) as ledger:
+        ledger.init()
+    fp = fingerprint("POST", "/orders", {}, b"{}")
+    headers = json.dumps({"content-type": "text/plain"})
+    foreign_sqlite(
+        path,
+        [
+            ("acct", "ints", fp, "completed", 3, 201, "caf\u00e9", headers, NOW, NOW),
+            ("acct", "reals", fp, "completed", 3.0, 201.0, "caf\u00e9".encode(), headers, float(NOW), float(NOW)),
+        ],
+    )
+    with Ledger.open(path, clock=lambda: NOW + 1) as ledger:
+        ints, reals = ledger.lookup("acct", "ints"), ledger.lookup("acct", "reals")
+        assert ints is not None and reals is not None
+        assert (reals.generation, reals.response_status, reals.created_at, reals.updated_at) == (3, 201, NOW, NOW)
+        assert type(reals.generation) is int and type(reals.updated_at) is int
+        assert reals.body_bytes == ints.body_bytes == "caf\u00e9".encode()
+        answers = [ledger.handle("acct", key, "POST", "/orders", {}, b"{}", ok) for key in ("ints", "reals")]
+    assert [(a.outcome.value, a.status, a.headers, a.body) for a in answers] == [
+        ("replayed", 201, (("content-type", "text/plain"),), "caf\u00e9".encode())
+    ] * 2
+
+
+def test_a_row_that_fails_the_quick_type_check_decodes_the_same_through_the_detailed_checks():
+    # decode_row checks every column's type in one expression and falls back
+    # to the detailed checks when that fails: integral floats (a driver's
+    # REAL), str subclasses and bytes bodies must come out as the plain row.
+    class Text(str):
+        pass
+
+    plain = ("acct", "k", "fp", "completed", 3, 201, "body", "{}", NOW, NOW)
+    odd = (Text("acct"), Text("k"), Text("fp"), Text("completed"), 3.0, 201.0, "body", Text("{}"), float(NOW), NOW)
+    expected = decode_row(SQLITE, plain)
+    got = decode_row(SQLITE, odd)
+    assert got == expected
+    assert (type(got.generation), type(got.response_status), type(got.created_at)) == (int, int, int)
+    assert decode_row(SQLITE, (*plain[:6], b"body", *plain[7:])).body_bytes == b"body"
+    with pytest.raises(MalformedRowError, match=r"generation 3\.5 is not an integer"):
+        decode_row(SQLITE, (*plain[:4], 3.5, *plain[5:]))

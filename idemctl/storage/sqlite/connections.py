@@ -30,7 +30,7 @@ from typing import Protocol
 
 from ...errors import StorageError
 
-UNOPENED = object()  # a thread's queue descriptor before its first write
+UNOPENED = -1  # a thread's queue descriptor before its first write (no descriptor is negative)
 
 # Connections a forked child inherited: never closed there (closing could
 # checkpoint or unlock on behalf of the parent) and never freed, which would
@@ -48,7 +48,7 @@ class Slot:
     def __init__(self, conn: sqlite3.Connection, pid: int) -> None:
         self.conn = conn
         self.pid = pid
-        self.queue_fd: int | object | None = UNOPENED
+        self.queue_fd: int | None = UNOPENED  # None: no queue for this thread
         self.fds: list[int] = []  # shared with the finalizer: the queue fd once opened
 
 
@@ -67,28 +67,48 @@ def _release(conn: sqlite3.Connection, fds: list[int], pid: int) -> None:
 class ForkGate:
     """Statements in flight on one engine, so that a fork() can wait for
     them: a child must never inherit SQLite mid-statement (its locks, its
-    mutexes) nor any of this file's connections. Each statement passes
-    through it (two uncontended lock operations); `hold` waits until none is
-    in flight and keeps new ones out until `reopen`."""
+    mutexes) nor any of this file's connections. `hold` waits until none is
+    in flight and keeps new ones out until `reopen`.
 
-    __slots__ = ("busy", "forking", "idle", "lock")
+    Each statement passes through it twice a request, so the way through
+    takes no lock: a statement in flight is one item of `inflight` (list
+    append and pop are atomic), added before `forking` is read and removed
+    before it is read again. A `hold` that sets `forking` under the lock
+    then either sees the item or is told, under the lock, when it goes.
+
+    >>> gate = ForkGate()
+    >>> gate.enter(); len(gate.inflight)
+    1
+    >>> gate.leave(); gate.hold(0.1)
+    True
+    >>> gate.reopen()
+    """
+
+    __slots__ = ("forking", "idle", "inflight", "lock")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
-        self.busy = 0
+        self.inflight: list[None] = []
         self.forking = False
 
     def enter(self) -> None:
+        self.inflight.append(None)
+        if self.forking:
+            self._wait_out_the_fork()
+
+    def _wait_out_the_fork(self) -> None:
+        # A fork is waiting or under way: step out, and come back in once it is done.
+        self.leave()
         with self.lock:
             while self.forking:
                 self.idle.wait()
-            self.busy += 1
+            self.inflight.append(None)
 
     def leave(self) -> None:
-        with self.lock:
-            self.busy -= 1
-            if self.forking and not self.busy:
+        self.inflight.pop()
+        if self.forking:
+            with self.lock:
                 self.idle.notify_all()
 
     def hold(self, timeout_s: float) -> bool:
@@ -98,7 +118,7 @@ class ForkGate:
         self.lock.acquire()
         self.forking = True
         deadline = time.monotonic() + timeout_s
-        while self.busy:
+        while self.inflight:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False

@@ -199,8 +199,23 @@ class SqliteEngine:
         return self._write_alone(sql, params)
 
     def _write_alone(self, sql: str, params: Params) -> Rows:
-        """One auto-committed statement in the writer queue: a plain write."""
-        return self.write_turn(((sql, params),))[0]
+        """One auto-committed statement in the writer queue: a plain write
+        (write_turn for one statement, without its list)."""
+        connections = self._connections
+        gate = connections.gate
+        gate.enter()
+        try:
+            slot = connections.slot()
+            queue = self._queue
+            fd, shortened = queue.enter(slot)
+            try:
+                return slot.conn.execute(sql, params).fetchall()
+            finally:
+                queue.leave(slot, fd, shortened)
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
+        finally:
+            gate.leave()
 
     def write_batch(self, statements: Sequence[tuple[str, Params]]) -> list[Rows | Exception]:
         """Independent write statements committed together: one transaction,

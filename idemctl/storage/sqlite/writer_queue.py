@@ -23,6 +23,10 @@ except ImportError:  # Windows: no flock; SQLite's own busy handler is all there
 
 from .connections import UNOPENED, Slot
 
+# Combined once: every write takes and gives back the lock.
+if fcntl is not None:
+    _TAKE_IF_FREE, _TAKE, _GIVE_BACK = fcntl.LOCK_EX | fcntl.LOCK_NB, fcntl.LOCK_EX, fcntl.LOCK_UN
+
 # The writer queue's lock file sits next to the ledger: `<db>-idemctl.lock`.
 WRITE_QUEUE_SUFFIX = "-idemctl.lock"
 
@@ -73,15 +77,14 @@ class WriterQueue:
         of a busy ledger) are not deducted: that keeps two PRAGMA statements
         out of every contended turn, at the price of failing up to 10% late."""
         fd = slot.queue_fd
-        if fd is UNOPENED:
+        if fd == UNOPENED:
             fd = slot.queue_fd = self._open(slot)
         if fd is None:
             return None, False
-        assert isinstance(fd, int)
         try:
             # A free queue (the usual case) is taken without timing a wait
             # that did not happen.
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, _TAKE_IF_FREE)
             return fd, False
         except BlockingIOError:
             pass
@@ -89,7 +92,7 @@ class WriterQueue:
             return None, False
         started = time.monotonic()
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, _TAKE)
         except OSError:
             return None, False
         waited_ms = int((time.monotonic() - started) * 1000)
@@ -107,6 +110,6 @@ class WriterQueue:
             return
         # Unlock first: restoring the timeout is this thread's own business
         # and need not keep the next writer waiting.
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        fcntl.flock(fd, _GIVE_BACK)
         if shortened:
             slot.conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
