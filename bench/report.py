@@ -902,10 +902,12 @@ def _inflight(res: dict[str, Any]) -> list[str]:
     measured = res.get("measured")
     when = ""
     if measured:  # published beside a page measured at another time: its own conditions
-        load = "/".join(f"{x:.1f}" for x in measured["loadavg_start"])
+        # A run merged by the harness records the load at its end; one stamped by hand, at its start.
+        at_start = "loadavg_start" in measured
+        load = "/".join(f"{x:.1f}" for x in measured["loadavg_start" if at_start else "loadavg"])
         when = (
-            f"Measured {measured['started_utc']} at commit `{measured['commit']}`, load average {load} "
-            f"({measured['conditions']}). "
+            f"Measured {measured['started_utc']} at commit `{measured['commit']}`, load average {load}"
+            f"{'' if at_start else ' at the end'} ({measured['conditions']}). "
         )
     lines += [
         "",
