@@ -5,8 +5,8 @@ requests in flight (that many callers, each sending its next request as soon
 as its last is answered), against the raw async floor: psycopg's
 AsyncConnection from an AsyncConnectionPool of the same size as idemctl's,
 running the statements idemctl runs (a first call: the claim and the fenced
-completion; a replay: the claim that finds the key, and the primary-key
-lookup). Every variant runs once per round, in rotating order, so that
+completion; a replay: the claim that finds the key and reads its row in the
+same statement). Every variant runs once per round, in rotating order, so that
 drift hits all of them; the figure is the median round.
 
 Profile: where the time of idemctl's requests and the floor's goes at 10
@@ -123,9 +123,9 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
     from psycopg_pool import AsyncConnectionPool
 
     from idemctl.storage.dialect import POSTGRES
-    from idemctl.storage.statements import CLAIM, COMPLETE, LOOKUP
+    from idemctl.storage.statements import CLAIM, CLAIM_OR_READ, COMPLETE
 
-    sql_claim, sql_complete, sql_lookup = (POSTGRES.params(s) for s in (CLAIM, COMPLETE, LOOKUP))
+    sql_claim, sql_complete, sql_claim_or_read = (POSTGRES.params(s) for s in (CLAIM, COMPLETE, CLAIM_OR_READ))
     n, reps, seeds = ctx.size(600, 30), ctx.size(5, 1), ctx.size(100, 10)
     spec = specs["idemctl"]
     ledger = Ledger.open(psycopg_url(spec["pg_base"], spec["schema"]))
@@ -161,10 +161,8 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
             now = int(time.time() * 1000)
             async with floor_pool.connection() as conn:
                 claim = {**row, "token": 1, "fingerprint": FINGERPRINT, "now": now}
-                found = await (await conn.execute(sql_claim, claim)).fetchall()
-            assert not found, "the floor's replay claimed a new key"
-            async with floor_pool.connection() as conn:
-                await (await conn.execute(sql_lookup, row)).fetchall()
+                found = await (await conn.execute(sql_claim_or_read, claim)).fetchall()
+            assert found and found[0][0] is None, "the floor's replay claimed a new key"
 
         async def via(app: Any, key: str) -> None:
             status, body = await call_asgi(app, key, lambda: STORED_1K)

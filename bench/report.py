@@ -916,7 +916,7 @@ def _inflight(res: dict[str, Any]) -> list[str]:
         f"(median and min–max); pools of {res['pool_max_size']} connections; psycopg {v.get('psycopg')}"
         + (f", idemkit {v.get('idemkit')} (asyncpg {v.get('asyncpg')})" if kit else "")
         + ". The floor runs idemctl's own statements on psycopg's AsyncConnection: a first call is the claim "
-        "and the fenced completion, a replay the claim that finds the key and the primary-key lookup.",
+        "and the fenced completion, a replay the one statement that tries the claim, finds the key taken and reads its row.",
         "",
         "| (8) event-loop lag: a 1 ms ticker, 50 first calls in flight through idemctl's middleware "
         "| lag p50 ms | p99 ms | max ms |",

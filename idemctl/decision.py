@@ -143,10 +143,12 @@ def decide(
     local_clock = clock != store.database_now
     while True:
         now = int(clock()) if local_clock else (yield from now_steps(store, clock))
-        generation = yield Call(store, "claim", (principal, key, fingerprint, token, now))
-        if generation is not None:
-            return Claimed(Reservation(principal, key, generation, fingerprint, token), Outcome.EXECUTED, now)
-        row = yield Call(store, "lookup", (principal, key))
+        got = yield Call(store, "claim_or_read", (principal, key, fingerprint, token, now))
+        if type(got) is int:
+            return Claimed(Reservation(principal, key, got, fingerprint, token), Outcome.EXECUTED, now)
+        # None: the claim's own statement saw no row (one committed while it
+        # waited, on PostgreSQL), so it is read now; still none, it has gone.
+        row = got if got is not None else (yield Call(store, "lookup", (principal, key)))
         if row is None:
             return Vanished(now)
         expired_before = now - policy.retention_ms

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
-from ..outcomes import FencedEvent, SweepResult
+from ..outcomes import FencedEvent, StoredRow, SweepResult
 from .engine import Params, Rows
 from .statements import FENCED_TABLE, TABLES, VERSION
 from .store import Store
@@ -96,6 +96,17 @@ class AsyncStore:
 
     # -- the request path: the Store's statements ----------------------------------
     claim = awaits(Store.claim_statement)
+
+    async def claim_or_read(
+        self, principal: str, key: str, fingerprint: str, token: int, now: int
+    ) -> int | StoredRow | None:
+        """Store.claim_or_read, awaited."""
+        store = self.store
+        if store.dialect.claim_reads_row:
+            return await self.run(store.claim_or_read_statement(principal, key, fingerprint, token, now))
+        generation = await self.claim(principal, key, fingerprint, token, now)
+        return generation if generation is not None else await self.lookup(principal, key)
+
     lookup = awaits(Store.lookup_statement)
     takeover = awaits(Store.takeover_statement)
     complete = awaits(Store.complete_statement)

@@ -161,6 +161,10 @@ class Dialect:
     read_text: Callable[[object], object] = _text_as_is
     # The longest principal (UTF-8 bytes) the primary key can hold; None: any.
     max_principal_bytes: int | None = None
+    # True: a claim that finds the key taken hands back the row in the same
+    # statement (CLAIM_OR_READ: a data-modifying WITH), one round trip for
+    # a replay or a 409 instead of two. False: the claim, then LOOKUP.
+    claim_reads_row: bool = False
 
 
 SQLITE = Dialect(
@@ -192,6 +196,7 @@ POSTGRES = Dialect(
     # 500 OR tests cost PostgreSQL's planner ~0.1 s a statement, and psycopg
     # as long to parse 5,500 placeholders; two arrays cost neither.
     batch_arrays=True,
+    claim_reads_row=True,
 )
 
 # MariaDB and MySQL alike: as PostgreSQL (bytes bodies; row locks, so a
@@ -206,6 +211,7 @@ MYSQL = replace(
     now_sql="SELECT CAST(FLOOR(UNIX_TIMESTAMP(NOW(3)) * 1000) AS SIGNED)",
     batch_arrays=False,
     returning=False,
+    claim_reads_row=False,  # no data-modifying WITH
     read_text=_text_from_utf8,
     # schema/mysql: principal VARBINARY(1024) + key VARBINARY(255) is well
     # inside InnoDB's 3072-byte index key limit.

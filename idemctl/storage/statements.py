@@ -40,6 +40,27 @@ RETURNING generation
 
 LOOKUP = f"SELECT {ROW_COLUMNS} FROM idempotency_keys WHERE principal = :principal AND key = :key"
 
+# CLAIM, and when the key is taken the row that holds it, in one statement
+# (Dialect.claim_reads_row: PostgreSQL). The first column is the claimed
+# generation, or NULL on the row that stands in the way. The SELECT reads
+# the statement's snapshot: a row committed by another request while this
+# one waited for it to commit is taken (the INSERT sees it) but not seen,
+# and no row comes back; the caller looks the key up then (decision.decide).
+# The decision is still the INSERT's alone: the row read only says what
+# stood in the way.
+CLAIM_OR_READ = f"""
+WITH claimed AS (
+  INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, token, created_at, updated_at)
+  VALUES (:principal, :key, :fingerprint, 'pending', 1, :token, :now, :now)
+  ON CONFLICT (principal, key) DO NOTHING
+  RETURNING generation
+)
+SELECT generation, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM claimed
+UNION ALL
+SELECT NULL, {ROW_COLUMNS} FROM idempotency_keys
+WHERE principal = :principal AND key = :key AND NOT EXISTS (SELECT FROM claimed)
+"""
+
 # Two kinds of takeover, decided in the WHERE so two racers cannot both win;
 # the new owner draws a new token and the generation goes up either way.
 #  * A stale reservation: still pending, still stale, still the same request.

@@ -16,12 +16,14 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..errors import InvalidPrincipalError
-from ..outcomes import FencedEvent, SweepResult
+from ..outcomes import FencedEvent, StoredRow, SweepResult
 from .copy_statements import CopyStatements
+from .engine import Rows
 from .operator_statements import OperatorStatements
-from .rows import LedgerRow, all_rows, any_row, derive_state, fenced_event, first_int
+from .rows import LedgerRow, all_rows, any_row, decode_row, derive_state, fenced_event, first_int
 from .statements import (
     CLAIM,
+    CLAIM_OR_READ,
     COMPLETE,
     FENCED_EVENT,
     FROM_THE_START,
@@ -67,9 +69,7 @@ class Store(CopyStatements, OperatorStatements):
 
     # -- request path -----------------------------------------------------------------
     # Each step: `*_statement` builds it, the method of the step's own name runs it.
-    def claim_statement(
-        self, principal: str, key: str, fingerprint: str, token: int, now: int
-    ) -> Statement[int | None]:
+    def _claim_params(self, principal: str, key: str, fingerprint: str, token: int, now: int) -> dict[str, Any]:
         limit = self.dialect.max_principal_bytes
         if limit is not None and len(principal.encode("utf-8")) > limit:
             # Refused before any statement, as for the principals no engine can store.
@@ -77,11 +77,48 @@ class Store(CopyStatements, OperatorStatements):
                 f"principal is {len(principal.encode('utf-8'))} bytes in UTF-8; "
                 f"a {self.dialect.name} ledger stores principals of up to {limit} bytes"
             )
-        params = {"principal": principal, "key": key, "fingerprint": fingerprint, "token": token, "now": now}
+        return {"principal": principal, "key": key, "fingerprint": fingerprint, "token": token, "now": now}
+
+    def claim_statement(
+        self, principal: str, key: str, fingerprint: str, token: int, now: int
+    ) -> Statement[int | None]:
+        params = self._claim_params(principal, key, fingerprint, token, now)
         return Statement(self.sql(CLAIM), params, first_int, True)
 
-
     claim = runs(claim_statement)
+
+    def claim_or_read_statement(
+        self, principal: str, key: str, fingerprint: str, token: int, now: int
+    ) -> Statement[int | StoredRow | None]:
+        """The claim and the row that stands in its way, in one statement
+        (CLAIM_OR_READ); only where `dialect.claim_reads_row`."""
+        params = self._claim_params(principal, key, fingerprint, token, now)
+        return Statement(self.sql(CLAIM_OR_READ), params, self._claimed_or_row, True)
+
+    def _claimed_or_row(self, rows: Rows) -> int | StoredRow | None:
+        if not rows:
+            return None
+        first = rows[0]
+        return int(first[0]) if first[0] is not None else decode_row(self.dialect, first[1:])
+
+    def claim_or_read(self, principal: str, key: str, fingerprint: str, token: int, now: int) -> int | StoredRow | None:
+        """The generation claimed; else the row that holds the key (read in
+        the claim's own statement where the engine can, by a lookup after it
+        elsewhere); None when no row was seen: the key was taken by a row
+        committed while the claim waited, or the row has gone since.
+
+        >>> from idemctl.storage import open_engine
+        >>> store = Store(open_engine(":memory:"))
+        >>> _ = store.init(0, dry_run=False)
+        >>> store.claim_or_read("acct", "k", "fp", 1, 1000)
+        1
+        >>> store.claim_or_read("acct", "k", "fp", 2, 1001).status
+        <Status.PENDING: 'pending'>
+        """
+        if self.dialect.claim_reads_row:
+            return self.run(self.claim_or_read_statement(principal, key, fingerprint, token, now))
+        generation = self.claim(principal, key, fingerprint, token, now)
+        return generation if generation is not None else self.lookup(principal, key)
 
     def takeover_statement(
         self, principal: str, key: str, fingerprint: str, token: int, now: int, stale_before: int, expired_before: int

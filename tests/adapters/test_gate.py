@@ -122,7 +122,9 @@ class ClaimsHeld:
     def __init__(self, ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
         self.ledger = ledger
         self.entered, self.proceed, self.landed = threading.Event(), threading.Event(), threading.Event()
-        self.claim = claim = ledger.store.claim
+        # The decision loop claims through `claim_or_read` (on PostgreSQL one
+        # statement that also reads the row in the way): held there.
+        self.claim = claim = ledger.store.claim_or_read
 
         def slow_claim(*args, **kwargs):  # type: ignore[no-untyped-def]
             self.entered.set()
@@ -132,9 +134,9 @@ class ClaimsHeld:
             finally:
                 self.landed.set()
 
-        ledger.store.claim = slow_claim  # type: ignore[method-assign]
+        ledger.store.claim_or_read = slow_claim  # type: ignore[method-assign]
         # PostgreSQL's claim runs on the loop (the asynchronous store): held there.
-        async_claim = AsyncStore.claim
+        async_claim = AsyncStore.claim_or_read
 
         async def slow_async_claim(store, *args):  # type: ignore[no-untyped-def]
             self.entered.set()
@@ -144,7 +146,7 @@ class ClaimsHeld:
             finally:
                 self.landed.set()
 
-        monkeypatch.setattr(AsyncStore, "claim", slow_async_claim)
+        monkeypatch.setattr(AsyncStore, "claim_or_read", slow_async_claim)
 
     async def cancel_mid_claim(self, start, principal: str, key: str) -> None:  # type: ignore[no-untyped-def]
         """Cancel the task `start()` makes while its claim is held, then let
@@ -160,7 +162,7 @@ class ClaimsHeld:
         assert self.landed.is_set()
 
     def restore(self) -> None:
-        self.ledger.store.claim = self.claim  # type: ignore[method-assign]
+        self.ledger.store.claim_or_read = self.claim  # type: ignore[method-assign]
 
 
 def test_two_idempotency_key_fields_are_400_and_nothing_runs_under_asgi(make_ledger):

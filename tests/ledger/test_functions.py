@@ -139,7 +139,7 @@ def test_with_the_wait_option_a_duplicate_waits_for_the_first_call_and_gets_its_
     duplicate = threading.Thread(target=lambda: results.append(("duplicate", charge())))
     duplicate.start()
     deadline = time.monotonic() + 30
-    while len(lookups) < 2:  # its lookup, then at least one poll: it is waiting
+    while len(lookups) < 2:  # two lookups after its claim (a first look or a poll, then a poll): it is waiting
         assert time.monotonic() < deadline, f"the duplicate never polled: {lookups}"
         time.sleep(0.01)
     release.set()

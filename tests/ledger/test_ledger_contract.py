@@ -201,9 +201,11 @@ def test_stale_pending_is_taken_over_with_generation_2(ledger, clock, caplog):
 
 
 def test_row_vanishing_between_claim_and_lookup_is_409_retry(ledger, monkeypatch):
-    # The window is a few microseconds wide in production; force it by making
-    # the lookup find nothing after the claim lost.
+    # The window is a few microseconds wide in production; force it: the
+    # claim lost and saw no row (on PostgreSQL, one committed while it
+    # waited), and the lookup after it finds nothing either.
     ledger.claim("acct_A", "k-1", fingerprint("POST", "/orders", HEADERS, BODY))
+    monkeypatch.setattr(ledger.store, "claim_or_read", lambda principal, key, fingerprint, token, now: None)
     monkeypatch.setattr(ledger.store, "lookup", lambda principal, key: None)
     run = Mutation()
     answer = post(ledger, run)

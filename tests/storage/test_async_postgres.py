@@ -217,7 +217,7 @@ def test_a_request_cancelled_mid_claim_on_the_async_path_leaves_no_claim(make_le
     app, executor = middleware(ledger, runs)
     entered, landed = asyncio.Event(), threading.Event()
     proceed: asyncio.Event | None = None
-    real_claim = AsyncStore.claim
+    real_claim = AsyncStore.claim_or_read
 
     async def held_claim(self, *args):  # type: ignore[no-untyped-def]
         entered.set()
@@ -228,7 +228,7 @@ def test_a_request_cancelled_mid_claim_on_the_async_path_leaves_no_claim(make_le
         finally:
             landed.set()
 
-    monkeypatch.setattr(AsyncStore, "claim", held_claim)
+    monkeypatch.setattr(AsyncStore, "claim_or_read", held_claim)
 
     async def scenario() -> None:
         nonlocal proceed

@@ -16,7 +16,7 @@ import pytest
 
 psycopg = pytest.importorskip("psycopg")
 
-from idemctl import Ledger, LedgerUnavailableError, Outcome, Policy, Status  # noqa: E402
+from idemctl import Ledger, LedgerUnavailableError, Outcome, Policy, Status, fingerprint  # noqa: E402
 from idemctl.storage import Store  # noqa: E402
 from idemctl.storage.dialect import POSTGRES  # noqa: E402
 from idemctl.storage.postgres import PostgresEngine  # noqa: E402
@@ -147,6 +147,71 @@ def test_sweep_waiting_on_a_row_lock_does_not_delete_a_row_a_takeover_just_refre
     assert result and result[0].keys_deleted == 0  # type: ignore[attr-defined]
     row = ledger.lookup("acct", "k")
     assert row is not None and (row.status, row.generation, row.updated_at) == (Status.PENDING, 2, later)
+
+
+# -- one round trip for a replay -----------------------------------------------------------
+
+
+class CountedStatements:
+    """The statements the ledger's engine runs from now on, caught at its
+    public read and write."""
+
+    def __init__(self, ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.sql: list[str] = []
+        engine = ledger.store.engine
+        for name in ("read", "write"):
+            real = getattr(engine, name)
+
+            def counted(sql: str, params: object, real=real):  # type: ignore[no-untyped-def]
+                self.sql.append(" ".join(sql.split()))
+                return real(sql, params)
+
+            monkeypatch.setattr(engine, name, counted)
+
+
+def test_a_replay_and_a_reused_key_cost_one_statement_each(ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The claim that finds the key taken reads the row in the same statement.
+    assert ledger.handle("acct", "k", "POST", "/orders", {}, b"{}", ok()).outcome is Outcome.EXECUTED
+    counted = CountedStatements(ledger, monkeypatch)
+    replay = ledger.handle("acct", "k", "POST", "/orders", {}, b"{}", ok(body=b"not again"))
+    reused = ledger.handle("acct", "k", "POST", "/orders", {}, b'{"other":1}', ok(body=b"not again"))
+    assert (replay.outcome, replay.status, replay.body) == (Outcome.REPLAYED, 201, b'{"id":1}')
+    assert (reused.outcome, reused.status) == (Outcome.REUSED, 409)
+    assert len(counted.sql) == 2
+    assert all(sql.startswith("WITH claimed AS ( INSERT INTO idempotency_keys") for sql in counted.sql)
+
+
+def test_a_row_committed_while_the_claim_waited_for_it_is_read_after_the_claim_and_replayed(
+    ledger: Ledger, pg: psycopg.Connection, ledger_target: str, clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The claim's own SELECT reads the statement's snapshot, taken before the
+    # other request committed: it sees no row, and the ledger looks the key up.
+    fp = fingerprint("POST", "/orders", {}, b"{}")
+    counted = CountedStatements(ledger, monkeypatch)
+    with psycopg.connect(ledger_target) as other:
+        other.execute(
+            "INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, token, response_status,"
+            " response_body, response_headers, created_at, updated_at)"
+            " VALUES ('acct', 'k', %s, 'completed', 1, 7, 201, %s, %s, %s, %s)",
+            (fp, b"made by the other", json.dumps({"content-type": "text/plain"}), clock.now, clock.now),
+        )
+        answers: list[object] = []
+        retry = threading.Thread(
+            target=lambda: answers.append(ledger.handle("acct", "k", "POST", "/orders", {}, b"{}", ok(body=b"ran")))
+        )
+        retry.start()
+        deadline = time.monotonic() + 10
+        while not pg.execute(
+            "SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'"
+        ).fetchone()[0]:
+            assert time.monotonic() < deadline, "the claim never waited for the other request's row"
+            time.sleep(0.01)
+        other.commit()
+        retry.join(10)
+    (answer,) = answers
+    assert (answer.outcome, answer.status, answer.body) == (Outcome.REPLAYED, 201, b"made by the other")  # type: ignore[attr-defined]
+    assert [sql.split()[0] for sql in counted.sql] == ["WITH", "SELECT"]
+    assert counted.sql[1].startswith("SELECT principal, key, fingerprint")
 
 
 # -- connections --------------------------------------------------------------------------
