@@ -187,6 +187,7 @@ def test_a_row_committed_while_the_claim_waited_for_it_is_read_after_the_claim_a
     # The claim's own SELECT reads the statement's snapshot, taken before the
     # other request committed: it sees no row, and the ledger looks the key up.
     fp = fingerprint("POST", "/orders", {}, b"{}")
+    assert ledger.handle("acct", "warm", "POST", "/orders", {}, b"{}", ok()).outcome is Outcome.EXECUTED  # schema checked
     counted = CountedStatements(ledger, monkeypatch)
     with psycopg.connect(ledger_target) as other:
         other.execute(
