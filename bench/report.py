@@ -268,8 +268,9 @@ def _get(res: Any, *path: str) -> Any:
     return res
 
 
-def aims(b: dict[str, Any]) -> str:
-    """The request path's aims, each with what this run measured."""
+def aims(b: dict[str, Any], cores: int = 2) -> str:
+    """The request path's aims, each with what this run measured (`cores`:
+    the machine's, above which a load average means other work)."""
     ins = b.get("instructions")
     if not _usable(ins):
         return ""
@@ -316,14 +317,16 @@ def aims(b: dict[str, Any]) -> str:
             verdict, shown = ("yes" if ok else "**no**"), (f"{got:.0f}" if bound >= 100 else f"{got:.2f}")
         out.append(f"| {label} | {where} | {shown} | {'≤' if at_most else '≥'} {bound:g} | {verdict} |")
     apart = [b[name]["measured"] for name in ("cycle", "asgi", "postgres") if _usable(b.get(name)) and "measured" in b[name]]
-    if apart:
-        loads = [x for m in apart for x in m.get("loadavg", ())]
+    loads = [x for m in apart for x in m.get("loadavg", ())]
+    if loads and max(loads) > cores:
         out += [
             "",
-            f"The seconds were measured apart from the whole run below, while other work kept the machine busy "
+            f"Some of the seconds were measured apart from the whole run below, while other work kept the machine busy "
             f"(load average {min(loads):.0f}–{max(loads):.0f} at the end of each): their ratios are lower and "
             "noisier than on an idle machine. The instruction counts are not affected by load.",
         ]
+    elif apart:
+        out += ["", "Some of the seconds were measured apart from the whole run below (each table says when)."]
     out += ["", LEFT_OVER, ""]
     return "\n".join(out)
 
@@ -360,18 +363,38 @@ needs once; the savings kept (listed in (0)) removed what did nothing for
 it. A first call's bound of 1.6× leaves about 100 000 instructions above
 the raw pair, of which the storage plumbing, the token and the sha256
 already take about 75 000, leaving 25 000 for the ledger's own checks and
-values (about 110 000 now); a replay's bound of 2.0× leaves about 93 000,
+values (about 113 000 now); a replay's bound of 2.0× leaves about 93 000,
 of which the storage plumbing and the sha256 take about 70 000, leaving
 23 000 for a part that is about 70 000: neither bound can be reached in
-Python without dropping checks. In seconds, the fsync of a FULL commit hides much of this;
-under NORMAL and on replays it shows. The ASGI adapter hands each first
-call to a worker thread twice (the claim, then the completion: the app
-runs between them, so on SQLite there is no one hand-off for both); each
-costs about 170 000 instructions of executor, futures and loop wake-up for
-a no-op, and with the shield that lets a claim land for a cancelled caller
-and the task that keeps a mutation running for a client that left, they are
-most of the adapter's own count. Running the statements on the loop instead
-is what the event-loop lag table (8) shows not to do."""
+Python without dropping checks.
+
+In seconds the same Python weighs more than its share of instructions:
+the raw statements run about 3.2 instructions a nanosecond here (SQLite's
+own C), the ledger's Python about 2.2 (the interpreter's dispatch), so a
+replay at 2.5× the instructions of its raw pair takes about 3.5× its time
+(0.28×). The seconds bounds ask for less than the instruction bounds: 0.6×
+for a replay leaves about 19 µs above the raw 29 µs, some 45 000
+instructions at Python's rate, and the sha256 alone is 36 000; 0.85× under
+NORMAL leaves about 37 µs above the raw pair's 210 µs, some 90 000
+instructions, where the ledger adds 188 000. Under FULL the fsyncs hide
+more of it (0.83×). On PostgreSQL a replay is one statement, the claim
+that reads the row in its way, and holds its bound; a first call pays,
+beyond the ledger's own Python (about 80 µs, as on SQLite), a checkout
+from psycopg's pool for each of its two statements (17 to 32 µs each,
+measured beside a plain connection), which is what lets threads share
+the ledger and replaces a pool a failover broke; the raw floor uses one
+connection. The ASGI adapter hands each first call to a worker thread
+twice (the claim, then the completion: the app runs between them, so on
+SQLite there is no one hand-off for both) where the floor crosses once;
+one extra `run_in_executor` round trip of a no-op takes about 100 µs here
+(the (8) note), the whole bound, and costs about 170 000 instructions of
+executor, futures and loop wake-up. With the shield that lets a claim land
+for a cancelled caller and the task that keeps a mutation running for a
+client that left, that is most of the adapter's own count, and the same
+hand-offs are what FastAPI inside the middleware pays beyond both floors.
+On PostgreSQL the asynchronous store hands nothing to a thread (the
+in-flight table (8)/(10)); on SQLite, running the statements on the loop
+instead is what the event-loop lag table (8) shows not to do."""
 
 
 # What each saving on the request path bought, counted as (0) counts (30
@@ -396,6 +419,7 @@ Savings kept, each counted before and after (instructions per request, `Ledger.h
 | `handle` goes through `begin` and `finish` again, undoing the first half of the fifth row above: driving their steps itself skipped them as the methods a subclass or a patch replaces | 367 703 | 267 335 |
 | counted again at `46fb4c7`, after the modules were reshaped into packages | 380 488 | 272 956 |
 | the storage layer's own plumbing, each part counted alone: a row decoded by one check of every column's type, with the detailed checks only when it fails (26 200 → 10 700 a row); the fork gate passed without a lock, a statement in flight being one item of a list (6 300 → 2 700 a statement); a `Statement` slotted and not frozen (5 100 → 2 700); one write run without the list of a writer-queue turn (−6 000 a write); the fencing token read from `os.urandom` directly (4 400 → 3 500) | 354 851 | 234 380 |
+| the decision loop claims through `Store.claim_or_read` (on PostgreSQL one statement that also reads the row in the way, a replay's one round trip; on SQLite the claim and then the lookup, called by the store) | 355 940 | 232 176 |
 
 The adapters, counted the same way: the ASGI middleware hands each step to a
 worker thread as the executor's own future instead of a coroutine around it,
@@ -1405,7 +1429,7 @@ def _asgi_notes(res: dict[str, Any]) -> list[str]:
 def render_page(r: dict[str, Any]) -> str:
     """All of docs/performance.md."""
     notes = _notes(r["benchmarks"])
-    parts = [INTRO_HEAD, glance(r["benchmarks"]), aims(r["benchmarks"]), INTRO, render(r)]
+    parts = [INTRO_HEAD, glance(r["benchmarks"]), aims(r["benchmarks"], int((r.get("machine") or {}).get("nproc") or 2)), INTRO, render(r)]
     if notes:
         parts += ["## Reading the tables\n", "\n".join(notes) + "\n"]
     parts.append(WRITER_QUEUE)
