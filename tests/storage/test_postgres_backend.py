@@ -42,6 +42,14 @@ def server_pid(ledger: Ledger) -> int:
     return int(ledger.store.engine.read("SELECT pg_backend_pid()", {})[0][0])
 
 
+def wait_until_a_statement_waits_for_a_row(pg: psycopg.Connection, failure: str) -> None:
+    """Until some statement waits for another transaction (its row lock, or its uncommitted insert)."""
+    deadline = time.monotonic() + 10
+    while not pg.execute("SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'").fetchone()[0]:
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.01)
+
+
 # -- bodies -------------------------------------------------------------------------
 
 
@@ -136,12 +144,7 @@ def test_sweep_waiting_on_a_row_lock_does_not_delete_a_row_a_takeover_just_refre
         result: list[object] = []
         sweeper = threading.Thread(target=lambda: result.append(ledger.sweep(now=later)))
         sweeper.start()
-        deadline = time.monotonic() + 10
-        while not pg.execute(
-            "SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'"
-        ).fetchone()[0]:
-            assert time.monotonic() < deadline, "the sweep never waited for the row lock"
-            time.sleep(0.01)
+        wait_until_a_statement_waits_for_a_row(pg, "the sweep never waited for the row lock")
         holder.commit()
         sweeper.join(10)
     assert result and result[0].keys_deleted == 0  # type: ignore[attr-defined]
@@ -201,12 +204,7 @@ def test_a_row_committed_while_the_claim_waited_for_it_is_read_after_the_claim_a
             target=lambda: answers.append(ledger.handle("acct", "k", "POST", "/orders", {}, b"{}", ok(body=b"ran")))
         )
         retry.start()
-        deadline = time.monotonic() + 10
-        while not pg.execute(
-            "SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'"
-        ).fetchone()[0]:
-            assert time.monotonic() < deadline, "the claim never waited for the other request's row"
-            time.sleep(0.01)
+        wait_until_a_statement_waits_for_a_row(pg, "the claim never waited for the other request's row")
         other.commit()
         retry.join(10)
     (answer,) = answers
