@@ -52,16 +52,31 @@ class Slot:
         self.fds: list[int] = []  # shared with the finalizer: the queue fd once opened
 
 
-def _release(conn: sqlite3.Connection, fds: list[int], pid: int) -> None:
+def _release(
+    conn: sqlite3.Connection, fds: list[int], pid: int, gate: ForkGate | None, opened: set[sqlite3.Connection]
+) -> None:
+    """Close a thread's connection and queue descriptor. Closing is a call
+    into SQLite like any statement, so it passes through the fork `gate`: a
+    thread that ends while another forks must not be inside SQLite (holding
+    its mutexes) when the fork copies it, and its connection, still in
+    `opened`, is closed by the fork itself. None: the forking thread, which
+    holds the gate."""
     if os.getpid() != pid:
         _INHERITED.append(conn)
         return
-    with contextlib.suppress(sqlite3.Error):
-        conn.close()
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    fds.clear()
+    if gate is not None:
+        gate.enter()
+    try:
+        with contextlib.suppress(sqlite3.Error):
+            conn.close()
+        opened.discard(conn)
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        fds.clear()
+    finally:
+        if gate is not None:
+            gate.leave()
 
 
 class ForkGate:
@@ -201,6 +216,9 @@ class Connections:
         self.lock = threading.Lock()
         self.gate = ForkGate()
         self._finalizers: list[weakref.finalize] = []  # type: ignore[type-arg]
+        # Every thread's connection until it is closed, including one whose
+        # thread is ending (its finalizer gone from `_finalizers`).
+        self._opened: set[sqlite3.Connection] = set()
         self._streams = 0  # listings being read (each on a private connection)
         self._streams_at_fork = 0
         self._drained_at_fork = True
@@ -219,8 +237,9 @@ class Connections:
         if self.unusable is not None:
             raise StorageError(self.unusable)
         conn = self._connect()
+        self._opened.add(conn)
         slot = Slot(conn, pid)
-        finalizer = weakref.finalize(slot, _release, conn, slot.fds, pid)
+        finalizer = weakref.finalize(slot, _release, conn, slot.fds, pid, self.gate, self._opened)
         with self.lock:
             if len(self._finalizers) > 64:
                 self._finalizers = [f for f in self._finalizers if f.alive]
@@ -251,11 +270,20 @@ class Connections:
         self._companion.hold_for_fork()
         if drained:
             for finalizer in self._finalizers:
-                found = finalizer.peek()
+                found = finalizer.detach()
                 if found is not None:
-                    found[0].pid = -1  # the thread's slot is stale: it reconnects
-                finalizer()  # closes the connection and the writer-queue descriptor
+                    stale, _, (conn, fds, pid, _gate, opened), _ = found
+                    stale.pid = -1  # the thread's slot is stale: it reconnects
+                    _release(conn, fds, pid, None, opened)  # this thread holds the gate
             self._finalizers = []
+            # A thread ending right now: its finalizer has run, and its close
+            # waits for this fork at the gate. A connection left open here
+            # would be copied into the child, where SQLite would take the
+            # parent's locks for its own and let both write at once.
+            for conn in list(self._opened):
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
+            self._opened.clear()
         self._drained_at_fork = drained
         self._streams_at_fork = self._streams
 
@@ -271,6 +299,7 @@ class Connections:
         self.gate = ForkGate()
         self._streams = 0
         self._finalizers = []  # the parent's, when it could not close them: never ours to close
+        self._opened = set()
         why = None
         if not self._drained_at_fork:
             why = "a statement on it had been running for over the busy timeout"
