@@ -146,8 +146,9 @@ def decide(
         got = yield Call(store, "claim_or_read", (principal, key, fingerprint, token, now))
         if type(got) is int:
             return Claimed(Reservation(principal, key, got, fingerprint, token), Outcome.EXECUTED, now)
-        # None: the claim's own statement saw no row (one committed while it
-        # waited, on PostgreSQL), so it is read now; still none, it has gone.
+        # None: no row came back with the lost claim (the engine does not
+        # read it there, or it was committed while the claim waited), so it
+        # is read now; still none, it has gone.
         row = got if got is not None else (yield Call(store, "lookup", (principal, key)))
         if row is None:
             return Vanished(now)

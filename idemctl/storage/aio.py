@@ -104,8 +104,7 @@ class AsyncStore:
         store = self.store
         if store.dialect.claim_reads_row:
             return await self.run(store.claim_or_read_statement(principal, key, fingerprint, token, now))
-        generation = await self.claim(principal, key, fingerprint, token, now)
-        return generation if generation is not None else await self.lookup(principal, key)
+        return await self.claim(principal, key, fingerprint, token, now)
 
     lookup = awaits(Store.lookup_statement)
     takeover = awaits(Store.takeover_statement)

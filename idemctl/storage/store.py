@@ -102,23 +102,23 @@ class Store(CopyStatements, OperatorStatements):
         return int(first[0]) if first[0] is not None else decode_row(self.dialect, first[1:])
 
     def claim_or_read(self, principal: str, key: str, fingerprint: str, token: int, now: int) -> int | StoredRow | None:
-        """The generation claimed; else the row that holds the key (read in
-        the claim's own statement where the engine can, by a lookup after it
-        elsewhere); None when no row was seen: the key was taken by a row
-        committed while the claim waited, or the row has gone since.
+        """The generation claimed; else, where the engine reads it in the
+        claim's own statement (`dialect.claim_reads_row`), the row that holds
+        the key. None: the claim was lost and no row was read with it (the
+        engine cannot, or the row was committed while the claim waited), so
+        the caller looks the key up (decision.decide).
 
         >>> from idemctl.storage import open_engine
         >>> store = Store(open_engine(":memory:"))
         >>> _ = store.init(0, dry_run=False)
         >>> store.claim_or_read("acct", "k", "fp", 1, 1000)
         1
-        >>> store.claim_or_read("acct", "k", "fp", 2, 1001).status
-        <Status.PENDING: 'pending'>
+        >>> store.claim_or_read("acct", "k", "fp", 2, 1001) is None  # SQLite: the lookup is the caller's
+        True
         """
         if self.dialect.claim_reads_row:
             return self.run(self.claim_or_read_statement(principal, key, fingerprint, token, now))
-        generation = self.claim(principal, key, fingerprint, token, now)
-        return generation if generation is not None else self.lookup(principal, key)
+        return self.claim(principal, key, fingerprint, token, now)
 
     def takeover_statement(
         self, principal: str, key: str, fingerprint: str, token: int, now: int, stale_before: int, expired_before: int
