@@ -199,8 +199,12 @@ class SqliteEngine:
         return self._write_alone(sql, params)
 
     def _write_alone(self, sql: str, params: Params) -> Rows:
-        """One auto-committed statement in the writer queue: a plain write
-        (write_turn for one statement, without its list)."""
+        """One auto-committed statement in the writer queue: a plain write."""
+        return self._in_turn(lambda conn: conn.execute(sql, params).fetchall())
+
+    def _in_turn(self, run: Callable[[sqlite3.Connection], T]) -> T:
+        """`run` on this thread's connection, through the fork gate, in one
+        turn of the writer queue; SQLite's errors as idemctl's."""
         connections = self._connections
         gate = connections.gate
         gate.enter()
@@ -209,7 +213,7 @@ class SqliteEngine:
             queue = self._queue
             fd, shortened = queue.enter(slot)
             try:
-                return slot.conn.execute(sql, params).fetchall()
+                return run(slot.conn)
             finally:
                 queue.leave(slot, fd, shortened)
         except sqlite3.Error as exc:
@@ -278,20 +282,7 @@ class SqliteEngine:
     def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[Rows]:
         # The sweep's DELETEs share one turn of the writer queue: each extra
         # turn is one more hand-over between processes.
-        connections = self._connections
-        gate = connections.gate
-        gate.enter()
-        try:
-            slot = connections.slot()
-            fd, shortened = self._queue.enter(slot)
-            try:
-                return [slot.conn.execute(sql, params).fetchall() for sql, params in statements]
-            finally:
-                self._queue.leave(slot, fd, shortened)
-        except sqlite3.Error as exc:
-            raise self._translate(exc) from exc
-        finally:
-            gate.leave()
+        return self._in_turn(lambda conn: [conn.execute(sql, params).fetchall() for sql, params in statements])
 
     def stream(self, sql: str, params: Params) -> Iterator[tuple[Any, ...]]:
         # A private connection: a million rows never sit in memory at once,
