@@ -143,7 +143,8 @@ def test_a_worker_killed_inside_the_function_is_taken_over_by_another_after_the_
     )
     try:
         deadline = time.monotonic() + 60
-        while not mark.exists():
+        # Its pid written, not only the file made: a kill between the two left it empty.
+        while not (mark.exists() and mark.read_text()):
             assert stalled.poll() is None, stalled.communicate()[1]
             assert time.monotonic() < deadline, "the worker never reached the function"
             time.sleep(0.01)
