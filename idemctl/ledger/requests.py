@@ -277,7 +277,7 @@ class RequestFlow(SingleSteps):
             # statement too, and any storage failure after the mutation ran
             # must hand back the answer it computed.
             clock = self.clock
-            stamp = int(clock()) if clock != self.store.database_now else (yield from self._now_steps())
+            stamp = int(clock()) if clock != self.store.database_now else (yield from self._stamp_steps(reservation))
             stored_ok, _ = yield from self._store_answer(reservation, stored, stamp)
         except StorageError as exc:
             answer = Answer(*computed, ticket.outcome, reservation.generation, ticket.started_at)

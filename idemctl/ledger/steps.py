@@ -5,9 +5,12 @@ and tests may call them directly."""
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from .. import decision, responses
-from ..errors import IdemctlError
+from ..errors import ConnectionFailedError, IdemctlError
 from ..fingerprint import HeadersLike, check_key, parse_key
 from ..outcomes import Completion, FencedEvent, Reservation, StoredRow
 from ..storage.store import new_token
@@ -15,6 +18,17 @@ from .base import LedgerBase
 from .inputs import check_principal
 
 log = logging.getLogger("idemctl")
+T = TypeVar("T")
+
+# Storing an answer again after its connection was lost (see
+# `_store_again`): the pause before each further try, so at most
+# 1 + len(STORE_RETRY_PAUSES_S) tries, and no try starts later than
+# STORE_RETRY_WITHIN_S after the first loss (a try under way finishes: its
+# own bound is the engine's connect and pool timeouts). The first retry
+# does not wait: what usually failed is one dead connection, and the next
+# one is fresh. A server that stays away longer gets AnswerNotStoredError.
+STORE_RETRY_PAUSES_S = (0.0, 0.05, 0.25, 0.7)
+STORE_RETRY_WITHIN_S = 2.0
 
 
 class SingleSteps(LedgerBase):
@@ -98,7 +112,7 @@ class SingleSteps(LedgerBase):
         """
         self._drop(reservation)
         stored = self._prepare(reservation, status, headers, body)
-        stamp = (yield from self._now_steps()) if now is None else now
+        stamp = (yield from self._stamp_steps(reservation)) if now is None else now
         ok, event = yield from self._store_answer(reservation, stored, stamp)
         return Completion(ok, *stored.answer, stored.oversize, event)
 
@@ -131,7 +145,10 @@ class SingleSteps(LedgerBase):
         """Whether the answer was stored; when fenced out, the event recorded."""
         who = (reservation.principal, reservation.key, reservation.generation)
         args = (*who, reservation.token, stored.status, stored.body, stored.headers_json, stamp)
-        ok = yield decision.Call(self.store, "complete", args)
+        try:
+            ok = yield decision.Call(self.store, "complete", args)
+        except ConnectionFailedError as lost:
+            ok = yield from _on_a_fresh_connection(lambda: self._store_again(args), lost, reservation)
         event = None
         if not ok:
             event = yield decision.Call(self.store, "record_fenced", (*who, stored.status, stamp))
@@ -146,6 +163,23 @@ class SingleSteps(LedgerBase):
                 stored.status,
             )
         return ok, event
+
+    def _store_again(self, args: tuple[object, ...]) -> decision.Steps[bool]:
+        """COMPLETE once more, after a try whose connection was lost. The
+        fence makes it safe to repeat; if the row is no longer pending under
+        our generation and token, either the lost try committed (the row
+        holds this answer under them: stored) or a takeover fenced us out."""
+        if (yield decision.Call(self.store, "complete", args)):
+            return True
+        return bool((yield decision.Call(self.store, "completed_as", args[:-1])))
+
+    def _stamp_steps(self, reservation: Reservation) -> decision.Steps[int]:
+        """The completion's timestamp; the database's clock is asked again
+        on a fresh connection, within the same bound as the completion."""
+        try:
+            return (yield from self._now_steps())
+        except ConnectionFailedError as lost:
+            return (yield from _on_a_fresh_connection(self._now_steps, lost, reservation))
 
     def release_steps(self, reservation: Reservation) -> decision.Steps[bool]:
         """Opt-in: delete a pending reservation whose mutation is known to have
@@ -173,3 +207,36 @@ class SingleSteps(LedgerBase):
             yield from self.release_steps(reservation)
         except IdemctlError as exc:
             log.error("could not release principal=%s key=%s: %s", reservation.principal, reservation.key, exc)
+
+
+def _on_a_fresh_connection(
+    attempt: Callable[[], decision.Steps[T]], lost: ConnectionFailedError, reservation: Reservation
+) -> decision.Steps[T]:
+    """`attempt` again after `lost`, within the bound (STORE_RETRY_PAUSES_S,
+    STORE_RETRY_WITHIN_S), only while what fails is the connection: each
+    engine has dropped the dead connection by then (PostgreSQL replaces its
+    pool, MariaDB pings its idle ones), so a try runs on a fresh one. Any
+    other failure, and the last loss, are raised."""
+    deadline = time.monotonic() + STORE_RETRY_WITHIN_S
+    tries = 1
+    for pause in STORE_RETRY_PAUSES_S:
+        if pause:
+            yield decision.Pause(pause)
+        if time.monotonic() > deadline:
+            break
+        tries += 1
+        try:
+            done = yield from attempt()
+        except ConnectionFailedError as exc:
+            lost = exc
+            continue
+        log.warning(
+            "principal=%s key=%s: the connection was lost while storing the answer; "
+            "done on a fresh connection (try %d): %s",
+            reservation.principal,
+            reservation.key,
+            tries,
+            lost,
+        )
+        return done
+    raise lost

@@ -109,6 +109,7 @@ class AsyncStore:
     lookup = awaits(Store.lookup_statement)
     takeover = awaits(Store.takeover_statement)
     complete = awaits(Store.complete_statement)
+    completed_as = awaits(Store.completed_as_statement)
     release = awaits(Store.release_statement)
     database_now = awaits(Store.database_now_statement)
 

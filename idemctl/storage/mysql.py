@@ -16,9 +16,12 @@ Every connection is set up the same way (`_SESSION`):
   claim of an existing key, for the statement's few microseconds).
 * A deadlock (1213) rolls back the one statement it picked, which then did
   nothing: that statement runs again, up to DEADLOCK_TRIES times.
-* A lost connection (2006, 2013, a KILL) is not retried: the statement may
-  have committed before the answer was lost. It fails as
-  ConnectionFailedError (a 503 from the adapters), as on the other engines.
+* A lost connection (2006, 2013, a KILL) is not retried here: the statement
+  may have committed before the answer was lost. It fails as
+  ConnectionFailedError (a 503 from the adapters), as on the other engines;
+  the ledger stores a completion again on a fresh connection, because the
+  fenced completion can tell its own committed try from a takeover
+  (ledger/steps.py).
 * innodb_lock_wait_timeout and lock_wait_timeout (metadata locks, whose
   default is a year) are the busy timeout in whole seconds, at least 1.
 * sql_mode STRICT_ALL_TABLES: a value a column cannot hold is an error,

@@ -95,6 +95,21 @@ WHERE principal = :principal AND key = :key AND generation = :generation
 RETURNING generation
 """
 
+# After a connection was lost during COMPLETE, and COMPLETE run again found
+# the row no longer pending under our generation and token: did the lost
+# try commit (the row holds our answer, under our generation and token) or
+# did a takeover fence us out? A read decides nothing that writes: a row
+# completed under our token stays so until it expires or is purged. The
+# answer is compared too, so a second completion of one reservation with
+# another answer is never mistaken for the stored one.
+COMPLETED_AS = """
+SELECT generation FROM idempotency_keys
+WHERE principal = :principal AND key = :key AND generation = :generation
+  AND token = :token AND status = 'completed' AND response_status = :status
+  AND response_headers = :headers
+  AND (response_body = :body OR (response_body IS NULL AND :no_body = 1))
+"""
+
 RELEASE = """
 DELETE FROM idempotency_keys
 WHERE principal = :principal AND key = :key AND generation = :generation

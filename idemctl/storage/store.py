@@ -25,6 +25,7 @@ from .statements import (
     CLAIM,
     CLAIM_OR_READ,
     COMPLETE,
+    COMPLETED_AS,
     FENCED_EVENT,
     FROM_THE_START,
     OLDEST,
@@ -162,6 +163,34 @@ class Store(CopyStatements, OperatorStatements):
         return Statement(self.sql(COMPLETE), params, any_row, True)
 
     complete = runs(complete_statement)
+
+    def completed_as_statement(
+        self,
+        principal: str,
+        key: str,
+        generation: int,
+        token: int | None,
+        status: int,
+        body: str | bytes | None,
+        headers_json: str,
+    ) -> Statement[bool]:
+        """Whether the row holds this very answer, completed under this
+        generation and token (COMPLETED_AS): a completion whose connection
+        was lost committed after all. Read only after COMPLETE found the row
+        no longer pending under them."""
+        params = {
+            "principal": principal,
+            "key": key,
+            "generation": generation,
+            "token": token,
+            "status": status,
+            "body": self.dialect.bind_body(body),
+            "no_body": 1 if body is None else 0,
+            "headers": headers_json,
+        }
+        return Statement(self.sql(COMPLETED_AS), params, any_row, False)
+
+    completed_as = runs(completed_as_statement)
 
     def release_statement(self, principal: str, key: str, generation: int, token: int | None) -> Statement[bool]:
         params = {"principal": principal, "key": key, "generation": generation, "token": token}

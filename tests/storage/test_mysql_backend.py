@@ -296,12 +296,12 @@ def test_a_connection_killed_mid_statement_is_a_503_and_the_key_stays_free(make_
     assert replay[0].startswith("201") and replay[2] == b'{"order":1}' and runs == [1]
 
 
-def test_a_connection_killed_while_the_app_runs_keeps_the_answer_and_the_reservation(
+def test_a_connection_killed_while_the_app_runs_costs_no_answer(
     make_ledger, ledger_target: str, server_cursor
 ) -> None:
-    # The mutation ran, the answer cannot be stored: the client gets the
-    # answer the app computed (a retry must not run it again), the row stays
-    # pending, so a retry within the TTL is 409, and the ledger works on.
+    # The mutation ran and its connection died in the pool meanwhile: the
+    # fenced completion is stored again on a fresh connection, so the
+    # client's answer is the stored one, and a retry replays it.
     ledger = make_ledger()
     ledger.store.engine.pool_max_size = 1
     victim = [thread_id(ledger)]
@@ -310,8 +310,9 @@ def test_a_connection_killed_while_the_app_runs_keeps_the_answer_and_the_reserva
     status, _, body = post(middleware, "k")
     assert status.startswith("201") and body == b'{"order":1}' and runs == [1]
     row = ledger.lookup("acct", "k")
-    assert row is not None and row.status is Status.PENDING
-    assert post(middleware, "k")[0].startswith("409") and runs == [1]
+    assert row is not None and row.status is Status.COMPLETED
+    replay = post(middleware, "k")
+    assert replay[0].startswith("201") and replay[2] == b'{"order":1}' and runs == [1]
     assert post(middleware, "k2")[0].startswith("201")
 
 
