@@ -276,6 +276,32 @@ def test_on_the_event_loop_a_connection_ended_in_the_middle_of_the_completion_co
     assert_stored_and_replayed(ledger, clock, answer.wire, runs)
 
 
+@pytest.mark.engines("postgres")
+def test_on_the_event_loop_the_pauses_between_tries_hold_no_thread(
+    make_ledger, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two lost tries in a row: the third one, after a pause on the loop
+    # (asyncio.sleep, no hand-off to a thread), stores the answer.
+    from idemctl.errors import ConnectionFailedError
+    from idemctl.storage.aio import AsyncStore
+
+    ledger = make_ledger()
+    runs: collections.Counter[str] = collections.Counter()
+    real = AsyncStore.complete
+    tries: list[int] = []
+
+    async def flaky(self: AsyncStore, *args: Any) -> bool:
+        tries.append(1)
+        if len(tries) <= 2:
+            raise ConnectionFailedError("cannot reach PostgreSQL: server closed the connection unexpectedly")
+        return await real(self, *args)
+
+    monkeypatch.setattr(AsyncStore, "complete", flaky)
+    answer = asyncio.run(request_on_the_loop(ledger, runs))
+    assert len(tries) == 3 and (answer.outcome, answer.body) == (Outcome.EXECUTED, ANSWER)
+    assert_stored_and_replayed(ledger, clock, answer.wire, runs)
+
+
 @pytest.mark.engines("postgres", "mysql")
 def test_a_claim_whose_connection_was_ended_is_a_503_and_nothing_ran(make_ledger, admin: Admin) -> None:
     # Before the app runs, a lost connection is an error the adapters answer
