@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from idemctl import AnswerNotStoredError, Ledger, Outcome, Status, Ticket
+from idemctl import AnswerNotStoredError, Ledger, Outcome, Policy, Status, Ticket
 from idemctl.errors import ConnectionFailedError, DatabaseLockedError
 from idemctl.ledger import steps
 from tests.helpers import FakeClock
@@ -107,6 +107,25 @@ def test_a_completion_that_committed_before_its_reply_was_lost_is_a_success_not_
     assert answer.outcome is Outcome.EXECUTED
     assert list(ledger.fenced(principal="acct")) == []
     assert replay_after_the_ttl(ledger, clock) == answer.wire
+
+
+def test_an_oversize_answer_whose_reply_was_lost_is_stored_as_its_sentinel_not_fenced(make_ledger, clock) -> None:
+    # The sentinel stores no body (NULL): the read that recognises our own
+    # committed try must match it too.
+    ledger = make_ledger(policy=Policy(body_cap_bytes=16))
+    ticket = begin(ledger)
+
+    def lose_the_reply(n: int) -> None:
+        if n == 1:
+            raise lost()
+
+    calls = wrap_complete(ledger, nothing, lose_the_reply)
+    answer = ledger.finish(ticket, 201, HEADERS, b"x" * 64)
+    assert calls == ["complete", "complete", "completed_as"]
+    assert (answer.outcome, answer.status) == (Outcome.EXECUTED, 500)
+    row = ledger.lookup("acct", "k1")
+    assert row is not None and (row.status, row.response_status, row.response_body) == (Status.COMPLETED, 500, None)
+    assert list(ledger.fenced(principal="acct")) == []
 
 
 def test_a_completion_lost_while_a_takeover_moved_the_row_on_is_fenced_out(make_ledger, clock) -> None:
