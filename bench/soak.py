@@ -90,12 +90,9 @@ def scratch_ledger(engine: str, base: str) -> Iterator[tuple[str, Any]]:
     else:
         import pymysql
 
-        from idemctl.storage.mysql import MysqlEngine
+        from .mysql import _connect
 
-        probe = MysqlEngine(base)
-        kwargs = dict(probe._connect_kwargs, database=None)
-        probe.close()
-        admin = pymysql.connect(**kwargs)
+        admin = _connect(base)
         cur = admin.cursor()
         cur.execute(f"CREATE DATABASE {name} CHARACTER SET utf8mb4 COLLATE utf8mb4_bin")
         url = base.split("?", 1)[0].rsplit("/", 1)[0] + f"/{name}"
