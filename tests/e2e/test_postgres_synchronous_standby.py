@@ -115,7 +115,11 @@ def wsgi_post(app: WsgiMiddleware, key: str) -> tuple[str, dict[str, str], bytes
         seen["status"], seen["headers"] = status, dict(headers)
 
     started = time.monotonic()
-    body = b"".join(app(wsgi_environ(key), start_response))
+    answer = app(wsgi_environ(key), start_response)
+    try:
+        body = b"".join(answer)
+    finally:
+        answer.close()  # as a server does: the post-response sweep runs here
     return seen["status"], seen["headers"], body, time.monotonic() - started
 
 
