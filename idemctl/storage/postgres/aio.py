@@ -105,10 +105,10 @@ class AsyncPostgresEngine:
         except psycopg.Error as exc:
             raise self._translate(exc) from exc
         watch = self._watch
-        watch.watch(conn)
         late = None
         try:
             try:
+                watch.watch(conn)  # inside: whatever it raises, release() follows
                 cur = conn.statement_cursor
                 if cur is None:
                     cur = conn.statement_cursor = conn.cursor()
@@ -142,8 +142,8 @@ class AsyncPostgresEngine:
         try:
             out: list[Rows] = []
             for sql, params in statements:
-                watch.watch(conn)
                 try:
+                    watch.watch(conn)
                     cur = await conn.execute(sql, params)
                     rows = await cur.fetchall()
                 finally:

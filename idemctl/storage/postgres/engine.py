@@ -343,10 +343,10 @@ class PostgresEngine:
         # auto-commit connection has no transaction for it to end).
         pool, conn = self._checkout()
         watch = self._watch
-        watch.watch(conn)
         late = None
         try:
             try:
+                watch.watch(conn)  # inside: whatever it raises, release() follows
                 cur = conn.statement_cursor
                 if cur is None:
                     cur = conn.statement_cursor = conn.cursor()
@@ -375,8 +375,8 @@ class PostgresEngine:
         try:
             out: list[Rows] = []
             for sql, params in statements:
-                watch.watch(conn)
                 try:
+                    watch.watch(conn)
                     rows = conn.execute(sql, params).fetchall()
                 finally:
                     late = watch.release(conn)
