@@ -19,8 +19,9 @@ grace_s` (plus the scheduling of a busy machine).
 
 One watcher per engine: a thread for the synchronous pool (started with the
 first statement, gone after a minute without any), timer callbacks on the
-event loop for the asynchronous one. A statement costs a clock read and a
-dict entry, never a thread or a timer of its own; a cancel request is sent
+event loop for the asynchronous one. A statement costs a clock read, a dict
+entry and (threads) an uncontended lock, never a thread or a timer of its
+own; a cancel request is sent
 from a short-lived thread (or task) only when a statement is overdue."""
 
 from __future__ import annotations
