@@ -19,6 +19,7 @@ psycopg = pytest.importorskip("psycopg")
 from idemctl import Ledger, StorageError  # noqa: E402
 from idemctl.errors import CommitTimeoutError, LedgerUnavailableError  # noqa: E402
 from idemctl.storage.postgres import PostgresEngine  # noqa: E402
+from idemctl.storage.postgres import watch as watching  # noqa: E402
 
 pytestmark = pytest.mark.engines("postgres")
 
@@ -172,3 +173,55 @@ def test_a_forked_child_bounds_its_own_statements(engine: PostgresEngine) -> Non
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_an_idle_watcher_thread_ends_and_the_next_statement_is_bounded_by_a_new_one(
+    ledger_target: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(watching, "IDLE_EXIT_S", 0.2)
+    before = set(watchers())
+    engine = PostgresEngine(ledger_target + f"&commit_timeout={BOUND_S}")
+    try:
+        assert engine.read("SELECT 1", {}) == [(1,)]
+        (first,) = set(watchers()) - before
+        first.join(timeout=5)
+        assert not first.is_alive()  # nothing to watch for a while: gone, the engine still open
+        ends_within_the_bound(lambda: engine.read("SELECT pg_sleep(30)", {}))
+        assert set(watchers()) - before - {first}
+    finally:
+        engine.close()
+
+
+def test_cancelling_overdue_statements_never_touches_the_statements_of_other_threads(ledger_target: str) -> None:
+    # A connection goes back to the pool as soon as its statement ends: the
+    # watcher must never cancel what the next borrower runs on it.
+    engine = PostgresEngine(ledger_target + f"&commit_timeout={BOUND_S}&pool_max_size=4")
+    wrong: list[object] = []
+    timeouts: list[int] = []
+
+    def quick(n: int) -> None:
+        for i in range(150):
+            try:
+                rows = engine.read("SELECT %(v)s::int, pg_sleep(0.001)", {"v": n * 1000 + i})
+            except Exception as exc:  # any error here is the defect
+                wrong.append(exc)
+                return
+            if rows[0][0] != n * 1000 + i:
+                wrong.append(rows)
+
+    def slow() -> None:
+        for _ in range(3):
+            try:
+                engine.read("SELECT pg_sleep(30)", {})
+            except CommitTimeoutError:
+                timeouts.append(1)
+
+    threads = [threading.Thread(target=quick, args=(n,)) for n in range(3)] + [threading.Thread(target=slow)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert (wrong, len(timeouts)) == ([], 3)
+    finally:
+        engine.close()
