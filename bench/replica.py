@@ -359,6 +359,21 @@ class ReplicaPair:
         self._run("pg_ctl", "-D", str(self.primary_dir), "-m", "immediate", "-w", "stop")
         self.link.sever()
 
+    def stop_standby(self) -> None:
+        """The standby's processes go at once: a synchronous primary's commits
+        wait for it from now on (the primary keeps running)."""
+        self._run("pg_ctl", "-D", str(self.standby_dir), "-m", "immediate", "-w", "stop")
+
+    def start_standby(self) -> None:
+        """Start the stopped standby again; returns once it streams again
+        (as a synchronous standby on a synchronous pair)."""
+        log = str(self.standby_dir.with_suffix(".log"))
+        self._run("pg_ctl", "-D", str(self.standby_dir), "-l", log, "-w", "-t", "60", "start")
+        self.wait_streaming()
+
+    def standby_running(self) -> bool:
+        return (self.standby_dir / "postmaster.pid").exists()
+
     def promote_standby(self) -> None:
         self._run("pg_ctl", "-D", str(self.standby_dir), "-w", "-t", "60", "promote")
 

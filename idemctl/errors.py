@@ -127,6 +127,28 @@ class ConnectionFailedError(LedgerUnavailableError):
     """The database server could not be reached or refused the connection."""
 
 
+class CommitTimeoutError(LedgerUnavailableError):
+    """A statement, its commit included, did not finish within the ledger's
+    commit timeout and was cancelled (PostgreSQL: most often a synchronous
+    standby that does not acknowledge the commit). What it wrote may be
+    committed on the server without a standby's acknowledgement, so it is
+    treated as not done: a claim is no reservation of the caller's, a
+    completion is not stored.
+
+    >>> CommitTimeoutError("postgresql://app@db/payments", 2.5).timeout_s
+    2.5
+    """
+
+    def __init__(self, where: str, timeout_s: float) -> None:
+        self.where = where
+        self.timeout_s = timeout_s
+        super().__init__(
+            f"a statement on {where} did not commit within the commit timeout ({timeout_s:g} s) and was "
+            "cancelled: no synchronous standby acknowledged it, or the server did not answer; what it wrote may "
+            "be committed on the primary without a standby's copy, and is treated as not stored"
+        )
+
+
 class ScenarioError(IdemctlError, ValueError):
     """A scenario for `simulate` that cannot run: an unknown name, a malformed
     file, a bad step."""

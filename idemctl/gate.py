@@ -40,7 +40,7 @@ from typing import Any, Generic, TypeVar
 
 from . import decision, responses
 from .capture import Capture
-from .errors import AnswerNotStoredError, LedgerUnavailableError, StorageError
+from .errors import AnswerNotStoredError, CommitTimeoutError, LedgerUnavailableError, StorageError
 from .fingerprint import HeadersLike
 from .ledger import Ledger
 from .outcomes import Answer, Outcome, Ticket
@@ -57,6 +57,15 @@ InThread = Callable[..., Awaitable[Any]]
 KEY_HEADER = "idempotency-key"
 
 _CONTENT_LENGTH = re.compile(r"[0-9]+\Z")
+
+# What a retry meets after an answer was not stored: the reservation as it
+# was, or (a commit no standby acknowledged) a completion that the primary
+# may hold without a standby's copy.
+_STAYS_PENDING = "the reservation stays pending and a retry after the TTL will run it again"
+_NOT_ACKNOWLEDGED = (
+    "the completion may be committed on the primary without a standby's copy: a retry replays it while the primary "
+    "keeps it; if it was not committed, or a failover loses it, a retry after the TTL runs the mutation again"
+)
 
 
 class BodyRefused(Exception):
@@ -295,12 +304,12 @@ class Gate:
         # exactly as a stored answer, and the operator an ERROR line.
         reservation = ticket.reservation
         self.log.error(
-            "principal=%s key=%s: the mutation ran but its answer (status %d) could not be stored: %s — "
-            "the reservation stays pending and a retry after the TTL will run it again",
+            "principal=%s key=%s: the mutation ran but its answer (status %d) could not be stored: %s — %s",
             reservation.principal if reservation else None,
             reservation.key if reservation else None,
             exc.answer.status,
             exc.cause,
+            _NOT_ACKNOWLEDGED if isinstance(exc.cause, CommitTimeoutError) else _STAYS_PENDING,
         )
 
     def abandon(self, ticket: Ticket, *, release: bool) -> None:

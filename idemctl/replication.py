@@ -133,7 +133,8 @@ def assess(s: ReplicationSettings) -> tuple[Finding, ...]:
             Finding(
                 Severity.WARNING,
                 f"synchronous_standby_names is {names!r} but no synchronous standby is connected: every commit waits "
-                "for one, so requests hang until a standby connects",
+                "for one, so every request that writes is refused with 503 after the commit timeout until a standby "
+                "connects",
             )
         )
     if not findings or all(f.severity is Severity.NOTE for f in findings):

@@ -19,6 +19,8 @@ from ..dialect import POSTGRES
 from ..engine import Params, Rows
 from .errors import Translator
 from .schema import EXISTING, existing_tables
+from .url import default_commit_timeout_s
+from .watch import AsyncCommitWatch
 
 log = logging.getLogger("idemctl")
 
@@ -34,15 +36,19 @@ class AsyncPostgresEngine:
     """The request path of a PostgresEngine on one event loop: psycopg's
     AsyncConnection in a psycopg_pool.AsyncConnectionPool with the same
     settings (URL, pool sizes, timeouts, session options) and the same error
-    translation; a statement waits on the loop, never in a thread. Nothing
-    connects until the first statement; `aclose` closes the pool.
-    `PostgresEngine.open_async` makes one."""
+    translation; a statement waits on the loop, never in a thread, and is
+    bounded by the same commit timeout (watch.py). Nothing connects until
+    the first statement; `aclose` closes the pool. `PostgresEngine.open_async`
+    makes one."""
 
     dialect = POSTGRES
 
-    def __init__(self, conninfo: str, translate: Translator) -> None:
+    def __init__(self, conninfo: str, translate: Translator, commit_timeout_s: float | None = None) -> None:
         self._conninfo = conninfo
         self._translate = translate
+        if commit_timeout_s is None:
+            commit_timeout_s = default_commit_timeout_s(translate.busy_timeout_ms)
+        self._watch = AsyncCommitWatch(commit_timeout_s, translate.where)
         self._pool: AsyncConnectionPool[_AsyncPooledConnection] | None = None
         self._opening: asyncio.Lock | None = None
         # Every connection the pool made, so that `abandon` can close their
@@ -98,32 +104,62 @@ class AsyncPostgresEngine:
             conn = await pool.getconn()
         except psycopg.Error as exc:
             raise self._translate(exc) from exc
+        watch = self._watch
+        late = None
         try:
-            cur = conn.statement_cursor
-            if cur is None:
-                cur = conn.statement_cursor = conn.cursor()
-            await cur.execute(sql, params)
-            rows: Rows = await cur.fetchall()
+            try:
+                watch.watch(conn)  # inside: whatever it raises, release() follows
+                cur = conn.statement_cursor
+                if cur is None:
+                    cur = conn.statement_cursor = conn.cursor()
+                await cur.execute(sql, params)
+                rows: Rows = await cur.fetchall()
+            finally:
+                late = watch.release(conn)
+            if late is not None:
+                raise watch.error()
             return rows
         except psycopg.Error as exc:
             conn.statement_cursor = None
+            if late is not None:
+                raise watch.error() from exc
             if conn.broken:
                 await self._drop_broken_idle(pool)
             raise self._translate(exc) from exc
         finally:
+            if late is not None:
+                await watch.retire(conn, late)
             await pool.putconn(conn)
 
     async def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[Rows]:
         pool = await self._current_pool()
         try:
-            async with pool.connection() as conn:
-                out: list[Rows] = []
-                for sql, params in statements:
-                    cur = await conn.execute(sql, params)
-                    out.append(await cur.fetchall())
-                return out
+            conn = await pool.getconn()
         except psycopg.Error as exc:
             raise self._translate(exc) from exc
+        watch = self._watch
+        late = None
+        try:
+            out: list[Rows] = []
+            for sql, params in statements:
+                try:
+                    watch.watch(conn)
+                    cur = await conn.execute(sql, params)
+                    rows = await cur.fetchall()
+                finally:
+                    late = watch.release(conn)
+                if late is not None:
+                    raise watch.error()
+                out.append(rows)
+            return out
+        except psycopg.Error as exc:
+            if late is not None:
+                raise watch.error() from exc
+            raise self._translate(exc) from exc
+        finally:
+            if late is not None:
+                await watch.retire(conn, late)
+            await pool.putconn(conn)
 
     async def table_names(self, names: Iterable[str]) -> set[str]:
         return existing_tables(await self.execute(EXISTING, {"names": list(names)}))
@@ -139,6 +175,7 @@ class AsyncPostgresEngine:
             log.debug("checking the pool's idle connections failed", exc_info=True)
 
     async def aclose(self) -> None:
+        self._watch.close()
         pool, self._pool = self._pool, None
         if pool is not None:
             await pool.close()
@@ -146,6 +183,7 @@ class AsyncPostgresEngine:
     def abandon(self) -> None:
         """Close the sockets of a pool whose event loop is gone (it cannot
         be closed the asynchronous way any more)."""
+        self._watch.close()
         pool, self._pool = self._pool, None
         if pool is not None:
             # Its workers died with their loop: nothing is left to stop when

@@ -38,6 +38,7 @@ from .aio import AsyncPostgresEngine
 from .errors import INIT_RACE, DatabaseNotCreatedError, Translator, libpq_reason
 from .schema import PostgresTx, existing
 from .url import DEFAULT_CONNECT_TIMEOUT_S, ServerSettings
+from .watch import CommitWatch
 
 log = logging.getLogger("idemctl")
 T = TypeVar("T")
@@ -89,6 +90,7 @@ def _after_fork_in_child() -> None:
     engines, _FORKING[:] = list(_FORKING), []
     for engine in engines:
         engine._lock = threading.Lock()
+        engine._watch = engine._watch.forked()
 
 
 if hasattr(os, "register_at_fork"):
@@ -110,9 +112,12 @@ class PostgresEngine:
     processes and hosts.
 
     Pool settings ride on the URL as idemctl's own query parameters:
-    ``pool_min_size`` (default 1), ``pool_max_size`` (default 10) and
+    ``pool_min_size`` (default 1), ``pool_max_size`` (default 10),
     ``pool_timeout`` (seconds to wait for a free connection; default the busy
-    timeout). libpq's own parameters (``connect_timeout``, default 5 s;
+    timeout) and ``commit_timeout`` (seconds a statement may take, its
+    commit's wait for a synchronous standby included, before it is cancelled
+    and fails with CommitTimeoutError; default twice the busy timeout, at
+    least 1 s: see watch.py). libpq's own parameters (``connect_timeout``, default 5 s;
     ``options=-csearch_path=…``; ``sslmode``; ...) pass through unchanged.
 
     Nothing connects until the first statement.
@@ -132,6 +137,7 @@ class PostgresEngine:
         pool_min_size: int | None = None,
         pool_max_size: int | None = None,
         pool_timeout_s: float | None = None,
+        commit_timeout_s: float | None = None,
     ) -> None:
         self.readonly = readonly
         self.busy_timeout_ms = checked_busy_timeout(busy_timeout_ms)
@@ -142,17 +148,20 @@ class PostgresEngine:
             pool_min_size=pool_min_size,
             pool_max_size=pool_max_size,
             pool_timeout_s=pool_timeout_s,
+            commit_timeout_s=commit_timeout_s,
         )
         self._secrets = settings.secrets
         self._conninfo = settings.conninfo
         self.url_params = settings.url_params
         self.pool_min_size, self.pool_max_size = settings.pool_min_size, settings.pool_max_size
         self.pool_timeout_s = settings.pool_timeout_s
+        self.commit_timeout_s = settings.commit_timeout_s
         self._describe = settings.describe()
         self._translate = Translator(
             self._describe, self._scrub, self.busy_timeout_ms, self.pool_timeout_s, self.pool_max_size
         )
         self._lock = threading.Lock()
+        self._watch = CommitWatch(self.commit_timeout_s, self._describe)
         self._pool: ConnectionPool[_PooledConnection] | None = None
         # Until when (monotonic) statements fail at once, and with what: see
         # RECONNECT_PAUSE_S.
@@ -307,19 +316,21 @@ class PostgresEngine:
     def open_async(self) -> AsyncPostgresEngine:
         """The request path of this engine for the running event loop (see
         AsyncPostgresEngine); it connects on its first statement."""
-        return AsyncPostgresEngine(self._conninfo, self._translate)
+        return AsyncPostgresEngine(self._conninfo, self._translate, self.commit_timeout_s)
 
     def close(self) -> None:
         # As on SQLite, a closed backend that is used again reconnects.
         with self._lock:
             pool, self._pool = self._pool, None
             mine = self._pid == os.getpid()
+        self._watch.close()
         if pool is not None and mine:
             pool.close()
 
     # -- statements --------------------------------------------------------------------
     # Every statement autocommits on its own pooled connection, reads and
-    # writes alike.
+    # writes alike, and is bounded by the commit timeout (watch.py): one
+    # still running then is cancelled, and fails whatever it returns.
     def read(self, sql: str, params: Params) -> Rows:
         return self._run(sql, params)
 
@@ -331,22 +342,56 @@ class PostgresEngine:
         # pool and its kept cursor, without the pool's context manager (an
         # auto-commit connection has no transaction for it to end).
         pool, conn = self._checkout()
+        watch = self._watch
+        late = None
         try:
-            cur = conn.statement_cursor
-            if cur is None:
-                cur = conn.statement_cursor = conn.cursor()
-            cur.execute(sql, params)
-            rows: Rows = cur.fetchall()
+            try:
+                watch.watch(conn)  # inside: whatever it raises, release() follows
+                cur = conn.statement_cursor
+                if cur is None:
+                    cur = conn.statement_cursor = conn.cursor()
+                cur.execute(sql, params)
+                rows: Rows = cur.fetchall()
+            finally:
+                late = watch.release(conn)
+            if late is not None:
+                raise watch.error()
             return rows
         except psycopg.Error as exc:
             conn.statement_cursor = None
+            if late is not None:
+                raise watch.error() from exc
             raise self._failed(pool, conn, exc) from exc
         finally:
+            if late is not None:
+                watch.retire(conn, late)
             pool.putconn(conn)
 
     def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[Rows]:
-        with self._connection() as conn:
-            return [conn.execute(sql, params).fetchall() for sql, params in statements]
+        # Each statement commits on its own, so each is bounded on its own.
+        pool, conn = self._checkout()
+        watch = self._watch
+        late = None
+        try:
+            out: list[Rows] = []
+            for sql, params in statements:
+                try:
+                    watch.watch(conn)
+                    rows = conn.execute(sql, params).fetchall()
+                finally:
+                    late = watch.release(conn)
+                if late is not None:
+                    raise watch.error()
+                out.append(rows)
+            return out
+        except psycopg.Error as exc:
+            if late is not None:
+                raise watch.error() from exc
+            raise self._failed(pool, conn, exc) from exc
+        finally:
+            if late is not None:
+                watch.retire(conn, late)
+            pool.putconn(conn)
 
     def stream(self, sql: str, params: Params) -> Iterator[tuple[Any, ...]]:
         # A server-side cursor streams the rows in batches: a million rows

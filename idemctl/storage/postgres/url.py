@@ -16,9 +16,10 @@ from ...errors import StorageError
 from ...text import single_line
 from ..server import scrub
 
-# URL query parameters that configure the pool. They are idemctl's, not
-# libpq's, so they are taken out of the URL before it reaches libpq.
-POOL_PARAMS = ("pool_min_size", "pool_max_size", "pool_timeout")
+# URL query parameters that configure the pool (and the commit timeout).
+# They are idemctl's, not libpq's, so they are taken out of the URL before
+# it reaches libpq.
+POOL_PARAMS = ("pool_min_size", "pool_max_size", "pool_timeout", "commit_timeout")
 DEFAULT_POOL_MIN_SIZE = 1
 DEFAULT_POOL_MAX_SIZE = 10
 DEFAULT_CONNECT_TIMEOUT_S = 5
@@ -55,6 +56,28 @@ def secrets_of(url: str) -> list[str]:
     return out
 
 
+def default_commit_timeout_s(busy_timeout_ms: int) -> float:
+    """The commit timeout when the URL sets none: twice the busy timeout, at
+    least 1 s. A statement may wait its whole lock timeout (the busy timeout)
+    for a row lock and still has as long again to commit.
+
+    >>> default_commit_timeout_s(5000), default_commit_timeout_s(0)
+    (10.0, 1.0)
+    """
+    return max(2 * busy_timeout_ms / 1000, 1.0)
+
+
+def _seconds(given: float | None, params: dict[str, str], name: str, default: float) -> float:
+    raw: object = given if given is not None else params.get(name)
+    try:
+        value = float(str(raw)) if raw is not None else default
+    except ValueError:
+        raise StorageError(f"bad PostgreSQL URL: {name}={raw!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise StorageError(f"bad PostgreSQL URL: {name} must be a number of seconds > 0, got {raw}")
+    return value
+
+
 def _pool_int(given: int | None, params: dict[str, str], name: str, default: int, floor: int) -> int:
     raw: object = given if given is not None else params.get(name, default)
     try:
@@ -78,6 +101,7 @@ class ServerSettings:
     pool_min_size: int
     pool_max_size: int
     pool_timeout_s: float
+    commit_timeout_s: float
 
     @classmethod
     def parse(
@@ -89,6 +113,7 @@ class ServerSettings:
         pool_min_size: int | None,
         pool_max_size: int | None,
         pool_timeout_s: float | None,
+        commit_timeout_s: float | None = None,
     ) -> ServerSettings:
         secrets = secrets_of(url)
         libpq_url, pool_params = _split_pool_params(url)
@@ -111,6 +136,9 @@ class ServerSettings:
                 raise StorageError(f"bad PostgreSQL URL: pool_timeout={raw!r} is not a number of seconds") from None
         if pool_timeout_s <= 0:
             raise StorageError(f"bad PostgreSQL URL: pool_timeout must be > 0 seconds, got {pool_timeout_s}")
+        commit_timeout = _seconds(
+            commit_timeout_s, pool_params, "commit_timeout", default_commit_timeout_s(busy_timeout_ms)
+        )
         # Session settings ride in libpq's `options`, ahead of the URL's own,
         # so an explicit `-c lock_timeout=…` in the URL still wins.
         # lock_timeout=0 would mean "wait forever"; a zero busy timeout means
@@ -134,6 +162,7 @@ class ServerSettings:
             pool_min_size=min_size,
             pool_max_size=max_size,
             pool_timeout_s=float(pool_timeout_s),
+            commit_timeout_s=commit_timeout,
         )
 
     def describe(self) -> str:
