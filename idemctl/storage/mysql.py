@@ -56,6 +56,7 @@ from . import server
 from .dialect import MYSQL
 from .engine import Params, Rows
 from .server import checked_busy_timeout, missing_table, scrub
+from .statements import VERSION_TABLE
 
 log = logging.getLogger("idemctl")
 T = TypeVar("T")
@@ -82,7 +83,18 @@ URL_PARAMS = (
     "ssl_cert",
     "ssl_key",
     "ssl_verify_identity",
+    "wsrep_sync_wait",
 )
+# Galera: the wsrep_sync_wait bits idemctl sets on each connection to a node
+# of a cluster, ORed with the server's own: 1, a SELECT waits until the node
+# has applied every write the cluster committed before it (a replay on
+# another node reads the completion, not the claim it replaced); 2, an
+# UPDATE or DELETE does too (a completion, release or takeover sent through
+# a load balancer to another node than its claim finds the claim's row).
+GALERA_SYNC_WAIT = 3
+# An init that finds a ledger table without idemctl's version table waits
+# this long on a Galera node for another node's init to create it.
+GALERA_INIT_WAIT_S = 10.0
 
 _LOCKED = {1205}  # lock wait timeout
 _DEADLOCK = 1213
@@ -94,6 +106,10 @@ _GONE = {1040, 1053, 1077, 1152, 1153, 1154, 1156, 1158, 1159, 1160, 1161, 1927,
 _GONE |= {2006, 2013, 2014, 2026, 2055, 4031}
 _ACCESS_DENIED = {1044, 1045, 1698}
 _NO_PRIVILEGE = {1142, 1143, 1227, 1370}
+# A Galera node outside a Primary component (or still joining) refuses
+# every statement with ER_UNKNOWN_COM_ERROR: "WSREP has not yet prepared
+# node for application use".
+_WSREP_NOT_READY = 1047
 
 # The SQL bits that are the engine's own (connections, locks, catalog), not the ledger's.
 _SESSION = (
@@ -102,6 +118,12 @@ _SESSION = (
     " time_zone = '+00:00', sql_mode = 'STRICT_ALL_TABLES,NO_ENGINE_SUBSTITUTION'",
 )
 _READ_ONLY_SESSION = "SET SESSION TRANSACTION READ ONLY"
+# One round trip for what a new connection must know; `wsrep_on` is absent
+# on MySQL and OFF on a MariaDB server that is not a Galera node.
+_SERVER_FACTS = (
+    "SHOW SESSION VARIABLES WHERE Variable_name IN ('max_allowed_packet', 'wsrep_on', 'wsrep_sync_wait')"
+)
+_SYNC_WAIT = "SET SESSION wsrep_sync_wait = %s"
 _TABLES = (
     "SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name IN ({names})"
 )
@@ -146,7 +168,9 @@ class MysqlEngine:
     parameters: ``pool_max_size`` (default 10), ``pool_timeout`` (seconds to
     wait for a free connection; default the busy timeout),
     ``connect_timeout`` (default 5 s), ``unix_socket``, ``ssl_ca``,
-    ``ssl_cert``, ``ssl_key``, ``ssl_verify_identity``.
+    ``ssl_cert``, ``ssl_key``, ``ssl_verify_identity``, ``wsrep_sync_wait``
+    (Galera: the causal-read bits for every connection, in place of the
+    server's value ORed with GALERA_SYNC_WAIT that idemctl sets on a node).
 
     Nothing connects until the first statement.
 
@@ -186,6 +210,14 @@ class MysqlEngine:
         self.pool_timeout_s = self._number(params, "pool_timeout", default_wait, float, 0.001)
         self.connect_timeout_s = self._number(params, "connect_timeout", DEFAULT_CONNECT_TIMEOUT_S, int, 1)
         self.lock_wait_s = max(1, math.ceil(self.busy_timeout_ms / 1000))
+        forced = self._number(params, "wsrep_sync_wait", None, int, 0)
+        if forced is not None and forced > 15:
+            raise StorageError(f"bad MySQL URL: wsrep_sync_wait is a bitmask from 0 to 15, got {forced}")
+        self.forced_sync_wait: int | None = forced
+        # What the last new connection found: whether the server is a Galera
+        # node, and the wsrep_sync_wait in force on its session (None: not Galera).
+        self.galera: bool | None = None
+        self.sync_wait: int | None = None
         self._connect_kwargs: dict[str, Any] = {
             "user": self.user,
             "password": unquote(parts.password or ""),
@@ -256,12 +288,40 @@ class MysqlEngine:
                     cur.execute(statement.format(seconds=self.lock_wait_s))
                 if self.readonly:
                     cur.execute(_READ_ONLY_SESSION)
-                cur.execute("SELECT @@max_allowed_packet")
-                row = cur.fetchone()
+                cur.execute(_SERVER_FACTS)
+                facts = {str(name).lower(): str(value) for name, value in cur.fetchall()}
+                self._set_sync_wait(cur, facts)
         except pymysql.MySQLError as exc:
             conn.close()
             raise self._translate(exc) from exc
-        return _Pooled(conn, int(row[0]) if row else 0)
+        except BaseException:
+            conn.close()
+            raise
+        return _Pooled(conn, int(facts.get("max_allowed_packet", 0)))
+
+    def _set_sync_wait(self, cur: Any, facts: dict[str, str]) -> None:
+        """Causal reads on a Galera node: a node applies the others' commits
+        a little after they were acknowledged, so without them a retry on
+        another node can read the claim a completion already replaced and
+        answer 409 in progress. A server that is not a Galera node pays
+        nothing (not even a statement) unless the URL forces a value."""
+        galera = facts.get("wsrep_on", "OFF").upper() == "ON"
+        self.galera = galera
+        if self.forced_sync_wait is not None:
+            if "wsrep_sync_wait" not in facts:
+                raise StorageError(
+                    f"bad MySQL URL for {self.describe()}: wsrep_sync_wait is a MariaDB Galera setting "
+                    "and this server has no such variable"
+                )
+            wanted = self.forced_sync_wait
+        elif galera:
+            wanted = int(facts.get("wsrep_sync_wait", "0") or 0) | GALERA_SYNC_WAIT
+        else:
+            self.sync_wait = None
+            return
+        if wanted != int(facts.get("wsrep_sync_wait", "0") or 0):
+            cur.execute(_SYNC_WAIT, (wanted,))
+        self.sync_wait = wanted if galera else None
 
     def _fork_check(self) -> None:
         pid = os.getpid()
@@ -385,6 +445,10 @@ class MysqlEngine:
             return DatabaseLockedError(f"a statement on {where} ran past the server's statement time limit: {msg}")
         if code in _READ_ONLY:
             return server.read_only(where, msg)
+        if code == _WSREP_NOT_READY:
+            return server.unreachable(
+                "MySQL", where, f"this Galera node is not in a Primary component or not synced yet: {msg}"
+            )
         missing = missing_table(where, msg) if code == 1146 else None
         if missing is not None:
             return missing
@@ -546,7 +610,21 @@ class _MysqlTx:
 
     def check_recipe_table(self) -> None:
         """idemctl never wrote a recipe-only ledger on these engines: a table
-        of that name made by hand has columns idemctl cannot vouch for."""
+        of that name made by hand has columns idemctl cannot vouch for.
+
+        An init on another Galera node may be between its statements (DDL
+        is ordered cluster-wide, but GET_LOCK is per node): its version
+        table, made first, is the mark of idemctl. Present, the init goes
+        on (every statement is IF NOT EXISTS, the version row is decided by
+        one INSERT); absent on a Galera node, it is looked for again with
+        causal reads for GALERA_INIT_WAIT_S before the table is refused."""
+        deadline = time.monotonic() + (GALERA_INIT_WAIT_S if self.engine.galera else 0.0)
+        while True:
+            if VERSION_TABLE in self.table_names([VERSION_TABLE]):
+                return
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
         raise StorageError(
             f"{self.engine.describe()}: idempotency_keys exists but was not made by idemctl "
             "(no idemctl_schema_version table); idemctl creates its own ledger table on MariaDB/MySQL: "
