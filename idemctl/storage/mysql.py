@@ -34,7 +34,6 @@ import logging
 import math
 import os
 import random
-import re
 import threading
 import time
 from collections import deque
@@ -55,8 +54,8 @@ from ..text import single_line
 from . import server
 from .dialect import MYSQL
 from .engine import Params, Rows
+from .mysql_schema import MysqlTx, existing_tables
 from .server import checked_busy_timeout, missing_table, scrub
-from .statements import VERSION_TABLE
 
 log = logging.getLogger("idemctl")
 T = TypeVar("T")
@@ -92,9 +91,6 @@ URL_PARAMS = (
 # UPDATE or DELETE does too (a completion, release or takeover sent through
 # a load balancer to another node than its claim finds the claim's row).
 GALERA_SYNC_WAIT = 3
-# An init that finds a ledger table without idemctl's version table waits
-# this long on a Galera node for another node's init to create it.
-GALERA_INIT_WAIT_S = 10.0
 
 _LOCKED = {1205}  # lock wait timeout
 _DEADLOCK = 1213
@@ -124,9 +120,18 @@ _SERVER_FACTS = (
     "SHOW SESSION VARIABLES WHERE Variable_name IN ('max_allowed_packet', 'wsrep_on', 'wsrep_sync_wait')"
 )
 _SYNC_WAIT = "SET SESSION wsrep_sync_wait = %s"
-_TABLES = (
-    "SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name IN ({names})"
-)
+# The variables (the ledger's session) and status values `idemctl doctor`
+# assesses (replication_mysql.py).
+DOCTOR_VARIABLES = (
+    "version", "wsrep_on", "wsrep_sync_wait", "wsrep_cluster_name", "read_only", "log_bin", "binlog_format",
+    "sync_binlog", "innodb_flush_log_at_trx_commit", "rpl_semi_sync_master_enabled", "rpl_semi_sync_master_wait_point",
+)  # fmt: skip
+DOCTOR_STATUS = (
+    "wsrep_cluster_status", "wsrep_local_state_comment", "wsrep_cluster_size", "wsrep_ready",
+    "slaves_connected", "slaves_running", "rpl_semi_sync_master_status",
+)  # fmt: skip
+_FACT_VARIABLES = "SHOW SESSION VARIABLES WHERE Variable_name IN ({names})"
+_FACT_STATUS = "SHOW GLOBAL STATUS WHERE Variable_name IN ({names})"
 _STORAGE_BYTES = (
     "SELECT coalesce(sum(data_length + index_length), 0) FROM information_schema.tables"
     " WHERE table_schema = DATABASE() AND table_name IN ({names})"
@@ -540,7 +545,7 @@ class MysqlEngine:
 
     def table_names(self, names: Iterable[str]) -> set[str]:
         with self._connection() as pooled:
-            return _existing(pooled.conn, list(names))
+            return existing_tables(pooled.conn, list(names))
 
     def storage_bytes(self, tables: Iterable[str]) -> int | None:
         """Data and index size of the ledger's tables (information_schema)."""
@@ -551,8 +556,19 @@ class MysqlEngine:
             row = cur.fetchone()
         return int(row[0]) if row else None
 
+    def replication_facts(self) -> dict[str, str]:
+        """The variables (as the ledger's own session has them, its causal
+        reads included) and status values `idemctl doctor` assesses, by
+        lower-case name; those the server lacks are absent."""
+        facts: dict[str, str] = {}
+        with self._connection() as pooled, pooled.conn.cursor() as cur:
+            for sql, names in ((_FACT_VARIABLES, DOCTOR_VARIABLES), (_FACT_STATUS, DOCTOR_STATUS)):
+                cur.execute(sql.format(names=", ".join(["%s"] * len(names))), names)
+                facts.update((str(name).lower(), str(value)) for name, value in cur.fetchall())
+        return facts
+
     # -- schema ------------------------------------------------------------------------
-    def migrate(self, body: Callable[[_MysqlTx], T], *, write: bool) -> T:
+    def migrate(self, body: Callable[[MysqlTx], T], *, write: bool) -> T:
         # DDL commits implicitly on these servers: no transaction can hold
         # two inits apart, so they take turns on an advisory lock, and the
         # DDL is all IF NOT EXISTS (a failed init leaves nothing half-done
@@ -566,67 +582,8 @@ class MysqlEngine:
             if not got or got[0] != 1:
                 raise DatabaseLockedError(f"{self.describe()}: another init held the schema lock for {wait} s")
             try:
-                return body(_MysqlTx(self, pooled))
+                return body(MysqlTx(self, pooled))
             finally:
                 # On a lost connection the server has released the lock already.
                 with contextlib.suppress(pymysql.MySQLError), pooled.conn.cursor() as cur:
                     cur.execute(_INIT_UNLOCK)
-
-
-def _existing(conn: pymysql.connections.Connection[Any], names: list[str]) -> set[str]:
-    if not names:
-        return set()
-    with conn.cursor() as cur:
-        cur.execute(_TABLES.format(names=", ".join(["%s"] * len(names))), names)
-        return {str(row[0]) for row in cur.fetchall()}
-
-
-def _statements(script: str) -> list[str]:
-    """A DDL file's statements (the driver runs one at a time). The files
-    keep semicolons out of their comments."""
-    out = []
-    for chunk in re.split(r";\s*(?:\n|\Z)", script):
-        code = "\n".join(line for line in chunk.splitlines() if not line.lstrip().startswith("--"))
-        if code.strip():
-            out.append(chunk.strip())
-    return out
-
-
-class _MysqlTx:
-    def __init__(self, engine: MysqlEngine, pooled: _Pooled) -> None:
-        self.engine = engine
-        self.pooled = pooled
-
-    def execute(self, sql: str, params: Params) -> Rows:
-        return self.engine._execute(self.pooled, sql, params)
-
-    def script(self, sql: str) -> None:
-        with self.pooled.conn.cursor() as cur:
-            for statement in _statements(sql):
-                cur.execute(statement)
-
-    def table_names(self, names: Iterable[str]) -> set[str]:
-        return _existing(self.pooled.conn, list(names))
-
-    def check_recipe_table(self) -> None:
-        """idemctl never wrote a recipe-only ledger on these engines: a table
-        of that name made by hand has columns idemctl cannot vouch for.
-
-        An init on another Galera node may be between its statements (DDL
-        is ordered cluster-wide, but GET_LOCK is per node): its version
-        table, made first, is the mark of idemctl. Present, the init goes
-        on (every statement is IF NOT EXISTS, the version row is decided by
-        one INSERT); absent on a Galera node, it is looked for again with
-        causal reads for GALERA_INIT_WAIT_S before the table is refused."""
-        deadline = time.monotonic() + (GALERA_INIT_WAIT_S if self.engine.galera else 0.0)
-        while True:
-            if VERSION_TABLE in self.table_names([VERSION_TABLE]):
-                return
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(0.1)
-        raise StorageError(
-            f"{self.engine.describe()}: idempotency_keys exists but was not made by idemctl "
-            "(no idemctl_schema_version table); idemctl creates its own ledger table on MariaDB/MySQL: "
-            "rename or drop that one first (schema/mysql has the DDL)"
-        )
