@@ -88,7 +88,13 @@ class Node:
         import pymysql
 
         return pymysql.connect(
-            host="127.0.0.1", port=self.port, user="root", database=database, autocommit=True, connect_timeout=5, **kwargs
+            host="127.0.0.1",
+            port=self.port,
+            user="root",
+            database=database,
+            autocommit=True,
+            connect_timeout=5,
+            **kwargs,
         )
 
     def status(self, name: str) -> str | None:
@@ -120,14 +126,16 @@ class Node:
 
 
 class GaleraCluster:
-    """Three nodes of one Galera cluster, started by `start` and gone after `stop`."""
+    """Three nodes of one Galera cluster, started by `start` and gone after
+    `stop`. ``galera=False``: one plain MariaDB server with the same
+    settings otherwise (bench/galera.py's baseline)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, galera: bool = True) -> None:
+        self.galera = galera
+        self.size = NODES if galera else 1
         self.base = Path(tempfile.mkdtemp(prefix="idemctl-galera-"))
-        ports = free_ports(4 * NODES)
-        self.nodes = [
-            Node(i + 1, self.base / f"node{i + 1}", *ports[4 * i : 4 * i + 4]) for i in range(NODES)
-        ]
+        ports = free_ports(4 * self.size)
+        self.nodes = [Node(i + 1, self.base / f"node{i + 1}", *ports[4 * i : 4 * i + 4]) for i in range(self.size)]
 
     # -- setup ------------------------------------------------------------------------
     def _write_cnf(self, node: Node) -> None:
@@ -165,20 +173,27 @@ class GaleraCluster:
                     "default_storage_engine=InnoDB",
                     "innodb_autoinc_lock_mode=2",
                     "max_connections=300",
-                    "wsrep_on=ON",
-                    f"wsrep_provider={GALERA}",
-                    f"wsrep_cluster_address=gcomm://{peers}",
-                    "wsrep_cluster_name=idemctl_test",
-                    f"wsrep_node_name=node{node.index}",
-                    f"wsrep_node_address=127.0.0.1:{node.gmcast_port}",
-                    f"wsrep_provider_options={provider_options}",
-                    "wsrep_sst_method=rsync",
-                    f"wsrep_sst_receive_address=127.0.0.1:{node.sst_port}",
-                    "wsrep_slave_threads=2",
+                    *self._wsrep_lines(node, peers, provider_options),
                     "",
                 ]
             )
         )
+
+    def _wsrep_lines(self, node: Node, peers: str, provider_options: str) -> list[str]:
+        if not self.galera:
+            return ["wsrep_on=OFF"]
+        return [
+            "wsrep_on=ON",
+            f"wsrep_provider={GALERA}",
+            f"wsrep_cluster_address=gcomm://{peers}",
+            "wsrep_cluster_name=idemctl_test",
+            f"wsrep_node_name=node{node.index}",
+            f"wsrep_node_address=127.0.0.1:{node.gmcast_port}",
+            f"wsrep_provider_options={provider_options}",
+            "wsrep_sst_method=rsync",
+            f"wsrep_sst_receive_address=127.0.0.1:{node.sst_port}",
+            "wsrep_slave_threads=2",
+        ]
 
     def _install(self, datadir: Path) -> None:
         subprocess.run(
@@ -213,6 +228,8 @@ class GaleraCluster:
         while time.monotonic() < deadline:
             if not node.alive():
                 raise RuntimeError(f"galera node{node.index} exited while starting:\n{node.log_tail()}")
+            if not self.galera and node.status("uptime") is not None:
+                return
             if node.status("wsrep_local_state_comment") == "Synced" and node.status("wsrep_cluster_size") == str(size):
                 return
             time.sleep(0.2)
@@ -231,14 +248,14 @@ class GaleraCluster:
                 node.datadir.mkdir(parents=True)
             self._own()
             self._install(first.datadir)
-            self._launch(first, "--wsrep-new-cluster")
+            self._launch(first, *(["--wsrep-new-cluster"] if self.galera else []))
             self._wait_synced(first, 1, deadline)
             for n, node in enumerate(self.nodes[1:], start=2):
                 # A joiner's empty data directory is filled by the donor (rsync SST).
                 self._launch(node)
                 self._wait_synced(node, n, deadline)
             for node in self.nodes:
-                self._wait_synced(node, NODES, deadline)
+                self._wait_synced(node, self.size, deadline)
         except BaseException:
             self.stop()
             raise

@@ -20,9 +20,7 @@ from .statements import VERSION_TABLE
 # this long on a Galera node for another node's init to create it.
 GALERA_INIT_WAIT_S = 10.0
 
-_TABLES = (
-    "SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name IN ({names})"
-)
+_TABLES = "SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name IN ({names})"
 
 
 def existing_tables(conn: pymysql.connections.Connection[Any], names: list[str]) -> set[str]:

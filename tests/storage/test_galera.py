@@ -180,9 +180,7 @@ def test_init_from_every_node_at_once_creates_the_ledger_once_in_20_trials(galer
     assert failures == []
 
 
-def test_a_node_killed_mid_load_loses_no_acknowledged_completion_and_runs_no_key_twice(
-    galera_cluster, galera_database
-):
+def test_a_node_killed_mid_load_loses_no_acknowledged_completion_and_runs_no_key_twice(galera_cluster, galera_database):
     # Every key is sent twice, by clients on two different nodes (a client
     # retrying elsewhere); node 2 is killed with SIGKILL half-way.
     runs = Runs()
