@@ -275,9 +275,16 @@ class GaleraCluster:
 
     # -- use ---------------------------------------------------------------------------
     def create_database(self, name: str) -> None:
-        # DDL replicates in total order: every node has it once this returns.
+        """A database on every node: the other nodes apply the CREATE a
+        little after node 1 returns, so each is asked with a causal read."""
         with contextlib.closing(self.nodes[0].connect()) as conn, conn.cursor() as cur:
             cur.execute(f"CREATE DATABASE {name} CHARACTER SET utf8mb4 COLLATE utf8mb4_bin")
+        for node in self.nodes[1:]:
+            if node.alive():
+                with contextlib.closing(node.connect()) as conn, conn.cursor() as cur:
+                    cur.execute("SET SESSION wsrep_sync_wait = 1")
+                    cur.execute("SELECT count(*) FROM information_schema.schemata WHERE schema_name = %s", (name,))
+                    assert cur.fetchone() == (1,), f"node{node.index} lacks database {name}"
 
     def drop_database(self, name: str) -> None:
         for node in self.nodes:

@@ -66,20 +66,32 @@ class MysqlTx:
         of that name made by hand has columns idemctl cannot vouch for.
 
         An init on another Galera node may be between its statements (DDL
-        is ordered cluster-wide, but GET_LOCK is per node): its version
-        table, made first, is the mark of idemctl. Present, the init goes
-        on (every statement is IF NOT EXISTS, the version row is decided by
-        one INSERT); absent on a Galera node, it is looked for again with
-        causal reads for GALERA_INIT_WAIT_S before the table is refused."""
-        deadline = time.monotonic() + (GALERA_INIT_WAIT_S if self.engine.galera else 0.0)
+        is ordered cluster-wide, but GET_LOCK is per node). Its version
+        table, made first, is the mark of idemctl; its version row, written
+        last, says it is done. On a Galera node both are looked for again,
+        with causal reads, for GALERA_INIT_WAIT_S: once the row is there,
+        this init goes on and finds it has nothing to do (IF NOT EXISTS DDL,
+        and the row decided by one INSERT). A version table still empty then
+        is an init that stopped half-way, which this one finishes; no
+        version table at all is a table idemctl did not make."""
+        galera = bool(self.engine.galera)
+        deadline = time.monotonic() + (GALERA_INIT_WAIT_S if galera else 0.0)
         while True:
-            if VERSION_TABLE in self.table_names([VERSION_TABLE]):
+            made_by_idemctl = VERSION_TABLE in self.table_names([VERSION_TABLE])
+            if made_by_idemctl and (not galera or self._has_version_row()):
                 return
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.1)
+        if made_by_idemctl:
+            return
         raise StorageError(
             f"{self.engine.describe()}: idempotency_keys exists but was not made by idemctl "
             "(no idemctl_schema_version table); idemctl creates its own ledger table on MariaDB/MySQL: "
             "rename or drop that one first (schema/mysql has the DDL)"
         )
+
+    def _has_version_row(self) -> bool:
+        with self.pooled.conn.cursor() as cur:
+            cur.execute(f"SELECT 1 FROM {VERSION_TABLE} LIMIT 1")
+            return cur.fetchone() is not None
