@@ -23,6 +23,9 @@ Every connection is set up the same way (`_SESSION`):
   default is a year) are the busy timeout in whole seconds, at least 1.
 * sql_mode STRICT_ALL_TABLES: a value a column cannot hold is an error,
   never a silent truncation; time_zone UTC; character set utf8mb4.
+* On a Galera node (wsrep_on), causal reads: wsrep_sync_wait gains bits 1
+  and 2, so a read or fenced UPDATE sees every commit the cluster
+  acknowledged before it, whichever node took it (_set_sync_wait).
 
 Connections come from a small pool that belongs to one process: after a
 fork the child opens its own and never touches the parent's sockets."""
