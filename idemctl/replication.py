@@ -9,34 +9,17 @@ acknowledges a completion only once a standby holds it."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
+from .findings import Finding, Severity
 from .ledger import Ledger
+from .replication_mysql import MysqlFacts, assess_mysql
+
+__all__ = ["FailoverCheck", "Finding", "ReplicationSettings", "Severity", "assess", "check_failover"]
 
 # Values of synchronous_commit under which a commit waits for the
 # synchronous standbys (remote_write: received, not yet flushed there).
 WAITS_FOR_STANDBY = ("on", "remote_apply", "remote_write")
-
-
-class Severity(enum.Enum):
-    """How much a finding of `idemctl doctor` matters to the promise."""
-
-    OK = "ok"
-    NOTE = "note"
-    WARNING = "warning"
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One line of `idemctl doctor`'s verdict on the replication setup.
-
-    >>> Finding(Severity.WARNING, "no synchronous standby").severity.value
-    'warning'
-    """
-
-    severity: Severity
-    message: str
 
 
 @dataclass(frozen=True)
@@ -55,7 +38,8 @@ class ReplicationSettings:
 @dataclass(frozen=True)
 class FailoverCheck:
     where: str
-    settings: ReplicationSettings | None  # None: a SQLite ledger
+    engine: str  # "SQLite", "PostgreSQL", or the MariaDB/MySQL server's name and version
+    settings: ReplicationSettings | MysqlFacts | None  # None: a SQLite ledger
     findings: tuple[Finding, ...]
 
     @property
@@ -151,15 +135,18 @@ def assess(s: ReplicationSettings) -> tuple[Finding, ...]:
 
 def check_failover(ledger: Ledger) -> FailoverCheck:
     """Read the replication settings of the server the ledger writes to and
-    assess them; a SQLite ledger lives on one host and has none.
+    assess them for its engine; a SQLite ledger lives on one host and has none.
 
     >>> check_failover(Ledger.open(":memory:")).findings[0].message
     'SQLite: the ledger is a file on one host; there is no replication to fail over to'
     """
     engine = ledger.store.engine
-    replication = getattr(engine, "replication_settings", None)
-    if replication is None:
-        note = Finding(Severity.OK, "SQLite: the ledger is a file on one host; there is no replication to fail over to")
-        return FailoverCheck(ledger.describe(), None, (note,))
-    settings = ReplicationSettings(*replication())
-    return FailoverCheck(ledger.describe(), settings, assess(settings))
+    dialect = ledger.store.dialect.name
+    if dialect == "mysql":
+        facts = MysqlFacts(engine.replication_facts())  # type: ignore[attr-defined]
+        return FailoverCheck(ledger.describe(), facts.product, facts, assess_mysql(facts))
+    if dialect == "postgres":
+        settings = ReplicationSettings(*engine.replication_settings())  # type: ignore[attr-defined]
+        return FailoverCheck(ledger.describe(), "PostgreSQL", settings, assess(settings))
+    note = Finding(Severity.OK, "SQLite: the ledger is a file on one host; there is no replication to fail over to")
+    return FailoverCheck(ledger.describe(), "SQLite", None, (note,))

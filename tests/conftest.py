@@ -4,17 +4,20 @@ so that backend-independent tests run against every one of them."""
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from idemctl import Ledger, Policy
+from tests import galera
+from tests.galera import GaleraCluster
 from tests.helpers import FakeClock, mysql_test_database, postgres_test_schema
 
 # The suite runs with --doctest-modules (for the library's examples); these
 # are support modules, not tests, and some start servers' apps on import.
-collect_ignore = ["helpers.py"]
+collect_ignore = ["helpers.py", "galera.py"]
 
 BACKENDS = ["sqlite", "postgres", "mysql"]
 
@@ -173,3 +176,34 @@ def make_ledger(ledger_target: str, clock: FakeClock) -> Iterator[Callable[..., 
 def ledger(make_ledger: Callable[..., Ledger]) -> Ledger:
     return make_ledger()
 
+
+
+@pytest.fixture(scope="session")
+def galera_cluster() -> Iterator[GaleraCluster]:
+    """A three-node MariaDB Galera cluster on free ports in a temporary
+    directory (tests/galera.py), started once for the session and gone
+    after it; skips (fails under CI) where galera-4 or rsync is missing."""
+    reason = galera.missing()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs the Galera tests: {reason}", pytrace=False)
+        pytest.skip(reason)
+    cluster = GaleraCluster()
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def galera_database(galera_cluster: GaleraCluster) -> Iterator[str]:
+    """A fresh database on the cluster for one test (its name); every node
+    has it, and it is dropped afterwards. A node that a test killed is
+    started again first, so the next test has three nodes."""
+    name = f"t_{secrets.token_hex(6)}"
+    galera_cluster.create_database(name)
+    try:
+        yield name
+    finally:
+        galera_cluster.heal()
+        galera_cluster.drop_database(name)

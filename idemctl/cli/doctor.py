@@ -1,5 +1,7 @@
 """`idemctl doctor`: whether the ledger's database keeps acknowledged
-completions across a failover."""
+completions across a failover, checked for its engine: PostgreSQL's
+synchronous replication, MariaDB Galera's cluster state and causal reads,
+MariaDB/MySQL replication and durability settings; a SQLite file has none."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from .output import emit_json, one_line
 
 @app.command(cls=IdemctlCommand, epilog="Example: idemctl doctor --db 'postgresql://app@db1,db2/payments'")
 def doctor(ctx: typer.Context, json_out: JsonOpt = False, db: DbOpt = None) -> None:
-    """Check that a completion the ledger acknowledged survives a failover to a standby (exit 1 on a warning)."""
+    """Check, for the ledger's engine, that a completion it acknowledged survives a failover (exit 1 on a warning)."""
     s = settings(ctx, db=db)
     # On PostgreSQL, the server the request path writes to: with several hosts
     # in the URL, the one that accepts writes now.
@@ -27,7 +29,7 @@ def doctor(ctx: typer.Context, json_out: JsonOpt = False, db: DbOpt = None) -> N
     if json_out:
         emit_json(failover_check_json(check))
     else:
-        typer.echo(one_line(check.where))
+        typer.echo(f"{one_line(check.where)} ({one_line(check.engine)})")
         for finding in check.findings:
             typer.echo(f"{finding.severity.value}: {one_line(finding.message)}")
     if not check.ok:

@@ -13,7 +13,8 @@ from typing import Any
 from ..copying import CopyResult
 from ..outcomes import Drained, FencedEvent, Prediction, RowView, State, Stats, Status, StoredRow, Verdict
 from ..policy import Policy
-from ..replication import FailoverCheck
+from ..replication import FailoverCheck, ReplicationSettings
+from ..replication_mysql import MysqlFacts
 from .words import body_kind, state_words
 
 # Documents that show a value's attributes under their own names, in this
@@ -199,18 +200,21 @@ def pending_json(
 
 
 def failover_check_json(check: FailoverCheck) -> dict[str, Any]:
-    """`doctor --json`: the replication settings read and what they mean."""
+    """`doctor --json`: the engine, the replication settings read and what they mean."""
     s = check.settings
-    replication = None
-    if s is not None:
+    replication: dict[str, Any] | None = None
+    if isinstance(s, ReplicationSettings):
         replication = {
             "synchronous_commit": s.synchronous_commit,
             "synchronous_standby_names": s.synchronous_standby_names,
             "in_recovery": s.in_recovery,
             "standbys": list(s.standbys),
         }
+    elif isinstance(s, MysqlFacts):
+        replication = dict(sorted(s.values.items()))
     return {
         "ledger": check.where,
+        "engine": check.engine,
         "ok": check.ok,
         "replication": replication,
         "findings": [{"severity": f.severity.value, "message": f.message} for f in check.findings],

@@ -214,6 +214,8 @@ MYSQL = replace(
     claim_reads_row=False,  # no data-modifying WITH
     read_text=_text_from_utf8,
     # schema/mysql: principal VARBINARY(1024) + key VARBINARY(255) is well
-    # inside InnoDB's 3072-byte index key limit.
+    # inside InnoDB's 3072-byte index key limit. The width of the column, not
+    # the limit: every engine refuses a principal past MAX_PRINCIPAL_BYTES
+    # (512, ledger/inputs.py) before any statement.
     max_principal_bytes=1024,
 )

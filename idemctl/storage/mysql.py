@@ -26,6 +26,9 @@ Every connection is set up the same way (`_SESSION`):
   default is a year) are the busy timeout in whole seconds, at least 1.
 * sql_mode STRICT_ALL_TABLES: a value a column cannot hold is an error,
   never a silent truncation; time_zone UTC; character set utf8mb4.
+* On a Galera node (wsrep_on), causal reads: wsrep_sync_wait gains bits 1
+  and 2, so a read or fenced UPDATE sees every commit the cluster
+  acknowledged before it, whichever node took it (_set_sync_wait).
 
 Connections come from a small pool that belongs to one process: after a
 fork the child opens its own and never touches the parent's sockets."""
@@ -37,7 +40,6 @@ import logging
 import math
 import os
 import random
-import re
 import threading
 import time
 from collections import deque
@@ -58,6 +60,7 @@ from ..text import single_line
 from . import server
 from .dialect import MYSQL
 from .engine import Params, Rows
+from .mysql_schema import MysqlTx, existing_tables
 from .server import checked_busy_timeout, missing_table, scrub
 
 log = logging.getLogger("idemctl")
@@ -85,7 +88,15 @@ URL_PARAMS = (
     "ssl_cert",
     "ssl_key",
     "ssl_verify_identity",
+    "wsrep_sync_wait",
 )
+# Galera: the wsrep_sync_wait bits idemctl sets on each connection to a node
+# of a cluster, ORed with the server's own: 1, a SELECT waits until the node
+# has applied every write the cluster committed before it (a replay on
+# another node reads the completion, not the claim it replaced); 2, an
+# UPDATE or DELETE does too (a completion, release or takeover sent through
+# a load balancer to another node than its claim finds the claim's row).
+GALERA_SYNC_WAIT = 3
 
 _LOCKED = {1205}  # lock wait timeout
 _DEADLOCK = 1213
@@ -97,6 +108,10 @@ _GONE = {1040, 1053, 1077, 1152, 1153, 1154, 1156, 1158, 1159, 1160, 1161, 1927,
 _GONE |= {2006, 2013, 2014, 2026, 2055, 4031}
 _ACCESS_DENIED = {1044, 1045, 1698}
 _NO_PRIVILEGE = {1142, 1143, 1227, 1370}
+# A Galera node outside a Primary component (or still joining) refuses
+# every statement with ER_UNKNOWN_COM_ERROR: "WSREP has not yet prepared
+# node for application use".
+_WSREP_NOT_READY = 1047
 
 # The SQL bits that are the engine's own (connections, locks, catalog), not the ledger's.
 _SESSION = (
@@ -105,9 +120,24 @@ _SESSION = (
     " time_zone = '+00:00', sql_mode = 'STRICT_ALL_TABLES,NO_ENGINE_SUBSTITUTION'",
 )
 _READ_ONLY_SESSION = "SET SESSION TRANSACTION READ ONLY"
-_TABLES = (
-    "SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name IN ({names})"
+# One round trip for what a new connection must know; `wsrep_on` is absent
+# on MySQL and OFF on a MariaDB server that is not a Galera node.
+_SERVER_FACTS = (
+    "SHOW SESSION VARIABLES WHERE Variable_name IN ('max_allowed_packet', 'wsrep_on', 'wsrep_sync_wait')"
 )
+_SYNC_WAIT = "SET SESSION wsrep_sync_wait = %s"
+# The variables (the ledger's session) and status values `idemctl doctor`
+# assesses (replication_mysql.py).
+DOCTOR_VARIABLES = (
+    "version", "wsrep_on", "wsrep_sync_wait", "wsrep_cluster_name", "read_only", "log_bin", "binlog_format",
+    "sync_binlog", "innodb_flush_log_at_trx_commit", "rpl_semi_sync_master_enabled", "rpl_semi_sync_master_wait_point",
+)  # fmt: skip
+DOCTOR_STATUS = (
+    "wsrep_cluster_status", "wsrep_local_state_comment", "wsrep_cluster_size", "wsrep_ready",
+    "slaves_connected", "slaves_running", "rpl_semi_sync_master_status",
+)  # fmt: skip
+_FACT_VARIABLES = "SHOW SESSION VARIABLES WHERE Variable_name IN ({names})"
+_FACT_STATUS = "SHOW GLOBAL STATUS WHERE Variable_name IN ({names})"
 _STORAGE_BYTES = (
     "SELECT coalesce(sum(data_length + index_length), 0) FROM information_schema.tables"
     " WHERE table_schema = DATABASE() AND table_name IN ({names})"
@@ -149,7 +179,9 @@ class MysqlEngine:
     parameters: ``pool_max_size`` (default 10), ``pool_timeout`` (seconds to
     wait for a free connection; default the busy timeout),
     ``connect_timeout`` (default 5 s), ``unix_socket``, ``ssl_ca``,
-    ``ssl_cert``, ``ssl_key``, ``ssl_verify_identity``.
+    ``ssl_cert``, ``ssl_key``, ``ssl_verify_identity``, ``wsrep_sync_wait``
+    (Galera: the causal-read bits for every connection, in place of the
+    server's value ORed with GALERA_SYNC_WAIT that idemctl sets on a node).
 
     Nothing connects until the first statement.
 
@@ -189,6 +221,14 @@ class MysqlEngine:
         self.pool_timeout_s = self._number(params, "pool_timeout", default_wait, float, 0.001)
         self.connect_timeout_s = self._number(params, "connect_timeout", DEFAULT_CONNECT_TIMEOUT_S, int, 1)
         self.lock_wait_s = max(1, math.ceil(self.busy_timeout_ms / 1000))
+        forced = self._number(params, "wsrep_sync_wait", None, int, 0)
+        if forced is not None and forced > 15:
+            raise StorageError(f"bad MySQL URL: wsrep_sync_wait is a bitmask from 0 to 15, got {forced}")
+        self.forced_sync_wait: int | None = forced
+        # What the last new connection found: whether the server is a Galera
+        # node, and the wsrep_sync_wait in force on its session (None: not Galera).
+        self.galera: bool | None = None
+        self.sync_wait: int | None = None
         self._connect_kwargs: dict[str, Any] = {
             "user": self.user,
             "password": unquote(parts.password or ""),
@@ -259,12 +299,40 @@ class MysqlEngine:
                     cur.execute(statement.format(seconds=self.lock_wait_s))
                 if self.readonly:
                     cur.execute(_READ_ONLY_SESSION)
-                cur.execute("SELECT @@max_allowed_packet")
-                row = cur.fetchone()
+                cur.execute(_SERVER_FACTS)
+                facts = {str(name).lower(): str(value) for name, value in cur.fetchall()}
+                self._set_sync_wait(cur, facts)
         except pymysql.MySQLError as exc:
             conn.close()
             raise self._translate(exc) from exc
-        return _Pooled(conn, int(row[0]) if row else 0)
+        except BaseException:
+            conn.close()
+            raise
+        return _Pooled(conn, int(facts.get("max_allowed_packet", 0)))
+
+    def _set_sync_wait(self, cur: Any, facts: dict[str, str]) -> None:
+        """Causal reads on a Galera node: a node applies the others' commits
+        a little after they were acknowledged, so without them a retry on
+        another node can read the claim a completion already replaced and
+        answer 409 in progress. A server that is not a Galera node pays
+        nothing (not even a statement) unless the URL forces a value."""
+        galera = facts.get("wsrep_on", "OFF").upper() == "ON"
+        self.galera = galera
+        if self.forced_sync_wait is not None:
+            if "wsrep_sync_wait" not in facts:
+                raise StorageError(
+                    f"bad MySQL URL for {self.describe()}: wsrep_sync_wait is a MariaDB Galera setting "
+                    "and this server has no such variable"
+                )
+            wanted = self.forced_sync_wait
+        elif galera:
+            wanted = int(facts.get("wsrep_sync_wait", "0") or 0) | GALERA_SYNC_WAIT
+        else:
+            self.sync_wait = None
+            return
+        if wanted != int(facts.get("wsrep_sync_wait", "0") or 0):
+            cur.execute(_SYNC_WAIT, (wanted,))
+        self.sync_wait = wanted if galera else None
 
     def _fork_check(self) -> None:
         pid = os.getpid()
@@ -388,6 +456,10 @@ class MysqlEngine:
             return DatabaseLockedError(f"a statement on {where} ran past the server's statement time limit: {msg}")
         if code in _READ_ONLY:
             return server.read_only(where, msg)
+        if code == _WSREP_NOT_READY:
+            return server.unreachable(
+                "MySQL", where, f"this Galera node is not in a Primary component or not synced yet: {msg}"
+            )
         missing = missing_table(where, msg) if code == 1146 else None
         if missing is not None:
             return missing
@@ -479,7 +551,7 @@ class MysqlEngine:
 
     def table_names(self, names: Iterable[str]) -> set[str]:
         with self._connection() as pooled:
-            return _existing(pooled.conn, list(names))
+            return existing_tables(pooled.conn, list(names))
 
     def storage_bytes(self, tables: Iterable[str]) -> int | None:
         """Data and index size of the ledger's tables (information_schema)."""
@@ -490,8 +562,19 @@ class MysqlEngine:
             row = cur.fetchone()
         return int(row[0]) if row else None
 
+    def replication_facts(self) -> dict[str, str]:
+        """The variables (as the ledger's own session has them, its causal
+        reads included) and status values `idemctl doctor` assesses, by
+        lower-case name; those the server lacks are absent."""
+        facts: dict[str, str] = {}
+        with self._connection() as pooled, pooled.conn.cursor() as cur:
+            for sql, names in ((_FACT_VARIABLES, DOCTOR_VARIABLES), (_FACT_STATUS, DOCTOR_STATUS)):
+                cur.execute(sql.format(names=", ".join(["%s"] * len(names))), names)
+                facts.update((str(name).lower(), str(value)) for name, value in cur.fetchall())
+        return facts
+
     # -- schema ------------------------------------------------------------------------
-    def migrate(self, body: Callable[[_MysqlTx], T], *, write: bool) -> T:
+    def migrate(self, body: Callable[[MysqlTx], T], *, write: bool) -> T:
         # DDL commits implicitly on these servers: no transaction can hold
         # two inits apart, so they take turns on an advisory lock, and the
         # DDL is all IF NOT EXISTS (a failed init leaves nothing half-done
@@ -505,53 +588,8 @@ class MysqlEngine:
             if not got or got[0] != 1:
                 raise DatabaseLockedError(f"{self.describe()}: another init held the schema lock for {wait} s")
             try:
-                return body(_MysqlTx(self, pooled))
+                return body(MysqlTx(self, pooled))
             finally:
                 # On a lost connection the server has released the lock already.
                 with contextlib.suppress(pymysql.MySQLError), pooled.conn.cursor() as cur:
                     cur.execute(_INIT_UNLOCK)
-
-
-def _existing(conn: pymysql.connections.Connection[Any], names: list[str]) -> set[str]:
-    if not names:
-        return set()
-    with conn.cursor() as cur:
-        cur.execute(_TABLES.format(names=", ".join(["%s"] * len(names))), names)
-        return {str(row[0]) for row in cur.fetchall()}
-
-
-def _statements(script: str) -> list[str]:
-    """A DDL file's statements (the driver runs one at a time). The files
-    keep semicolons out of their comments."""
-    out = []
-    for chunk in re.split(r";\s*(?:\n|\Z)", script):
-        code = "\n".join(line for line in chunk.splitlines() if not line.lstrip().startswith("--"))
-        if code.strip():
-            out.append(chunk.strip())
-    return out
-
-
-class _MysqlTx:
-    def __init__(self, engine: MysqlEngine, pooled: _Pooled) -> None:
-        self.engine = engine
-        self.pooled = pooled
-
-    def execute(self, sql: str, params: Params) -> Rows:
-        return self.engine._execute(self.pooled, sql, params)
-
-    def script(self, sql: str) -> None:
-        with self.pooled.conn.cursor() as cur:
-            for statement in _statements(sql):
-                cur.execute(statement)
-
-    def table_names(self, names: Iterable[str]) -> set[str]:
-        return _existing(self.pooled.conn, list(names))
-
-    def check_recipe_table(self) -> None:
-        """idemctl never wrote a recipe-only ledger on these engines: a table
-        of that name made by hand has columns idemctl cannot vouch for."""
-        raise StorageError(
-            f"{self.engine.describe()}: idempotency_keys exists but was not made by idemctl "
-            "(no idemctl_schema_version table); idemctl creates its own ledger table on MariaDB/MySQL: "
-            "rename or drop that one first (schema/mysql has the DDL)"
-        )

@@ -613,14 +613,52 @@ def test_mariadb_and_mysql_urls_open_the_same_engine_and_describe_without_the_pa
         (f"mysql://app:{SECRET}@server_cursor.internal/pay?bogus=1", "bad MySQL URL: unknown parameter 'bogus'"),
         (f"mysql://app:{SECRET}@server_cursor.internal/pay?pool_max_size=many", "bad MySQL URL: pool_max_size='many' is not a number"),
         (f"mysql://app:{SECRET}@server_cursor.internal/pay?pool_max_size=0", "bad MySQL URL: pool_max_size must be >= 1, got 0"),
+        (f"mysql://app:{SECRET}@db/pay?wsrep_sync_wait=16", "bad MySQL URL: wsrep_sync_wait is a bitmask from 0 to 15, got 16"),
+        (f"mysql://app:{SECRET}@db/pay?wsrep_sync_wait=-1", "bad MySQL URL: wsrep_sync_wait must be >= 0, got -1"),
+        (f"mysql://app:{SECRET}@db/pay?wsrep_sync_wait=reads", "bad MySQL URL: wsrep_sync_wait='reads' is not a number"),
     ],
-    ids=["port", "no-database", "unknown-param", "pool-size", "pool-zero"],
+    ids=["port", "no-database", "unknown-param", "pool-size", "pool-zero", "sync-wait-16", "sync-wait-neg", "sync-wait-word"],
 )
 def test_a_bad_url_is_a_storage_error_at_open_naming_the_problem(url: str, expected: str) -> None:
     with pytest.raises(StorageError) as caught:
         Ledger.open(url)
     text = str(caught.value)
     assert text.startswith(expected) and SECRET not in text and "\n" not in text
+
+
+def test_a_server_that_is_not_a_galera_node_gets_no_causal_read_setting(make_ledger) -> None:
+    ledger = make_ledger()
+    engine = ledger.store.engine
+    assert (engine.galera, engine.sync_wait) == (False, None)
+    session, server = engine.read("SELECT @@session.wsrep_sync_wait, @@global.wsrep_sync_wait", {})[0]
+    assert session == server
+
+
+def test_wsrep_sync_wait_in_the_url_is_set_on_every_connection_of_a_server_that_has_it(ledger_target: str) -> None:
+    with Ledger.open(f"{ledger_target}?wsrep_sync_wait=1") as ledger:
+        assert ledger.store.engine.read("SELECT @@session.wsrep_sync_wait", {}) == [(1,)]
+        # Not a Galera node: nothing to report as in force for the ledger's reads.
+        assert (ledger.store.engine.galera, ledger.store.engine.sync_wait) == (False, None)
+
+
+def test_a_galera_node_outside_a_primary_component_is_connection_failed(ledger_target: str) -> None:
+    engine = MysqlEngine(ledger_target)
+    error = pymysql.err.OperationalError(1047, "WSREP has not yet prepared node for application use")
+    translated = engine._translate(error)
+    assert isinstance(translated, ConnectionFailedError)
+    assert str(translated).startswith(f"cannot reach MySQL at {engine.describe()}: this Galera node is not in a Primary")
+
+
+def test_the_principal_limit_that_docs_and_schema_state_is_the_one_enforced() -> None:
+    from idemctl.ledger import MAX_PRINCIPAL_BYTES
+    from tests.helpers import ROOT
+
+    docs = " ".join((ROOT / "docs" / "mysql.md").read_text().split())
+    ddl = " ".join(line.strip("- ") for line in (ROOT / "schema" / "mysql" / "0001_idemctl_v2.sql").read_text().splitlines())
+    assert MAX_PRINCIPAL_BYTES == 512
+    assert f"A principal is at most {MAX_PRINCIPAL_BYTES} bytes of UTF-8" in docs
+    assert f"a principal at most {MAX_PRINCIPAL_BYTES} bytes of UTF-8, on every engine" in ddl
+    assert "1024 bytes of UTF-8" not in docs + ddl
 
 
 def test_a_wrong_password_is_connection_failed_without_the_password(mysql_server: str) -> None:
