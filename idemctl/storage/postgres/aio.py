@@ -15,10 +15,13 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
+from ...errors import StorageError
 from ..dialect import POSTGRES
 from ..engine import Params, Rows
-from .errors import Translator
+from .errors import PoolerError, Translator
+from .pooler import MARKER_QUERY, AsyncSettingsCursor, StatementSettings, honoured, refused_startup, settings_sql
 from .schema import EXISTING, existing_tables
+from .url import ServerSettings
 
 log = logging.getLogger("idemctl")
 
@@ -28,6 +31,7 @@ class _AsyncPooledConnection(psycopg.AsyncConnection[tuple[Any, ...]]):
     (as the synchronous pool's connections have)."""
 
     statement_cursor: psycopg.AsyncCursor[tuple[Any, ...]] | None = None
+    idemctl_settings: StatementSettings | None = None
 
 
 class AsyncPostgresEngine:
@@ -40,9 +44,12 @@ class AsyncPostgresEngine:
 
     dialect = POSTGRES
 
-    def __init__(self, conninfo: str, translate: Translator) -> None:
-        self._conninfo = conninfo
+    def __init__(self, settings: ServerSettings, translate: Translator, pooler: str | None = None) -> None:
+        self._settings = settings
         self._translate = translate
+        # What the URL leads to (see PostgresEngine.pooler): known if the
+        # synchronous engine already connected, else detected here.
+        self.pooler = pooler
         self._pool: AsyncConnectionPool[_AsyncPooledConnection] | None = None
         self._opening: asyncio.Lock | None = None
         # Every connection the pool made, so that `abandon` can close their
@@ -63,21 +70,72 @@ class AsyncPostgresEngine:
                 self._pool = await self._new_pool()
             return self._pool
 
-    async def _new_pool(self) -> AsyncConnectionPool[_AsyncPooledConnection]:
-        # As the synchronous pool: a direct connection first, for libpq's reason.
+    async def _connect_once(self, conninfo: str) -> psycopg.AsyncConnection[Any]:
         try:
-            conn = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True)
+            return await psycopg.AsyncConnection.connect(conninfo, autocommit=True)
         except psycopg.Error as exc:
             raise self._translate(exc, connecting=True) from exc
-        await conn.close()
 
-        async def remember(made: _AsyncPooledConnection) -> None:
-            self._made.add(made)
+    async def _detect(self) -> str:
+        # As PostgresEngine._detect: one connection says what is there.
+        s = self._settings
+        if s.pooler not in ("auto", "none"):
+            await (await self._connect_once(s.pooled_conninfo)).close()
+            return s.pooler
+        try:
+            conn = await psycopg.AsyncConnection.connect(s.conninfo, autocommit=True)
+        except psycopg.Error as exc:
+            if s.pooler == "auto" and refused_startup(exc):
+                await (await self._connect_once(s.pooled_conninfo)).close()
+                return "transaction"
+            raise self._translate(exc, connecting=True) from exc
+        try:
+            row = await (await conn.execute(MARKER_QUERY)).fetchone()
+        except psycopg.Error as exc:
+            raise self._translate(exc, connecting=True) from exc
+        finally:
+            await conn.close()
+        if honoured(row[0] if row else None):
+            return "none"
+        if s.pooler == "none":
+            raise PoolerError(f"{self.describe()} ignored idemctl's startup options (a connection pooler?)")
+        return "transaction"
+
+    async def _new_pool(self) -> AsyncConnectionPool[_AsyncPooledConnection]:
+        # As the synchronous pool: a first connection says what the URL leads
+        # to, and gives libpq's reason at once if nothing answers.
+        mode = await self._detect()
+        self.pooler = mode
+        s = self._settings
+        kwargs: dict[str, Any] = {"autocommit": True}
+        if mode in ("transaction", "statement"):
+            kwargs.update(prepare_threshold=None, cursor_factory=AsyncSettingsCursor)
+        elif s.prepare_threshold_set:
+            kwargs["prepare_threshold"] = s.prepare_threshold
+        if s.settings is None and mode != "none":
+            raise StorageError(
+                f"{self.describe()} is behind a connection pooler, which cannot pass on the URL's options: "
+                "through a pooler idemctl applies only -c name=value settings"
+            )
+        session = settings_sql(s.settings or (), local=False) if mode == "session" else ""
+        prefix = StatementSettings(settings_sql(s.transaction_settings(), local=True))
+        made = self._made
+
+        async def remember(conn: _AsyncPooledConnection) -> None:
+            made.add(conn)
+            if mode == "none":
+                row = await (await conn.execute(MARKER_QUERY)).fetchone()
+                if not honoured(row[0] if row else None):
+                    raise PoolerError(f"{self.describe()} ignored idemctl's startup options (a connection pooler?)")
+            elif mode == "session":
+                await psycopg.AsyncClientCursor(conn).execute(session)
+            else:
+                conn.idemctl_settings = prefix
 
         pool = AsyncConnectionPool(
-            self._conninfo,
+            s.conninfo if mode == "none" else s.pooled_conninfo,
             connection_class=_AsyncPooledConnection,
-            kwargs={"autocommit": True},
+            kwargs=kwargs,
             # Connections are made as the loop needs them, never ahead: the
             # pool's workers swallow a cancellation while they connect, and
             # a loop ending then (asyncio.run returning) would wait forever.

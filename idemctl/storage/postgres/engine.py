@@ -35,7 +35,15 @@ from ..dialect import POSTGRES
 from ..engine import Params, Rows
 from ..server import checked_busy_timeout, scrub
 from .aio import AsyncPostgresEngine
-from .errors import INIT_RACE, DatabaseNotCreatedError, Translator, libpq_reason
+from .errors import INIT_RACE, DatabaseNotCreatedError, PoolerError, Translator, libpq_reason, pooler_mode_refused
+from .pooler import (
+    MARKER_QUERY,
+    SettingsCursor,
+    StatementSettings,
+    honoured,
+    refused_startup,
+    settings_sql,
+)
 from .schema import PostgresTx, existing
 from .url import DEFAULT_CONNECT_TIMEOUT_S, ServerSettings
 
@@ -103,6 +111,9 @@ class _PooledConnection(psycopg.Connection[tuple[Any, ...]]):
     statement is a measurable part of a request's own CPU."""
 
     statement_cursor: psycopg.Cursor[tuple[Any, ...]] | None = None
+    # Behind a transaction or statement pooler: the settings each statement
+    # carries (pooler.py's SettingsCursor reads them).
+    idemctl_settings: StatementSettings | None = None
 
 
 class PostgresEngine:
@@ -112,7 +123,11 @@ class PostgresEngine:
     Pool settings ride on the URL as idemctl's own query parameters:
     ``pool_min_size`` (default 1), ``pool_max_size`` (default 10) and
     ``pool_timeout`` (seconds to wait for a free connection; default the busy
-    timeout). libpq's own parameters (``connect_timeout``, default 5 s;
+    timeout). ``pooler`` says what the URL leads to (``auto``, the default,
+    detects it; ``none``, ``session``, ``transaction``, ``statement``: see
+    pooler.py) and ``prepare_threshold`` is psycopg's (a number, or ``none``
+    for never; a transaction or statement pooler never prepares). libpq's
+    own parameters (``connect_timeout``, default 5 s;
     ``options=-csearch_path=…``; ``sslmode``; ...) pass through unchanged.
 
     Nothing connects until the first statement.
@@ -144,7 +159,14 @@ class PostgresEngine:
             pool_timeout_s=pool_timeout_s,
         )
         self._secrets = settings.secrets
+        self._settings = settings
         self._conninfo = settings.conninfo
+        # What the URL led to when the pool last opened: "none" (the server
+        # itself), or the pool mode of the pooler in between.
+        self.pooler: str | None = None
+        # Set when a direct pool's new connection lost the startup options:
+        # the pool is replaced (and the pooler detected) on the next failure.
+        self._options_lost = False
         self.url_params = settings.url_params
         self.pool_min_size, self.pool_max_size = settings.pool_min_size, settings.pool_max_size
         self.pool_timeout_s = settings.pool_timeout_s
@@ -171,24 +193,111 @@ class PostgresEngine:
         return scrub(text, self._secrets)
 
     # -- connections ---------------------------------------------------------------
-    def _new_pool(self) -> ConnectionPool[_PooledConnection]:
-        # A direct connection first: if the server is down or refuses us, the
-        # caller gets libpq's reason at once instead of a pool timeout.
+    def _connect_once(self, conninfo: str) -> psycopg.Connection[Any]:
         try:
-            conn = psycopg.connect(self._conninfo, autocommit=True)
+            return psycopg.connect(conninfo, autocommit=True)
         except psycopg.Error as exc:
             raise self._translate(exc, connecting=True) from exc
-        conn.close()
+
+    def _detect(self) -> str:
+        """What the URL leads to now (see url.POOLER_MODES), from one
+        connection: also the check that the server is there, so the caller
+        gets libpq's reason at once instead of a pool timeout."""
+        s = self._settings
+        if s.pooler not in ("auto", "none"):
+            self._connect_once(s.pooled_conninfo).close()
+            return s.pooler
+        try:
+            conn = psycopg.connect(s.conninfo, autocommit=True)
+        except psycopg.Error as exc:
+            if s.pooler == "auto" and refused_startup(exc):
+                self._connect_once(s.pooled_conninfo).close()
+                return "transaction"
+            raise self._translate(exc, connecting=True) from exc
+        try:
+            row = conn.execute(MARKER_QUERY).fetchone()
+        except psycopg.Error as exc:
+            raise self._translate(exc, connecting=True) from exc
+        finally:
+            conn.close()
+        if honoured(row[0] if row else None):
+            return "none"
+        if s.pooler == "none":
+            raise PoolerError(f"{self._describe} ignored idemctl's startup options" + _OPTIONS_LOST)
+        return "transaction"
+
+    def _new_pool(self) -> ConnectionPool[_PooledConnection]:
+        mode = self._detect()
+        if mode != self.pooler:
+            if mode != "none":
+                how = "per session" if mode == "session" else "per transaction, without prepared statements"
+                log.info("PostgreSQL at %s is behind a connection pooler (%s pooling): settings apply %s",
+                         self._describe, mode, how)
+            self.pooler = mode
+        self._options_lost = False
+        s = self._settings
+        kwargs: dict[str, Any] = {"autocommit": True}
+        if mode in ("transaction", "statement"):
+            kwargs.update(prepare_threshold=None, cursor_factory=SettingsCursor)
+        elif s.prepare_threshold_set:
+            kwargs["prepare_threshold"] = s.prepare_threshold
         return ConnectionPool(
-            self._conninfo,
+            s.conninfo if mode == "none" else s.pooled_conninfo,
             connection_class=_PooledConnection,
-            kwargs={"autocommit": True},
+            kwargs=kwargs,
             min_size=self.pool_min_size,
             max_size=self.pool_max_size,
             timeout=self.pool_timeout_s,
             name=f"idemctl-{os.getpid()}",
+            configure=self._configure_for(mode),
             open=True,
         )
+
+    def _configure_for(self, mode: str) -> Callable[[_PooledConnection], None]:
+        """Each new connection's one round trip, once: a direct one checks
+        that its startup options arrived; a pooled one gets its settings."""
+        s = self._settings
+        if s.settings is None and mode != "none":
+            raise StorageError(
+                f"{self._describe} is behind a connection pooler, which cannot pass on the URL's options="
+                f"{self.url_params.get('options', '')!r}: through a pooler idemctl applies only -c name=value settings"
+            )
+        if mode == "none":
+
+            def check(conn: _PooledConnection) -> None:
+                row = conn.execute(MARKER_QUERY).fetchone()
+                if not honoured(row[0] if row else None):
+                    # Never run a statement without its settings: this pool
+                    # goes, and the next one detects what is there now.
+                    self._options_lost = True
+                    raise PoolerError(f"{self._describe} ignored idemctl's startup options" + _OPTIONS_LOST)
+
+            return check
+        if mode == "session":
+            query = settings_sql(s.settings or (), local=False)
+
+            def set_session(conn: _PooledConnection) -> None:
+                psycopg.ClientCursor(conn).execute(query)
+
+            return set_session
+        prefix = StatementSettings(settings_sql(s.transaction_settings(), local=True))
+
+        def remember(conn: _PooledConnection) -> None:
+            conn.idemctl_settings = prefix
+
+        return remember
+
+    def _transaction_settings(self, conn: psycopg.Connection[Any]) -> None:
+        """Right after BEGIN on a pooled connection: the settings, for the
+        statements that do not go through its SettingsCursor."""
+        prefix: StatementSettings | None = getattr(conn, "idemctl_settings", None)
+        if prefix is not None and prefix.plain:
+            psycopg.ClientCursor(conn).execute(prefix.plain)
+
+    def _refuse_transactions(self) -> None:
+        """A statement pooler refuses any transaction: say so before trying."""
+        if self.pooler == "statement":
+            raise pooler_mode_refused(self._describe)
 
     def _current_pool(self) -> ConnectionPool[_PooledConnection]:
         pid = os.getpid()
@@ -225,6 +334,11 @@ class PostgresEngine:
                 pool = self._current_pool()
                 return pool, pool.getconn()
         except psycopg.Error as exc:
+            if self._options_lost:
+                with self._lock:
+                    lost, self._pool = self._pool, None
+                if lost is not None:
+                    threading.Thread(target=_close_quietly, args=(lost,), daemon=True).start()
             raise self._translate(exc) from exc
 
     def _failed(
@@ -289,8 +403,17 @@ class PostgresEngine:
             try:
                 conn = psycopg.connect(make_conninfo(self._conninfo, dbname=maintenance), autocommit=True)
             except psycopg.Error as exc:
-                last = exc
-                continue
+                if refused_startup(exc):  # a pooler: its database list decides
+                    try:
+                        conn = psycopg.connect(
+                            make_conninfo(self._settings.pooled_conninfo, dbname=maintenance), autocommit=True
+                        )
+                    except psycopg.Error as again:
+                        last = again
+                        continue
+                else:
+                    last = exc
+                    continue
             try:
                 conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
                 return True
@@ -307,7 +430,7 @@ class PostgresEngine:
     def open_async(self) -> AsyncPostgresEngine:
         """The request path of this engine for the running event loop (see
         AsyncPostgresEngine); it connects on its first statement."""
-        return AsyncPostgresEngine(self._conninfo, self._translate)
+        return AsyncPostgresEngine(self._settings, self._translate, self.pooler)
 
     def close(self) -> None:
         # As on SQLite, a closed backend that is used again reconnects.
@@ -352,10 +475,13 @@ class PostgresEngine:
         # A server-side cursor streams the rows in batches: a million rows
         # never sit in memory at once. It needs a transaction (read-only
         # work, so it holds no lock that the request path waits on).
-        with self._connection() as conn, conn.transaction(), conn.cursor(name="idemctl_stream") as cur:
-            cur.itersize = 500
-            cur.execute(sql, params)
-            yield from cur
+        with self._connection() as conn:
+            self._refuse_transactions()
+            with conn.transaction(), conn.cursor(name="idemctl_stream") as cur:
+                self._transaction_settings(conn)
+                cur.itersize = 500
+                cur.execute(sql, params)
+                yield from cur
 
     def table_names(self, names: Iterable[str]) -> set[str]:
         wanted = list(names)
@@ -392,9 +518,11 @@ class PostgresEngine:
 
     def _migrate_once(self, body: Callable[[PostgresTx], T], write: bool) -> T:
         pool = self._current_pool()
+        self._refuse_transactions()
         try:
             with pool.connection() as conn:
                 with conn.transaction() as tx:
+                    self._transaction_settings(conn)
                     if existing(conn, ["idemctl_schema_version"]):
                         # Schema administration, not the request path: readers
                         # and the request path are unaffected by this lock.
@@ -405,6 +533,13 @@ class PostgresEngine:
                 return result
         except PoolTimeout as exc:
             raise self._translate(exc) from exc
+
+
+_OPTIONS_LOST = (
+    " (a connection pooler with ignore_startup_parameters=options?): its lock timeout, read-only mode and"
+    " search_path would be lost; let idemctl detect the pooler (pooler=auto, the default) or name its pool mode"
+    " (pooler=transaction, session or statement)"
+)
 
 
 def _close_quietly(pool: ConnectionPool[_PooledConnection]) -> None:

@@ -1,0 +1,124 @@
+"""A connection pooler (PgBouncer) between idemctl and PostgreSQL.
+
+A direct connection carries idemctl's settings (lock timeout, read-only,
+the URL's own ``-c name=value``, such as search_path) as startup options:
+nothing per statement. A pooler refuses those options (PgBouncer's
+default: "unsupported startup parameter: options") or drops them
+(``ignore_startup_parameters = options``), and in transaction or statement
+pooling the server session behind a connection changes between
+transactions, so neither session settings nor server-side prepared
+statements survive. Behind such a pooler every statement carries its
+settings in the same implicit transaction, as one simple-protocol query
+(one round trip)::
+
+    SET LOCAL transaction_read_only = 'on'; SELECT set_config('lock_timeout', '5000', true), ...; <statement>
+
+and explicit transactions apply them right after BEGIN.
+
+How the URL leads to the server (the ``pooler`` URL parameter, url.py's
+POOLER_MODES) is detected when a pool opens: refused options, or options
+whose marker setting (MARKER_SETTING) the session does not have, mean a
+pooler; each new physical connection of a direct pool checks the marker
+again, once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .url import MARKER_SETTING
+
+# Settings that must be set before the transaction's first query (its
+# snapshot): SET LOCAL, ahead of the set_config() query.
+_BEFORE_SNAPSHOT = frozenset({"transaction_isolation", "transaction_read_only", "transaction_deferrable"})
+
+MARKER_QUERY = f"SELECT current_setting('{MARKER_SETTING}', true)"
+
+
+def settings_sql(settings: Sequence[tuple[str, str]], *, local: bool) -> str:
+    """The query that applies `settings` to the current transaction
+    (`local`) or to the session, values quoted as literals.
+
+    >>> settings_sql([("lock_timeout", "5000"), ("transaction_read_only", "on")], local=True)
+    "SET LOCAL transaction_read_only = 'on'; SELECT set_config('lock_timeout', '5000', true)"
+    """
+    parts: list[str] = []
+    calls: list[str] = []
+    # set_config takes a value exactly as a startup option does (a list
+    # such as search_path=a,b stays a list); SET's literal would not.
+    for name, value in settings:
+        if local and name.lower() in _BEFORE_SNAPSHOT:
+            parts.append(
+                sql.SQL("SET LOCAL {} = {}").format(sql.Identifier(name.lower()), sql.Literal(value)).as_string(None)
+            )
+        else:
+            calls.append(
+                sql.SQL("set_config({}, {}, {})")
+                .format(sql.Literal(name), sql.Literal(value), sql.Literal(local))
+                .as_string(None)
+            )
+    if calls:
+        parts.append("SELECT " + ", ".join(calls))
+    return "; ".join(parts)
+
+
+def refused_startup(exc: BaseException) -> bool:
+    """Whether a connection failed because the server (a pooler) refuses
+    a startup parameter."""
+    return "unsupported startup parameter" in str(exc)
+
+
+def honoured(marker: object) -> bool:
+    """Whether MARKER_QUERY's answer says the startup options reached the server."""
+    return marker == "on"
+
+
+class StatementSettings:
+    """The prefix a pooled connection's statements carry: as given (a query
+    without parameters), and with ``%`` doubled (one with parameters, where
+    psycopg reads ``%%`` as ``%``)."""
+
+    __slots__ = ("escaped", "plain")
+
+    def __init__(self, query: str) -> None:
+        self.plain = query + "; " if query else ""
+        self.escaped = self.plain.replace("%", "%%")
+
+
+def _prefixed(query: Any, params: Any, settings: StatementSettings | None) -> Any:
+    if settings is None or not settings.plain:
+        return query
+    if not isinstance(query, str):
+        return sql.Composed([sql.SQL(settings.plain if params is None else settings.escaped), query])
+    return (settings.plain if params is None else settings.escaped) + query
+
+
+class SettingsCursor(psycopg.ClientCursor[Any]):
+    """A cursor that sends each statement after its connection's settings
+    in one simple-protocol query (no server-side prepared statement), and
+    stands on the statement's own result."""
+
+    def execute(
+        self, query: Any, params: Any = None, *, prepare: bool | None = None, binary: bool | None = None
+    ) -> SettingsCursor:
+        settings: StatementSettings | None = getattr(self.connection, "idemctl_settings", None)
+        super().execute(_prefixed(query, params, settings), params, prepare=prepare, binary=binary)
+        while self.nextset():
+            pass
+        return self
+
+
+class AsyncSettingsCursor(psycopg.AsyncClientCursor[Any]):
+    """SettingsCursor on an AsyncConnection."""
+
+    async def execute(
+        self, query: Any, params: Any = None, *, prepare: bool | None = None, binary: bool | None = None
+    ) -> AsyncSettingsCursor:
+        settings: StatementSettings | None = getattr(self.connection, "idemctl_settings", None)
+        await super().execute(_prefixed(query, params, settings), params, prepare=prepare, binary=binary)
+        while self.nextset():
+            pass
+        return self
