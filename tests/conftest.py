@@ -103,17 +103,19 @@ def postgres_server() -> str:
 
 
 @pytest.fixture(scope="session")
-def pgbouncers(postgres_server: str) -> Iterator[Callable[[str], PgBouncer]]:
+def pgbouncers(postgres_server: str) -> Iterator[Callable[..., PgBouncer]]:
     """PgBouncer in front of the test server, by pool mode (session,
-    transaction, statement): each started on first use, stopped at the end
-    of the run. Skips (fails under CI) when PgBouncer cannot run here."""
-    started: dict[str, PgBouncer] = {}
+    transaction, statement) and whether it drops startup options
+    (`ignore_options`): each started on first use, stopped at the end of
+    the run. Skips (fails under CI) when PgBouncer cannot run here."""
+    started: dict[tuple[str, bool], PgBouncer] = {}
     with contextlib.ExitStack() as stack:
 
-        def get(mode: str) -> PgBouncer:
-            if mode not in started:
-                started[mode] = stack.enter_context(start_or_skip(mode, postgres_server))
-            return started[mode]
+        def get(mode: str, *, ignore_options: bool = False) -> PgBouncer:
+            if (mode, ignore_options) not in started:
+                bouncer = start_or_skip(mode, postgres_server, ignore_options=ignore_options)
+                started[mode, ignore_options] = stack.enter_context(bouncer)
+            return started[mode, ignore_options]
 
         yield get
 

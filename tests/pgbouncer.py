@@ -58,9 +58,11 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_pgbouncer(mode: str, server_url: str) -> Iterator[PgBouncer]:
+def running_pgbouncer(mode: str, server_url: str, *, ignore_options: bool = False) -> Iterator[PgBouncer]:
     """PgBouncer in `mode` pooling in front of the server at `server_url`
-    (a postgresql:// URL), until the block ends."""
+    (a postgresql:// URL), until the block ends. `ignore_options`: with the
+    usual workaround for clients that send startup options,
+    ``ignore_startup_parameters = options`` (it then drops them silently)."""
     import psycopg
     from psycopg.conninfo import conninfo_to_dict
 
@@ -81,6 +83,7 @@ def running_pgbouncer(mode: str, server_url: str) -> Iterator[PgBouncer]:
         f"auth_file = {directory / 'users.txt'}\n"
         f"pool_mode = {mode}\n"
         f"logfile = {directory / 'pgbouncer.log'}\n"
+        + ("ignore_startup_parameters = options\n" if ignore_options else "")
     )
     binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
     command = [binary, str(directory / "pgbouncer.ini")]
@@ -118,11 +121,11 @@ def running_pgbouncer(mode: str, server_url: str) -> Iterator[PgBouncer]:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def start_or_skip(mode: str, server_url: str) -> contextlib.AbstractContextManager[PgBouncer]:
+def start_or_skip(mode: str, server_url: str, *, ignore_options: bool = False) -> contextlib.AbstractContextManager[PgBouncer]:
     """`running_pgbouncer`, or skip (fail under CI) with the reason it cannot run."""
     reason = missing_reason()
     if reason is not None:
         if os.environ.get("CI"):
             pytest.fail(f"CI runs the PgBouncer tests: {reason}", pytrace=False)
         pytest.skip(reason)
-    return running_pgbouncer(mode, server_url)
+    return running_pgbouncer(mode, server_url, ignore_options=ignore_options)
