@@ -265,3 +265,22 @@ def test_statement_pooling_serves_requests_and_refuses_init_with_one_clear_error
         with Ledger.open(statement_url + "&pooler=statement") as ledger, pytest.raises(PoolerError, match="statement mode"):
             ledger.init()
         assert count_rows(postgres_server, schema) == 1
+
+
+def test_pooler_session_sets_the_settings_once_per_connection_and_they_hold(
+    pgbouncers: Callable[..., PgBouncer], postgres_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with schema_through(pgbouncers("session"), postgres_server, monkeypatch) as (url, schema):
+        with Ledger.open(url + "&pooler=session", busy_timeout_ms=1500) as ledger:
+            ledger.init()
+            engine = ledger.store.engine
+            assert engine.pooler == "session"
+            assert engine.read(
+                "SELECT current_setting('lock_timeout'), current_setting('search_path'),"
+                " current_setting('transaction_read_only')",
+                {},
+            ) == [("1500ms", schema, "off")]
+        assert schema in table_schemas(postgres_server, "idempotency_keys")
+        with Ledger.open(url + "&pooler=session", readonly=True) as reader, pytest.raises(ReadOnlyDatabaseError):
+            reader.claim("acct_A", "k1", "fp-1")
+        assert count_rows(postgres_server, schema) == 0
