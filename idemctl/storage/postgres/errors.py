@@ -57,9 +57,8 @@ _POOLER_SERVER_DOWN = ("pgbouncer cannot connect to server", "server login has b
 def pooler_mode_refused(where: str) -> PoolerError:
     """Statement pooling, where a transaction of several statements is refused."""
     return PoolerError(
-        f"{where} is pooled in statement mode ({_STATEMENT_POOLING}): init, migrate and streaming reads "
-        "(pending --all, export) need a transaction; run them against a session or transaction pool "
-        "or against the server itself"
+        f"{where} is pooled in statement mode ({_STATEMENT_POOLING}): init (migrations) and the pending "
+        "listing need a transaction; run them against a session or transaction pool or against the server itself"
     )
 
 
