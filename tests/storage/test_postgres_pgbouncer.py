@@ -284,3 +284,42 @@ def test_pooler_session_sets_the_settings_once_per_connection_and_they_hold(
         with Ledger.open(url + "&pooler=session", readonly=True) as reader, pytest.raises(ReadOnlyDatabaseError):
             reader.claim("acct_A", "k1", "fp-1")
         assert count_rows(postgres_server, schema) == 0
+
+
+def test_a_direct_pools_new_connection_without_its_startup_options_is_refused_and_the_pool_replaced(
+    postgres_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with contextmanager(postgres_test_schema)(postgres_server, monkeypatch) as url:
+        engine = PostgresEngine(url)
+        try:
+            assert engine.read("SELECT 1", {}) == [(1,)] and engine.pooler == "none"
+            first_pool = engine._pool
+            # What a pooler that drops startup options hands the pool: a
+            # session without them (and so without the marker setting).
+            bare = psycopg.connect(engine._settings.pooled_conninfo, autocommit=True)
+            with bare, pytest.raises(PoolerError, match="ignored idemctl's startup options"):
+                engine._configure_for("none")(bare)
+            # The next failure to get a connection replaces the pool, and the
+            # one after finds what is there now.
+            def no_connection(*args: object, **kwargs: object) -> None:
+                raise psycopg.OperationalError("no connection: the pool could not make one")
+
+            monkeypatch.setattr(engine._pool, "getconn", no_connection)
+            with pytest.raises(StorageError):
+                engine.read("SELECT 1", {})
+            assert engine._pool is None
+            assert engine.read("SELECT current_setting('lock_timeout')", {}) == [("5s",)]
+            assert engine._pool is not first_pool and engine.pooler == "none"
+        finally:
+            engine.close()
+
+
+def test_url_options_other_than_settings_are_refused_behind_a_pooler(
+    pgbouncers: Callable[..., PgBouncer],
+) -> None:
+    engine = PostgresEngine(pgbouncers("transaction").url(query="options=-c%20lock_timeout%3D100%20-e"))
+    try:
+        with pytest.raises(StorageError, match="cannot pass on the URL's options='-c lock_timeout=100 -e'"):
+            engine.read("SELECT 1", {})
+    finally:
+        engine.close()
