@@ -334,12 +334,11 @@ class PostgresEngine:
                 pool = self._current_pool()
                 return pool, pool.getconn()
         except psycopg.Error as exc:
-            if self._options_lost:
-                with self._lock:
-                    lost, self._pool = self._pool, None
-                if lost is not None:
-                    threading.Thread(target=_close_quietly, args=(lost,), daemon=True).start()
-            raise self._translate(exc) from exc
+            error = self._translate(exc)
+            lost = self._pool
+            if self._options_lost and lost is not None:
+                self._discard(lost, error)  # its new connections lack their settings: see _configure_for
+            raise error from exc
 
     def _failed(
         self, pool: ConnectionPool[_PooledConnection], conn: psycopg.Connection[Any], exc: psycopg.Error
