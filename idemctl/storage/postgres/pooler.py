@@ -42,8 +42,8 @@ def settings_sql(settings: Sequence[tuple[str, str]], *, local: bool) -> str:
     """The query that applies `settings` to the current transaction
     (`local`) or to the session, values quoted as literals.
 
-    >>> settings_sql([("lock_timeout", "5000"), ("transaction_read_only", "on")], local=True)
-    "SET LOCAL transaction_read_only = 'on'; SELECT set_config('lock_timeout', '5000', true)"
+    >>> print(settings_sql([("search_path", "a,b"), ("transaction_read_only", "on")], local=True))
+    SET LOCAL transaction_read_only = 'on'; SELECT set_config('search_path', 'a,b', true)
     """
     parts: list[str] = []
     calls: list[str] = []
@@ -51,9 +51,8 @@ def settings_sql(settings: Sequence[tuple[str, str]], *, local: bool) -> str:
     # such as search_path=a,b stays a list); SET's literal would not.
     for name, value in settings:
         if local and name.lower() in _BEFORE_SNAPSHOT:
-            parts.append(
-                sql.SQL("SET LOCAL {} = {}").format(sql.Identifier(name.lower()), sql.Literal(value)).as_string(None)
-            )
+            # (the name is one of _BEFORE_SNAPSHOT's, never the URL's spelling)
+            parts.append(sql.SQL("SET LOCAL {} = {}").format(sql.SQL(name.lower()), sql.Literal(value)).as_string(None))
         else:
             calls.append(
                 sql.SQL("set_config({}, {}, {})")
