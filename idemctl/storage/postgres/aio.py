@@ -15,11 +15,19 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from ...errors import StorageError
 from ..dialect import POSTGRES
 from ..engine import Params, Rows
-from .errors import PoolerError, Translator
-from .pooler import MARKER_QUERY, AsyncSettingsCursor, StatementSettings, honoured, refused_startup, settings_sql
+from .errors import Translator
+from .pooler import (
+    MARKER_QUERY,
+    AsyncSettingsCursor,
+    StatementSettings,
+    adetect,
+    honoured,
+    options_lost,
+    pool_arguments,
+    settings_sql,
+)
 from .schema import EXISTING, existing_tables
 from .url import ServerSettings
 
@@ -70,55 +78,13 @@ class AsyncPostgresEngine:
                 self._pool = await self._new_pool()
             return self._pool
 
-    async def _connect_once(self, conninfo: str) -> psycopg.AsyncConnection[Any]:
-        try:
-            return await psycopg.AsyncConnection.connect(conninfo, autocommit=True)
-        except psycopg.Error as exc:
-            raise self._translate(exc, connecting=True) from exc
-
-    async def _detect(self) -> str:
-        # As PostgresEngine._detect: one connection says what is there.
-        s = self._settings
-        if s.pooler not in ("auto", "none"):
-            await (await self._connect_once(s.pooled_conninfo)).close()
-            return s.pooler
-        try:
-            conn = await psycopg.AsyncConnection.connect(s.conninfo, autocommit=True)
-        except psycopg.Error as exc:
-            if s.pooler == "auto" and refused_startup(exc):
-                await (await self._connect_once(s.pooled_conninfo)).close()
-                return "transaction"
-            raise self._translate(exc, connecting=True) from exc
-        try:
-            row = await (await conn.execute(MARKER_QUERY)).fetchone()
-        except psycopg.Error as exc:
-            raise self._translate(exc, connecting=True) from exc
-        finally:
-            await conn.close()
-        if honoured(row[0] if row else None):
-            return "none"
-        if s.pooler == "none":
-            raise PoolerError(f"{self.describe()} ignored idemctl's startup options (a connection pooler?)")
-        return "transaction"
-
     async def _new_pool(self) -> AsyncConnectionPool[_AsyncPooledConnection]:
         # As the synchronous pool: a first connection says what the URL leads
         # to, and gives libpq's reason at once if nothing answers.
-        mode = await self._detect()
-        self.pooler = mode
-        s = self._settings
-        kwargs: dict[str, Any] = {"autocommit": True}
-        if mode in ("transaction", "statement"):
-            kwargs.update(prepare_threshold=None, cursor_factory=AsyncSettingsCursor)
-        elif s.prepare_threshold_set:
-            kwargs["prepare_threshold"] = s.prepare_threshold
-        if s.settings is None and mode != "none":
-            raise StorageError(
-                f"{self.describe()} is behind a connection pooler, which cannot pass on the URL's options: "
-                "through a pooler idemctl applies only -c name=value settings"
-            )
-        session = settings_sql(s.settings or (), local=False) if mode == "session" else ""
-        prefix = StatementSettings(settings_sql(s.transaction_settings(), local=True))
+        mode = self.pooler = await adetect(self._settings, self._translate)
+        conninfo, kwargs = pool_arguments(self._settings, mode, self.describe(), AsyncSettingsCursor)
+        session = settings_sql(self._settings.settings or (), local=False) if mode == "session" else ""
+        prefix = StatementSettings.of(self._settings)
         made = self._made
 
         async def remember(conn: _AsyncPooledConnection) -> None:
@@ -126,14 +92,14 @@ class AsyncPostgresEngine:
             if mode == "none":
                 row = await (await conn.execute(MARKER_QUERY)).fetchone()
                 if not honoured(row[0] if row else None):
-                    raise PoolerError(f"{self.describe()} ignored idemctl's startup options (a connection pooler?)")
+                    raise options_lost(self.describe())
             elif mode == "session":
                 await psycopg.AsyncClientCursor(conn).execute(session)
             else:
                 conn.idemctl_settings = prefix
 
         pool = AsyncConnectionPool(
-            s.conninfo if mode == "none" else s.pooled_conninfo,
+            conninfo,
             connection_class=_AsyncPooledConnection,
             kwargs=kwargs,
             # Connections are made as the loop needs them, never ahead: the

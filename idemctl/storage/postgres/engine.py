@@ -35,12 +35,15 @@ from ..dialect import POSTGRES
 from ..engine import Params, Rows
 from ..server import checked_busy_timeout, scrub
 from .aio import AsyncPostgresEngine
-from .errors import INIT_RACE, DatabaseNotCreatedError, PoolerError, Translator, libpq_reason, pooler_mode_refused
+from .errors import INIT_RACE, DatabaseNotCreatedError, Translator, libpq_reason, pooler_mode_refused
 from .pooler import (
     MARKER_QUERY,
     SettingsCursor,
     StatementSettings,
+    detect,
     honoured,
+    options_lost,
+    pool_arguments,
     refused_startup,
     settings_sql,
 )
@@ -193,41 +196,8 @@ class PostgresEngine:
         return scrub(text, self._secrets)
 
     # -- connections ---------------------------------------------------------------
-    def _connect_once(self, conninfo: str) -> psycopg.Connection[Any]:
-        try:
-            return psycopg.connect(conninfo, autocommit=True)
-        except psycopg.Error as exc:
-            raise self._translate(exc, connecting=True) from exc
-
-    def _detect(self) -> str:
-        """What the URL leads to now (see url.POOLER_MODES), from one
-        connection: also the check that the server is there, so the caller
-        gets libpq's reason at once instead of a pool timeout."""
-        s = self._settings
-        if s.pooler not in ("auto", "none"):
-            self._connect_once(s.pooled_conninfo).close()
-            return s.pooler
-        try:
-            conn = psycopg.connect(s.conninfo, autocommit=True)
-        except psycopg.Error as exc:
-            if s.pooler == "auto" and refused_startup(exc):
-                self._connect_once(s.pooled_conninfo).close()
-                return "transaction"
-            raise self._translate(exc, connecting=True) from exc
-        try:
-            row = conn.execute(MARKER_QUERY).fetchone()
-        except psycopg.Error as exc:
-            raise self._translate(exc, connecting=True) from exc
-        finally:
-            conn.close()
-        if honoured(row[0] if row else None):
-            return "none"
-        if s.pooler == "none":
-            raise PoolerError(f"{self._describe} ignored idemctl's startup options" + _OPTIONS_LOST)
-        return "transaction"
-
     def _new_pool(self) -> ConnectionPool[_PooledConnection]:
-        mode = self._detect()
+        mode = detect(self._settings, self._translate)
         if mode != self.pooler:
             if mode != "none":
                 how = "per session" if mode == "session" else "per transaction, without prepared statements"
@@ -235,14 +205,9 @@ class PostgresEngine:
                          self._describe, mode, how)
             self.pooler = mode
         self._options_lost = False
-        s = self._settings
-        kwargs: dict[str, Any] = {"autocommit": True}
-        if mode in ("transaction", "statement"):
-            kwargs.update(prepare_threshold=None, cursor_factory=SettingsCursor)
-        elif s.prepare_threshold_set:
-            kwargs["prepare_threshold"] = s.prepare_threshold
+        conninfo, kwargs = pool_arguments(self._settings, mode, self._describe, SettingsCursor)
         return ConnectionPool(
-            s.conninfo if mode == "none" else s.pooled_conninfo,
+            conninfo,
             connection_class=_PooledConnection,
             kwargs=kwargs,
             min_size=self.pool_min_size,
@@ -256,12 +221,6 @@ class PostgresEngine:
     def _configure_for(self, mode: str) -> Callable[[_PooledConnection], None]:
         """Each new connection's one round trip, once: a direct one checks
         that its startup options arrived; a pooled one gets its settings."""
-        s = self._settings
-        if s.settings is None and mode != "none":
-            raise StorageError(
-                f"{self._describe} is behind a connection pooler, which cannot pass on the URL's options="
-                f"{self.url_params.get('options', '')!r}: through a pooler idemctl applies only -c name=value settings"
-            )
         if mode == "none":
 
             def check(conn: _PooledConnection) -> None:
@@ -270,17 +229,17 @@ class PostgresEngine:
                     # Never run a statement without its settings: this pool
                     # goes, and the next one detects what is there now.
                     self._options_lost = True
-                    raise PoolerError(f"{self._describe} ignored idemctl's startup options" + _OPTIONS_LOST)
+                    raise options_lost(self._describe)
 
             return check
         if mode == "session":
-            query = settings_sql(s.settings or (), local=False)
+            query = settings_sql(self._settings.settings or (), local=False)
 
             def set_session(conn: _PooledConnection) -> None:
                 psycopg.ClientCursor(conn).execute(query)
 
             return set_session
-        prefix = StatementSettings(settings_sql(s.transaction_settings(), local=True))
+        prefix = StatementSettings.of(self._settings)
 
         def remember(conn: _PooledConnection) -> None:
             conn.idemctl_settings = prefix
@@ -532,13 +491,6 @@ class PostgresEngine:
                 return result
         except PoolTimeout as exc:
             raise self._translate(exc) from exc
-
-
-_OPTIONS_LOST = (
-    " (a connection pooler with ignore_startup_parameters=options?): its lock timeout, read-only mode and"
-    " search_path would be lost; let idemctl detect the pooler (pooler=auto, the default) or name its pool mode"
-    " (pooler=transaction, session or statement)"
-)
 
 
 def _close_quietly(pool: ConnectionPool[_PooledConnection]) -> None:

@@ -29,7 +29,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .url import MARKER_SETTING
+from ...errors import StorageError
+from .errors import PoolerError, Translator
+from .url import MARKER_SETTING, ServerSettings
 
 # Settings that must be set before the transaction's first query (its
 # snapshot): SET LOCAL, ahead of the set_config() query.
@@ -75,6 +77,100 @@ def honoured(marker: object) -> bool:
     return marker == "on"
 
 
+OPTIONS_LOST = (
+    " (a connection pooler with ignore_startup_parameters=options?): its lock timeout, read-only mode and"
+    " search_path would be lost; let idemctl detect the pooler (pooler=auto, the default) or name its pool mode"
+    " (pooler=transaction, session or statement)"
+)
+
+
+def options_lost(where: str) -> PoolerError:
+    """A session without the startup options it was opened with."""
+    return PoolerError(f"{where} ignored idemctl's startup options" + OPTIONS_LOST)
+
+
+def detect(settings: ServerSettings, translate: Translator) -> str:
+    """What the URL leads to now (see url.POOLER_MODES), from one
+    connection: also the check that the server is there, so the caller gets
+    libpq's reason at once instead of a pool timeout."""
+    if settings.pooler not in ("auto", "none"):
+        _connect(settings.pooled_conninfo, translate).close()
+        return settings.pooler
+    try:
+        conn = psycopg.connect(settings.conninfo, autocommit=True)
+    except psycopg.Error as exc:
+        if settings.pooler == "auto" and refused_startup(exc):
+            _connect(settings.pooled_conninfo, translate).close()
+            return "transaction"
+        raise translate(exc, connecting=True) from exc
+    try:
+        row = conn.execute(MARKER_QUERY).fetchone()
+    except psycopg.Error as exc:
+        raise translate(exc, connecting=True) from exc
+    finally:
+        conn.close()
+    return _mode(settings, translate.where, row[0] if row else None)
+
+
+async def adetect(settings: ServerSettings, translate: Translator) -> str:
+    """`detect` on the running event loop."""
+    if settings.pooler not in ("auto", "none"):
+        await (await _aconnect(settings.pooled_conninfo, translate)).close()
+        return settings.pooler
+    try:
+        conn = await psycopg.AsyncConnection.connect(settings.conninfo, autocommit=True)
+    except psycopg.Error as exc:
+        if settings.pooler == "auto" and refused_startup(exc):
+            await (await _aconnect(settings.pooled_conninfo, translate)).close()
+            return "transaction"
+        raise translate(exc, connecting=True) from exc
+    try:
+        row = await (await conn.execute(MARKER_QUERY)).fetchone()
+    except psycopg.Error as exc:
+        raise translate(exc, connecting=True) from exc
+    finally:
+        await conn.close()
+    return _mode(settings, translate.where, row[0] if row else None)
+
+
+def _mode(settings: ServerSettings, where: str, marker: object) -> str:
+    if honoured(marker):
+        return "none"
+    if settings.pooler == "none":
+        raise options_lost(where)
+    return "transaction"
+
+
+def _connect(conninfo: str, translate: Translator) -> psycopg.Connection[Any]:
+    try:
+        return psycopg.connect(conninfo, autocommit=True)
+    except psycopg.Error as exc:
+        raise translate(exc, connecting=True) from exc
+
+
+async def _aconnect(conninfo: str, translate: Translator) -> psycopg.AsyncConnection[Any]:
+    try:
+        return await psycopg.AsyncConnection.connect(conninfo, autocommit=True)
+    except psycopg.Error as exc:
+        raise translate(exc, connecting=True) from exc
+
+
+def pool_arguments(settings: ServerSettings, mode: str, where: str, cursor: type[Any]) -> tuple[str, dict[str, Any]]:
+    """The conninfo and connection arguments of a pool in `mode` (`cursor`:
+    the settings cursor class, synchronous or not)."""
+    if settings.settings is None and mode != "none":
+        raise StorageError(
+            f"{where} is behind a connection pooler, which cannot pass on the URL's options="
+            f"{settings.url_params.get('options', '')!r}: through a pooler idemctl applies only -c name=value settings"
+        )
+    kwargs: dict[str, Any] = {"autocommit": True}
+    if mode in ("transaction", "statement"):
+        kwargs.update(prepare_threshold=None, cursor_factory=cursor)
+    elif settings.prepare_threshold_set:
+        kwargs["prepare_threshold"] = settings.prepare_threshold
+    return (settings.conninfo if mode == "none" else settings.pooled_conninfo), kwargs
+
+
 class StatementSettings:
     """The prefix a pooled connection's statements carry: as given (a query
     without parameters), and with ``%`` doubled (one with parameters, where
@@ -85,6 +181,10 @@ class StatementSettings:
     def __init__(self, query: str) -> None:
         self.plain = query + "; " if query else ""
         self.escaped = self.plain.replace("%", "%%")
+
+    @classmethod
+    def of(cls, settings: ServerSettings) -> StatementSettings:
+        return cls(settings_sql(settings.transaction_settings(), local=True))
 
 
 def _prefixed(query: Any, params: Any, settings: StatementSettings | None) -> Any:
