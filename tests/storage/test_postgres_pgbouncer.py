@@ -323,3 +323,14 @@ def test_url_options_other_than_settings_are_refused_behind_a_pooler(
             engine.read("SELECT 1", {})
     finally:
         engine.close()
+
+
+def test_a_database_pgbouncer_does_not_know_is_a_missing_ledger_not_an_unreachable_server(
+    pgbouncers: Callable[..., PgBouncer],
+) -> None:
+    from idemctl.errors import LedgerNotFoundError
+
+    with Ledger.open(pgbouncers("transaction").url("nosuchdb")) as ledger, pytest.raises(LedgerNotFoundError) as missing:
+        ledger.lookup("acct_A", "k1")
+    assert str(missing.value).endswith(": the pooler has no such database: nosuchdb")
+    assert not isinstance(missing.value, ConnectionFailedError)
