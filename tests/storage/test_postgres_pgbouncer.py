@@ -334,3 +334,42 @@ def test_a_database_pgbouncer_does_not_know_is_a_missing_ledger_not_an_unreachab
         ledger.lookup("acct_A", "k1")
     assert str(missing.value).endswith(": the pooler has no such database: nosuchdb")
     assert not isinstance(missing.value, ConnectionFailedError)
+
+
+def test_the_async_pool_whose_new_connections_lost_their_options_is_replaced_and_the_pooler_detected(
+    postgres_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from idemctl.storage.postgres import aio
+
+    with contextmanager(postgres_test_schema)(postgres_server, monkeypatch) as url:
+        app = url.rsplit("application_name=", 1)[1]
+        engine = PostgresEngine(url + "&pool_timeout=1")
+        on_loop = engine.open_async()
+
+        async def scenario() -> list[object]:
+            seen: list[object] = [await on_loop.execute("SELECT current_setting('lock_timeout')", {}), on_loop.pooler]
+            # From now on a new session looks like one a pooler opened
+            # without the startup options; the pool's only one goes away.
+            monkeypatch.setattr(aio, "MARKER_QUERY", "SELECT 'off'")
+            monkeypatch.setattr("idemctl.storage.postgres.pooler.MARKER_QUERY", "SELECT 'off'")
+            with psycopg.connect(postgres_server, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s", (app,))
+            for _ in range(3):  # the dead connection, then no new one within pool_timeout
+                try:
+                    await on_loop.execute("SELECT 1", {})
+                except StorageError as exc:
+                    seen.append(type(exc).__name__)
+            seen.append(await on_loop.execute("SELECT current_setting('lock_timeout')", {}))
+            seen.append(on_loop.pooler)
+            await on_loop.aclose()
+            return seen
+
+        try:
+            seen = asyncio.run(scenario())
+        finally:
+            engine.close()
+        assert seen[:2] == [[("5s",)], "none"]
+        assert seen[-2:] == [[("5s",)], "transaction"]
+        assert "ConnectionFailedError" in seen[2:-2]

@@ -63,6 +63,9 @@ class AsyncPostgresEngine:
         # Every connection the pool made, so that `abandon` can close their
         # sockets without the loop (once the loop is gone).
         self._made: weakref.WeakSet[_AsyncPooledConnection] = weakref.WeakSet()
+        # As PostgresEngine._options_lost; pools being closed after it.
+        self._options_lost = False
+        self._closing: set[asyncio.Future[None]] = set()
 
     def describe(self) -> str:
         return self._translate.where
@@ -92,6 +95,7 @@ class AsyncPostgresEngine:
             if mode == "none":
                 row = await (await conn.execute(MARKER_QUERY)).fetchone()
                 if not honoured(row[0] if row else None):
+                    self._options_lost = True
                     raise options_lost(self.describe())
             elif mode == "session":
                 await psycopg.AsyncClientCursor(conn).execute(session)
@@ -121,6 +125,13 @@ class AsyncPostgresEngine:
         try:
             conn = await pool.getconn()
         except psycopg.Error as exc:
+            if self._options_lost and self._pool is pool:
+                # Its new connections lack their startup options: the next
+                # statement opens a pool on what the URL leads to now.
+                self._pool, self._options_lost = None, False
+                closing = asyncio.ensure_future(pool.close())
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
             raise self._translate(exc) from exc
         try:
             cur = conn.statement_cursor
