@@ -11,7 +11,7 @@ topology, summed over the rounds: requests, mutation runs, keys run more
 than once (double runs), errors by type; and the median round's requests
 per second ÷ the direct server's median. PgBouncer runs with its default configuration (apart from
 where it listens, trust authentication and the pool mode), started by the
-test suite's helper (tests/pgbouncer.py) on a free port; one row also sets
+test suite's tests/pgbouncer.py on a free port; one row also sets
 the usual workaround ``ignore_startup_parameters = options``."""
 
 from __future__ import annotations
