@@ -3,6 +3,7 @@ so that backend-independent tests run against every one of them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from collections.abc import Callable, Iterator
@@ -14,12 +15,23 @@ from idemctl import Ledger, Policy
 from tests import galera
 from tests.galera import GaleraCluster
 from tests.helpers import FakeClock, mysql_test_database, postgres_test_schema
+from tests.pgbouncer import PgBouncer, start_or_skip
 
 # The suite runs with --doctest-modules (for the library's examples); these
 # are support modules, not tests, and some start servers' apps on import.
-collect_ignore = ["helpers.py", "galera.py"]
+collect_ignore = ["helpers.py", "galera.py", "pgbouncer.py"]
 
 BACKENDS = ["sqlite", "postgres", "mysql"]
+# PostgreSQL through PgBouncer in its default configuration, by pool mode:
+# the modules that set THROUGH_PGBOUNCER = True run their PostgreSQL tests
+# through these too (slow: they start PgBouncer).
+PGBOUNCER_BACKENDS = ["pgbouncer-session", "pgbouncer-transaction"]
+
+
+def pgbouncer_params(names: list[str]) -> list[object]:
+    """`names` (engines) plus the PgBouncer variants of PostgreSQL, slow-marked."""
+    extra = [pytest.param(name, marks=pytest.mark.slow) for name in PGBOUNCER_BACKENDS] if "postgres" in names else []
+    return [*names, *extra]
 
 # The PostgreSQL half runs against this server; CI fails when it is missing,
 # anywhere else those tests are skipped with one reason.
@@ -55,7 +67,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if any(mark.args and mark.args[0] == "backend_name" for mark in metafunc.definition.iter_markers("parametrize")):
         return
     marker = metafunc.definition.get_closest_marker("engines")
-    metafunc.parametrize("backend_name", list(marker.args) if marker else BACKENDS)
+    names = list(marker.args) if marker else BACKENDS
+    if getattr(metafunc.module, "THROUGH_PGBOUNCER", False):
+        metafunc.parametrize("backend_name", pgbouncer_params(names))
+    else:
+        metafunc.parametrize("backend_name", names)
 
 
 @pytest.fixture(scope="session")
@@ -87,6 +103,24 @@ def postgres_server() -> str:
             pytest.fail(f"CI runs the PostgreSQL half of the suite: {reason}", pytrace=False)
         pytest.skip(reason)
     return url
+
+
+@pytest.fixture(scope="session")
+def pgbouncers(postgres_server: str) -> Iterator[Callable[..., PgBouncer]]:
+    """PgBouncer in front of the test server, by pool mode (session,
+    transaction, statement) and whether it drops startup options
+    (`ignore_options`): each started on first use, stopped at the end of
+    the run. Skips (fails under CI) when PgBouncer cannot run here."""
+    started: dict[tuple[str, bool], PgBouncer] = {}
+    with contextlib.ExitStack() as stack:
+
+        def get(mode: str, *, ignore_options: bool = False) -> PgBouncer:
+            if (mode, ignore_options) not in started:
+                bouncer = start_or_skip(mode, postgres_server, ignore_options=ignore_options)
+                started[mode, ignore_options] = stack.enter_context(bouncer)
+            return started[mode, ignore_options]
+
+        yield get
 
 
 # The Redis the queue consumer's end-to-end test uses; the same rule as PostgreSQL.
@@ -149,6 +183,9 @@ def ledger_target(backend_name: str, tmp_path, request: pytest.FixtureRequest, m
         yield str(tmp_path / "ledger.db")
     elif backend_name == "postgres":
         yield from postgres_test_schema(request.getfixturevalue("postgres_server"), monkeypatch)
+    elif backend_name.startswith("pgbouncer-"):
+        bouncer = request.getfixturevalue("pgbouncers")(backend_name.removeprefix("pgbouncer-"))
+        yield from postgres_test_schema(request.getfixturevalue("postgres_server"), monkeypatch, via=bouncer.url())
     elif backend_name == "mysql":
         yield from mysql_test_database(request.getfixturevalue("mysql_server"), monkeypatch)
     else:  # pragma: no cover

@@ -68,19 +68,20 @@ def read_only_file(path: str | os.PathLike[str]) -> Iterator[None]:
         subprocess.run(["chattr", "-i", path], check=False)
 
 
-def postgres_test_schema(base: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def postgres_test_schema(base: str, monkeypatch: pytest.MonkeyPatch, *, via: str | None = None) -> Iterator[str]:
     """A private schema on the test server for one test, as a URL whose
     search_path holds only that schema, so processes started by the test reach
     the same isolated ledger by URL. Dropped afterwards with everything the
-    test left open in it."""
+    test left open in it. `via`: the URL leads through this pooler's URL
+    (the schema is still made and dropped on the server itself)."""
     import psycopg
 
     from idemctl.storage import postgres
 
     schema = f"t_{secrets.token_hex(6)}"
     app = f"idemctl-test-{schema}"
-    sep = "&" if "?" in base else "?"
-    url = f"{base}{sep}options=-csearch_path%3D{schema}&application_name={app}"
+    sep = "&" if "?" in (via or base) else "?"
+    url = f"{via or base}{sep}options=-csearch_path%3D{schema}&application_name={app}"
     with psycopg.connect(base, autocommit=True) as admin:
         admin.execute(f"CREATE SCHEMA {schema}")
     opened: list[postgres.PostgresEngine] = []
@@ -99,9 +100,13 @@ def postgres_test_schema(base: str, monkeypatch: pytest.MonkeyPatch) -> Iterator
         for engine in opened:
             engine.close()
         with psycopg.connect(base, autocommit=True) as admin:
+            # A pooler keeps its idle server connections (the last client's
+            # application_name on them) for the next test: only a busy one,
+            # which could hold a lock on the schema, is ended.
             admin.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                " WHERE application_name = %s AND pid <> pg_backend_pid()",
+                " WHERE application_name = %s AND pid <> pg_backend_pid()"
+                + (" AND state <> 'idle'" if via else ""),
                 (app,),
             )
             admin.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")

@@ -17,6 +17,9 @@ import pytest
 from idemctl import Outcome, Policy, Status, wall_clock_ms
 from tests.helpers import ROOT
 
+# The PostgreSQL tests run through PgBouncer (session and transaction pooling) too.
+THROUGH_PGBOUNCER = True
+
 TTL = 1000  # with renewal every third of it; margins are several ticks wide
 
 

@@ -10,6 +10,9 @@ import pytest
 from idemctl import Outcome, Policy, State, Status, fingerprint
 from idemctl.errors import InvalidBodyError
 
+# The PostgreSQL tests run through PgBouncer (session and transaction pooling) too.
+THROUGH_PGBOUNCER = True
+
 JSON = ("content-type", "application/json")
 HEADERS = {"Content-Type": "application/json"}
 BODY = b'{"sku":"widget","qty":1}'

@@ -13,6 +13,9 @@ import pytest
 
 from idemctl import Ledger, Outcome, fingerprint, wall_clock_ms
 
+# The PostgreSQL tests run through PgBouncer (session and transaction pooling) too.
+THROUGH_PGBOUNCER = True
+
 PROCESSES = 8
 KEYS = 200
 HEADERS = {"Content-Type": "application/json"}

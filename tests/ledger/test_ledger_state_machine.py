@@ -47,7 +47,11 @@ from hypothesis.stateful import (
 from idemctl import Ledger, Outcome, Policy, Reservation, State, Status, StoredRow, fingerprint
 from idemctl.outcomes import PurgeOutcome
 from idemctl.storage import SqliteOptions, Store
+from tests.conftest import pgbouncer_params
 from tests.helpers import EveryWriteInOneTransaction, FakeClock
+
+# The PostgreSQL tests run through PgBouncer (session and transaction pooling) too.
+THROUGH_PGBOUNCER = True
 
 TTL = 1_000
 RETENTION = 5_000
@@ -530,7 +534,15 @@ SETTINGS = {
         report_multiple_bugs=False,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     )
-    for backend, examples in (("sqlite", 300), ("sqlite-group", 300), ("postgres", 150), ("mysql", 100))
+    for backend, examples in (
+        ("sqlite", 300),
+        ("sqlite-group", 300),
+        ("postgres", 150),
+        ("mysql", 100),
+        # Through PgBouncer: the same machine, fewer examples (each costs a pooler round trip more).
+        ("pgbouncer-session", 40),
+        ("pgbouncer-transaction", 40),
+    )
 }
 
 
@@ -563,7 +575,7 @@ MUST_HAVE_SEEN = {
 # key (another request under a taken key), while pending and once completed.
 
 
-@pytest.mark.parametrize("backend_name", ["sqlite", "sqlite-group", "postgres", "mysql"])
+@pytest.mark.parametrize("backend_name", ["sqlite", "sqlite-group", *pgbouncer_params(["postgres"]), "mysql"])
 def test_ledger_agrees_with_the_contract_model_under_random_claims_takeovers_completions_releases_purges_and_sweeps(
     backend_name: str, ledger_target: str
 ) -> None:

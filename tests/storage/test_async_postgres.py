@@ -26,8 +26,10 @@ from idemctl.gate import Gate
 from idemctl.outcomes import Answer, Ticket
 from idemctl.storage.aio import AsyncStore
 from tests.adapters.test_gate import ORDER, call, scope_for
+from tests.conftest import pgbouncer_params
 
-pytestmark = pytest.mark.parametrize("backend_name", ["postgres"])
+# PostgreSQL itself, and through PgBouncer (session and transaction pooling).
+pytestmark = pytest.mark.parametrize("backend_name", pgbouncer_params(["postgres"]))
 
 
 class NoThreads(concurrent.futures.Executor):

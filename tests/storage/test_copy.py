@@ -35,6 +35,8 @@ COPY_PAIRS = [
     ("sqlite", "mysql"),
     ("mysql", "sqlite"),
     ("mysql", "postgres"),
+    # Read through PgBouncer's session pooling (read-only), written through its transaction pooling.
+    pytest.param(("pgbouncer-session", "pgbouncer-transaction"), marks=pytest.mark.slow),
 ]
 
 Target = Callable[[str, pytest.FixtureRequest, Path, pytest.MonkeyPatch], AbstractContextManager[str]]
@@ -58,8 +60,24 @@ def _mysql(
     return contextmanager(mysql_test_database)(request.getfixturevalue("mysql_server"), mp)
 
 
+def _pgbouncer(mode: str) -> Target:
+    def target(
+        name: str, request: pytest.FixtureRequest, tmp_path: Path, mp: pytest.MonkeyPatch
+    ) -> AbstractContextManager[str]:
+        via = request.getfixturevalue("pgbouncers")(mode).url()
+        return contextmanager(postgres_test_schema)(request.getfixturevalue("postgres_server"), mp, via=via)
+
+    return target
+
+
 # A fresh, empty ledger's location on each engine.
-TARGETS: dict[str, Target] = {"sqlite": _sqlite, "postgres": _postgres, "mysql": _mysql}
+TARGETS: dict[str, Target] = {
+    "sqlite": _sqlite,
+    "postgres": _postgres,
+    "mysql": _mysql,
+    "pgbouncer-session": _pgbouncer("session"),
+    "pgbouncer-transaction": _pgbouncer("transaction"),
+}
 SERVERS = ("postgresql://", "mysql://", "mariadb://")
 
 POLICY = Policy(pending_ttl_ms=30_000, retention_ms=86_400_000)
@@ -588,8 +606,14 @@ def test_a_ledger_the_recipe_wrote_is_copied_with_no_token_and_no_fenced_log(
     )
     if targets[0].startswith("postgresql://"):
         import psycopg
+        from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-        with psycopg.connect(targets[0], autocommit=True) as conn:
+        # The URL's search_path set inside the transaction, as a pooler in
+        # front of the server (which refuses startup options) requires.
+        params = conninfo_to_dict(targets[0])
+        schema = str(params.pop("options")).removeprefix("-csearch_path=")
+        with psycopg.connect(make_conninfo("", **params), autocommit=True) as conn, conn.transaction():
+            conn.execute(psycopg.sql.SQL("SET LOCAL search_path = {}").format(psycopg.sql.Identifier(schema)))
             conn.execute(recipe)
             conn.execute(insert % ", ".join(["%s"] * 10), row)
     else:

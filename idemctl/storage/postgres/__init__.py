@@ -6,10 +6,11 @@ the same statements on one event loop's asynchronous pool; `watch.py` bounds
 each of them, commit included (the commit timeout); `url.py` reads the
 URL (idemctl's pool parameters, the session settings, the password kept out
 of what is shown); `errors.py` turns what psycopg raises into idemctl's
-errors; `schema.py` holds the schema transactions."""
+errors; `schema.py` holds the schema transactions; `pooler.py` what changes
+behind a connection pooler (PgBouncer)."""
 
 from .aio import AsyncPostgresEngine
 from .engine import PostgresEngine
-from .errors import DatabaseNotCreatedError
+from .errors import DatabaseNotCreatedError, PoolerError
 
-__all__ = ["AsyncPostgresEngine", "DatabaseNotCreatedError", "PostgresEngine"]
+__all__ = ["AsyncPostgresEngine", "DatabaseNotCreatedError", "PoolerError", "PostgresEngine"]

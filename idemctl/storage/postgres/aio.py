@@ -18,8 +18,18 @@ from psycopg_pool import AsyncConnectionPool
 from ..dialect import POSTGRES
 from ..engine import Params, Rows
 from .errors import Translator
+from .pooler import (
+    MARKER_QUERY,
+    AsyncSettingsCursor,
+    StatementSettings,
+    adetect,
+    honoured,
+    options_lost,
+    pool_arguments,
+    settings_sql,
+)
 from .schema import EXISTING, existing_tables
-from .url import default_commit_timeout_s
+from .url import ServerSettings, default_commit_timeout_s
 from .watch import AsyncCommitWatch
 
 log = logging.getLogger("idemctl")
@@ -30,6 +40,7 @@ class _AsyncPooledConnection(psycopg.AsyncConnection[tuple[Any, ...]]):
     (as the synchronous pool's connections have)."""
 
     statement_cursor: psycopg.AsyncCursor[tuple[Any, ...]] | None = None
+    idemctl_settings: StatementSettings | None = None
 
 
 class AsyncPostgresEngine:
@@ -43,9 +54,18 @@ class AsyncPostgresEngine:
 
     dialect = POSTGRES
 
-    def __init__(self, conninfo: str, translate: Translator, commit_timeout_s: float | None = None) -> None:
-        self._conninfo = conninfo
+    def __init__(
+        self,
+        settings: ServerSettings,
+        translate: Translator,
+        pooler: str | None = None,
+        commit_timeout_s: float | None = None,
+    ) -> None:
+        self._settings = settings
         self._translate = translate
+        # What the URL leads to (see PostgresEngine.pooler): known if the
+        # synchronous engine already connected, else detected here.
+        self.pooler = pooler
         if commit_timeout_s is None:
             commit_timeout_s = default_commit_timeout_s(translate.busy_timeout_ms)
         self._watch = AsyncCommitWatch(commit_timeout_s, translate.where)
@@ -54,6 +74,9 @@ class AsyncPostgresEngine:
         # Every connection the pool made, so that `abandon` can close their
         # sockets without the loop (once the loop is gone).
         self._made: weakref.WeakSet[_AsyncPooledConnection] = weakref.WeakSet()
+        # As PostgresEngine._options_lost; pools being closed after it.
+        self._options_lost = False
+        self._closing: set[asyncio.Future[None]] = set()
 
     def describe(self) -> str:
         return self._translate.where
@@ -70,20 +93,30 @@ class AsyncPostgresEngine:
             return self._pool
 
     async def _new_pool(self) -> AsyncConnectionPool[_AsyncPooledConnection]:
-        # As the synchronous pool: a direct connection first, for libpq's reason.
-        try:
-            conn = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True)
-        except psycopg.Error as exc:
-            raise self._translate(exc, connecting=True) from exc
-        await conn.close()
+        # As the synchronous pool: a first connection says what the URL leads
+        # to, and gives libpq's reason at once if nothing answers.
+        mode = self.pooler = await adetect(self._settings, self._translate)
+        conninfo, kwargs = pool_arguments(self._settings, mode, self.describe(), AsyncSettingsCursor)
+        session = settings_sql(self._settings.settings or (), local=False) if mode == "session" else ""
+        prefix = StatementSettings.of(self._settings)
+        made = self._made
 
-        async def remember(made: _AsyncPooledConnection) -> None:
-            self._made.add(made)
+        async def remember(conn: _AsyncPooledConnection) -> None:
+            made.add(conn)
+            if mode == "none":
+                row = await (await conn.execute(MARKER_QUERY)).fetchone()
+                if not honoured(row[0] if row else None):
+                    self._options_lost = True
+                    raise options_lost(self.describe())
+            elif mode == "session":
+                await psycopg.AsyncClientCursor(conn).execute(session)
+            else:
+                conn.idemctl_settings = prefix
 
         pool = AsyncConnectionPool(
-            self._conninfo,
+            conninfo,
             connection_class=_AsyncPooledConnection,
-            kwargs={"autocommit": True},
+            kwargs=kwargs,
             # Connections are made as the loop needs them, never ahead: the
             # pool's workers swallow a cancellation while they connect, and
             # a loop ending then (asyncio.run returning) would wait forever.
@@ -103,6 +136,13 @@ class AsyncPostgresEngine:
         try:
             conn = await pool.getconn()
         except psycopg.Error as exc:
+            if self._options_lost and self._pool is pool:
+                # Its new connections lack their startup options: the next
+                # statement opens a pool on what the URL leads to now.
+                self._pool, self._options_lost = None, False
+                closing = asyncio.ensure_future(pool.close())
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
             raise self._translate(exc) from exc
         watch = self._watch
         late = None

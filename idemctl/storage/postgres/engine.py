@@ -35,7 +35,18 @@ from ..dialect import POSTGRES
 from ..engine import Params, Rows
 from ..server import checked_busy_timeout, scrub
 from .aio import AsyncPostgresEngine
-from .errors import INIT_RACE, DatabaseNotCreatedError, Translator, libpq_reason
+from .errors import INIT_RACE, DatabaseNotCreatedError, Translator, libpq_reason, pooler_mode_refused
+from .pooler import (
+    MARKER_QUERY,
+    SettingsCursor,
+    StatementSettings,
+    detect,
+    honoured,
+    options_lost,
+    pool_arguments,
+    refused_startup,
+    settings_sql,
+)
 from .schema import PostgresTx, existing
 from .url import DEFAULT_CONNECT_TIMEOUT_S, ServerSettings
 from .watch import CommitWatch
@@ -105,6 +116,9 @@ class _PooledConnection(psycopg.Connection[tuple[Any, ...]]):
     statement is a measurable part of a request's own CPU."""
 
     statement_cursor: psycopg.Cursor[tuple[Any, ...]] | None = None
+    # Behind a transaction or statement pooler: the settings each statement
+    # carries (pooler.py's SettingsCursor reads them).
+    idemctl_settings: StatementSettings | None = None
 
 
 class PostgresEngine:
@@ -114,10 +128,15 @@ class PostgresEngine:
     Pool settings ride on the URL as idemctl's own query parameters:
     ``pool_min_size`` (default 1), ``pool_max_size`` (default 10),
     ``pool_timeout`` (seconds to wait for a free connection; default the busy
-    timeout) and ``commit_timeout`` (seconds a statement may take, its
+    timeout), ``commit_timeout`` (seconds a statement may take, its
     commit's wait for a synchronous standby included, before it is cancelled
     and fails with CommitTimeoutError; default twice the busy timeout, at
-    least 1 s: see watch.py). libpq's own parameters (``connect_timeout``, default 5 s;
+    least 1 s: see watch.py). ``pooler`` says what the URL leads to
+    (``auto``, the default, detects it; ``none``, ``session``,
+    ``transaction``, ``statement``: see pooler.py) and ``prepare_threshold``
+    is psycopg's (a number, or ``none`` for never; a transaction or
+    statement pooler never prepares). libpq's own parameters
+    (``connect_timeout``, default 5 s;
     ``options=-csearch_path=…``; ``sslmode``; ...) pass through unchanged.
 
     Nothing connects until the first statement.
@@ -151,7 +170,14 @@ class PostgresEngine:
             commit_timeout_s=commit_timeout_s,
         )
         self._secrets = settings.secrets
+        self._settings = settings
         self._conninfo = settings.conninfo
+        # What the URL led to when the pool last opened: "none" (the server
+        # itself), or the pool mode of the pooler in between.
+        self.pooler: str | None = None
+        # Set when a direct pool's new connection lost the startup options:
+        # the pool is replaced (and the pooler detected) on the next failure.
+        self._options_lost = False
         self.url_params = settings.url_params
         self.pool_min_size, self.pool_max_size = settings.pool_min_size, settings.pool_max_size
         self.pool_timeout_s = settings.pool_timeout_s
@@ -181,23 +207,66 @@ class PostgresEngine:
 
     # -- connections ---------------------------------------------------------------
     def _new_pool(self) -> ConnectionPool[_PooledConnection]:
-        # A direct connection first: if the server is down or refuses us, the
-        # caller gets libpq's reason at once instead of a pool timeout.
-        try:
-            conn = psycopg.connect(self._conninfo, autocommit=True)
-        except psycopg.Error as exc:
-            raise self._translate(exc, connecting=True) from exc
-        conn.close()
+        mode = detect(self._settings, self._translate)
+        if mode != self.pooler:
+            if mode != "none":
+                how = "per session" if mode == "session" else "per transaction, without prepared statements"
+                log.info("PostgreSQL at %s is behind a connection pooler (%s pooling): settings apply %s",
+                         self._describe, mode, how)
+            self.pooler = mode
+        self._options_lost = False
+        conninfo, kwargs = pool_arguments(self._settings, mode, self._describe, SettingsCursor)
         return ConnectionPool(
-            self._conninfo,
+            conninfo,
             connection_class=_PooledConnection,
-            kwargs={"autocommit": True},
+            kwargs=kwargs,
             min_size=self.pool_min_size,
             max_size=self.pool_max_size,
             timeout=self.pool_timeout_s,
             name=f"idemctl-{os.getpid()}",
+            configure=self._configure_for(mode),
             open=True,
         )
+
+    def _configure_for(self, mode: str) -> Callable[[_PooledConnection], None]:
+        """Each new connection's one round trip, once: a direct one checks
+        that its startup options arrived; a pooled one gets its settings."""
+        if mode == "none":
+
+            def check(conn: _PooledConnection) -> None:
+                row = conn.execute(MARKER_QUERY).fetchone()
+                if not honoured(row[0] if row else None):
+                    # Never run a statement without its settings: this pool
+                    # goes, and the next one detects what is there now.
+                    self._options_lost = True
+                    raise options_lost(self._describe)
+
+            return check
+        if mode == "session":
+            query = settings_sql(self._settings.settings or (), local=False)
+
+            def set_session(conn: _PooledConnection) -> None:
+                psycopg.ClientCursor(conn).execute(query)
+
+            return set_session
+        prefix = StatementSettings.of(self._settings)
+
+        def remember(conn: _PooledConnection) -> None:
+            conn.idemctl_settings = prefix
+
+        return remember
+
+    def _transaction_settings(self, conn: psycopg.Connection[Any]) -> None:
+        """Right after BEGIN on a pooled connection: the settings, for the
+        statements that do not go through its SettingsCursor."""
+        prefix: StatementSettings | None = getattr(conn, "idemctl_settings", None)
+        if prefix is not None and prefix.plain:
+            psycopg.ClientCursor(conn).execute(prefix.plain)
+
+    def _refuse_transactions(self) -> None:
+        """A statement pooler refuses any transaction: say so before trying."""
+        if self.pooler == "statement":
+            raise pooler_mode_refused(self._describe)
 
     def _current_pool(self) -> ConnectionPool[_PooledConnection]:
         pid = os.getpid()
@@ -234,7 +303,11 @@ class PostgresEngine:
                 pool = self._current_pool()
                 return pool, pool.getconn()
         except psycopg.Error as exc:
-            raise self._translate(exc) from exc
+            error = self._translate(exc)
+            lost = self._pool
+            if self._options_lost and lost is not None:
+                self._discard(lost, error)  # its new connections lack their settings: see _configure_for
+            raise error from exc
 
     def _failed(
         self, pool: ConnectionPool[_PooledConnection], conn: psycopg.Connection[Any], exc: psycopg.Error
@@ -298,8 +371,17 @@ class PostgresEngine:
             try:
                 conn = psycopg.connect(make_conninfo(self._conninfo, dbname=maintenance), autocommit=True)
             except psycopg.Error as exc:
-                last = exc
-                continue
+                if refused_startup(exc):  # a pooler: its database list decides
+                    try:
+                        conn = psycopg.connect(
+                            make_conninfo(self._settings.pooled_conninfo, dbname=maintenance), autocommit=True
+                        )
+                    except psycopg.Error as again:
+                        last = again
+                        continue
+                else:
+                    last = exc
+                    continue
             try:
                 conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
                 return True
@@ -316,7 +398,7 @@ class PostgresEngine:
     def open_async(self) -> AsyncPostgresEngine:
         """The request path of this engine for the running event loop (see
         AsyncPostgresEngine); it connects on its first statement."""
-        return AsyncPostgresEngine(self._conninfo, self._translate, self.commit_timeout_s)
+        return AsyncPostgresEngine(self._settings, self._translate, self.pooler, self.commit_timeout_s)
 
     def close(self) -> None:
         # As on SQLite, a closed backend that is used again reconnects.
@@ -397,10 +479,13 @@ class PostgresEngine:
         # A server-side cursor streams the rows in batches: a million rows
         # never sit in memory at once. It needs a transaction (read-only
         # work, so it holds no lock that the request path waits on).
-        with self._connection() as conn, conn.transaction(), conn.cursor(name="idemctl_stream") as cur:
-            cur.itersize = 500
-            cur.execute(sql, params)
-            yield from cur
+        with self._connection() as conn:
+            self._refuse_transactions()
+            with conn.transaction(), conn.cursor(name="idemctl_stream") as cur:
+                self._transaction_settings(conn)
+                cur.itersize = 500
+                cur.execute(sql, params)
+                yield from cur
 
     def table_names(self, names: Iterable[str]) -> set[str]:
         wanted = list(names)
@@ -437,9 +522,11 @@ class PostgresEngine:
 
     def _migrate_once(self, body: Callable[[PostgresTx], T], write: bool) -> T:
         pool = self._current_pool()
+        self._refuse_transactions()
         try:
             with pool.connection() as conn:
                 with conn.transaction() as tx:
+                    self._transaction_settings(conn)
                     if existing(conn, ["idemctl_schema_version"]):
                         # Schema administration, not the request path: readers
                         # and the request path are unaffected by this lock.

@@ -39,6 +39,55 @@ class DatabaseNotCreatedError(StorageError):
         super().__init__(f"cannot create the database {database!r} for {where}: {reason}")
 
 
+class PoolerError(StorageError):
+    """A connection pooler between idemctl and PostgreSQL (PgBouncer) refused
+    what idemctl asked, or the server saw the pooler mix two clients'
+    protocol state (prepared statements across server sessions): not an
+    unreachable server, and retrying the same way may not help."""
+
+
+# PgBouncer's own refusals, and what the server says when a pooler moved a
+# client to another server session between a statement's messages.
+_POOLER_STATES = {"08P01", "42P05", "26000"}
+_STATEMENT_POOLING = "transaction blocks not allowed in statement pooling mode"
+_POOLER_BUSY = ("query_wait_timeout", "no more connections allowed")
+_POOLER_SERVER_DOWN = ("pgbouncer cannot connect to server", "server login has been failing", "server conn crashed")
+
+
+def pooler_mode_refused(where: str) -> PoolerError:
+    """Statement pooling, where a transaction of several statements is refused."""
+    return PoolerError(
+        f"{where} is pooled in statement mode ({_STATEMENT_POOLING}): init (migrations) and the pending "
+        "listing need a transaction; run them against a session or transaction pool or against the server itself"
+    )
+
+
+def _pooler_error(where: str, state: str | None, msg: str) -> StorageError | None:
+    """What a pooler's refusal (or its trace on the server) means, if `msg` is one."""
+    lowered = msg.lower()
+    if _STATEMENT_POOLING in lowered:
+        return pooler_mode_refused(where)
+    if "unsupported startup parameter" in lowered:
+        return PoolerError(
+            f"{where} refuses idemctl's startup options ({msg}): it is a connection pooler; let idemctl detect "
+            "it (pooler=auto, the default) or name its pool mode (pooler=transaction, session or statement)"
+        )
+    if lowered.startswith("no such database"):
+        return server.no_such_database(where, f"the pooler has {msg}")
+    if any(word in lowered for word in _POOLER_SERVER_DOWN):
+        return server.unreachable("PostgreSQL", where, f"the pooler cannot reach the server: {msg}")
+    if any(word in lowered for word in _POOLER_BUSY):
+        return LedgerUnavailableError(f"the connection pooler in front of {where} is busy: {msg}")
+    if state in ("42P05", "26000") or (state == "08P01" and "prepared statement" in lowered):
+        return PoolerError(
+            f"{where}: a prepared statement did not survive the connection pooler ({msg}): behind transaction "
+            "or statement pooling set pooler=transaction (or statement) in the URL, or prepare_threshold=none"
+        )
+    if state == "08P01":
+        return PoolerError(f"protocol error on {where} (a connection pooler in between?): {msg}")
+    return None
+
+
 def libpq_reason(text: str) -> str:
     """The reason inside libpq's connection error, without the parts the
     caller already shows (which server) or that add nothing (hint lines).
@@ -109,6 +158,10 @@ class Translator:
             return StorageError(f"{where}: the search_path names no existing schema to create the ledger in ({msg})")
         if state == "42501":
             return server.permission_denied(where, msg)
+        if state in _POOLER_STATES or (state is None and isinstance(exc, psycopg.OperationalError)):
+            found = _pooler_error(where, state, self.scrub(libpq_reason(primary or str(exc))))
+            if found is not None:
+                return found
         if state == "3D000" or (connecting and re.search(r'database "[^"]*" does not exist', msg)):
             reason = self.scrub(libpq_reason(primary or str(exc)))
             return server.no_such_database(where, reason)

@@ -16,13 +16,36 @@ from ...errors import StorageError
 from ...text import single_line
 from ..server import scrub
 
-# URL query parameters that configure the pool (and the commit timeout).
-# They are idemctl's, not libpq's, so they are taken out of the URL before
-# it reaches libpq.
-POOL_PARAMS = ("pool_min_size", "pool_max_size", "pool_timeout", "commit_timeout")
+# URL query parameters that configure the pool, the connections and the
+# commit timeout: they are idemctl's, not libpq's, so they are taken out of
+# the URL before it reaches libpq. `prepare_threshold` goes to psycopg's
+# connection.
+POOL_PARAMS = ("pool_min_size", "pool_max_size", "pool_timeout", "commit_timeout", "pooler", "prepare_threshold")
 DEFAULT_POOL_MIN_SIZE = 1
 DEFAULT_POOL_MAX_SIZE = 10
 DEFAULT_CONNECT_TIMEOUT_S = 5
+
+# How the URL leads to PostgreSQL (the `pooler` URL parameter):
+#  auto         detect it (the default): `direct` if the server takes and
+#               honours startup options, else `transaction`;
+#  none         a server that must take startup options (an error if it does not);
+#  session      a pooler that gives a connection one server session for its
+#               lifetime (PgBouncer's session pooling);
+#  transaction  a pooler that may switch server sessions between
+#               transactions (PgBouncer's transaction pooling);
+#  statement    between statements (PgBouncer's statement pooling: no
+#               transaction of more than one statement).
+POOLER_MODES = ("auto", "none", "session", "transaction", "statement")
+# A custom setting sent with the startup options: a server that ignored them
+# (a pooler with ignore_startup_parameters=options) does not have it.
+MARKER_SETTING = "idemctl.startup_options"
+# The transaction-level twins of the default_transaction_* settings: a
+# setting applied inside a transaction must change that transaction.
+_IN_TRANSACTION = {
+    "default_transaction_read_only": "transaction_read_only",
+    "default_transaction_isolation": "transaction_isolation",
+    "default_transaction_deferrable": "transaction_deferrable",
+}
 
 
 def _split_pool_params(url: str) -> tuple[str, dict[str, str]]:
@@ -40,6 +63,45 @@ def _split_pool_params(url: str) -> tuple[str, dict[str, str]]:
         elif part:
             kept.append(part)
     return (base + "?" + "&".join(kept)) if kept else base, pool
+
+
+def option_settings(options: str) -> list[tuple[str, str]] | None:
+    """The ``-c name=value`` settings in libpq's `options` string, in order;
+    None if it holds anything else (another server switch).
+
+    >>> option_settings(r"-c lock_timeout=100 -csearch_path=a,b --work_mem=4MB -c x.y=a\\ b")
+    [('lock_timeout', '100'), ('search_path', 'a,b'), ('work_mem', '4MB'), ('x.y', 'a b')]
+    """
+    # libpq splits on unescaped whitespace; a backslash escapes the next character.
+    words: list[str] = []
+    current: list[str] | None = None
+    chars = iter(options)
+    for ch in chars:
+        if ch.isspace():
+            if current is not None:
+                words.append("".join(current))
+                current = None
+            continue
+        if current is None:
+            current = []
+        current.append(next(chars, "") if ch == "\\" else ch)
+    if current is not None:
+        words.append("".join(current))
+    out: list[tuple[str, str]] = []
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word == "-c" and i + 1 < len(words):
+            pair, i = words[i + 1], i + 2
+        elif (word.startswith("-c") and word != "-c") or (word.startswith("--") and "=" in word):
+            pair, i = word[2:], i + 1
+        else:
+            return None
+        name, eq, value = pair.partition("=")
+        if not eq or not name:
+            return None
+        out.append((name.replace("-", "_"), value))
+    return out
 
 
 def secrets_of(url: str) -> list[str]:
@@ -89,6 +151,26 @@ def _pool_int(given: int | None, params: dict[str, str], name: str, default: int
     return value
 
 
+def _prepare_threshold(params: dict[str, str]) -> tuple[int | None, bool]:
+    """psycopg's prepare_threshold from the URL: a whole number >= 0 (how
+    many runs of a statement before it is prepared on the server) or
+    ``none`` (never)."""
+    raw = params.get("prepare_threshold")
+    if raw is None:
+        return 5, False
+    if raw.strip().lower() in ("none", "off", "never"):
+        return None, True
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise StorageError(
+            f"bad PostgreSQL URL: prepare_threshold={raw!r} is neither a whole number >= 0 nor 'none'"
+        )
+    return value, True
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """What a PostgreSQL URL (and the engine's arguments) say: `conninfo`
@@ -102,6 +184,25 @@ class ServerSettings:
     pool_max_size: int
     pool_timeout_s: float
     commit_timeout_s: float
+    # What follows serves a pooler (see POOLER_MODES): `pooled_conninfo`
+    # carries no startup options; `settings` are what the options ask for,
+    # as (name, value) in the order they apply (None: the URL's options
+    # hold something other than -c name=value, which only a server takes).
+    pooler: str = "auto"
+    pooled_conninfo: str = ""
+    settings: tuple[tuple[str, str], ...] | None = ()
+    # psycopg's prepare_threshold (None: never prepare); unset: psycopg's default.
+    prepare_threshold: int | None = 5
+    prepare_threshold_set: bool = False
+
+    def transaction_settings(self) -> list[tuple[str, str]]:
+        """`settings` as they apply inside one transaction: each
+        default_transaction_* as its transaction_* twin, the last word for a
+        name winning where the first one stood."""
+        merged: dict[str, str] = {}
+        for name, value in self.settings or ():
+            merged[_IN_TRANSACTION.get(name.lower(), name)] = value
+        return list(merged.items())
 
     @classmethod
     def parse(
@@ -139,14 +240,23 @@ class ServerSettings:
         commit_timeout = _seconds(
             commit_timeout_s, pool_params, "commit_timeout", default_commit_timeout_s(busy_timeout_ms)
         )
+        pooler = pool_params.get("pooler", "auto").strip().lower()
+        if pooler not in POOLER_MODES:
+            raise StorageError(f"bad PostgreSQL URL: pooler={pooler!r} is not one of {', '.join(POOLER_MODES)}")
+        threshold, threshold_set = _prepare_threshold(pool_params)
         # Session settings ride in libpq's `options`, ahead of the URL's own,
         # so an explicit `-c lock_timeout=…` in the URL still wins.
         # lock_timeout=0 would mean "wait forever"; a zero busy timeout means
         # "do not wait", as on SQLite.
-        ours = [f"-c lock_timeout={max(1, busy_timeout_ms)}"]
+        ours = [("lock_timeout", str(max(1, busy_timeout_ms)))]
         if readonly:
-            ours.append("-c default_transaction_read_only=on")
-        options = " ".join([*ours, str(params["options"])] if params.get("options") else ours)
+            ours.append(("default_transaction_read_only", "on"))
+        given = str(params["options"]) if params.get("options") else ""
+        from_url = option_settings(given) if given else []
+        settings = None if from_url is None else (*ours, *from_url)
+        # The marker goes last: a server that honoured the options has it.
+        words = [f"-c {name}={value}" for name, value in ours]
+        options = " ".join([*words, given, f"-c {MARKER_SETTING}=on"] if given else [*words, f"-c {MARKER_SETTING}=on"])
         extra: dict[str, Any] = {"options": options}
         if "connect_timeout" not in params:
             extra["connect_timeout"] = DEFAULT_CONNECT_TIMEOUT_S
@@ -155,6 +265,8 @@ class ServerSettings:
             # Several hosts are a primary and its standbys: only a host that
             # accepts writes can serve the ledger, whichever one that is now.
             extra["target_session_attrs"] = "read-write"
+        pooled = {**{k: v for k, v in params.items() if k != "options"}, **extra}
+        del pooled["options"]
         return cls(
             conninfo=make_conninfo(libpq_url, **extra),
             url_params={k: str(v) for k, v in params.items() if k != "password"},
@@ -163,6 +275,11 @@ class ServerSettings:
             pool_max_size=max_size,
             pool_timeout_s=float(pool_timeout_s),
             commit_timeout_s=commit_timeout,
+            pooler=pooler,
+            pooled_conninfo=make_conninfo("", **pooled),
+            settings=settings,
+            prepare_threshold=threshold,
+            prepare_threshold_set=threshold_set,
         )
 
     def describe(self) -> str:
