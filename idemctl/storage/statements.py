@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 
 from ..outcomes import State
-from .rows import STATE_SQL
+from .rows import STALE_PENDING_SQL, STATE_SQL
 
 LEDGER_TABLE = "idempotency_keys"
 FENCED_TABLE = "idemctl_fenced_out"
@@ -171,17 +171,22 @@ def new_token() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1 or 1
 
 
-def _count(state: State) -> str:
-    return f"coalesce(sum(CASE WHEN {STATE_SQL[state]} THEN 1 ELSE 0 END), 0)"
+def _count(where: str) -> str:
+    return f"coalesce(sum(CASE WHEN {where} THEN 1 ELSE 0 END), 0)"
 
 
+# The counts of `stats`. A stale reservation counts as stale whatever its age
+# (STALE_PENDING_SQL); expired is every row past retention, the sweep's
+# backlog, so a pending row past retention counts in both, and the count
+# after them says how many did.
 STATS = f"""
 SELECT
   count(*),
-  {_count(State.PENDING_FRESH)},
-  {_count(State.PENDING_STALE)},
-  {_count(State.COMPLETED)},
-  {_count(State.EXPIRED)},
+  {_count(STATE_SQL[State.PENDING_FRESH])},
+  {_count(STALE_PENDING_SQL)},
+  {_count(STATE_SQL[State.COMPLETED])},
+  {_count(STATE_SQL[State.EXPIRED])},
+  {_count("status = 'pending' AND " + STATE_SQL[State.EXPIRED])},
   coalesce(sum(CASE WHEN generation > 1 THEN 1 ELSE 0 END), 0),
   min(CASE WHEN status = 'pending' THEN created_at END),
   min(CASE WHEN status = 'completed' THEN created_at END),
