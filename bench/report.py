@@ -919,8 +919,10 @@ def renewal_table(res: dict[str, Any]) -> list[str]:
         "what the lease keeper runs every third of the TTL (`Store.renew`), the \"before\" line the single "
         "statement every engine ran until this release. The keeper calls a renewal late once reservations have "
         "gone half the TTL without one (they normally go a third), so a tick must stay well under a sixth of "
-        "the TTL: with the old statement a 3 s TTL left a live owner on a 10^6-row MariaDB ledger to be taken "
-        "over. PostgreSQL's planner picks, by its own costs, a hash join over a sequential scan while the table "
+        "the TTL: with the old statement, ticks of a second and more on a 10^6-row MariaDB ledger let a retry "
+        "take a live owner over under a TTL of a few seconds and run its mutation twice "
+        "(tests/ledger/test_lease_renewal_at_scale.py shows it with a 1.5 s TTL). With the load average far "
+        "above the core count, every figure here is slower than on an idle machine. PostgreSQL's planner picks, by its own costs, a hash join over a sequential scan while the table "
         "is small (up to a few 10^5 rows) and the primary key beyond it, so its tick stays within tens of ms at "
         "every size; SQLite and MariaDB are told to take the key. The plan column is the engine's own EXPLAIN at "
         "the largest size.",
