@@ -228,6 +228,9 @@ class LeaseKeeper:
                 error = f"{type(exc).__name__}: {exc}"
                 log.exception("renewing reservations failed")
             ended = time.monotonic()
+            lapse_ms = (ended - lapsed_since) * 1000
+            # Reported first: the watchdog, told next, reports after it.
+            self._report(LeaseTick(len(live), renewed, ended - started, lapse_ms, self._ttl_ms(), True, error))
             with self._lock:
                 self._running_since = None
                 self._last_error = error
@@ -237,8 +240,6 @@ class LeaseKeeper:
                         if times is not None:
                             times[1] = started
                 self._wake.notify_all()  # the watchdog measures from the new renewals
-            lapse_ms = (ended - lapsed_since) * 1000
-            self._report(LeaseTick(len(live), renewed, ended - started, lapse_ms, self._ttl_ms(), True, error))
 
     def _ttl_ms(self) -> int:
         return round(self.ttl_s * 1000)
