@@ -186,6 +186,8 @@ class Store(CopyStatements, OperatorStatements):
         RENEW_MAX reservations, or on SQLite one per reservation, all in one
         transaction."""
         self._guard()
+        if not held:
+            return 0
         statements = self.renew_statements(held, now)
         if self.dialect.renew_form != "each":
             return sum(len(self.engine.write(sql, params)) for sql, params in statements)
