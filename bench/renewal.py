@@ -20,7 +20,7 @@ ticks are due every third).
 
 Run on its own: `python -m bench.renewal` (add `--quick` for tiny sizes)
 merges its section into bench/results/latest.json and renders
-docs/performance.md."""
+docs/performance.md; `python -m bench --only renewal --merge` does the same."""
 
 from __future__ import annotations
 
@@ -247,6 +247,8 @@ def _target(make: Callable[[], Target]) -> Iterator[Target | str]:
 def run(ctx: Context) -> dict[str, Any]:
     sizes = [10**4, 10**5, 10**6] if not ctx.quick else [1000, 3000]
     res: dict[str, Any] = {"held": HELD, "sizes": sizes, "engines": {}}
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    loadavg_start = os.getloadavg()
     for key, make in (
         ("sqlite", lambda: SqliteTarget(ctx.workdir)),
         ("postgres", PostgresTarget),
@@ -259,6 +261,14 @@ def run(ctx: Context) -> dict[str, Any]:
             res["engines"][key] = {"engine": target.name, **_measure(ctx, target, sizes)}
             if isinstance(target, MysqlTarget):
                 res["engines"][key]["version"] = target.version
+    res["run"] = {
+        "started_utc": started,
+        "finished_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "loadavg_start": loadavg_start,
+        "loadavg_end": os.getloadavg(),
+        "nproc": os.cpu_count() or 1,
+    }
     return res
 
 
@@ -279,16 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
 
     ctx = Context(workdir=workdir, quick=args.quick, log=log)
-    started = datetime.now(UTC).isoformat(timespec="seconds")
-    loadavg_start = os.getloadavg()
     res = run(ctx)
-    res["run"] = {
-        "started_utc": started,
-        "finished_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "loadavg_start": loadavg_start,
-        "loadavg_end": os.getloadavg(),
-    }
     print(json.dumps(res, indent=1))
     if args.quick:
         return 0
