@@ -245,7 +245,7 @@ def _target(make: Callable[[], Target]) -> Iterator[Target | str]:
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    sizes = [10**4, 10**5, 10**6] if not ctx.quick else [1000, 3000]
+    sizes = [10**4, 10**5, 3 * 10**5, 10**6] if not ctx.quick else [1000, 3000]
     res: dict[str, Any] = {"held": HELD, "sizes": sizes, "engines": {}}
     started = datetime.now(UTC).isoformat(timespec="seconds")
     loadavg_start = os.getloadavg()
