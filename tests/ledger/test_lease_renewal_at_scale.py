@@ -192,7 +192,11 @@ def test_renewal_uses_the_primary_key_and_never_lets_a_live_owner_be_taken_over_
     # Every tick renewed every live reservation, whatever the 10^6 rows beside them.
     done = [t for t in ticks if t.done]
     assert done and all(t.error is None for t in done)
-    assert {t.renewed for t in done if t.reservations == HELD + 1} == {HELD + 1}
+    # (MariaDB counts the rows whose updated_at changed: one claimed in the
+    # tick's own millisecond would not count.)
+    slack = 1 if backend_name == "mysql" else 0
+    assert all(t.renewed is not None and t.reservations - slack <= t.renewed <= t.reservations for t in done)
+    assert any(t.reservations == t.renewed == HELD + 1 for t in done)
     for ticket in tickets:
         owner.finish(ticket, 201, {}, b"")
     assert owner.leases.held() == 0
