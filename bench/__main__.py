@@ -34,6 +34,7 @@ from . import (
     mysql,
     peers,
     postgres,
+    renewal,
     report,
     sweep,
 )
@@ -60,8 +61,10 @@ BENCHMARKS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "peers": peers.run,
     # ASGI + PostgreSQL with 1, 10 and 50 requests in flight, beside idemkit when installed.
     "inflight": inflight.run,
+    # A lease renewal tick against ledger size on every engine (also: python -m bench.renewal).
+    "renewal": renewal.run,
 }
-OPTIONAL = {"peers", "inflight"}
+OPTIONAL = {"peers", "inflight", "renewal"}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -268,6 +268,13 @@ class RowView:
         return None if at is None else max(0, at - self.now)
 
     @property
+    def takes_over_now(self) -> bool:
+        """A stale reservation, whatever its age: the next retry takes it over.
+        True in state PENDING_STALE, and for a pending row past retention
+        (state EXPIRED) too."""
+        return self.row.status is Status.PENDING and self.now - self.row.updated_at > self.pending_ttl_ms
+
+    @property
     def replay_until(self) -> int | None:
         """Last instant a completed row is guaranteed to be replayed."""
         if self.row.status is not Status.COMPLETED:
@@ -378,6 +385,11 @@ class Stats:
     oldest_row_at: int | None
     storage_bytes: int | None
     schema_version: int
+    # Pending rows past retention: a dead owner's reservation that no retry
+    # came back for. Counted in `expired` (the sweep deletes them) and in
+    # `pending_stale` (a retry takes them over), so the four state counts
+    # add up to `total + expired_pending`.
+    expired_pending: int = 0
 
 
 class InitAction(enum.Enum):

@@ -71,6 +71,7 @@ class Policy:
     # A live owner renews its reservations every third of the TTL, so a short
     # TTL never takes over a slow but live mutation; renewal stops after
     # lease_max_ms, so a hung one is taken over in the end (leases.py).
+    # lease_max_ms is read only with renewal on, and must then exceed the TTL.
     lease_renewal: bool = False
     lease_max_ms: int = 10 * 60 * 1000
 
@@ -114,9 +115,14 @@ class Policy:
                 f"in_progress_wait_ms ({self.in_progress_wait_ms}) must be shorter than pending_ttl_ms "
                 f"({self.pending_ttl_ms})"
             )
-        if self.lease_max_ms <= self.pending_ttl_ms:
+        if self.lease_max_ms <= 0:
+            raise PolicyError(f"lease_max_ms must be > 0, got {self.lease_max_ms}")
+        if self.lease_renewal and self.lease_max_ms <= self.pending_ttl_ms:
+            # Only renewal reads lease_max_ms: without it, a TTL of any
+            # length is the whole story (keep it above the slowest mutation).
             raise PolicyError(
                 f"lease_max_ms ({self.lease_max_ms}) must be longer than pending_ttl_ms ({self.pending_ttl_ms})"
+                " when lease_renewal is on: raise lease_max_ms, or shorten the TTL (renewal makes a short one safe)"
             )
         if self.keep_answer is not None and not callable(self.keep_answer):
             raise PolicyError("keep_answer must be a callable (status, headers) -> bool")

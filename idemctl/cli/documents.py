@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..copying import CopyResult
-from ..outcomes import Drained, FencedEvent, Prediction, RowView, State, Stats, Status, StoredRow, Verdict
+from ..outcomes import Drained, FencedEvent, Prediction, RowView, Stats, Status, StoredRow, Verdict
 from ..policy import Policy
 from ..replication import FailoverCheck, ReplicationSettings
 from ..replication_mysql import MysqlFacts
@@ -35,6 +35,7 @@ _STATS_FIELDS = [
     "pending_stale",
     "completed",
     "expired",
+    "expired_pending",
     "taken_over",
     "fenced_out_events",
     "oldest_pending_at",
@@ -106,7 +107,7 @@ def view_json(view: RowView) -> dict[str, Any]:
             "retention_ms": view.retention_ms,
             "takeover_at": view.takeover_at,
             "takeover_in_ms": view.takeover_in_ms,
-            "takes_over_now": view.state in (State.PENDING_STALE, State.EXPIRED) and view.row.status is Status.PENDING,
+            "takes_over_now": view.takes_over_now,
             "replay_until": view.replay_until,
             "sweep_after": view.sweep_after,
         }
@@ -340,13 +341,19 @@ def stats_prometheus(database: str, stats: Stats, policy: Policy) -> str:
     gauges: list[tuple[str, str, list[tuple[str, int | float | None]]]] = [
         (
             "idemctl_ledger_rows",
-            "Rows in the ledger by state, as idemctl stats counts them.",
+            "Rows in the ledger by state, as idemctl stats counts them: a pending row past retention counts as"
+            " pending_stale and as expired.",
             [
                 (f'{{{label},state="pending_fresh"}}', stats.pending_fresh),
                 (f'{{{label},state="pending_stale"}}', stats.pending_stale),
                 (f'{{{label},state="completed"}}', stats.completed),
                 (f'{{{label},state="expired"}}', stats.expired),
             ],
+        ),
+        (
+            "idemctl_ledger_expired_pending_rows",
+            "Pending rows past retention, counted in both pending_stale and expired.",
+            [(one, stats.expired_pending)],
         ),
         ("idemctl_ledger_taken_over_rows", "Rows whose reservation was taken over at least once.", [(one, taken)]),
         ("idemctl_ledger_fenced_out_events", "Fenced-out events: a mutation may have run twice.", [(one, fenced)]),

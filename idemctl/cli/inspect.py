@@ -91,7 +91,10 @@ def _say_more(truncated: bool, limit: int) -> None:
 @app.command(cls=IdemctlCommand, epilog="Example: idemctl pending --stale --principal acct_A --limit 20")
 def pending(
     ctx: typer.Context,
-    stale: Annotated[bool, flag("--stale", help="Only rows past the TTL (the next retry takes them over).")] = False,
+    stale: Annotated[
+        bool,
+        flag("--stale", help="Only rows past the TTL, whatever their age (the next retry takes them over)."),
+    ] = False,
     principal: OnlyPrincipalOpt = None,
     limit: Annotated[int, count_option("--limit", "-n", help="At most N rows (0: all).")] = DEFAULT_LIST_LIMIT,
     json_out: JsonOpt = False,
@@ -250,7 +253,8 @@ def stats(
     ] = None,
     max_backlog: Annotated[int | None, count_option("--max-backlog", help=None, hidden=True)] = None,
     max_stale: Annotated[
-        int | None, count_option("--max-stale", help="Exit 1 if more than N pending rows are past the TTL.")
+        int | None,
+        count_option("--max-stale", help="Exit 1 if more than N pending rows are past the TTL, whatever their age."),
     ] = None,
     max_fenced: Annotated[
         int | None, count_option("--max-fenced", help="Exit 1 if more than N fenced-out events are recorded.")

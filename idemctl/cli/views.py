@@ -264,11 +264,11 @@ def stats_grid(where: str, st: Stats, policy: Policy) -> Table:
     grid.add_row("ledger", Text(f"{where} (schema version {st.schema_version})"))
     grid.add_row("rows", str(st.total))
     grid.add_row("  pending, fresh", f"{st.pending_fresh}  (retries get 409 in progress)")
-    grid.add_row("  pending, stale", f"{st.pending_stale}  (the next retry takes over)")
+    grid.add_row("  pending, stale", f"{st.pending_stale}  (the next retry takes over, whatever their age)")
     grid.add_row("  completed", f"{st.completed}  (retries are replayed)")
-    grid.add_row(
-        "  expired", f"{st.expired}  (past the {human_duration(policy.retention_ms)} retention: the sweep deletes them)"
-    )
+    retention = human_duration(policy.retention_ms)
+    also = f"; {st.expired_pending} of them pending, also counted as stale" if st.expired_pending else ""
+    grid.add_row("  expired", f"{st.expired}  (past the {retention} retention: the sweep deletes them{also})")
     grid.add_row("taken over", f"{st.taken_over}  (rows with generation > 1)")
     grid.add_row("fenced-out events", str(st.fenced_out_events))
     for label, at in (

@@ -57,7 +57,10 @@ class LedgerBase:
         self.leases: LeaseKeeper | None = None
         if self.policy.lease_renewal:
             self.leases = LeaseKeeper(
-                self._renew, interval_s=self.policy.pending_ttl_ms / 3000, max_s=self.policy.lease_max_ms / 1000
+                self._renew,
+                interval_s=self.policy.pending_ttl_ms / 3000,
+                max_s=self.policy.lease_max_ms / 1000,
+                ttl_s=self.policy.pending_ttl_ms / 1000,
             )
         self._events = EventHub()
         # Until when this process's post-response sweep has nothing to do.

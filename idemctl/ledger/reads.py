@@ -44,8 +44,10 @@ class OperatorReads(LedgerBase):
         on_malformed: Callable[[MalformedRowError], None] | None = None,
     ) -> Iterator[RowView]:
         """Rows whose status is pending, oldest first, streamed. With
-        ``stale_only``, just those in state PENDING_STALE (the ones a retry
-        would take over now): the same rows `stats().pending_stale` counts.
+        ``stale_only``, just the stale reservations, the ones a retry would
+        take over now, whatever their age: PENDING_STALE rows and pending
+        rows past retention (their state is EXPIRED: the sweep may delete
+        them), the same rows `stats().pending_stale` counts.
         A row written by another program that cannot be read raises
         MalformedRowError, or goes to ``on_malformed`` and the listing goes on.
 
@@ -56,11 +58,12 @@ class OperatorReads(LedgerBase):
         [('k1', 'pending_stale'), ('k2', 'pending_fresh')]
         >>> [v.row.key for v in ledger.pending(stale_only=True)]
         ['k1']
+        >>> t[0] += 2 * 86_400_000  # both past the one-day retention: still stale reservations
+        >>> [(v.row.key, v.state.value, v.takes_over_now) for v in ledger.pending(stale_only=True)]
+        [('k1', 'expired', True), ('k2', 'expired', True)]
         """
         now = self.now() if now is None else now
-        p = self.policy
-        state = State.PENDING_STALE if stale_only else None
-        for values in self.store.iter_pending(state, now - p.pending_ttl_ms, now - p.retention_ms, principal, limit):
+        for values in self.store.iter_pending(stale_only, now - self.policy.pending_ttl_ms, principal, limit):
             try:
                 row = self.store.decode_row(values)
             except MalformedRowError as exc:
@@ -117,6 +120,9 @@ class OperatorReads(LedgerBase):
 
     def stats(self, *, now: int | None = None) -> Stats:
         """Rows by derived state, takeovers, fenced-out events, sweep backlog.
+        `pending_stale` counts every stale reservation whatever its age;
+        `expired` every row past retention (what the sweep deletes), so a
+        pending row past retention counts in both, and in `expired_pending`.
 
         >>> from idemctl import Ledger
         >>> ledger = Ledger.open(":memory:"); _ = ledger.init()

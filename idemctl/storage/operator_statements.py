@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ..outcomes import FencedEvent, PurgeOutcome, PurgeResult, State, Stats
-from .rows import STATE_SQL
+from ..outcomes import FencedEvent, PurgeOutcome, PurgeResult, Stats
+from .rows import STALE_PENDING_SQL
 from .statements import (
     COUNT_EXPIRED,
     COUNT_FENCED,
@@ -38,18 +38,20 @@ class OperatorStatements(StoreBase):
     # -- operator side ----------------------------------------------------------------------------
     def iter_pending(
         self,
-        state: State | None,
+        stale_only: bool,
         stale_before: int,
-        expired_before: int,
         principal: str | None,
         limit: int | None,
     ) -> Iterator[tuple[Any, ...]]:
         """Raw pending rows, oldest first, streamed (decoding is the caller's,
-        so that one malformed row does not end the listing)."""
+        so that one malformed row does not end the listing); with
+        `stale_only`, the stale reservations whatever their age
+        (STALE_PENDING_SQL)."""
         sql = f"SELECT {ROW_COLUMNS} FROM idempotency_keys WHERE status = 'pending'"
-        params: dict[str, Any] = {"stale_before": stale_before, "expired_before": expired_before}
-        if state is not None:
-            sql += f" AND {STATE_SQL[state]}"
+        params: dict[str, Any] = {}
+        if stale_only:
+            sql += f" AND {STALE_PENDING_SQL}"
+            params["stale_before"] = stale_before
         if principal is not None:
             sql += " AND principal = :principal"
             params["principal"] = principal
@@ -84,7 +86,7 @@ class OperatorStatements(StoreBase):
     def stats(self, now: int, stale_before: int, expired_before: int) -> Stats:
         counts = self._read(STATS, {"stale_before": stale_before, "expired_before": expired_before})[0]
         fenced = int(self._read(COUNT_FENCED)[0][0]) if self.has_fenced_log() else 0
-        total, fresh, stale, completed, expired, taken, oldest_p, oldest_c, oldest = counts
+        total, fresh, stale, completed, expired, expired_pending, taken, oldest_p, oldest_c, oldest = counts
         return Stats(
             now=now,
             total=int(total),
@@ -92,6 +94,7 @@ class OperatorStatements(StoreBase):
             pending_stale=int(stale),
             completed=int(completed),
             expired=int(expired),
+            expired_pending=int(expired_pending),
             taken_over=int(taken),
             fenced_out_events=fenced,
             oldest_pending_at=None if oldest_p is None else int(oldest_p),

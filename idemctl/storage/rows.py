@@ -23,6 +23,14 @@ STATE_SQL: Mapping[State, str] = {
     State.PENDING_FRESH: "status = 'pending' AND updated_at >= :stale_before AND updated_at >= :expired_before",
 }
 
+# A stale reservation, whatever its age: its owner has not written it for a
+# TTL, and the next retry takes it over. That is every PENDING_STALE row and
+# also every pending row past retention (state EXPIRED: the sweep may delete
+# it, but until then a retry takes it over just the same). `pending --stale`
+# lists these rows and `stats().pending_stale` counts them, so a worker that
+# died days ago is still reported; `RowView.takes_over_now` is the same test.
+STALE_PENDING_SQL = "status = 'pending' AND updated_at < :stale_before"
+
 
 def derive_state(row: StoredRow, stale_before: int, expired_before: int) -> State:
     """A row's state at the instant whose cutoffs are given."""

@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 
 from ..outcomes import State
-from .rows import STATE_SQL
+from .rows import STALE_PENDING_SQL, STATE_SQL
 
 LEDGER_TABLE = "idempotency_keys"
 FENCED_TABLE = "idemctl_fenced_out"
@@ -120,19 +120,52 @@ RETURNING generation
 # A live owner's reservations, renewed together (see leases.py): each row
 # only while it is still pending under the very generation and token it was
 # claimed with, so a renewal never revives or steals a row a takeover moved
-# on. The VALUES list is padded to a power of two (the statement text is
-# cached per size).
+# on. Each row must be reached through the primary key, so that a tick costs
+# the same on a ledger of any size (a tick slower than the TTL lets a retry
+# take a live owner's key over); how each engine's planner gets there is the
+# dialect's `renew_form`:
+#  - "values": `(principal, key, generation, token) IN (VALUES …)`, which
+#    PostgreSQL plans as a nested loop of primary-key index scans;
+#  - "or" (MariaDB/MySQL): an OR of one equality conjunction per
+#    reservation, a `range` on the primary key (their planners scan the whole
+#    index for the VALUES form: a dependent subquery per row). FORCE INDEX
+#    keeps it a range on a small table too, whatever the statistics say;
+#  - "each": RENEW_ONE per reservation, all in one transaction (SQLite scans
+#    the table for both forms above, or plans the OR as a multi-index OR
+#    whose preparation alone costs a tick's worth at 512 terms).
+# Lists are padded to a power of two (a repeated reservation matches once),
+# so an engine sees few distinct texts.
 RENEW_MAX = 512
 
+RENEW_ONE = """
+UPDATE idempotency_keys SET updated_at = :now
+WHERE principal = :p0 AND key = :k0 AND generation = :g0 AND token = :t0 AND status = 'pending'
+RETURNING generation
+"""
 
-def renew_text(size: int, returning: bool = True) -> str:
-    values = ", ".join(f"(:p{i}, :k{i}, :g{i}, :t{i})" for i in range(size))
-    return (
-        "UPDATE idempotency_keys SET updated_at = :now"
-        f" WHERE status = 'pending' AND (principal, key, generation, token) IN (VALUES {values})"
-        # Without RETURNING the engine hands back one row per affected row.
-        + (" RETURNING generation" if returning else "")
-    )
+
+def renew_text(size: int, form: str = "values", returning: bool = True) -> str:
+    """The renewal of `size` reservations (parameters :p0, :k0, :g0, :t0, …)
+    in the form `form` ("values" or "or"; "each" uses RENEW_ONE).
+
+    >>> renew_text(2, "or", returning=False)[-72:]
+    'OR (principal = :p1 AND key = :k1 AND generation = :g1 AND token = :t1))'
+    """
+    table = "idempotency_keys"
+    if form == "or":
+        match = " OR ".join(
+            f"(principal = :p{i} AND key = :k{i} AND generation = :g{i} AND token = :t{i})" for i in range(size)
+        )
+        where = f"status = 'pending' AND ({match})"
+        table += " FORCE INDEX (PRIMARY)"
+    elif form == "values":
+        values = ", ".join(f"(:p{i}, :k{i}, :g{i}, :t{i})" for i in range(size))
+        where = f"status = 'pending' AND (principal, key, generation, token) IN (VALUES {values})"
+    else:
+        raise ValueError(f"no single statement renews in the form {form!r}")
+    # Without RETURNING the engine hands back one row per affected row.
+    text = f"UPDATE {table} SET updated_at = :now WHERE {where}"
+    return text + (" RETURNING generation" if returning else "")
 
 
 # One statement: the event and the generation the row held then are read and
@@ -186,17 +219,22 @@ def new_token() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1 or 1
 
 
-def _count(state: State) -> str:
-    return f"coalesce(sum(CASE WHEN {STATE_SQL[state]} THEN 1 ELSE 0 END), 0)"
+def _count(where: str) -> str:
+    return f"coalesce(sum(CASE WHEN {where} THEN 1 ELSE 0 END), 0)"
 
 
+# The counts of `stats`. A stale reservation counts as stale whatever its age
+# (STALE_PENDING_SQL); expired is every row past retention, the sweep's
+# backlog, so a pending row past retention counts in both, and the count
+# after them says how many did.
 STATS = f"""
 SELECT
   count(*),
-  {_count(State.PENDING_FRESH)},
-  {_count(State.PENDING_STALE)},
-  {_count(State.COMPLETED)},
-  {_count(State.EXPIRED)},
+  {_count(STATE_SQL[State.PENDING_FRESH])},
+  {_count(STALE_PENDING_SQL)},
+  {_count(STATE_SQL[State.COMPLETED])},
+  {_count(STATE_SQL[State.EXPIRED])},
+  {_count("status = 'pending' AND " + STATE_SQL[State.EXPIRED])},
   coalesce(sum(CASE WHEN generation > 1 THEN 1 ELSE 0 END), 0),
   min(CASE WHEN status = 'pending' THEN created_at END),
   min(CASE WHEN status = 'completed' THEN created_at END),

@@ -33,6 +33,7 @@ from .statements import (
     RECORD_FENCED,
     RELEASE,
     RENEW_MAX,
+    RENEW_ONE,
     SWEEP_FENCED,
     TAKEOVER,
     new_token,
@@ -209,10 +210,44 @@ class Store(CopyStatements, OperatorStatements):
     def renew(self, held: Sequence[tuple[str, str, int, int | None]], now: int) -> int:
         """Move `updated_at` to `now` for every (principal, key, generation,
         token) still pending as held; how many rows were renewed (on
-        MariaDB/MySQL, rows whose `updated_at` changed). One statement per
-        RENEW_MAX reservations."""
+        MariaDB/MySQL, rows whose `updated_at` changed). Every row is reached
+        through the primary key (`renew_statements`): one statement per
+        RENEW_MAX reservations, or on SQLite one per reservation, all in one
+        transaction."""
         self._guard()
-        renewed = 0
+        if not held:
+            return 0
+        statements = self.renew_statements(held, now)
+        if self.dialect.renew_form != "each":
+            return sum(len(self.engine.write(sql, params)) for sql, params in statements)
+        together = getattr(self.engine, "write_batch", None)
+        if together is None:
+            return sum(len(rows) for rows in self.engine.write_turn(statements))
+        outcomes = together(statements)
+        failed = next((o for o in outcomes if isinstance(o, Exception)), None)
+        if failed is not None:
+            raise failed  # the next tick renews them all again
+        return sum(len(rows) for rows in outcomes)
+
+    def renew_statements(
+        self, held: Sequence[tuple[str, str, int, int | None]], now: int
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """The statements `renew` runs for `held`, as this engine spells
+        them (what EXPLAIN should be asked about).
+
+        >>> from idemctl.storage import open_engine
+        >>> store = Store(open_engine(":memory:"))
+        >>> [" ".join(sql.split())[:40] for sql, _ in store.renew_statements([("a", "k1", 1, 7), ("a", "k2", 1, 8)], 0)]
+        ['UPDATE idempotency_keys SET updated_at =', 'UPDATE idempotency_keys SET updated_at =']
+        """
+        form = self.dialect.renew_form
+        if form == "each":
+            one = self.sql(RENEW_ONE)
+            return [
+                (one, {"now": now, "p0": principal, "k0": key, "g0": generation, "t0": token})
+                for principal, key, generation, token in held
+            ]
+        statements: list[tuple[str, dict[str, Any]]] = []
         for start in range(0, len(held), RENEW_MAX):
             chunk = list(held[start : start + RENEW_MAX])
             size = 1 << (len(chunk) - 1).bit_length()
@@ -220,8 +255,8 @@ class Store(CopyStatements, OperatorStatements):
             params: dict[str, Any] = {"now": now}
             for i, (principal, key, generation, token) in enumerate(chunk):
                 params.update({f"p{i}": principal, f"k{i}": key, f"g{i}": generation, f"t{i}": token})
-            renewed += len(self._write(renew_text(size, self.dialect.returning), params))
-        return renewed
+            statements.append((self.sql(renew_text(size, form, self.dialect.returning)), params))
+        return statements
 
     def record_fenced(
         self, principal: str, key: str, generation: int, computed_status: int, now: int

@@ -132,3 +132,31 @@ def test_the_cli_reads_the_environment_through_idemctl_config(db, monkeypatch, t
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["retention_ms"] == 3 * 86_400_000
     assert [(r["IDEMCTL_DB"], r["IDEMCTL_RETENTION"]) for r in read] == [(db, "3d")]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["stats", "--json"], ["pending", "--json"], ["pending", "--stale", "--json"], ["sweep", "--dry-run", "--json"]],
+)
+def test_a_pending_ttl_of_twenty_minutes_works_on_every_command(db, command):
+    # Lease renewal is off in the CLI's policy: a TTL above ten minutes
+    # (the default lease_max) is the operator's to choose.
+    result = CliRunner().invoke(app, ["--ttl", "20m", *command, "--db", db])
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    if "pending_ttl_ms" in doc:
+        assert doc["pending_ttl_ms"] == 1_200_000
+    # And as the command's own option.
+    own = CliRunner().invoke(app, [*command, "--ttl", "20m", "--db", db])
+    assert own.exit_code == 0, own.stderr
+
+
+def test_a_fifteen_minute_IDEMCTL_PENDING_TTL_is_read_by_the_cli(db):
+    result = CliRunner().invoke(app, ["stats", "--json"], env={"IDEMCTL_DB": db, "IDEMCTL_PENDING_TTL": "15m"})
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["pending_ttl_ms"] == 900_000
+    inspect = CliRunner().invoke(app, ["inspect", "k", "-p", "acct_A"], env={"IDEMCTL_DB": db, "IDEMCTL_PENDING_TTL": "15m"})
+    assert (inspect.exit_code, inspect.stderr) == (
+        1,
+        "no row for principal 'acct_A' key 'k': the next request with this key runs the mutation\n",
+    )

@@ -38,13 +38,17 @@ def test_prometheus_format_prints_the_ledger_state_as_gauges(tmp_path):
     assert result.exit_code == 0 and result.stderr == ""
     lines = result.stdout.splitlines()
     label = f'ledger="{db}"'
-    assert lines[:8] == [
-        "# HELP idemctl_ledger_rows Rows in the ledger by state, as idemctl stats counts them.",
+    assert lines[:11] == [
+        "# HELP idemctl_ledger_rows Rows in the ledger by state, as idemctl stats counts them:"
+        " a pending row past retention counts as pending_stale and as expired.",
         "# TYPE idemctl_ledger_rows gauge",
         f'idemctl_ledger_rows{{{label},state="pending_fresh"}} 0',
         f'idemctl_ledger_rows{{{label},state="pending_stale"}} 1',
         f'idemctl_ledger_rows{{{label},state="completed"}} 2',
         f'idemctl_ledger_rows{{{label},state="expired"}} 0',
+        "# HELP idemctl_ledger_expired_pending_rows Pending rows past retention, counted in both pending_stale and expired.",
+        "# TYPE idemctl_ledger_expired_pending_rows gauge",
+        f"idemctl_ledger_expired_pending_rows{{{label}}} 0",
         "# HELP idemctl_ledger_taken_over_rows Rows whose reservation was taken over at least once.",
         "# TYPE idemctl_ledger_taken_over_rows gauge",
     ]

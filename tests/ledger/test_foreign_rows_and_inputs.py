@@ -192,42 +192,68 @@ def test_a_protected_method_that_is_not_an_http_token_is_refused(ledger, method)
 # -- one definition of a row's state ------------------------------------------------------------
 
 
-def test_pending_stale_and_stats_agree_on_rows_past_the_retention(make_ledger, clock):
+def test_a_stale_reservation_past_the_retention_is_listed_and_counted_as_stale(make_ledger, clock):
+    # A worker that died days ago left its reservation pending: the next
+    # retry takes it over, so it is stale whatever its age (and expired too:
+    # the sweep may delete it).
     ledger = make_ledger(policy=Policy(pending_ttl_ms=30_000, retention_ms=60_000))
     ledger.claim("acct", "ancient", "fp")  # will be past the retention
+    done = ledger.claim("acct", "done-long-ago", "fp")
+    ledger.complete(done, 201, {}, b"")
     clock.advance(40_000)
     ledger.claim("acct", "stale-1", "fp")
     ledger.claim("acct", "stale-2", "fp")
     clock.advance(31_000)
     ledger.claim("acct", "fresh", "fp")
     stats = ledger.stats()
-    stale = [v.row.key for v in ledger.pending(stale_only=True)]
-    assert stale == ["stale-1", "stale-2"]
-    assert (stats.pending_stale, stats.pending_fresh, stats.expired) == (2, 1, 1)
-    assert ledger.get("acct", "ancient").state is State.EXPIRED
-    # Every listed row carries the state that stats counted it under.
-    assert [(v.row.key, v.state) for v in ledger.pending()] == [
-        ("ancient", State.EXPIRED),
-        ("stale-1", State.PENDING_STALE),
-        ("stale-2", State.PENDING_STALE),
-        ("fresh", State.PENDING_FRESH),
+    stale = [(v.row.key, v.state, v.takes_over_now) for v in ledger.pending(stale_only=True)]
+    assert stale == [
+        ("ancient", State.EXPIRED, True),
+        ("stale-1", State.PENDING_STALE, True),
+        ("stale-2", State.PENDING_STALE, True),
     ]
+    assert (stats.total, stats.pending_fresh, stats.pending_stale, stats.completed) == (5, 1, 3, 0)
+    assert (stats.expired, stats.expired_pending) == (2, 1)  # "ancient" is in both counts
+    assert ledger.get("acct", "ancient").state is State.EXPIRED
+    assert [(v.row.key, v.state, v.takes_over_now) for v in ledger.pending()] == [
+        *stale,
+        ("fresh", State.PENDING_FRESH, False),
+    ]
+    # And it is what the request path does: the next retry takes it over.
+    assert ledger.predict("acct", "ancient", "fp").view.takes_over_now
+    assert ledger.takeover("acct", "ancient", "fp").generation == 2
 
 
-def test_cli_pending_stale_lists_exactly_the_rows_stats_counts_as_stale(tmp_path):
+def test_cli_pending_stale_and_max_stale_see_a_reservation_days_past_the_retention(make_ledger, ledger_target):
     from idemctl import wall_clock_ms
 
-    path = tmp_path / "ledger.db"
     wall = wall_clock_ms()
-    for key, age_ms in (("ancient", 100_000), ("stale-1", 40_000), ("stale-2", 39_000), ("fresh", 0)):
-        with Ledger.open(path, clock=lambda: wall - age_ms) as ledger:
-            ledger.init()
-            ledger.claim("acct", key, "fp")
+    ledger = make_ledger()
+    for key, age_ms in (("dead-for-days", 3 * 86_400_000), ("stale-1", 40_000), ("stale-2", 39_000), ("fresh", 0)):
+        ledger.claim("acct", key, "fp", now=wall - age_ms)
     run = CliRunner().invoke
-    stale = json.loads(run(app, ["--db", str(path), "--ttl", "30s", "--retention", "60s", "pending", "--stale", "--json"]).stdout)
-    stats = json.loads(run(app, ["--db", str(path), "--ttl", "30s", "--retention", "60s", "stats", "--json"]).stdout)
-    assert [r["key"] for r in stale["rows"]] == ["stale-1", "stale-2"]
-    assert (stats["pending_stale"], stats["pending_fresh"], stats["expired"]) == (2, 1, 1)
+    where = ["--db", ledger_target, "--ttl", "30s", "--retention", "1d"]
+    stale = json.loads(run(app, [*where, "pending", "--stale", "--json"]).stdout)
+    assert [(r["key"], r["state"], r["takes_over_now"]) for r in stale["rows"]] == [
+        ("dead-for-days", "expired", True),
+        ("stale-1", "pending_stale", True),
+        ("stale-2", "pending_stale", True),
+    ]
+    stats = run(app, [*where, "stats", "--json", "--max-stale", "2"])
+    assert stats.exit_code == 1, stats.output
+    doc = json.loads(stats.stdout)
+    assert (doc["total"], doc["pending_stale"], doc["pending_fresh"], doc["expired"], doc["expired_pending"]) == (4, 3, 1, 1, 1)
+    assert doc["check_failed"] == ["3 stale pending rows (max 2)"]
+    assert run(app, [*where, "stats", "--json", "--max-stale", "3"]).exit_code == 0
+    # Only the dead worker's row: before, --max-stale 0 never fired for it.
+    ledger.purge("acct", "stale-1")
+    ledger.purge("acct", "stale-2")
+    ledger.purge("acct", "fresh", force=True)
+    lone = run(app, [*where, "stats", "--max-stale", "0"])
+    assert lone.exit_code == 1, lone.output
+    assert "1 of them pending, also counted as stale" in lone.stdout
+    listing = run(app, [*where, "pending", "--stale"])
+    assert listing.exit_code == 0 and "dead-for-days" in listing.stdout and "takes over as generation 2" in listing.stdout
 
 
 def test_stats_and_get_agree_on_every_row_of_a_random_ledger(make_ledger, clock):
@@ -244,13 +270,18 @@ def test_stats_and_get_agree_on_every_row_of_a_random_ledger(make_ledger, clock)
     for i in range(200):
         counts[ledger.get("acct", f"k{i}").state] += 1
     stats = ledger.stats()
+    expired_pending = sum(
+        1 for i in range(200) if (v := ledger.get("acct", f"k{i}")).state is State.EXPIRED and v.takes_over_now
+    )
     assert counts == {
         State.PENDING_FRESH: stats.pending_fresh,
-        State.PENDING_STALE: stats.pending_stale,
+        State.PENDING_STALE: stats.pending_stale - stats.expired_pending,
         State.COMPLETED: stats.completed,
         State.EXPIRED: stats.expired,
     }
+    assert stats.expired_pending == expired_pending > 0
     assert stats.pending_stale == len(list(ledger.pending(stale_only=True)))
+    assert stats.pending_fresh + stats.pending_stale + stats.completed + stats.expired == 200 + stats.expired_pending
     assert all(counts.values())  # the walk visited every state
 
 

@@ -6,6 +6,7 @@ of the ledger's own."""
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import time
 
 import pytest
 
-from idemctl import Outcome, Policy, Status, wall_clock_ms
+from idemctl import Outcome, Policy, Reservation, Status, wall_clock_ms
 from tests.helpers import ROOT
 
 # The PostgreSQL tests run through PgBouncer (session and transaction pooling) too.
@@ -230,3 +231,148 @@ def test_inspect_shows_when_a_reservation_was_claimed_and_last_renewed(make_ledg
     ledger.finish(ticket, 201, {}, b"")
     assert result.exit_code == 0, result.output
     assert re.search(r"pending, claimed [1-9]\d* s ago, lease last renewed \d+ (ms|s) ago", result.stdout), result.stdout
+
+
+# -- a renewal that runs late is seen long before the TTL passes ---------------------------------
+
+
+def _reservation(key: str) -> Reservation:
+    return Reservation("acct_A", key, 1, "fp", 42)
+
+
+def test_a_stuck_renewal_is_reported_while_it_runs_well_before_the_ttl_then_at_the_ttl_then_when_it_lands(caplog):
+    from idemctl.leases import LeaseKeeper, LeaseTick
+
+    ttl_s = 1.5
+    release = threading.Event()
+    calls: list[int] = []
+
+    def stuck_renew(held: list[Reservation]) -> int:  # a statement waiting on a lock
+        calls.append(len(held))
+        release.wait(10)
+        return len(held)
+
+    keeper = LeaseKeeper(stuck_renew, interval_s=ttl_s / 3, max_s=60, ttl_s=ttl_s)
+    ticks: list[tuple[float, LeaseTick]] = []
+    keeper.subscribe(lambda tick: ticks.append((time.monotonic(), tick)))
+    try:
+        with caplog.at_level(logging.WARNING, logger="idemctl"):
+            held_at = time.monotonic()
+            keeper.hold(_reservation("k-stuck"))
+            while len(ticks) < 2 and time.monotonic() - held_at < 10:
+                time.sleep(0.02)
+            release.set()
+            while len(ticks) < 3 and time.monotonic() - held_at < 10:
+                time.sleep(0.02)
+    finally:
+        release.set()
+        keeper.close()
+    assert calls and calls[0] == 1
+    (first_at, first), (_, second), (_, landed) = ticks[:3]
+    # While the renewal still runs, past half the TTL: reported before the TTL is out.
+    assert (first.done, first.late, first.expired, first.renewed, first.reservations) == (False, True, False, None, 1)
+    assert first_at - held_at < ttl_s, "the late renewal was not seen before the TTL passed"
+    assert ttl_s * 500 < first.lapse_ms < ttl_s * 1000 and first.seconds > 0
+    # Then once the TTL itself has passed: a retry may take it over now.
+    assert (second.done, second.expired, second.renewed) == (False, True, None)
+    # And when it lands: late, and how late.
+    assert (landed.done, landed.late, landed.renewed, landed.error) == (True, True, 1, None)
+    assert landed.lapse_ms >= ttl_s * 1000
+    # (The renewal right after it may be late too: the rows aged while it ran.)
+    assert keeper.late_ticks >= 3
+    records = [(r.levelname, r.getMessage()) for r in caplog.records if "lease renewal" in r.getMessage()]
+    assert [level for level, _ in records[:3]] == ["WARNING", "ERROR", "ERROR"]
+    assert re.fullmatch(
+        r"lease renewal is late: 1 reservation\(s\) have gone \d+ ms without renewal \(TTL 1500 ms, due every 500 ms\);"
+        r" the renewal in progress has run \d+ ms",
+        records[0][1],
+    ), records[0][1]
+    assert records[1][1].endswith(": a retry may take them over now")
+    assert re.fullmatch(
+        r"lease renewal ran late: 1 reservation\(s\) went \d+ ms without renewal \(TTL 1500 ms, due every 500 ms\);"
+        r" the renewal took \d+ ms",
+        records[2][1],
+    ), records[2][1]
+
+
+def test_renewals_on_time_report_every_tick_and_nothing_late(make_ledger):
+    ledger = lease_ledger(make_ledger, lease_renewal=True)
+    assert ledger.leases is not None
+    ticks = []
+    ledger.leases.subscribe(ticks.append)
+    ticket = ledger.begin("acct_A", "k-ticks", "POST", "/orders", {}, b"")
+    time.sleep(1.2)  # three ticks or so
+    ledger.finish(ticket, 201, {}, b"")
+    assert ticks and all(t.done and t.error is None and t.renewed == t.reservations == 1 for t in ticks)
+    assert all(not t.late for t in ticks) and ledger.leases.late_ticks == 0
+
+
+@pytest.mark.engines("sqlite")  # the renewal itself is replaced: the engine plays no part
+def test_failing_renewals_are_reported_as_late_before_the_ttl_passes(make_ledger, caplog):
+    from idemctl.errors import DatabaseLockedError
+
+    ledger = lease_ledger(make_ledger, lease_renewal=True)
+    assert ledger.leases is not None
+    ticks = []
+    ledger.leases.subscribe(ticks.append)
+
+    def locked(held, now):  # type: ignore[no-untyped-def]
+        raise DatabaseLockedError("the ledger is locked")
+
+    ledger.store.renew = locked  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="idemctl"):
+        claimed = time.monotonic()
+        ticket = ledger.begin("acct_A", "k-failing", "POST", "/orders", {}, b"")
+        while not any(t.late for t in ticks) and time.monotonic() - claimed < 10:
+            time.sleep(0.02)
+        seen_at = time.monotonic()
+    ledger.abandon(ticket, release=True)
+    failed = [t for t in ticks if t.done]
+    assert failed and all((t.renewed, t.error) == (None, "the ledger is locked") for t in failed)
+    late = next(t for t in ticks if t.late)
+    assert (late.done, late.error) == (False, "the ledger is locked")
+    assert seen_at - claimed < TTL / 1000
+    assert any(
+        m.startswith("lease renewal is late: 1 reservation(s) have gone") and m.endswith("the last renewal failed: the ledger is locked")
+        for m in caplog.messages
+    ), caplog.messages
+
+
+def test_prometheus_counts_lease_renewals_lapses_and_late_ones(make_ledger):
+    from prometheus_client import CollectorRegistry
+
+    from idemctl.prometheus import instrument
+
+    ledger = lease_ledger(make_ledger, lease_renewal=True)
+    registry = CollectorRegistry()
+    metrics = instrument(ledger, registry=registry)
+    assert metrics.leases is not None
+    renew = ledger.store.renew
+    slow = threading.Event()
+
+    def sometimes_slow(held, now):  # type: ignore[no-untyped-def]
+        if slow.is_set():
+            slow.clear()
+            time.sleep(0.7)  # past half the 1 s TTL
+        return renew(held, now)
+
+    ledger.store.renew = sometimes_slow  # type: ignore[method-assign]
+    ticket = ledger.begin("acct_A", "k-metrics", "POST", "/orders", {}, b"")
+    time.sleep(0.8)
+    slow.set()
+    time.sleep(1.6)
+    held = registry.get_sample_value("idemctl_leases_held")
+    ledger.finish(ticket, 201, {}, b"")
+    value = registry.get_sample_value
+    renewals = value("idemctl_lease_renewal_seconds_count")
+    assert renewals is not None and renewals >= 3
+    assert value("idemctl_lease_lapse_seconds_count") == renewals
+    # The slow renewal was seen while it ran and when it landed (and the one
+    # right after it may count too: the rows aged while the slow one ran).
+    assert (value("idemctl_lease_late_total", {"stage": "done"}) or 0) >= 1
+    assert (value("idemctl_lease_late_total", {"stage": "running"}) or 0) >= 1
+    assert value("idemctl_lease_failures_total") == 0
+    assert held == 1
+    on_time = value("idemctl_lease_lapse_seconds_bucket", {"le": "0.5"})
+    assert on_time is not None and 1 <= on_time < renewals
+    assert value("idemctl_lease_lapse_seconds_bucket", {"le": "+Inf"}) == renewals

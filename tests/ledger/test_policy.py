@@ -57,3 +57,42 @@ def test_retry_after_rounds_up():
     assert Policy(pending_ttl_ms=1_001).retry_after_seconds == 2
     assert Policy(pending_ttl_ms=1_000).retry_after_seconds == 1
     assert Policy(reuse_status=422).reuse_status == 422
+
+
+@pytest.mark.parametrize("ttl_ms", [600_000, 20 * 60_000, 6 * 60 * 60_000])
+def test_a_pending_ttl_of_ten_minutes_or_more_is_accepted_without_lease_renewal(ttl_ms):
+    # The docs tell users to keep the TTL above their slowest mutation: a
+    # long one is the whole point when nothing renews leases.
+    policy = Policy(pending_ttl_ms=ttl_ms)
+    assert (policy.pending_ttl_ms, policy.lease_renewal, policy.lease_max_ms) == (ttl_ms, False, 600_000)
+    assert policy.retry_after_seconds == ttl_ms // 1000
+
+
+def test_lease_max_must_still_exceed_the_ttl_when_renewal_is_on():
+    with pytest.raises(PolicyError) as caught:
+        Policy(pending_ttl_ms=600_000, lease_renewal=True)
+    assert str(caught.value) == (
+        "lease_max_ms (600000) must be longer than pending_ttl_ms (600000) when lease_renewal is on: "
+        "raise lease_max_ms, or shorten the TTL (renewal makes a short one safe)"
+    )
+    with pytest.raises(PolicyError, match="when lease_renewal is on"):
+        Policy(pending_ttl_ms=20_000, lease_renewal=True, lease_max_ms=20_000)
+    ok = Policy(pending_ttl_ms=20 * 60_000, lease_renewal=True, lease_max_ms=60 * 60_000)
+    assert (ok.pending_ttl_ms, ok.lease_max_ms) == (1_200_000, 3_600_000)
+
+
+@pytest.mark.parametrize("lease_max_ms", [0, -1])
+def test_a_lease_max_that_is_not_positive_is_refused_even_with_renewal_off(lease_max_ms):
+    with pytest.raises(PolicyError, match=f"lease_max_ms must be > 0, got {lease_max_ms}"):
+        Policy(lease_max_ms=lease_max_ms)
+
+
+def test_settings_from_the_environment_accept_a_fifteen_minute_ttl():
+    from idemctl.config import Settings
+
+    settings = Settings.from_env({"IDEMCTL_PENDING_TTL": "15m"})
+    assert settings.pending_ttl_ms == 900_000
+    assert settings.policy().pending_ttl_ms == 900_000
+    with pytest.raises(PolicyError, match="when lease_renewal is on"):
+        settings.policy(lease_renewal=True)
+    assert settings.policy(lease_renewal=True, lease_max_ms=3_600_000).lease_max_ms == 3_600_000
