@@ -367,7 +367,8 @@ def _global(
         typer.Option(
             "--db",
             metavar="PATH|URL",
-            help="Ledger: a SQLite file, postgresql:// or mysql:// URL." + env_help(config.ENV_DB, config.DEFAULT_DB),
+            help="Ledger: a SQLite file, a postgresql:// URL or libpq connection string (host=… dbname=…), "
+            "or a mysql:// URL." + env_help(config.ENV_DB, config.DEFAULT_DB),
             show_default=False,
         ),
     ] = None,

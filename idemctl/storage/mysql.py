@@ -509,6 +509,10 @@ class MysqlEngine:
                     cur.execute(_INIT_UNLOCK)
 
 
+# Duplicate column name, duplicate key name.
+_ALREADY_THERE = (1060, 1061)
+
+
 def _existing(conn: pymysql.connections.Connection[Any], names: list[str]) -> set[str]:
     if not names:
         return set()
@@ -539,7 +543,16 @@ class _MysqlTx:
     def script(self, sql: str) -> None:
         with self.pooled.conn.cursor() as cur:
             for statement in _statements(sql):
-                cur.execute(statement)
+                try:
+                    cur.execute(statement)
+                except pymysql.MySQLError as exc:
+                    # An ALTER that adds a column and its index is one
+                    # statement (all or nothing) but has no IF NOT EXISTS on
+                    # MySQL: run again after an init that failed later, it
+                    # finds them there, which is what it was to do.
+                    code = "\n".join(ln for ln in statement.splitlines() if not ln.lstrip().startswith("--"))
+                    if not (exc.args and exc.args[0] in _ALREADY_THERE and code.lstrip().startswith("ALTER")):
+                        raise
 
     def table_names(self, names: Iterable[str]) -> set[str]:
         return _existing(self.pooled.conn, list(names))

@@ -15,11 +15,12 @@
 -- Inside the value, \\ and \" are first replaced by the bytes 0x01 and 0x02
 -- (never in a key), so the first remaining double quote is the one that
 -- closes the string. A value with no closing quote is its own key. Hex
--- literals, so no backslash depends on the server's sql_mode. One ALTER
--- (MariaDB's IF NOT EXISTS, as `init` may run it again): the column and its
--- index arrive together or not at all.
+-- literals, so no backslash depends on the server's sql_mode. One ALTER:
+-- the column and its index arrive together or not at all (MySQL has no
+-- IF NOT EXISTS here: an init run again after a later failure finds them,
+-- and goes on).
 ALTER TABLE idempotency_keys
-  ADD COLUMN IF NOT EXISTS key_id VARBINARY(255) GENERATED ALWAYS AS (
+  ADD COLUMN key_id VARBINARY(255) GENERATED ALWAYS AS (
     CASE
       WHEN SUBSTRING(`key`, 1, 1) <> X'22'
         OR LOCATE(X'22', REPLACE(REPLACE(SUBSTRING(`key`, 2), X'5C5C', X'01'), X'5C22', X'02')) = 0
@@ -30,4 +31,4 @@ ALTER TABLE idempotency_keys
            X'01', X'5C'), X'02', X'22')
     END
   ) STORED,
-  ADD UNIQUE INDEX IF NOT EXISTS idx_idempotency_keys_key_id (principal, key_id);
+  ADD UNIQUE INDEX idx_idempotency_keys_key_id (principal, key_id);
