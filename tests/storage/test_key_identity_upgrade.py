@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from idemctl import Ledger
+from idemctl.errors import SchemaOutdatedError
 from idemctl.outcomes import Outcome
 from idemctl.storage.store_base import KeyStoredTwiceError
 from tests.helpers import RecipeWriter
@@ -41,8 +42,14 @@ def test_upgrading_keeps_the_quoted_rows_and_replays_them(make_ledger, ledger_ta
         before = stored(writer)
         ledger = Ledger.open(ledger_target, clock=clock)
         try:
-            # Before the upgrade: an operator's read finds the row, requests are refused.
+            # Before the upgrade: an operator's read finds the row; requests
+            # are refused before anything is claimed (no index guards a claim yet).
             assert ledger.get("acct_1", '"legacy-1"').row.key == '"legacy-1"'
+            refused: list[bytes] = []
+            for key in ('"legacy-1"', "fresh"):
+                with pytest.raises(SchemaOutdatedError):
+                    ledger.handle("acct_1", key, "POST", "/", {}, b"", lambda b: refused.append(b) or (201, {}, b""))
+            assert refused == [] and stored(writer) == before
             assert ledger.init().describe() == "upgraded from 2 to 3"
             assert stored(writer) == before
             ran: list[bytes] = []
