@@ -131,3 +131,27 @@ def test_an_old_writer_and_idemctl_handling_the_same_quoted_key_at_once_run_it_o
     # Every idemctl answer is its own run, a replay, or a 409 (in progress / retry): never a second run.
     assert {r.status for r in replies} <= {201, 409}
     assert len(old_runs) + len(orders.runs) == ROUNDS
+
+
+def test_a_stale_reservation_an_old_writer_left_under_the_quoted_key_is_taken_over_once(make_ledger, ledger_target, clock):
+    """The recipe's Worker claimed "legacy-1" and died: the retry takes its
+    row over (by key_id), runs once, stores its answer; the dead owner's late
+    completion is fenced out by the generation, as in the recipe."""
+    ledger: Ledger = make_ledger()
+    fingerprint = recipe_fingerprint("POST", "/orders", "application/json", ORDER)
+    writer = RecipeWriter(ledger_target)
+    try:
+        assert writer.claim("alice", '"legacy-1"', fingerprint, clock.now)
+        clock.advance(ledger.policy.pending_ttl_ms + 1)
+        orders = Orders()
+        client = WsgiClient(ledger, orders)
+        headers = {"Content-Type": "application/json", "Idempotency-Key": '"legacy-1"'}
+        first = client.request("POST", "/orders", ORDER, headers, "alice")
+        writer.complete("alice", '"legacy-1"', 201, STORED_HEADERS, '{"id":"late"}', clock.now)  # fenced: generation moved on
+        again = client.request("POST", "/orders", ORDER, headers, "alice")
+    finally:
+        writer.close()
+    assert (first.status, first.body, len(orders.runs)) == (201, b'{"id":1}', 1)
+    assert (again.status, again.body, len(orders.runs)) == (201, b'{"id":1}', 1)
+    view = ledger.get("alice", "legacy-1")
+    assert view is not None and (view.row.key, view.row.generation, view.row.response_body) == ('"legacy-1"', 2, '{"id":1}')
