@@ -85,3 +85,22 @@ def test_a_sqlite_path_that_holds_an_equals_sign_is_a_file(tmp_path) -> None:
     # A file named like a connection string is reached with a directory in front; the hint keeps it.
     named = run("--db", "./host=y.db", "stats")
     assert named.output == "error: no ledger at host=y.db — run `idemctl --db ./host=y.db init`\n"
+
+
+@pytest.mark.engines("postgres")
+def test_init_through_a_keyword_connection_string_creates_its_database(postgres_server: str) -> None:
+    import secrets
+
+    name = f"idemctl_dsn_{secrets.token_hex(4)}"
+    dsn = keyword_dsn(postgres_server, dbname=name, password=SECRET)
+    try:
+        done = run("--db", dsn, "init")
+        assert (done.exit_code, done.output) == (
+            0,
+            f"postgresql://postgres@127.0.0.1:5432/{name}: created the database (owner postgres)\n"
+            f"postgresql://postgres@127.0.0.1:5432/{name}: created (schema version 3)\n",
+        )
+    finally:
+        with psycopg.connect(postgres_server, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+            admin.execute(f"DROP DATABASE IF EXISTS {name}")
