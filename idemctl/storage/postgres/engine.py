@@ -433,11 +433,17 @@ class PostgresEngine:
             raise self._translate(exc) from exc
 
 
+_CLOSED_BY_THE_POOL = (TransactionStatus.ACTIVE, TransactionStatus.UNKNOWN)
+
+
 def _interrupted(conn: psycopg.Connection[Any]) -> None:
     """`conn` goes back to the pool with its statement stopped by something
     other than an error: the pool closes it without a word (see
     _QuietWhenInterrupted), as the statement is still running on it."""
-    if isinstance(conn, _PooledConnection) and conn.pgconn.transaction_status != TransactionStatus.IDLE:
+    # Only a connection the pool will close (mid-statement, or already
+    # broken): it is never handed out again, so the mark cannot silence a
+    # later warning about the same object.
+    if isinstance(conn, _PooledConnection) and conn.pgconn.transaction_status in _CLOSED_BY_THE_POOL:
         conn.statement_cursor = None
         conn.interrupted = True
 
