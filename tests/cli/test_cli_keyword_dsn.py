@@ -73,8 +73,8 @@ def test_a_keyword_connection_string_with_a_password_never_shows_it(ledger_targe
     assert outputs[5].startswith("error: cannot reach PostgreSQL at postgresql://postgres@127.0.0.1:1/test")
 
 
-def test_a_sqlite_path_that_holds_an_equals_sign_is_a_file(tmp_path) -> None:
-    os.chdir(tmp_path)
+def test_a_sqlite_path_that_holds_an_equals_sign_is_a_file(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
     for path in ("ledger=1.db", str(tmp_path / "a=b" / "l.db"), "./host=x.db"):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         done = run("--db", path, "init")
