@@ -98,6 +98,22 @@ def _sf_string(value: str) -> str | None:
     return None  # never terminated
 
 
+def stored_key(value: object) -> str:
+    r"""The key an operator names to find a row: as a request's header is
+    read (:func:`check_key`), or, for a value no request may send any more
+    that an older writer stored as it came (the recipe took any 1-255
+    printable characters: ``"abc`` unterminated, say), that value itself.
+    InvalidKeyError when it is neither.
+
+    >>> stored_key('"legacy-1"'), stored_key('"abc'), stored_key("k")
+    ('legacy-1', '"abc', 'k')
+    """
+    parsed = parse_key(value)
+    if parsed is None and isinstance(value, str) and value.startswith('"') and _KEY_PATTERN.match(value):
+        return value
+    return check_key(value)
+
+
 def is_valid_key(key: object) -> bool:
     r"""Whether `key` carries a valid key (see :func:`parse_key`).
 

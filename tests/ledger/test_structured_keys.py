@@ -102,3 +102,23 @@ def test_the_database_computes_the_key_a_stored_value_names(stored, key, make_le
         writer.close()
     got = rows[0][0]
     assert (got.decode() if isinstance(got, bytes) else got) == key == stored_key_identity(stored)
+
+
+def test_inspect_and_purge_reach_a_row_whose_stored_key_no_request_may_send_any_more(ledger_target, make_ledger, monkeypatch, tmp_path, clock):
+    # The recipe took any 1-255 printable characters: "abc (unterminated) is
+    # a 400 for idemctl now, but an operator still finds and deletes the row.
+    clean_env(monkeypatch, tmp_path, columns="200")
+    make_ledger()
+    writer = RecipeWriter(ledger_target)
+    try:
+        writer.insert_completed("acct_1", '"abc', "f" * 64, 201, "{}", "made", clock.now)
+    finally:
+        writer.close()
+    shown = CliRunner().invoke(app, ["--db", ledger_target, "inspect", '"abc', "--principal", "acct_1", "--json"])
+    assert (shown.exit_code, json.loads(shown.stdout)["key"]) == (0, '"abc')
+    purged = CliRunner().invoke(app, ["--db", ledger_target, "purge", '"abc', "--principal", "acct_1", "--yes"])
+    assert purged.exit_code == 0, purged.output
+    gone = CliRunner().invoke(app, ["--db", ledger_target, "inspect", '"abc', "--principal", "acct_1"])
+    assert gone.exit_code == 1
+    bad = CliRunner().invoke(app, ["--db", ledger_target, "inspect", "abc\n", "--principal", "acct_1"])
+    assert bad.exit_code == 2 and "invalid Idempotency-Key" in bad.output
