@@ -170,7 +170,7 @@ def raw_pair(conn: sqlite3.Connection, principal: str, key: str, now: int) -> No
     SQLite skip the index update and make the floor do less work than the
     contract needs."""
     row = {"principal": principal, "key": key, "token": now}
-    (gen,) = conn.execute(RAW_CLAIM, {**row, "fingerprint": FINGERPRINT, "now": now}).fetchall()[0]
+    gen = conn.execute(RAW_CLAIM, {**row, "fingerprint": FINGERPRINT, "now": now}).fetchall()[0][0]
     done = {"generation": gen, "status": 201, "body": STORED_1K.decode(), "headers": RESPONSE_HEADERS_JSON, "now": now + 1}
     conn.execute(RAW_COMPLETE, {**row, **done}).fetchall()
 

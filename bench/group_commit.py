@@ -84,7 +84,7 @@ def measure(
         # raw_pair's statements and parameters, through the engine.
         now = now_ms()
         row = {"principal": "acct_bench", "key": key, "token": now}
-        (gen,) = engine.write(RAW_CLAIM, {**row, "fingerprint": FINGERPRINT, "now": now})[0]
+        gen = engine.write(RAW_CLAIM, {**row, "fingerprint": FINGERPRINT, "now": now})[0][0]
         done = {"generation": gen, "status": 201, "body": STORED_TEXT, "headers": RESPONSE_HEADERS_JSON, "now": now + 1}
         engine.write(RAW_COMPLETE, {**row, **done})
 

@@ -151,7 +151,7 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
             now = int(time.time() * 1000)
             async with floor_pool.connection() as conn:
                 cur = await conn.execute(sql_claim, {**row, "fingerprint": FINGERPRINT, "now": now})
-                (gen,) = (await cur.fetchall())[0]
+                gen = (await cur.fetchall())[0][0]
             done = {"generation": gen, "status": 201, "body": STORED_1K, "headers": RESPONSE_HEADERS_JSON, "now": now}
             async with floor_pool.connection() as conn:
                 await (await conn.execute(sql_complete, {**row, **done})).fetchall()

@@ -126,7 +126,7 @@ async def _throughput(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[st
         def raw_pair(i: int) -> None:
             row = {"principal": PRINCIPAL, "key": f"raw-{i}", "token": i + 1}
             now = int(time.time() * 1000)
-            (gen,) = raw.execute(sql_claim, {**row, "fingerprint": FINGERPRINT, "now": now}).fetchall()[0]
+            gen = raw.execute(sql_claim, {**row, "fingerprint": FINGERPRINT, "now": now}).fetchall()[0][0]
             done = {"generation": gen, "status": 201, "body": STORED_1K, "headers": RESPONSE_HEADERS_JSON, "now": now + 1}
             raw.execute(sql_complete, {**row, **done}).fetchall()
 

@@ -77,7 +77,7 @@ def cycle(ctx: Context, base: str, admin) -> dict[str, Any]:  # type: ignore[no-
         for i in range(n):
             key = f"raw-{rep}-{i}"
             row = {"principal": "acct_bench", "key": key, "token": i + 1}
-            (gen,) = raw.execute(SQL_CLAIM, {**row, "fingerprint": FINGERPRINT, "now": now}).fetchall()[0]
+            gen = raw.execute(SQL_CLAIM, {**row, "fingerprint": FINGERPRINT, "now": now}).fetchall()[0][0]
             done = {"generation": gen, "status": 201, "body": STORED_1K, "headers": RESPONSE_HEADERS_JSON, "now": now + 1}
             raw.execute(SQL_COMPLETE, {**row, **done}).fetchall()
 

@@ -6,9 +6,9 @@ them together every third of the TTL). The ledger around them grows from
 primary-key order) and, at each size, a tick is timed both ways:
 
 - *now*: `Store.renew`, as the lease keeper runs it: every row reached
-  through the primary key (one UPDATE per reservation in one transaction on
-  SQLite, one statement with an OR of primary-key equalities on MariaDB,
-  `IN (VALUES …)` on PostgreSQL);
+  through the key's unique index, (principal, key_id) (one UPDATE per
+  reservation in one transaction on SQLite, one statement with an OR of
+  key equalities on MariaDB, `IN (VALUES …)` on PostgreSQL);
 - *before*: the single `UPDATE … WHERE (principal, key, generation, token)
   IN (VALUES …)` every engine ran until this release, which SQLite and
   MariaDB plan as a scan of the whole table or index.

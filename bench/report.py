@@ -866,9 +866,9 @@ def render(r: dict[str, Any]) -> str:
 
 
 _RENEWAL_FORMS = {
-    "each": "one primary-key `UPDATE` per reservation, one transaction",
-    "or": "`FORCE INDEX (PRIMARY)`, an `OR` of primary-key equalities",
-    "values": "`(principal, key, generation, token) IN (VALUES …)`",
+    "each": "one `UPDATE` per reservation by the key's unique index, one transaction",
+    "or": "`FORCE INDEX (idx_idempotency_keys_key_id)`, an `OR` of key equalities",
+    "values": "`(principal, key_id, generation, token) IN (VALUES …)`",
 }
 
 

@@ -2,7 +2,8 @@
 apps, the examples and the CLI read them through `Settings.from_env`, so
 a value means the same thing everywhere.
 
-    IDEMCTL_DB                ledger: a SQLite path, a postgresql:// or mysql:// URL
+    IDEMCTL_DB                ledger: a SQLite path, a postgresql:// URL or libpq
+                              connection string (host=… dbname=…), a mysql:// URL
     IDEMCTL_PENDING_TTL       duration with a unit, e.g. 30s
     IDEMCTL_RETENTION         e.g. 24h
     IDEMCTL_FENCED_RETENTION  e.g. 30d

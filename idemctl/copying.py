@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .errors import SchemaMissingError, SchemaOutdatedError, StorageError
+from .fingerprint import stored_key_identity
 from .outcomes import FencedEvent, Status
 from .schema import SCHEMA_VERSION
 from .storage.store import LedgerRow, Store
@@ -36,6 +37,10 @@ class KeptReason(enum.Enum):
     COMPLETED = "the destination's row is completed; the source's is still pending at the same generation"
     WRITTEN_LATER = "the destination's row was written later at the same generation"
     SAME_AGE = "the rows differ at the same generation, status and time; the destination's is kept"
+    OTHER_FORM = (
+        "the destination holds this key in its other form (with or without the sf-string quotes); "
+        "the destination's row is kept"
+    )
 
 
 @dataclass(frozen=True)
@@ -307,8 +312,14 @@ def _write_newer(row: LedgerRow, destination: Store, tally: _Tally) -> None:
         if not tally.settle(row, current):
             return
     current = destination.rows_at([row.where]).get(row.where)
-    generation = 0 if current is None else current.generation
-    tally.kept.append(KeptRow(row.principal, row.key, KeptReason.WRITTEN_LATER, row.generation, generation))
+    if current is None:
+        # Not there under this stored key, yet the insert is refused every
+        # time: the same key_id holds it ("k" and k are one key).
+        held = destination.lookup(row.principal, stored_key_identity(row.key))
+        generation = 0 if held is None else held.generation
+        tally.kept.append(KeptRow(row.principal, row.key, KeptReason.OTHER_FORM, row.generation, generation))
+        return
+    tally.kept.append(KeptRow(row.principal, row.key, KeptReason.WRITTEN_LATER, row.generation, current.generation))
 
 
 def _copy_events(events: Sequence[FencedEvent], destination: Store, tally: _Tally, dry_run: bool) -> None:

@@ -32,7 +32,9 @@ def parse_key(value: object) -> str | None:
     unescaped); parameters after it (``;name=value``) are ignored; anything
     else after it, or a string that is not terminated, is invalid. Any
     other value (a bare token, as Stripe's SDKs and the recipe send) is the
-    key as it is. Either way the key is 1-255 characters of 0x20-0x7E.
+    key as it is. Either way the key is 1-255 characters of 0x20-0x7E, and
+    it never begins with ``"``: a stored value that begins with one is the
+    header as an older writer stored it (see :func:`stored_key_identity`).
 
     >>> parse_key('"8e03978e-40d5-43e8-bc93-6894a57f9324"'), parse_key("order-42")
     ('8e03978e-40d5-43e8-bc93-6894a57f9324', 'order-42')
@@ -43,11 +45,32 @@ def parse_key(value: object) -> str | None:
         return None
     if value.startswith('"'):
         key = _sf_string(value)
-        if key is None:
+        if key is None or key.startswith('"'):
             return None
     else:
         key = value
     return key if _KEY_PATTERN.match(key) is not None else None
+
+
+def stored_key_identity(stored: str) -> str:
+    r"""The key a value in the ledger's ``key`` column names: what the
+    database computes as ``key_id`` (schema/*/0004_idemctl_v3.sql), for rows
+    of every writer. idemctl stores the key itself; the recipe's Worker, and
+    idemctl before it parsed sf-strings, stored the header as it came, so
+    ``"k"`` there is the key ``k``. Leniently, as the SQL does: escapes
+    undone, anything after the closing quote ignored, a value with no
+    closing quote its own key.
+
+    >>> stored_key_identity('"legacy-1"'), stored_key_identity("k"), stored_key_identity('"a\\"b";v=1')
+    ('legacy-1', 'k', 'a"b')
+    """
+    if not stored.startswith('"'):
+        return stored
+    inner = stored[1:].replace("\\\\", "\x01").replace('\\"', "\x02")
+    end = inner.find('"')
+    if end < 0:
+        return stored
+    return inner[:end].replace("\x01", "\\").replace("\x02", '"')
 
 
 def _sf_string(value: str) -> str | None:
@@ -73,6 +96,22 @@ def _sf_string(value: str) -> str | None:
         else:
             return None
     return None  # never terminated
+
+
+def stored_key(value: object) -> str:
+    r"""The key an operator names to find a row: as a request's header is
+    read (:func:`check_key`), or, for a value no request may send any more
+    that an older writer stored as it came (the recipe took any 1-255
+    printable characters: ``"abc`` unterminated, say), that value itself.
+    InvalidKeyError when it is neither.
+
+    >>> stored_key('"legacy-1"'), stored_key('"abc'), stored_key("k")
+    ('legacy-1', '"abc', 'k')
+    """
+    parsed = parse_key(value)
+    if parsed is None and isinstance(value, str) and value.startswith('"') and _KEY_PATTERN.match(value):
+        return value
+    return check_key(value)
 
 
 def is_valid_key(key: object) -> bool:

@@ -5,7 +5,7 @@ moved forward every third of the pending TTL, so the row never looks stale
 and no retry takes it over. One thread per ledger renews every live
 reservation of the process together (one statement per 512 reservations,
 or on SQLite one per reservation in one transaction), each row reached
-through the primary key and fenced by generation and token, so a thousand
+through the key's unique index and fenced by generation and token, so a thousand
 requests in flight cost one renewal a tick whatever the size of the ledger,
 and a renewal can never revive or steal a row someone else now owns. When
 the process dies, or the mutation returns, renewals stop, and a retry takes

@@ -9,7 +9,7 @@ from importlib.abc import Traversable
 from pathlib import Path
 
 # The schema version this idemctl writes. The recipe's table alone is version 0.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _VERSION_IN_NAME = re.compile(r"_v(\d+)\.sql\Z")
 

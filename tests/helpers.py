@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import subprocess
 from collections.abc import Iterator
@@ -194,3 +195,83 @@ def mysql_connect_args(url: str) -> dict[str, Any]:
         "charset": "utf8mb4",
         "autocommit": True,
     }
+
+
+class RecipeWriter:
+    """A writer that stores the Idempotency-Key header as it came, with the
+    recipe Worker's own statements (the recipe's D1 SQL; on MariaDB, the
+    form idemctl used there before it parsed sf-strings): the rows such a
+    writer left in a ledger, and a writer of that kind still running during
+    a rolling deployment. Its own connection, outside idemctl."""
+
+    def __init__(self, target: str) -> None:
+        self.mysql = target.startswith(("mysql://", "mariadb://"))
+        self.postgres = target.startswith(("postgres://", "postgresql://"))
+        if self.postgres:
+            import psycopg
+
+            self.conn: Any = psycopg.connect(target, autocommit=True)
+        elif self.mysql:
+            import pymysql
+
+            self.conn = pymysql.connect(**mysql_connect_args(target))
+        else:
+            import sqlite3
+
+            self.conn = sqlite3.connect(target, timeout=30, isolation_level=None, check_same_thread=False)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def _run(self, sql: str, params: tuple[Any, ...]) -> tuple[int, list[tuple[Any, ...]]]:
+        if self.postgres or self.mysql:
+            sql = sql.replace("?", "%s")
+        if self.mysql:
+            sql = re.sub(r"(?<![\w`])key(?![\w`])", "`key`", sql)
+        cur = self.conn.cursor()
+        try:
+            cur.execute(sql, params)
+            rows = list(cur.fetchall()) if cur.description else []
+            return cur.rowcount, rows
+        finally:
+            cur.close()
+
+    def body(self, text: str) -> Any:
+        return text if not (self.postgres or self.mysql) else text.encode()
+
+    def insert_completed(
+        self, principal: str, key: str, fingerprint: str, status: int, headers: str, body: str, at: int
+    ) -> None:
+        """A completed row, exactly as the recipe's claim and completion leave it (no token)."""
+        self._run(
+            "INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, response_status,"
+            " response_body, response_headers, created_at, updated_at)"
+            " VALUES (?, ?, ?, 'completed', 1, ?, ?, ?, ?, ?)",
+            (principal, key, fingerprint, status, self.body(body), headers, at, at),
+        )
+
+    def claim(self, principal: str, key: str, fingerprint: str, at: int) -> bool:
+        """The recipe's claim; False when the key is taken. A unique index
+        it does not name (idemctl's key_id) makes it raise instead, as the
+        recipe's Worker would: it then runs nothing."""
+        if self.mysql:
+            count, _ = self._run(
+                "INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, created_at, updated_at)"
+                " VALUES (?, ?, ?, 'pending', 1, ?, ?) ON DUPLICATE KEY UPDATE generation = generation",
+                (principal, key, fingerprint, at, at),
+            )
+            return count == 1
+        _, rows = self._run(
+            "INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, created_at, updated_at)"
+            " VALUES (?, ?, ?, 'pending', 1, ?, ?) ON CONFLICT (principal, key) DO NOTHING RETURNING key, generation",
+            (principal, key, fingerprint, at, at),
+        )
+        return bool(rows)
+
+    def complete(self, principal: str, key: str, status: int, headers: str, body: str, at: int) -> None:
+        self._run(
+            "UPDATE idempotency_keys SET status = 'completed', response_status = ?, response_body = ?,"
+            " response_headers = ?, updated_at = ? WHERE principal = ? AND key = ? AND generation = 1"
+            " AND status = 'pending'",
+            (status, self.body(body), headers, at, principal, key),
+        )

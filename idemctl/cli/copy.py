@@ -89,13 +89,24 @@ def copy(
         err = Console(stderr=True)
         # Counted only for a progress bar someone sees.
         total = source.count_rows() if err.is_terminal else 0
-        with progress_bar(err, "copying") as progress:
-            task = progress.add_task("copy", total=total or None)
+        read = [0]
+        try:
+            with progress_bar(err, "copying") as progress:
+                task = progress.add_task("copy", total=total or None)
 
-            def advance(done: CopyProgress) -> None:
-                progress.update(task, completed=done.rows_read)
+                def advance(done: CopyProgress) -> None:
+                    read[0] = done.rows_read
+                    progress.update(task, completed=done.rows_read)
 
-            result = source.copy_to(destination, batch=batch, dry_run=dry_run, on_progress=advance)
+                result = source.copy_to(destination, batch=batch, dry_run=dry_run, on_progress=advance)
+        except KeyboardInterrupt:
+            # The one line Ctrl-C gets (then exit 130): how far it got, and
+            # that running it again is safe.
+            say_no(
+                f"interrupted after {read[0]} row(s) read; run the same copy again: "
+                "it writes only what is missing or older in the destination"
+            )
+            raise
     if json_out:
         emit_json(copy_json(result))
     else:

@@ -25,6 +25,7 @@ from ..errors import IdemctlError, SchemaMissingError, SchemaOutdatedError
 from ..ledger import Ledger
 from ..outcomes import RowView
 from ..policy import Policy
+from ..storage import keyword_dsn
 from .documents import inspect_not_found_json
 from .options import Given, env_help, given_option
 from .output import emit_json, say_error, say_no
@@ -79,13 +80,19 @@ def idemctl_command(words: str, db: str | None = None, given: bool = False) -> s
     ("idemctl --db 'my ledger.db' init", 'idemctl init')
     >>> idemctl_command("init", "postgresql://app:s3cret@db/payments", True)
     "idemctl --db '<the same URL>' init"
+    >>> idemctl_command("init", "host=db user=app password=s3cret dbname=payments", True)
+    "idemctl --db '<the same connection string>' init"
     """
     if db is None or not given:
         return f"idemctl {words}"
-    return f"idemctl --db {shlex.quote(_shown_db(db))} {words}"
+    return f"idemctl --db {shlex.quote(shown_db(db))} {words}"
 
 
-def _shown_db(db: str) -> str:
+def shown_db(db: str) -> str:
+    """The ledger's location as given, unless it carries a password."""
+    pairs = keyword_dsn(db)
+    if pairs is not None:
+        return "<the same connection string>" if any(name == "password" for name, _ in pairs) else db
     if "://" not in db:
         return db
     try:
@@ -360,7 +367,8 @@ def _global(
         typer.Option(
             "--db",
             metavar="PATH|URL",
-            help="Ledger: a SQLite file, postgresql:// or mysql:// URL." + env_help(config.ENV_DB, config.DEFAULT_DB),
+            help="Ledger: a SQLite file, a postgresql:// URL or libpq connection string (host=… dbname=…), "
+            "or a mysql:// URL." + env_help(config.ENV_DB, config.DEFAULT_DB),
             show_default=False,
         ),
     ] = None,

@@ -15,7 +15,7 @@ from rich.text import Text
 
 from ..durations import human_duration
 from ..errors import MalformedRowError
-from ..fingerprint import check_key
+from ..fingerprint import stored_key
 from .core import EXIT_NO, EXIT_USAGE, IdemctlCommand, UserError, app, existing_row, hint_command, list_cap, open_ledger
 from .documents import (
     event_json,
@@ -66,7 +66,7 @@ def inspect(
     retention: RetentionOpt = None,
 ) -> None:
     """Everything about one reservation: state in words, generation, stored response, fenced-out events."""
-    key = check_key(key)
+    key = stored_key(key)
     with open_ledger(ctx, db, ttl=ttl, retention=retention) as ledger:
         view = existing_row(ledger, principal, key, json_out=json_out)
         events = list(ledger.fenced(principal=principal, key=key))
@@ -167,7 +167,7 @@ def fenced(
     """Fenced-out events, newest first: late completions whose answer was not stored."""
     _one_json_form(json_out, nl)
     if key is not None:
-        key = check_key(key)
+        key = stored_key(key)
     with open_ledger(ctx, db) as ledger:
         now = ledger.now()
         cap = list_cap(limit)

@@ -12,7 +12,7 @@ from ..ledger import Ledger
 from ..outcomes import InitAction, InitResult
 from ..schema import SCHEMA_VERSION
 from ..storage import is_postgres_url
-from .core import IdemctlCommand, UserError, app, hint_command, settings
+from .core import IdemctlCommand, UserError, app, hint_command, settings, shown_db
 from .options import DbOpt, flag
 
 if TYPE_CHECKING:  # the driver lives behind the postgres extra
@@ -69,7 +69,8 @@ def init(
         try:
             ledger = Ledger.open(target, create=False, readonly=True, busy_timeout_ms=s.busy_timeout_ms)
         except LedgerNotFoundError:
-            typer.echo(f"{target}: would create a new ledger (schema version {SCHEMA_VERSION}); nothing written")
+            where = shown_db(target)
+            typer.echo(f"{where}: would create a new ledger (schema version {SCHEMA_VERSION}); nothing written")
             return
         with ledger:
             where = ledger.describe()

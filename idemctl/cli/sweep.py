@@ -15,7 +15,7 @@ import typer
 
 from ..config import ENV_FENCED_RETENTION
 from ..durations import human_duration, iso
-from ..fingerprint import check_key
+from ..fingerprint import stored_key
 from ..outcomes import Drained, DrainStop, PurgeOutcome, RowView, State, SweepResult
 from ..policy import Policy
 from .core import EXIT_INTERRUPTED, EXIT_NO, IdemctlCommand, UserError, app, existing_row, not_found, open_ledger
@@ -233,7 +233,7 @@ def purge(
     ttl: TtlOpt = None,
 ) -> None:
     """Delete one reservation so that the client's next retry runs the mutation again."""
-    key = check_key(key)
+    key = stored_key(key)
     with open_ledger(ctx, db, write=True, ttl=ttl) as ledger:
         view = existing_row(ledger, principal, key)
         typer.echo(f"{visible(principal)} / {key} (generation {view.row.generation}): {state_words(view)}")

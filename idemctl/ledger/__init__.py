@@ -21,7 +21,7 @@ class Ledger(FunctionShortcuts, OperatorReads):
 
     >>> ledger = Ledger.open(":memory:")  # a file path or a postgresql:// URL
     >>> ledger.init().describe()
-    'created (schema version 2)'
+    'created (schema version 3)'
     >>> ledger.handle("acct_1", "key-1", "POST", "/orders", {}, b"{}",
     ...               lambda body: (201, {"content-type": "application/json"}, b'{"id":1}')).status
     201

@@ -236,7 +236,7 @@ class LedgerBase:
         >>> from idemctl import Ledger
         >>> ledger = Ledger.open(":memory:")
         >>> ledger.init().describe(), ledger.init().describe()
-        ('created (schema version 2)', 'already up to date (schema version 2)')
+        ('created (schema version 3)', 'already up to date (schema version 3)')
         """
         return self.store.init(self.now(), dry_run)
 

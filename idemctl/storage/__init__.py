@@ -13,6 +13,7 @@ from typing import cast
 
 from ..errors import StorageError
 from .engine import Engine
+from .locations import dsn_url, keyword_dsn
 from .sqlite import DEFAULT_FILE_MODE, SQLITE_DEFAULTS, SqliteEngine, SqliteOptions
 from .store import Store
 
@@ -21,7 +22,8 @@ MYSQL_SCHEMES = ("mysql://", "mariadb://")
 
 
 def is_postgres_url(target: str | os.PathLike[str]) -> bool:
-    return isinstance(target, str) and target.startswith(POSTGRES_SCHEMES)
+    """A postgresql:// URL or a libpq keyword/value connection string."""
+    return isinstance(target, str) and (target.startswith(POSTGRES_SCHEMES) or keyword_dsn(target) is not None)
 
 
 def is_mysql_url(target: str | os.PathLike[str]) -> bool:
@@ -58,10 +60,15 @@ def open_engine(
     'sqlite'
     """
     if not isinstance(target, (str, os.PathLike)):
-        raise StorageError(f"a ledger is a file path or a postgresql:// or mysql:// URL, got {type(target).__name__}")
+        raise StorageError(
+            "a ledger is a file path, a postgresql:// URL or connection string, or a mysql:// URL,"
+            f" got {type(target).__name__}"
+        )
     if is_postgres_url(target):
         engine = _server_engine("postgres", "PostgresEngine", "PostgreSQL", "postgres")
-        return engine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
+        pairs = keyword_dsn(target)
+        url = dsn_url(pairs) if pairs is not None else str(target)
+        return engine(url, readonly=readonly, busy_timeout_ms=busy_timeout_ms)
     if is_mysql_url(target):
         engine = _server_engine("mysql", "MysqlEngine", "MariaDB/MySQL", "mysql")
         return engine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
@@ -80,5 +87,6 @@ __all__ = [
     "is_mysql_url",
     "is_postgres_url",
     "is_server_url",
+    "keyword_dsn",
     "open_engine",
 ]

@@ -37,11 +37,13 @@ _COPY_AFTER = " WHERE (principal, key) > (:after_principal, :after_key)"
 
 # Insert if absent, many rows in one statement: the conflict clause decides
 # row by row, exactly as a claim does, so a row that appeared in the
-# destination since it was read is left alone (and looked at again).
+# destination since it was read is left alone (and looked at again). No
+# conflict target: a row whose key the destination holds in its other form
+# ("k" there, k here: one key_id) is left alone too, never an error.
 _COPY_INSERT = """
 INSERT INTO idempotency_keys ({columns})
 VALUES {values}
-ON CONFLICT (principal, key) DO NOTHING
+ON CONFLICT DO NOTHING
 RETURNING principal, key
 """
 
@@ -95,7 +97,7 @@ _COLUMN_TYPES = {
 _COPY_INSERT_ARRAYS = f"""
 INSERT INTO idempotency_keys ({", ".join(COPY_COLUMNS)})
 SELECT * FROM unnest({", ".join(f"CAST(:{c} AS {_COLUMN_TYPES[c]}[])" for c in COPY_COLUMNS)})
-ON CONFLICT (principal, key) DO NOTHING
+ON CONFLICT DO NOTHING
 RETURNING principal, key
 """
 _COPY_UPDATE_ARRAYS = f"""

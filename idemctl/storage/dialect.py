@@ -165,7 +165,7 @@ class Dialect:
     # statement (CLAIM_OR_READ: a data-modifying WITH), one round trip for
     # a replay or a 409 instead of two. False: the claim, then LOOKUP.
     claim_reads_row: bool = False
-    # How a lease renewal reaches its rows by primary key on this engine's
+    # How a lease renewal reaches its rows by the key's unique index on this engine's
     # planner: "values", "or" or "each" (storage/statements.py, RENEW_MAX).
     renew_form: str = "values"
 

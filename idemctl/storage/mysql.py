@@ -463,7 +463,7 @@ class MysqlEngine:
         missing = missing_table(where, msg) if code == 1146 else None
         if missing is not None:
             return missing
-        if code == 1054 and "'token'" in msg:
+        if code == 1054 and ("'token'" in msg or "'key_id'" in msg):
             return SchemaOutdatedError(where)
         if code == 1049:
             return server.no_such_database(where, msg)

@@ -20,8 +20,8 @@ VERSION_TABLE = "idemctl_schema_version"
 TABLES = (LEDGER_TABLE, FENCED_TABLE, VERSION_TABLE)
 
 # The schema version whose request path this idemctl runs: the fencing token
-# column arrived in version 2.
-REQUEST_PATH_VERSION = 2
+# column arrived in version 2, the key_id column (a key's identity) in 3.
+REQUEST_PATH_VERSION = 3
 
 ROW_COLUMNS = (
     "principal, key, fingerprint, status, generation, response_status, "
@@ -30,15 +30,29 @@ ROW_COLUMNS = (
 EVENT_COLUMNS = "id, principal, key, superseded_generation, current_generation, computed_status, fenced_at"
 
 # -- the request path: one statement each ----------------------------------------
+# A row is found by (principal, key_id): key_id is the key its stored value
+# names ("k", as an older writer stored the header, and k are one key; see
+# schema/*/0004_idemctl_v3.sql), held unique by its own index. So the claim
+# names no conflict target: a row in the way under either index means the
+# key is taken, and the claim does nothing.
 
+# key_id in RETURNING: on a ledger not yet upgraded to schema 3 the claim
+# fails to compile (SchemaOutdatedError), so nothing is ever claimed that
+# the key_id index does not guard.
 CLAIM = """
 INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, token, created_at, updated_at)
 VALUES (:principal, :key, :fingerprint, 'pending', 1, :token, :now, :now)
-ON CONFLICT (principal, key) DO NOTHING
-RETURNING generation
+ON CONFLICT DO NOTHING
+RETURNING generation, key_id
 """
 
-LOOKUP = f"SELECT {ROW_COLUMNS} FROM idempotency_keys WHERE principal = :principal AND key = :key"
+LOOKUP = f"SELECT {ROW_COLUMNS} FROM idempotency_keys WHERE principal = :principal AND key_id = :key"
+# An operator's read of a ledger not yet upgraded to schema 3 (no key_id):
+# the row stored under the key, or under the key as an sf-string, as an
+# older writer stored the header "k".
+LOOKUP_STORED = (
+    f"SELECT {ROW_COLUMNS} FROM idempotency_keys WHERE principal = :principal AND (key = :key OR key = :quoted)"
+)
 
 # CLAIM, and when the key is taken the row that holds it, in one statement
 # (Dialect.claim_reads_row: PostgreSQL). The first column is the claimed
@@ -52,13 +66,13 @@ CLAIM_OR_READ = f"""
 WITH claimed AS (
   INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, token, created_at, updated_at)
   VALUES (:principal, :key, :fingerprint, 'pending', 1, :token, :now, :now)
-  ON CONFLICT (principal, key) DO NOTHING
+  ON CONFLICT DO NOTHING
   RETURNING generation
 )
 SELECT generation, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM claimed
 UNION ALL
 SELECT NULL, {ROW_COLUMNS} FROM idempotency_keys
-WHERE principal = :principal AND key = :key AND NOT EXISTS (SELECT FROM claimed)
+WHERE principal = :principal AND key_id = :key AND NOT EXISTS (SELECT FROM claimed)
 """
 
 # Two kinds of takeover, decided in the WHERE so two racers cannot both win;
@@ -77,7 +91,7 @@ SET generation = generation + 1, token = :token, updated_at = :now,
     created_at = CASE WHEN updated_at < :expired_before THEN :now ELSE created_at END,
     fingerprint = :fingerprint, status = 'pending',
     response_status = NULL, response_body = NULL, response_headers = NULL
-WHERE principal = :principal AND key = :key
+WHERE principal = :principal AND key_id = :key
   AND ((status = 'pending' AND fingerprint = :fingerprint AND updated_at < :stale_before)
        OR updated_at < :expired_before)
 RETURNING generation
@@ -90,7 +104,7 @@ COMPLETE = """
 UPDATE idempotency_keys
 SET status = 'completed', response_status = :status, response_body = :body,
     response_headers = :headers, updated_at = :now
-WHERE principal = :principal AND key = :key AND generation = :generation
+WHERE principal = :principal AND key_id = :key AND generation = :generation
   AND token = :token AND status = 'pending'
 RETURNING generation
 """
@@ -104,7 +118,7 @@ RETURNING generation
 # another answer is never mistaken for the stored one.
 COMPLETED_AS = """
 SELECT generation FROM idempotency_keys
-WHERE principal = :principal AND key = :key AND generation = :generation
+WHERE principal = :principal AND key_id = :key AND generation = :generation
   AND token = :token AND status = 'completed' AND response_status = :status
   AND response_headers = :headers
   AND (response_body = :body OR (response_body IS NULL AND :no_body = 1))
@@ -112,7 +126,7 @@ WHERE principal = :principal AND key = :key AND generation = :generation
 
 RELEASE = """
 DELETE FROM idempotency_keys
-WHERE principal = :principal AND key = :key AND generation = :generation
+WHERE principal = :principal AND key_id = :key AND generation = :generation
   AND token = :token AND status = 'pending'
 RETURNING generation
 """
@@ -120,14 +134,15 @@ RETURNING generation
 # A live owner's reservations, renewed together (see leases.py): each row
 # only while it is still pending under the very generation and token it was
 # claimed with, so a renewal never revives or steals a row a takeover moved
-# on. Each row must be reached through the primary key, so that a tick costs
+# on. Each row must be reached through the key's unique index (principal,
+# key_id: the key a row is found by, see CLAIM), so that a tick costs
 # the same on a ledger of any size (a tick slower than the TTL lets a retry
 # take a live owner's key over); how each engine's planner gets there is the
 # dialect's `renew_form`:
-#  - "values": `(principal, key, generation, token) IN (VALUES …)`, which
-#    PostgreSQL plans as a nested loop of primary-key index scans;
+#  - "values": `(principal, key_id, generation, token) IN (VALUES …)`, which
+#    PostgreSQL plans as a nested loop of index scans on that index;
 #  - "or" (MariaDB/MySQL): an OR of one equality conjunction per
-#    reservation, a `range` on the primary key (their planners scan the whole
+#    reservation, a `range` on that index (their planners scan the whole
 #    index for the VALUES form: a dependent subquery per row). FORCE INDEX
 #    keeps it a range on a small table too, whatever the statistics say;
 #  - "each": RENEW_ONE per reservation, all in one transaction (SQLite scans
@@ -139,7 +154,7 @@ RENEW_MAX = 512
 
 RENEW_ONE = """
 UPDATE idempotency_keys SET updated_at = :now
-WHERE principal = :p0 AND key = :k0 AND generation = :g0 AND token = :t0 AND status = 'pending'
+WHERE principal = :p0 AND key_id = :k0 AND generation = :g0 AND token = :t0 AND status = 'pending'
 RETURNING generation
 """
 
@@ -148,19 +163,19 @@ def renew_text(size: int, form: str = "values", returning: bool = True) -> str:
     """The renewal of `size` reservations (parameters :p0, :k0, :g0, :t0, …)
     in the form `form` ("values" or "or"; "each" uses RENEW_ONE).
 
-    >>> renew_text(2, "or", returning=False)[-72:]
-    'OR (principal = :p1 AND key = :k1 AND generation = :g1 AND token = :t1))'
+    >>> renew_text(2, "or", returning=False)[-75:]
+    'OR (principal = :p1 AND key_id = :k1 AND generation = :g1 AND token = :t1))'
     """
     table = "idempotency_keys"
     if form == "or":
         match = " OR ".join(
-            f"(principal = :p{i} AND key = :k{i} AND generation = :g{i} AND token = :t{i})" for i in range(size)
+            f"(principal = :p{i} AND key_id = :k{i} AND generation = :g{i} AND token = :t{i})" for i in range(size)
         )
         where = f"status = 'pending' AND ({match})"
-        table += " FORCE INDEX (PRIMARY)"
+        table += " FORCE INDEX (idx_idempotency_keys_key_id)"
     elif form == "values":
         values = ", ".join(f"(:p{i}, :k{i}, :g{i}, :t{i})" for i in range(size))
-        where = f"status = 'pending' AND (principal, key, generation, token) IN (VALUES {values})"
+        where = f"status = 'pending' AND (principal, key_id, generation, token) IN (VALUES {values})"
     else:
         raise ValueError(f"no single statement renews in the form {form!r}")
     # Without RETURNING the engine hands back one row per affected row.
@@ -174,7 +189,7 @@ RECORD_FENCED = f"""
 INSERT INTO idemctl_fenced_out
   (principal, key, superseded_generation, current_generation, computed_status, fenced_at)
 VALUES (:principal, :key, :generation,
-        (SELECT generation FROM idempotency_keys WHERE principal = :principal AND key = :key),
+        (SELECT generation FROM idempotency_keys WHERE principal = :principal AND key_id = :key),
         :status, :now)
 RETURNING {EVENT_COLUMNS}
 """
@@ -246,7 +261,7 @@ FROM idempotency_keys
 # still be running, and deleting it would let a retry run the mutation twice.
 PURGE = f"""
 DELETE FROM idempotency_keys
-WHERE principal = :principal AND key = :key
+WHERE principal = :principal AND key_id = :key
   AND (status <> 'pending' OR CAST(:stale_before AS BIGINT) IS NULL OR updated_at < :stale_before)
 RETURNING {ROW_COLUMNS}
 """
@@ -268,12 +283,14 @@ def without_returning(sql: str) -> str:
 
 # A no-op update of a duplicate affects no row (the driver does not set
 # CLIENT_FOUND_ROWS), so exactly the claim that inserted gets a row back.
+# A duplicate under either unique index (the primary key or key_id) is one.
 # Not INSERT IGNORE: that would also turn a value the column cannot hold
-# into a warning.
+# into a warning. key_id is named, as in CLAIM, so that the claim fails on a
+# ledger without it.
 MYSQL_CLAIM = """
 INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, token, created_at, updated_at)
 VALUES (:principal, :key, :fingerprint, 'pending', LAST_INSERT_ID(1), :token, :now, :now)
-ON DUPLICATE KEY UPDATE generation = generation
+ON DUPLICATE KEY UPDATE generation = IF(key_id IS NULL, generation, generation)
 """
 
 # TAKEOVER's two kinds, decided in the same WHERE. The new generation travels
@@ -287,7 +304,7 @@ SET created_at = CASE WHEN updated_at < :expired_before THEN :now ELSE created_a
     fingerprint = :fingerprint, status = 'pending',
     response_status = NULL, response_body = NULL, response_headers = NULL,
     updated_at = :now
-WHERE principal = :principal AND key = :key
+WHERE principal = :principal AND key_id = :key
   AND ((status = 'pending' AND fingerprint = :fingerprint AND updated_at < :stale_before)
        OR updated_at < :expired_before)
 """
@@ -298,7 +315,7 @@ MYSQL_RECORD_FENCED = """
 INSERT INTO idemctl_fenced_out
   (principal, key, superseded_generation, current_generation, computed_status, fenced_at)
 VALUES (:principal, :key, :generation,
-        (SELECT generation FROM idempotency_keys WHERE principal = :principal AND key = :key),
+        (SELECT generation FROM idempotency_keys WHERE principal = :principal AND key_id = :key),
         :status, :now)
 """
 FENCED_EVENT = f"SELECT {EVENT_COLUMNS} FROM idemctl_fenced_out WHERE id = :id"
@@ -311,10 +328,10 @@ DELETE FROM idemctl_fenced_out WHERE fenced_at < :cutoff ORDER BY fenced_at LIMI
 # it (token, generation, status and updated_at in the WHERE, with the
 # refusal of a fresh pending row): a row that changed in between is not
 # deleted, and is read again.
-PURGE_READ = f"SELECT {ROW_COLUMNS}, token FROM idempotency_keys WHERE principal = :principal AND key = :key"
+PURGE_READ = f"SELECT {ROW_COLUMNS}, token FROM idempotency_keys WHERE principal = :principal AND key_id = :key"
 PURGE_VERSION = """
 DELETE FROM idempotency_keys
-WHERE principal = :principal AND key = :key AND token <=> :token AND generation = :generation
+WHERE principal = :principal AND key_id = :key AND token <=> :token AND generation = :generation
   AND status = :status AND updated_at = :updated_at
   AND (status <> 'pending' OR :stale_before IS NULL OR updated_at < :stale_before)
 """

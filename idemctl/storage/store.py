@@ -211,7 +211,7 @@ class Store(CopyStatements, OperatorStatements):
         """Move `updated_at` to `now` for every (principal, key, generation,
         token) still pending as held; how many rows were renewed (on
         MariaDB/MySQL, rows whose `updated_at` changed). Every row is reached
-        through the primary key (`renew_statements`): one statement per
+        through the key's unique index (`renew_statements`): one statement per
         RENEW_MAX reservations, or on SQLite one per reservation, all in one
         transaction."""
         self._guard()

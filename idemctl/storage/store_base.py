@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ..errors import SchemaTooNewError, StorageError
+from ..errors import SchemaOutdatedError, SchemaTooNewError, StorageError
 from ..outcomes import FencedEvent, InitAction, InitResult, StoredRow, SweepResult
 from ..schema import SCHEMA_VERSION, schema_files
 from .engine import Engine, Rows, SchemaTx
@@ -19,6 +19,7 @@ from .statements import (
     INSERT_VERSION,
     LEDGER_TABLE,
     LOOKUP,
+    LOOKUP_STORED,
     TABLES,
     VERSION,
     VERSION_TABLE,
@@ -26,6 +27,31 @@ from .statements import (
 )
 
 R = TypeVar("R")
+
+# The schema version that adds key_id and its unique index.
+KEY_ID_VERSION = 3
+
+
+class KeyStoredTwiceError(StorageError):
+    """The upgrade to schema 3 found a principal's key stored twice: once as
+    an older writer stored the header (``"k"``) and once bare (``k``). They
+    are one key from schema 3 on, and idemctl will not pick which row keeps
+    the promise: nothing was changed."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        super().__init__(
+            f"{where}: cannot upgrade to schema {KEY_ID_VERSION}: a key is stored twice for one principal, "
+            'with and without the sf-string quotes ("k" and k), and from this version on they are one key; '
+            "nothing was changed. Find and settle those rows first (docs/runbook.md, "
+            '"Upgrading a ledger with keys stored before sf-string parsing"), then run init again'
+        )
+
+
+def _duplicate(exc: Exception) -> bool:
+    """Whether a schema statement failed on a duplicate of the new unique index."""
+    text = str(exc).lower()
+    return "idx_idempotency_keys_key_id" in text or ("key_id" in text and ("unique" in text or "duplicate" in text))
 
 # -- one statement, whichever way it runs ---------------------------------------------
 # Each request-path method of Store is split in two halves: `*_statement`
@@ -166,7 +192,14 @@ class StoreBase:
         return decode_row(self.dialect, rows[0]) if rows else None
 
     def lookup(self, principal: str, key: str) -> StoredRow | None:
-        return self.run(self.lookup_statement(principal, key))
+        try:
+            return self.run(self.lookup_statement(principal, key))
+        except SchemaOutdatedError:
+            # No key_id yet (an operator reading a ledger before `init`):
+            # the key as stored, bare or as the header's sf-string.
+            quoted = '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            params = {"principal": principal, "key": key, "quoted": quoted}
+            return self.run(Statement(self.sql(LOOKUP_STORED), params, self._decode_first_row, False))
 
     # -- schema ---------------------------------------------------------------------
     def tables(self) -> frozenset[str]:
@@ -244,7 +277,12 @@ class StoreBase:
             floor = -1 if before is None else before
             for f in schema_files(self.dialect.name):
                 if f.version > floor:
-                    tx.script(f.sql)
+                    try:
+                        tx.script(f.sql)
+                    except Exception as exc:  # the engine's own error: it translates the rest
+                        if f.version == KEY_ID_VERSION and _duplicate(exc):
+                            raise KeyStoredTwiceError(self.describe()) from exc
+                        raise
             mine = tx.execute(self.sql(INSERT_VERSION), {"version": SCHEMA_VERSION, "now": now})
             if not mine:
                 # Another init decided from the same state and committed first

@@ -80,18 +80,18 @@ def taken_over_row(ledger: Ledger, at, principal: str = "acct_A", key: str = "or
 def test_init_creates_the_schema_then_reports_already_up_to_date(tmp_path):
     db = tmp_path / "new.db"
     first = cli("init", "--db", str(db))
-    assert (first.exit_code, first.stdout, first.stderr) == (0, f"{db}: created (schema version 2)\n", "")
+    assert (first.exit_code, first.stdout, first.stderr) == (0, f"{db}: created (schema version 3)\n", "")
     again = cli("--db", str(db), "init")
-    assert (again.exit_code, again.stdout) == (0, f"{db}: already up to date (schema version 2)\n")
+    assert (again.exit_code, again.stdout) == (0, f"{db}: already up to date (schema version 3)\n")
     with Ledger.open(db, create=False) as ledger:
-        assert ledger.schema_version() == 2
+        assert ledger.schema_version() == 3
 
 
 def test_init_dry_run_on_a_missing_file_creates_nothing(tmp_path):
     db = tmp_path / "missing.db"
     result = cli("init", "--dry-run", "--db", str(db))
     assert result.exit_code == 0
-    assert result.stdout == f"{db}: would create a new ledger (schema version 2); nothing written\n"
+    assert result.stdout == f"{db}: would create a new ledger (schema version 3); nothing written\n"
     assert result.stderr == ""
     assert list(tmp_path.iterdir()) == []
 
@@ -110,14 +110,14 @@ def test_init_upgrades_a_recipe_only_database_and_keeps_its_rows(tmp_path):
     conn.close()
 
     dry = cli("init", "--dry-run", "--db", str(db))
-    assert dry.stdout == f"{db}: would upgrade from 0 to 2 (adds idemctl tables and columns, no row touched); nothing written\n"
+    assert dry.stdout == f"{db}: would upgrade from 0 to 3 (adds idemctl tables and columns, no row touched); nothing written\n"
     with Ledger.open(db, create=False, readonly=True) as ledger:
         assert ledger.schema_version() == 0
 
     done = cli("init", "--db", str(db))
-    assert (done.exit_code, done.stdout) == (0, f"{db}: upgraded from 0 to 2\n")
+    assert (done.exit_code, done.stdout) == (0, f"{db}: upgraded from 0 to 3\n")
     with Ledger.open(db, create=False) as ledger:
-        assert ledger.schema_version() == 2
+        assert ledger.schema_version() == 3
         assert ledger.lookup("acct_A", "k1").response_body == '{"id":1}'
 
 
@@ -365,7 +365,7 @@ def test_stats_counts_rows_by_state_expired_and_fenced_events(make_ledger, ledge
         "total": 6, "pending_fresh": 1, "pending_stale": 2, "completed": 2, "expired": 1, "taken_over": 1, "fenced_out_events": 1,
     }
     assert doc["oldest_row_at"] == doc["oldest_completed_at"] < doc["oldest_pending_at"]
-    assert (doc["pending_ttl_ms"], doc["retention_ms"], doc["schema_version"], doc["check_failed"]) == (30_000, 86_400_000, 2, [])
+    assert (doc["pending_ttl_ms"], doc["retention_ms"], doc["schema_version"], doc["check_failed"]) == (30_000, 86_400_000, 3, [])
 
     text = cli("stats", "--db", ledger_target)
     assert text.exit_code == 0 and text.stderr == ""

@@ -88,7 +88,7 @@ def test_a_schema_newer_than_this_idemctl_is_refused(tmp_path):
     conn.close()
     for args in (["stats"], ["init"], ["sweep"]):
         line = fails(["--db", str(db), *args])
-        assert line.startswith(f"error: {db} has ledger schema version 7; this idemctl knows up to 2"), line
+        assert line.startswith(f"error: {db} has ledger schema version 7; this idemctl knows up to 3"), line
 
 
 def test_a_ledger_locked_past_the_busy_timeout_is_one_line(tmp_path):

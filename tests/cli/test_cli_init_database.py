@@ -55,7 +55,7 @@ def test_stats_on_a_missing_database_hints_an_init_that_creates_it(postgres_serv
     init = cli("--db", url, "init")
     assert (init.exit_code, init.stderr) == (0, "")
     owner = urlsplit(url).username
-    assert init.stdout == f"{where}: created the database (owner {owner})\n{where}: created (schema version 2)\n"
+    assert init.stdout == f"{where}: created the database (owner {owner})\n{where}: created (schema version 3)\n"
     again = cli("--db", url, "stats", "--json")
     assert again.exit_code == 0, again.stderr
 

@@ -176,7 +176,7 @@ def test_piped_stats_lines_are_not_wrapped_or_padded(wide_rows_db, tmp_path):
         st = ledger.stats()
     out = piped("stats", "--db", str(ledger_path))
     assert out.splitlines() == [
-        f"ledger             {ledger_path} (schema version 2)",
+        f"ledger             {ledger_path} (schema version 3)",
         "rows               4",
         "  pending, fresh   0  (retries get 409 in progress)",
         "  pending, stale   0  (the next retry takes over)",

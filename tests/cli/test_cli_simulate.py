@@ -339,7 +339,7 @@ def test_readme_first_command_runs_twice_in_a_row_with_the_installed_script(tmp_
         assert done.returncode == 0, (run, done.stdout, done.stderr)
         assert done.stderr == ""
         out = done.stdout
-        assert ("demo.db: created (schema version 2)" if run == 1 else "already up to date") in out
+        assert ("demo.db: created (schema version 3)" if run == 1 else "already up to date") in out
         assert "every step went as expected" in out
         assert "acct_A / order-42" in out and "2 (taken over once)" in out
         assert f"fenced-out events ({run}): a late owner's answer was not stored" in out

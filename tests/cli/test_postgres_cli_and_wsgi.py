@@ -121,7 +121,7 @@ def test_cli_init_then_inspect_against_postgres(ledger_target: str) -> None:
     where = PostgresEngine(ledger_target).describe()
     done = idemctl("--db", ledger_target, "init")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == f"{where}: created (schema version 2)"
+    assert done.stdout.strip() == f"{where}: created (schema version 3)"
     ledger = Ledger.open(ledger_target)
     ledger.handle("acct_A", "order-42", "POST", "/orders", {}, b"\xff\xfe", lambda b: (201, {"content-type": "application/octet-stream"}, b"\x00\xff"))
     ledger.close()
@@ -131,7 +131,7 @@ def test_cli_init_then_inspect_against_postgres(ledger_target: str) -> None:
     assert (shown["principal"], shown["key"], shown["status"], shown["generation"]) == ("acct_A", "order-42", "completed", 1)
     assert shown["response"]["status"] == 201 and shown["response"]["body_base64"] == "AP8="  # b"\x00\xff"
     again = idemctl("--db", ledger_target, "init")
-    assert again.returncode == 0 and again.stdout.strip() == f"{where}: already up to date (schema version 2)"
+    assert again.returncode == 0 and again.stdout.strip() == f"{where}: already up to date (schema version 3)"
 
 
 def test_the_documented_postgres_example_runs_against_the_test_server(ledger_target: str, tmp_path) -> None:
@@ -144,6 +144,6 @@ def test_the_documented_postgres_example_runs_against_the_test_server(ledger_tar
     code = example.replace(shown, ledger_target + "&")
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "created (schema version 2)\n"
+    assert done.stdout == "created (schema version 3)\n"
     again = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert again.stdout == "already up to date (schema version 2)\n"
+    assert again.stdout == "already up to date (schema version 3)\n"

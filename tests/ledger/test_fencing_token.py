@@ -151,7 +151,7 @@ def test_a_ledger_of_idemctl_0_1_is_read_then_upgraded_without_losing_a_row(tmp_
     with pytest.raises(SchemaOutdatedError):
         ledger.handle("acct", "new", "POST", "/", {}, b"", lambda b: pytest.fail("ran on an old schema"))
     result = ledger.init()
-    assert (result.action, result.from_version, result.to_version) == (InitAction.UPGRADED, 1, 2)
+    assert (result.action, result.from_version, result.to_version) == (InitAction.UPGRADED, 1, 3)
     conn = sqlite3.connect(path)
     kept = conn.execute(
         "SELECT principal, key, fingerprint, status, generation, response_status, response_body, response_headers,"

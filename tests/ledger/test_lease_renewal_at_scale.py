@@ -118,17 +118,17 @@ def plan(backend_name: str, target: str, sql: str, params: dict[str, Any]) -> li
 def assert_reaches_rows_by_primary_key(backend_name: str, steps: list[tuple[Any, ...]], reservations: int) -> None:
     if backend_name == "sqlite":
         details = [step[-1] for step in steps]
-        assert details == ["SEARCH idempotency_keys USING INDEX sqlite_autoindex_idempotency_keys_1 (principal=? AND key=?)"]
+        assert details == ["SEARCH idempotency_keys USING INDEX idx_idempotency_keys_key_id (principal=? AND key_id=?)"]
     elif backend_name == "postgres":
         text = "\n".join(step[0] for step in steps)
-        assert "Index Scan using idempotency_keys_pkey on idempotency_keys" in text, text
+        assert "Index Scan using idx_idempotency_keys_key_id on idempotency_keys" in text, text
         assert "Index Cond: ((principal = " in text and "Seq Scan" not in text, text
     else:
         # id, select_type, table, type, possible_keys, key, key_len, ref, rows, Extra
         assert len(steps) == 1, steps
         (row,) = steps
         table, access, key, rows = row[2], row[3], row[5], int(row[8])
-        assert (table, access, key) == ("idempotency_keys", "range", "PRIMARY"), row
+        assert (table, access, key) == ("idempotency_keys", "range", "idx_idempotency_keys_key_id"), row
         assert rows <= 2 * reservations, row  # one index probe per reservation, not the table
 
 

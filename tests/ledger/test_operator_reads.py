@@ -97,7 +97,7 @@ def test_stats_counts_every_state(ledger, clock):
     ledger.claim("acct", "fresh", "fp")
     s = ledger.stats()
     assert (s.total, s.pending_fresh, s.pending_stale, s.completed, s.expired) == (4, 1, 1, 1, 1)
-    assert (s.taken_over, s.fenced_out_events, s.schema_version) == (1, 1, 2)
+    assert (s.taken_over, s.fenced_out_events, s.schema_version) == (1, 1, 3)
     assert s.oldest_row_at == start
     assert s.oldest_completed_at == start
     assert s.oldest_pending_at == start + DAY + 1

@@ -90,7 +90,7 @@ def test_installed_wheel_initialises_a_ledger_from_its_own_schema(wheel, tmp_pat
     )
     done = subprocess.run([str(py), "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
     described, schema_root, package_file = done.stdout.splitlines()
-    assert described == "created (schema version 2)"
+    assert described == "created (schema version 3)"
     assert str(venv) in schema_root and schema_root.endswith(os.path.join("idemctl", "schema"))
     assert str(venv) in package_file
     assert (tmp_path / "ledger.db").exists()

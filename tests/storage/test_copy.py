@@ -26,7 +26,7 @@ from idemctl.cli import app
 from idemctl.copying import CopyProgress, KeptReason
 from idemctl.errors import ReadOnlyDatabaseError, SchemaMissingError
 from idemctl.storage.rows import LedgerRow
-from tests.helpers import FakeClock, clean_env, mysql_test_database, postgres_test_schema
+from tests.helpers import FakeClock, RecipeWriter, clean_env, mysql_test_database, postgres_test_schema
 
 COPY_PAIRS = [
     ("sqlite", "postgres"),
@@ -102,6 +102,7 @@ class Move:
 
     def __init__(self, source: str, destination: str, clock: FakeClock) -> None:
         self.clock = clock
+        self.source_target = source
         self.source = Ledger.open(source, policy=POLICY, clock=clock)
         self.source.init()
         self.destination = Ledger.open(destination, policy=POLICY, clock=clock)
@@ -635,3 +636,20 @@ def test_a_ledger_the_recipe_wrote_is_copied_with_no_token_and_no_fenced_log(
     finally:
         source.close()
         destination.close()
+
+
+def test_a_quoted_key_the_destination_holds_bare_is_kept_there_not_copied_twice(move: Move) -> None:
+    # The source's row as an older writer stored the header "k1"; the
+    # destination's claimed by idemctl as k1: one key, so the copy keeps
+    # the destination's and says why, instead of failing or adding a second.
+    writer = RecipeWriter(move.source_target)
+    try:
+        writer.insert_completed("acct_A", '"k1"', "fp", 201, "{}", "from the source", move.clock.now)
+    finally:
+        writer.close()
+    move.destination.claim("acct_A", "k1", "fp")
+    held = rows(move.destination)
+    result = move.copy()
+    assert (result.inserted, result.updated, result.conflicts) == (0, 0, ())
+    assert [(k.key, k.reason, k.destination_generation) for k in result.kept] == [('"k1"', KeptReason.OTHER_FORM, 1)]
+    assert rows(move.destination) == held

@@ -529,12 +529,17 @@ def test_the_ledger_table_has_the_recipes_columns_in_order_the_token_and_its_ind
         ("created_at", "bigint(20)"),
         ("updated_at", "bigint(20)"),
         ("token", "bigint(20)"),
+        ("key_id", "varbinary(255)"),  # schema 3: the key a stored value names, computed by the server
     )
     server_cursor.execute(
         "SELECT index_name, group_concat(column_name ORDER BY seq_in_index) FROM information_schema.statistics"
         " WHERE table_schema = DATABASE() AND table_name = 'idempotency_keys' GROUP BY index_name ORDER BY index_name"
     )
-    assert sorted(server_cursor.fetchall()) == [("PRIMARY", "principal,key"), ("idx_idempotency_keys_updated_at", "updated_at")]
+    assert sorted(server_cursor.fetchall()) == [
+        ("PRIMARY", "principal,key"),
+        ("idx_idempotency_keys_key_id", "principal,key_id"),
+        ("idx_idempotency_keys_updated_at", "updated_at"),
+    ]
     server_cursor.execute("SELECT engine, table_collation FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = 'idempotency_keys'")
     assert server_cursor.fetchone() == ("InnoDB", "utf8mb4_bin")
 
@@ -558,7 +563,7 @@ def test_init_from_several_processes_at_once_creates_the_schema_once(ledger_targ
     assert [p.returncode for p in procs] == [0] * 5, [err for _, err in outs]
     assert sorted(out.strip() for out, _ in outs) == sorted([InitAction.CREATED.value] + [InitAction.UP_TO_DATE.value] * 4)
     server_cursor.execute("SELECT version FROM idemctl_schema_version")
-    assert server_cursor.fetchall() == ((2,),)
+    assert server_cursor.fetchall() == ((3,),)
 
 
 def test_init_again_is_up_to_date_and_a_dry_run_on_an_empty_database_writes_nothing(make_ledger, server_cursor) -> None:

@@ -179,7 +179,7 @@ def test_readonly_ledger_reads_but_every_write_is_read_only_error(make_ledger, l
             with pytest.raises(ReadOnlyDatabaseError, match=r"is read-only"):
                 write()
         # As on SQLite: an init with nothing to do needs no write.
-        assert reader.init().describe() == "already up to date (schema version 2)"
+        assert reader.init().describe() == "already up to date (schema version 3)"
         assert writer.lookup("acct", "k") is not None and writer.lookup("acct", "k2") is None
     finally:
         reader.close()

@@ -76,10 +76,11 @@ def test_ledger_table_has_the_recipes_columns_in_order_and_its_index(ledger, pg:
         " WHERE table_schema = current_schema() AND table_name = 'idempotency_keys' ORDER BY ordinal_position"
     ).fetchall()
     # Same names, order, NOT NULLs and defaults as the recipe's table, then
-    # the nullable fencing-token column of schema version 2.
+    # the nullable fencing-token column of schema version 2 and the key's
+    # identity (computed by the database) of version 3.
     assert [(n, bool(nn), d) for n, nn, d, _ in pg_columns] == [
         (n, bool(nn), None if d is None else (f"{d}::text" if d.startswith("'") else d)) for n, nn, d in sqlite_columns
-    ] + [("token", False, None)]
+    ] + [("token", False, None), ("key_id", False, None)]
     types = {n: t for n, _, _, t in pg_columns}
     assert types == {
         "principal": "text",
@@ -93,6 +94,7 @@ def test_ledger_table_has_the_recipes_columns_in_order_and_its_index(ledger, pg:
         "created_at": "bigint",
         "updated_at": "bigint",
         "token": "bigint",
+        "key_id": "text",
     }
     pk = pg.execute(
         "SELECT array_agg(a.attname ORDER BY k.ord) FROM pg_index i"
@@ -162,13 +164,13 @@ def test_recipe_only_database_is_readable_then_upgraded_from_0_without_touching_
     assert dump(pg) == sorted(rows)
 
     result = reader.init()
-    assert (result.action, result.from_version, result.to_version) == (InitAction.UPGRADED, 0, 2)
-    assert result.describe() == "upgraded from 0 to 2"
+    assert (result.action, result.from_version, result.to_version) == (InitAction.UPGRADED, 0, 3)
+    assert result.describe() == "upgraded from 0 to 3"
     replay = reader.handle("acct_1", "done", "POST", "/orders", {}, b"{}", lambda b: pytest.fail("ran"))
     assert (replay.outcome, replay.status, replay.body) == (Outcome.REPLAYED, 201, b'{"id":1}')
     assert replay.header("content-type") == "application/json"
     assert dump(pg) == sorted(rows)
-    assert pg.execute("SELECT version, applied_at FROM idemctl_schema_version").fetchall() == [(2, NOW)]
+    assert pg.execute("SELECT version, applied_at FROM idemctl_schema_version").fetchall() == [(3, NOW)]
     assert reader.init().action is InitAction.UP_TO_DATE
     assert reader.sweep().keys_deleted == 1 and reader.lookup("acct_2", "old") is None
 
@@ -178,7 +180,7 @@ def test_newer_schema_version_is_refused_by_requests_and_by_init(make_ledger, pg
     pg.execute("INSERT INTO idemctl_schema_version (version, applied_at) VALUES (7, 0)")
     newer = Ledger.open(ledger_target)
     try:
-        with pytest.raises(SchemaTooNewError, match=r"has ledger schema version 7; this idemctl knows up to 2"):
+        with pytest.raises(SchemaTooNewError, match=r"has ledger schema version 7; this idemctl knows up to 3"):
             newer.claim("acct", "k", "fp")
         with pytest.raises(SchemaTooNewError):
             newer.init()
@@ -217,7 +219,7 @@ def test_concurrent_inits_serialise_one_creates_or_upgrades_the_rest_find_it_don
     assert errors == []
     first = InitAction.CREATED if start == "empty" else InitAction.UPGRADED
     assert sorted(r.value for r in results) == sorted([first.value] + [InitAction.UP_TO_DATE.value] * 5)
-    assert pg.execute("SELECT version FROM idemctl_schema_version").fetchall() == [(2,)]
+    assert pg.execute("SELECT version FROM idemctl_schema_version").fetchall() == [(3,)]
     if start == "recipe_only":
         assert dump(pg) == sorted(rows)
 
@@ -250,5 +252,5 @@ def test_a_hand_made_recipe_table_with_a_text_body_is_refused_with_the_fix(make_
         ledger.init()
     assert pg_tables(pg) == {"idempotency_keys", "idempotency_keys_pkey", "idx_idempotency_keys_updated_at"}
     pg.execute("ALTER TABLE idempotency_keys ALTER COLUMN response_body TYPE bytea USING convert_to(response_body, 'UTF8')")
-    assert ledger.init().describe() == "upgraded from 0 to 2"
+    assert ledger.init().describe() == "upgraded from 0 to 3"
     assert ledger.lookup("acct", "k").response_body == "caf\u00e9"

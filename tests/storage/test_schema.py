@@ -72,12 +72,12 @@ def test_init_creates_then_is_idempotent(ledger_target, clock):
     ledger = Ledger.open(ledger_target, clock=clock)
     assert ledger.schema_version() is None
     first = ledger.init()
-    assert (first.action, first.from_version, first.to_version) == (InitAction.CREATED, None, 2)
-    assert first.describe() == "created (schema version 2)"
+    assert (first.action, first.from_version, first.to_version) == (InitAction.CREATED, None, 3)
+    assert first.describe() == "created (schema version 3)"
     again = ledger.init()
-    assert (again.action, again.from_version) == (InitAction.UP_TO_DATE, 2)
-    assert again.describe() == "already up to date (schema version 2)"
-    assert ledger.schema_version() == 2
+    assert (again.action, again.from_version) == (InitAction.UP_TO_DATE, 3)
+    assert again.describe() == "already up to date (schema version 3)"
+    assert ledger.schema_version() == 3
     ledger.close()
 
 
@@ -226,14 +226,17 @@ def test_init_on_recipe_database_adds_only_new_tables_and_touches_no_row(tmp_pat
     conn.close()
     ledger = Ledger.open(path, clock=lambda: NOW)
     result = ledger.init()
-    assert (result.action, result.from_version, result.to_version) == (InitAction.UPGRADED, 0, 2)
-    assert result.describe() == "upgraded from 0 to 2"
+    assert (result.action, result.from_version, result.to_version) == (InitAction.UPGRADED, 0, 3)
+    assert result.describe() == "upgraded from 0 to 3"
     assert dump(path) == before_rows
     conn = sqlite3.connect(path)
-    # The recipe's table as it was, plus one nullable column its statements ignore.
+    # The recipe's table as it was, plus one nullable column its statements
+    # ignore and the key's identity, computed by SQLite (a virtual column).
     after_sql = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'idempotency_keys'").fetchone()[0]
-    assert after_sql == before_sql.replace("updated_at        INTEGER NOT NULL,", "updated_at        INTEGER NOT NULL, token INTEGER,")
-    assert conn.execute("SELECT version, applied_at FROM idemctl_schema_version").fetchall() == [(2, NOW)]
+    added = after_sql.split("updated_at        INTEGER NOT NULL, token INTEGER, ", 1)
+    assert added[0] + "updated_at        INTEGER NOT NULL," + added[1][added[1].index("\n  PRIMARY KEY") :] == before_sql
+    assert added[1].startswith("key_id TEXT GENERATED ALWAYS AS (")
+    assert conn.execute("SELECT version, applied_at FROM idemctl_schema_version").fetchall() == [(3, NOW)]
     conn.close()
     # Now fenced events are recorded.
     late = ledger.lookup("acct_1", "stale")
@@ -247,11 +250,11 @@ def test_newer_schema_is_refused_at_open_and_nothing_is_written(tmp_path):
     path = tmp_path / "future.db"
     Ledger.open(path).init()
     conn = sqlite3.connect(path)
-    conn.execute("INSERT INTO idemctl_schema_version VALUES (3, 0)")
+    conn.execute("INSERT INTO idemctl_schema_version VALUES (4, 0)")
     conn.commit()
     conn.close()
     before = dump(path)
-    with pytest.raises(SchemaTooNewError, match=r"has ledger schema version 3; this idemctl knows up to 2$"):
+    with pytest.raises(SchemaTooNewError, match=r"has ledger schema version 4; this idemctl knows up to 3$"):
         Ledger.open(path)
     assert dump(path) == before
 

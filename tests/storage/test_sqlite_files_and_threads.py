@@ -67,7 +67,7 @@ def test_an_existing_ledger_keeps_the_permissions_its_operator_gave_it(tmp_path,
 def test_cli_init_takes_a_file_mode_and_refuses_one_the_owner_cannot_use(tmp_path, open_umask, monkeypatch):
     monkeypatch.chdir(tmp_path)
     done = CliRunner().invoke(app, ["--db", "g.db", "init", "--file-mode", "660"])
-    assert (done.exit_code, done.stdout) == (0, "g.db: created (schema version 2)\n")
+    assert (done.exit_code, done.stdout) == (0, "g.db: created (schema version 3)\n")
     assert mode_of(tmp_path / "g.db") == 0o660
     bad = CliRunner().invoke(app, ["--db", "h.db", "init", "--file-mode", "0440"])
     assert bad.exit_code == 2

@@ -27,6 +27,7 @@ import psycopg
 import psycopg.sql
 from psycopg import errors as pgerrors
 from psycopg.conninfo import make_conninfo
+from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from ...errors import ConnectionFailedError, ReadOnlyDatabaseError, StorageError
@@ -119,6 +120,25 @@ class _PooledConnection(psycopg.Connection[tuple[Any, ...]]):
     # Behind a transaction or statement pooler: the settings each statement
     # carries (pooler.py's SettingsCursor reads them).
     idemctl_settings: StatementSettings | None = None
+    # Set when something other than an error (Ctrl-C, a thread's exit)
+    # stopped a statement on it: given back mid-statement, the pool closes it.
+    interrupted: bool = False
+
+
+class _QuietWhenInterrupted(logging.Filter):
+    """psycopg_pool warns, in two lines, when it is given back a connection
+    still running a statement ("closing returned connection", "discarding
+    closed connection"). After Ctrl-C that is how every interrupted
+    statement ends, and whoever pressed it hears it once (the CLI exits 130):
+    those two lines are dropped for a connection idemctl saw interrupted,
+    and only for one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (isinstance(args, tuple) and args and getattr(args[0], "interrupted", False) is True)
+
+
+logging.getLogger("psycopg.pool").addFilter(_QuietWhenInterrupted())
 
 
 class PostgresEngine:
@@ -327,6 +347,9 @@ class PostgresEngine:
             yield conn
         except psycopg.Error as exc:
             raise self._failed(pool, conn, exc) from exc
+        except BaseException:
+            _interrupted(conn)
+            raise
         finally:
             pool.putconn(conn)
 
@@ -444,6 +467,9 @@ class PostgresEngine:
             if late is not None:
                 raise watch.error() from exc
             raise self._failed(pool, conn, exc) from exc
+        except BaseException:
+            _interrupted(conn)
+            raise
         finally:
             if late is not None:
                 watch.retire(conn, late)
@@ -537,6 +563,21 @@ class PostgresEngine:
                 return result
         except PoolTimeout as exc:
             raise self._translate(exc) from exc
+
+
+_CLOSED_BY_THE_POOL = (TransactionStatus.ACTIVE, TransactionStatus.UNKNOWN)
+
+
+def _interrupted(conn: psycopg.Connection[Any]) -> None:
+    """`conn` goes back to the pool with its statement stopped by something
+    other than an error: the pool closes it without a word (see
+    _QuietWhenInterrupted), as the statement is still running on it."""
+    # Only a connection the pool will close (mid-statement, or already
+    # broken): it is never handed out again, so the mark cannot silence a
+    # later warning about the same object.
+    if isinstance(conn, _PooledConnection) and conn.pgconn.transaction_status in _CLOSED_BY_THE_POOL:
+        conn.statement_cursor = None
+        conn.interrupted = True
 
 
 def _close_quietly(pool: ConnectionPool[_PooledConnection]) -> None:

@@ -152,7 +152,7 @@ class Translator:
             return server.read_only(where, msg)
         if state == "42P01":
             return missing_table(where, msg) or server.database_error(where, msg)
-        if state == "42703" and '"token"' in msg:
+        if state == "42703" and ('"token"' in msg or '"key_id"' in msg):
             return SchemaOutdatedError(where)
         if state == "3F000":
             return StorageError(f"{where}: the search_path names no existing schema to create the ledger in ({msg})")

@@ -14,6 +14,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ...errors import StorageError
 from ...text import single_line
+from ..locations import dsn_url, keyword_dsn
 from ..server import scrub
 
 # URL query parameters that configure the pool, the connections and the
@@ -216,6 +217,9 @@ class ServerSettings:
         pool_timeout_s: float | None,
         commit_timeout_s: float | None = None,
     ) -> ServerSettings:
+        pairs = keyword_dsn(url)
+        if pairs is not None:  # a connection string: the same as a URL (locations.py)
+            url = dsn_url(pairs)
         secrets = secrets_of(url)
         libpq_url, pool_params = _split_pool_params(url)
         try:

@@ -40,7 +40,12 @@ def translate(exc: sqlite3.Error, path: str, busy_timeout_ms: int, memory: bool)
         return NotADatabaseError(f"{path} is not an SQLite database, or it is corrupt")
     if "no such table: idempotency_keys" in low:
         return SchemaMissingError(path)
-    if "no such column: token" in low or "has no column named token" in low or "no such table: idemctl_" in low:
+    if (
+        "no such column: token" in low
+        or "has no column named token" in low
+        or "no such column: key_id" in low
+        or "no such table: idemctl_" in low
+    ):
         return SchemaOutdatedError(path)
     if name.startswith("SQLITE_CANTOPEN") or "unable to open" in low:
         return cannot_open(path, memory)
