@@ -879,7 +879,7 @@ def _postgres_renewal_note(res: dict[str, Any]) -> str:
         return ""
     return (
         "PostgreSQL's planner chooses by its own costs: a hash join over a sequential scan of the table while "
-        f"it is small (here up to {max(scanned):,} rows), the primary key beyond that, so its tick is bounded "
+        f"it is small (here up to {max(scanned):,} rows), the key's unique index beyond that, so its tick is bounded "
         "by what a scan costs at that crossover and stops growing after it. "
     )
 
