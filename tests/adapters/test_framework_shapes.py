@@ -19,6 +19,7 @@ from fastapi.responses import PlainTextResponse
 from werkzeug.test import Client as WerkzeugClient
 
 from idemctl import Ledger, Policy
+from idemctl.asgi import IdempotencyMiddleware as AsgiMiddleware
 from idemctl.fastapi import idempotent_route
 from idemctl.flask import idempotent
 from tests.adapters.django_site import Site
@@ -178,3 +179,51 @@ def test_fastapi_waiting_duplicates_beyond_anyios_thread_pool_all_get_the_replay
     assert waiting == 45
     assert replies == [(201, b"made slow")] * 46
     assert len(runs) == 2
+
+
+# -- ASGI: an app that sends trailer fields ------------------------------------------------
+async def asgi_post(app, key: str = "k-1") -> list[dict]:  # type: ignore[no-untyped-def]
+    """One POST through an ASGI app: every message it sent."""
+    scope = {
+        "type": "http", "method": "POST", "path": "/orders", "raw_path": b"/orders", "query_string": b"",
+        "headers": [(b"idempotency-key", key.encode()), (b"content-length", b"2")],
+        "extensions": {"http.response.trailers": {}},
+    }
+    pending = [{"type": "http.request", "body": b"{}", "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive():  # type: ignore[no-untyped-def]
+        if pending:
+            return pending.pop()
+        await asyncio.sleep(3600)
+
+    async def send(message):  # type: ignore[no-untyped-def]
+        sent.append(message)
+
+    await app(scope, receive, send)
+    await app.wait_idle()
+    return sent
+
+
+def test_asgi_trailers_are_left_out_and_the_answer_is_stored_and_replayed(make_ledger):
+    ledger = make_ledger()
+    runs: list[int] = []
+
+    async def orders(scope, receive, send):  # type: ignore[no-untyped-def]
+        runs.append(1)
+        await send({"type": "http.response.start", "status": 201, "trailers": True,
+                    "headers": [(b"content-type", b"text/plain"), (b"trailer", b"x-checksum")]})
+        await send({"type": "http.response.body", "body": b"made"})
+        await send({"type": "http.response.trailers", "headers": [(b"x-checksum", b"abc")], "more_trailers": True})
+        await send({"type": "http.response.trailers", "headers": [], "more_trailers": False})
+
+    app = AsgiMiddleware(orders, ledger, principal=lambda scope: "acct_A")
+    first, again = asyncio.run(asgi_post(app)), asyncio.run(asgi_post(app))
+    # Both are the stored answer: no trailers flag, no trailer message, first and replay alike.
+    for sent in (first, again):
+        assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+        assert (sent[0]["status"], sent[0].get("trailers", False), sent[1]["body"]) == (201, False, b"made")
+    assert first == again
+    assert runs == [1]
+    row = ledger.lookup("acct_A", "k-1")
+    assert (row.status.value, row.response_status, row.body_bytes) == ("completed", 201, b"made")
