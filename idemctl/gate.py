@@ -289,7 +289,15 @@ class Gate:
         # Events and log lines carry a bounded request target.
         shown = target if len(target) <= 256 else target[:256] + "..."
         if isinstance(exc, InvalidPrincipalError):
-            self.log.error("%s %s: the app's principal cannot be used as a ledger principal: %s", method, shown, exc)
+            # The principal quoted escaped and in its first 40 characters (it may be huge).
+            self.log.error(
+                "%s %s: the app's principal %s... (%d characters) cannot be used as a ledger principal "
+                "(over 512 bytes of UTF-8, a NUL or a lone surrogate); answered 401",
+                method,
+                shown,
+                ascii(who[:40]),
+                len(who),
+            )
             refusal, outcome, principal = responses.principal_unusable(), Outcome.UNAUTHENTICATED, None
         else:
             too_long = len(target.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES
