@@ -75,7 +75,12 @@ class Capture:
         self._chunks.append(bytes(chunk))
 
     def trailers(self) -> None:
-        """Trailer fields after the body: left out of the answer (see above)."""
+        """Trailer fields after the body: left out of the answer (see above).
+
+        >>> capture = Capture(cap=64); capture.start(200, []); capture.add(b"ok"); capture.trailers()
+        >>> capture.answer()
+        (200, [], b'ok')
+        """
         if self.status is None:
             raise CaptureError("the app sent trailers before its status")
         if not _warned_trailers:

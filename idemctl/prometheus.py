@@ -69,7 +69,16 @@ LAPSE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0
 class MetricsRegistryError(IdemctlError, ValueError):
     """The registry already holds a metric of one of idemctl's names that
     idemctl did not register there (another library's, or one made by hand):
-    pass another `namespace`, or another registry."""
+    pass another `namespace`, or another registry.
+
+    >>> from idemctl import Ledger
+    >>> registry = CollectorRegistry()
+    >>> _ = Counter("idemctl_decisions", "made by hand", registry=registry)
+    >>> instrument(Ledger.open(":memory:"), registry=registry)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    idemctl.prometheus.MetricsRegistryError: the registry already holds idemctl_* metrics ... another registry
+    """
 
 
 class _DecisionCollectors:
