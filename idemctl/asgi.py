@@ -51,7 +51,9 @@ T = TypeVar("T")
 PRINCIPAL_SCOPE_KEY = "idemctl.principal"
 # RFC 3986 pchar minus the unreserved set, as the WSGI middleware rebuilds a path.
 _PATH_SAFE = "/:@!$&'()*+,;="
-# Extensions that would let the app send a response we cannot capture.
+# Extensions that would let the app send a response we cannot capture, and
+# trailers, which no stored answer carries: an app told they are unsupported
+# sends none (one that sends them anyway is answered without them).
 _UNCAPTURABLE_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend", "http.response.trailers")
 
 
@@ -139,6 +141,8 @@ class MessageCapture:
                 raise CaptureError("the app sent a body after its last one")
             capture.add(bytes(message.get("body", b"") or b""))
             capture.complete = not message.get("more_body", False)
+        elif kind == "http.response.trailers":
+            capture.trailers()
         else:
             raise CaptureError(f"the app sent {kind!r}, which an idempotent response cannot carry")
 

@@ -10,6 +10,13 @@ the ledger stores the oversize sentinel, which the client then gets like
 every retry. Memory per request is therefore bounded by the cap, whatever
 the app streams.
 
+Trailer fields (an ASGI app's ``http.response.trailers``) are not part of
+the answer: they are neither stored nor sent, to the first caller or on a
+replay, so the first answer and every replay stay identical. An app that
+sends them anyway (the adapters take the trailers extension out of the
+scope, so it was told they cannot be sent) is answered and stored as if it
+had not; a WARNING says so once per process.
+
 >>> capture = Capture(cap=4)
 >>> capture.start(201, [("content-type", "text/plain")])
 >>> capture.add(b"ok")
@@ -22,9 +29,13 @@ OversizeBody(size=10)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 from .responses import OversizeBody
+
+log = logging.getLogger("idemctl.capture")
+_warned_trailers: list[bool] = []  # one WARNING a process: an app that sends trailers sends them every time
 
 
 class CaptureError(RuntimeError):
@@ -62,6 +73,22 @@ class Capture:
             self._chunks.clear()
             return
         self._chunks.append(bytes(chunk))
+
+    def trailers(self) -> None:
+        """Trailer fields after the body: left out of the answer (see above).
+
+        >>> capture = Capture(cap=64); capture.start(200, []); capture.add(b"ok"); capture.trailers()
+        >>> capture.answer()
+        (200, [], b'ok')
+        """
+        if self.status is None:
+            raise CaptureError("the app sent trailers before its status")
+        if not _warned_trailers:
+            _warned_trailers.append(True)
+            log.warning(
+                "an app sent HTTP trailer fields: they are not part of an idempotent answer and are sent to no client "
+                "(the answer is stored and replayed without them)"
+            )
 
     def drain(self, chunks: Iterable[bytes]) -> None:
         """Add every chunk of an iterable, closing it afterwards as a server would."""

@@ -131,8 +131,11 @@ def idempotent_route(
                     ticket = getattr(request.state, _TICKET, None)
                     if not isinstance(ticket, Ticket):
                         raise  # before the claim (a dependency's): nothing was claimed
-                    # After the claim it is the endpoint's answer, like any other.
+                    # After the claim it is the endpoint's answer, like any other;
+                    # its function-scoped dependencies see the exception first,
+                    # as they would without the route class (a rollback).
                     try:
+                        await _end_function_scope(request.scope, exc)
                         response = await _rendered(request, exc)
                     except BaseException:
                         await abandon(ticket)
@@ -150,6 +153,10 @@ def idempotent_route(
                 background, response.background = response.background, None
                 capture = gate.capture()
                 try:
+                    # The commit of a function-scoped dependency is part of the
+                    # endpoint: stored only once it succeeded (a failing one is
+                    # the endpoint raising, and nothing is stored).
+                    await _end_function_scope(request.scope, None)
                     await _capture(response, request.scope, capture)
                 except BaseException:
                     await abandon(ticket)
@@ -175,6 +182,24 @@ async def _call(endpoint: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
     if inspect.iscoroutinefunction(endpoint):
         return await endpoint(**kwargs)
     return await run_in_threadpool(endpoint, **kwargs)
+
+
+async def _end_function_scope(scope: Any, exc: BaseException | None) -> None:
+    """Run the teardown of the endpoint's ``Depends(..., scope="function")``
+    dependencies now, before its answer is captured and stored, instead of
+    after this handler returns (where FastAPI runs it): a teardown that
+    commits and fails then raises here, the reservation is abandoned, and no
+    answer the client never got is stored. `exc` is an exception the
+    endpoint raised, which they see as they would without the route class.
+    FastAPI exits the emptied stack again afterwards, a no-op."""
+    stack = scope.get("fastapi_function_astack")
+    # No function-scoped yield dependency (or a FastAPI without scopes): nothing to await.
+    if stack is None or not getattr(stack, "_exit_callbacks", True):
+        return
+    if exc is None:
+        await stack.aclose()
+    else:
+        await stack.__aexit__(type(exc), exc, exc.__traceback__)
 
 
 async def _rendered(request: Request, exc: HTTPException) -> Response:

@@ -40,9 +40,16 @@ from typing import Any, Generic, TypeVar
 
 from . import decision, responses
 from .capture import Capture
-from .errors import AnswerNotStoredError, CommitTimeoutError, LedgerUnavailableError, StorageError
+from .errors import (
+    AnswerNotStoredError,
+    CommitTimeoutError,
+    InvalidPrincipalError,
+    InvalidRequestError,
+    LedgerUnavailableError,
+    StorageError,
+)
 from .fingerprint import HeadersLike
-from .ledger import Ledger
+from .ledger import MAX_PATH_BYTES, Ledger
 from .outcomes import Answer, Outcome, Ticket
 from .policy import Policy
 from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS
@@ -241,6 +248,8 @@ class Gate:
             return self.ledger.begin(who, key, method, target, headers, body)
         except StorageError as exc:
             return self._unavailable(exc, method, target)
+        except (InvalidPrincipalError, InvalidRequestError) as exc:
+            return self._unacceptable(exc, who, key, method, target)
 
     async def begin_async(
         self,
@@ -263,6 +272,38 @@ class Gate:
             return await decision.run_async(steps, in_thread, orphaned=orphaned, store=ledger.async_store())
         except StorageError as exc:
             return self._unavailable(exc, method, target)
+        except (InvalidPrincipalError, InvalidRequestError) as exc:
+            return self._unacceptable(exc, who, key, method, target)
+
+    def _unacceptable(
+        self, exc: InvalidPrincipalError | InvalidRequestError, who: str, key: str | None, method: str, target: str
+    ) -> Answer:
+        """A request the ledger refused before any statement: the client's
+        4xx, never a 500 (nothing was claimed, nothing runs).
+
+        A request target over the ledger's bound is 414, one with control
+        characters 400. A principal the ledger cannot hold exactly (over
+        its byte limit, a NUL, a lone surrogate) is no usable principal: the
+        contract's 401, never a truncated or shared namespace, and an
+        ERROR line, since the app's auth layer resolved it."""
+        # Events and log lines carry a bounded request target.
+        shown = target if len(target) <= 256 else target[:256] + "..."
+        if isinstance(exc, InvalidPrincipalError):
+            # The principal quoted escaped and in its first 40 characters (it may be huge).
+            self.log.error(
+                "%s %s: the app's principal %s... (%d characters) cannot be used as a ledger principal "
+                "(over 512 bytes of UTF-8, a NUL or a lone surrogate); answered 401",
+                method,
+                shown,
+                ascii(who[:40]),
+                len(who),
+            )
+            refusal, outcome, principal = responses.principal_unusable(), Outcome.UNAUTHENTICATED, None
+        else:
+            too_long = len(target.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES
+            refusal = responses.target_too_long(MAX_PATH_BYTES) if too_long else responses.target_invalid()
+            outcome, principal = Outcome.REQUEST_REFUSED, who
+        return self.ledger.refuse(refusal, outcome, principal=principal, key=key, method=method, path=shown)
 
     def _unavailable(self, exc: StorageError, method: str, target: str) -> Answer:
         # Fail closed: an unprotected mutation is worse than a refused one.

@@ -63,6 +63,7 @@ class Outcome(enum.Enum):
     PASSTHROUGH = "passthrough"  # unprotected method: ran without the ledger
     UNAVAILABLE = "unavailable"  # 503: the ledger could not be asked; nothing ran
     BODY_REFUSED = "body_refused"  # 400/411/413: the request body could not be read safely
+    REQUEST_REFUSED = "request_refused"  # 414/400: a request target the ledger cannot take (too long, controls)
     FAILED = "failed"  # the mutation raised: the reservation waits for a takeover (or was released)
     NOT_KEPT = "not_kept"  # ran; Policy.keep_answer declined to store it, the reservation was released
     NOT_STORED = "not_stored"  # ran; storing its answer failed (AnswerNotStoredError)

@@ -45,11 +45,15 @@ dead workers in the gunicorn config (docs/observability.md).
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import multiprocess as _multiprocess
 
+from .errors import IdemctlError
 from .leases import LeaseKeeper, LeaseTick
 from .ledger import Ledger
 from .outcomes import Event
@@ -62,59 +66,26 @@ APP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30
 LAPSE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
-class LeaseMetrics:
-    """The lease renewal metrics, fed by `observe(tick)`."""
+class MetricsRegistryError(IdemctlError, ValueError):
+    """The registry already holds a metric of one of idemctl's names that
+    idemctl did not register there (another library's, or one made by hand):
+    pass another `namespace`, or another registry.
 
-    unsubscribe: Callable[[], None] | None = None
-
-    def __init__(self, *, registry: CollectorRegistry = REGISTRY, namespace: str = "idemctl") -> None:
-        self.renewal_seconds = Histogram(
-            "lease_renewal_seconds",
-            "Time each lease renewal took",
-            namespace=namespace,
-            registry=registry,
-            buckets=LEDGER_BUCKETS,
-        )
-        self.lapse_seconds = Histogram(
-            "lease_lapse_seconds",
-            "How long reservations had gone without renewal when a renewal landed",
-            namespace=namespace,
-            registry=registry,
-            buckets=LAPSE_BUCKETS,
-        )
-        self.late = Counter(
-            "lease_late", "Lease renewals that came late (over half the TTL)", ["stage"], namespace=namespace,
-            registry=registry,
-        )
-        self.failures = Counter("lease_failures", "Lease renewals that failed", namespace=namespace, registry=registry)
-        self.held = Gauge(
-            "leases_held",
-            "Reservations this process renews",
-            namespace=namespace,
-            registry=registry,
-            multiprocess_mode="livesum",
-        )
-
-    def observe(self, tick: LeaseTick) -> None:
-        if tick.late:
-            self.late.labels("done" if tick.done else "running").inc()
-        if not tick.done:
-            return
-        self.held.set(tick.reservations)
-        if tick.error is not None:
-            self.failures.inc()
-            return
-        self.renewal_seconds.observe(tick.seconds)
-        self.lapse_seconds.observe(tick.lapse_ms / 1000)
+    >>> from idemctl import Ledger
+    >>> registry = CollectorRegistry()
+    >>> _ = Counter("idemctl_decisions", "made by hand", registry=registry)
+    >>> instrument(Ledger.open(":memory:"), registry=registry)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    idemctl.prometheus.MetricsRegistryError: the registry already holds idemctl_* metrics ... another registry
+    """
 
 
-class Metrics:
-    """The three metrics, fed by `observe(event)`."""
+class _DecisionCollectors:
+    """The decision metrics of one (registry, namespace), shared by every
+    ledger counted into them."""
 
-    unsubscribe: Callable[[], None] | None = None
-    leases: LeaseMetrics | None = None  # set by `instrument` for a ledger that renews leases
-
-    def __init__(self, *, registry: CollectorRegistry = REGISTRY, namespace: str = "idemctl") -> None:
+    def __init__(self, registry: CollectorRegistry, namespace: str) -> None:
         self.decisions = Counter(
             "decisions", "Idempotency decisions by outcome", ["outcome"], namespace=namespace, registry=registry
         )
@@ -135,6 +106,118 @@ class Metrics:
             buckets=APP_BUCKETS,
         )
 
+
+class _LeaseCollectors:
+    """The lease renewal metrics of one (registry, namespace), shared by
+    every lease keeper counted into them."""
+
+    def __init__(self, registry: CollectorRegistry, namespace: str) -> None:
+        self.renewal_seconds = Histogram(
+            "lease_renewal_seconds",
+            "Time each lease renewal took",
+            namespace=namespace,
+            registry=registry,
+            buckets=LEDGER_BUCKETS,
+        )
+        self.lapse_seconds = Histogram(
+            "lease_lapse_seconds",
+            "How long reservations had gone without renewal when a renewal landed",
+            namespace=namespace,
+            registry=registry,
+            buckets=LAPSE_BUCKETS,
+        )
+        self.late = Counter(
+            "lease_late",
+            "Lease renewals that came late (over half the TTL)",
+            ["stage"],
+            namespace=namespace,
+            registry=registry,
+        )
+        self.failures = Counter("lease_failures", "Lease renewals that failed", namespace=namespace, registry=registry)
+        self.held = Gauge(
+            "leases_held",
+            "Reservations this process renews",
+            namespace=namespace,
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+
+
+C = TypeVar("C", _DecisionCollectors, _LeaseCollectors)
+# A registry accepts each metric name once: the collectors made for it, by
+# namespace, so that a second `instrument` shares them instead of failing.
+_COLLECTORS: weakref.WeakKeyDictionary[CollectorRegistry, dict[tuple[type[Any], str], Any]] = (
+    weakref.WeakKeyDictionary()
+)
+# What `instrument` returned for a ledger, by registry and namespace: asked
+# again, it returns the same. Held weakly (the ledger's own subscription keeps
+# it alive), so that nothing here keeps a ledger alive.
+_INSTRUMENTED: weakref.WeakKeyDictionary[Ledger, dict[tuple[CollectorRegistry, str], weakref.ref[Metrics]]] = (
+    weakref.WeakKeyDictionary()
+)
+_LOCK = threading.RLock()  # instrument() makes its Metrics (and their collectors) holding it
+
+
+def _collectors(kind: type[C], registry: CollectorRegistry, namespace: str) -> C:
+    with _LOCK:
+        made = _COLLECTORS.setdefault(registry, {})
+        found = made.get((kind, namespace))
+        if found is None:
+            try:
+                found = kind(registry, namespace)
+            except ValueError as exc:  # prometheus_client's "Duplicated timeseries in CollectorRegistry"
+                raise MetricsRegistryError(
+                    f"the registry already holds {namespace}_* metrics that idemctl did not register there ({exc}); "
+                    "pass instrument() another namespace or another registry"
+                ) from exc
+            made[(kind, namespace)] = found
+        return cast(C, found)
+
+
+class LeaseMetrics:
+    """The lease renewal metrics, fed by `observe(tick)`: one per lease
+    keeper, over the collectors every keeper on the same registry and
+    namespace shares (``leases_held`` is their sum)."""
+
+    unsubscribe: Callable[[], None] | None = None
+
+    def __init__(self, *, registry: CollectorRegistry = REGISTRY, namespace: str = "idemctl") -> None:
+        shared = _collectors(_LeaseCollectors, registry, namespace)
+        self.renewal_seconds = shared.renewal_seconds
+        self.lapse_seconds = shared.lapse_seconds
+        self.late = shared.late
+        self.failures = shared.failures
+        self.held = shared.held
+        self._held = 0  # this keeper's share of the shared gauge
+
+    def observe(self, tick: LeaseTick) -> None:
+        if tick.late:
+            self.late.labels("done" if tick.done else "running").inc()
+        if not tick.done:
+            return
+        if tick.reservations != self._held:
+            self.held.inc(tick.reservations - self._held)
+            self._held = tick.reservations
+        if tick.error is not None:
+            self.failures.inc()
+            return
+        self.renewal_seconds.observe(tick.seconds)
+        self.lapse_seconds.observe(tick.lapse_ms / 1000)
+
+
+class Metrics:
+    """The three metrics, fed by `observe(event)`: one per ledger, over the
+    collectors every ledger on the same registry and namespace shares."""
+
+    unsubscribe: Callable[[], None] | None = None
+    leases: LeaseMetrics | None = None  # set by `instrument` for a ledger that renews leases
+
+    def __init__(self, *, registry: CollectorRegistry = REGISTRY, namespace: str = "idemctl") -> None:
+        shared = _collectors(_DecisionCollectors, registry, namespace)
+        self.decisions = shared.decisions
+        self.ledger_seconds = shared.ledger_seconds
+        self.app_seconds = shared.app_seconds
+
     def observe(self, event: Event) -> None:
         outcome = event.outcome.value
         self.decisions.labels(outcome).inc()
@@ -143,14 +226,45 @@ class Metrics:
             self.app_seconds.labels(outcome).observe(event.app_ms / 1000)
 
 
-def instrument(
-    ledger: Ledger, *, registry: CollectorRegistry = REGISTRY, namespace: str = "idemctl"
-) -> Metrics:
+def instrument(ledger: Ledger, *, registry: CollectorRegistry = REGISTRY, namespace: str = "idemctl") -> Metrics:
     """Count `ledger`'s decisions into `registry` (the default registry
     unless given), and its lease renewals when it renews leases
-    (`Metrics.leases`)."""
-    metrics = Metrics(registry=registry, namespace=namespace)
-    metrics.unsubscribe = ledger.subscribe(metrics.observe)
+    (`Metrics.leases`).
+
+    Idempotent: instrumenting the same ledger into the same registry and
+    namespace again returns the same `Metrics` (each decision is counted
+    once). Several ledgers instrumented into one registry and namespace
+    share its metrics (their counts add up); give each its own `namespace`
+    to tell them apart. A registry holding metrics of these names that
+    idemctl did not register raises `MetricsRegistryError`.
+
+    >>> from idemctl import Ledger
+    >>> registry = CollectorRegistry()
+    >>> orders, refunds = Ledger.open(":memory:"), Ledger.open(":memory:")
+    >>> instrument(orders, registry=registry) is instrument(orders, registry=registry)
+    True
+    >>> instrument(refunds, registry=registry).decisions is instrument(orders, registry=registry).decisions
+    True
+    """
+    place = (registry, namespace)
+    with _LOCK:
+        done = _INSTRUMENTED.get(ledger, {}).get(place)
+        metrics = done() if done is not None else None
+        if metrics is not None:
+            return metrics
+        metrics = Metrics(registry=registry, namespace=namespace)
+        stop = ledger.subscribe(metrics.observe)
+        owner = weakref.ref(ledger)
+
+        def unsubscribe() -> None:
+            stop()
+            alive = owner()
+            if alive is not None:
+                with _LOCK:
+                    _INSTRUMENTED.get(alive, {}).pop(place, None)
+
+        metrics.unsubscribe = unsubscribe
+        _INSTRUMENTED.setdefault(ledger, {})[place] = weakref.ref(metrics)
     if ledger.leases is not None:
         metrics.leases = instrument_leases(ledger.leases, registry=registry, namespace=namespace)
     return metrics
@@ -178,4 +292,12 @@ def mark_process_dead(pid: int) -> None:
     _multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
 
 
-__all__ = ["LeaseMetrics", "Metrics", "instrument", "instrument_leases", "mark_process_dead", "multiprocess_registry"]
+__all__ = [
+    "LeaseMetrics",
+    "Metrics",
+    "MetricsRegistryError",
+    "instrument",
+    "instrument_leases",
+    "mark_process_dead",
+    "multiprocess_registry",
+]

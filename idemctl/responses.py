@@ -342,6 +342,8 @@ PROBLEM_TITLES = {
     "content_length_invalid": "Content-Length invalid",
     "request_body_too_large": "Request body too large",
     "request_body_incomplete": "Request body incomplete",
+    "request_target_too_long": "Request target too long",
+    "request_target_invalid": "Request target invalid",
 }
 _PROBLEM_DETAILS = {
     "idempotency_key_required": "This request needs an Idempotency-Key header.",
@@ -457,3 +459,20 @@ def body_too_large(limit_bytes: int) -> tuple[int, Headers, bytes]:
 
 def body_incomplete() -> tuple[int, Headers, bytes]:
     return _refusal(400, "request_body_incomplete", "The request body ended before Content-Length bytes arrived.")
+
+
+def target_too_long(limit_bytes: int) -> tuple[int, Headers, bytes]:
+    """414: a request target (path and query) over the ledger's bound, which
+    it neither hashes nor logs whole."""
+    return _refusal(414, "request_target_too_long", f"The request target is longer than {limit_bytes} bytes.")
+
+
+def target_invalid() -> tuple[int, Headers, bytes]:
+    """400: a method or target with control characters, which HTTP cannot carry."""
+    return _refusal(400, "request_target_invalid", "The method or request target holds a control character.")
+
+
+def principal_unusable() -> tuple[int, Headers, bytes]:
+    """401: the app's auth layer resolved a principal the ledger cannot hold
+    exactly; no principal is as good as none (SPEC: never a shared namespace)."""
+    return _refusal(401, "unauthenticated", "The authenticated principal cannot be used as an idempotency namespace.")

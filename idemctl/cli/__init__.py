@@ -3,10 +3,11 @@ library method and renders what it returns; every error the library raises on
 purpose becomes one line on stderr and a documented exit code.
 
 `core` holds the app, the settings and the error mapping, `options` the
-options the commands share; `documents` builds every --json document, `words`
-and `views` the human output, and `escaping` keeps what clients sent off the
-terminal's controls; `scenario`, `simulation`, `race` and `timeline` are what
-`simulate` runs and shows. The other modules hold the commands, grouped by
+options the commands share; `documents` builds the --json document of every
+command but `simulate` (whose timeline document `timeline` builds with the
+timeline it shows), `words` and `views` the human output, and `escaping`
+keeps what clients sent off the terminal's controls; `scenario`,
+`simulation`, `race` and `timeline` are what `simulate` runs and shows. The other modules hold the commands, grouped by
 what they do."""
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ _OWN_ANSWERS = frozenset(
         Outcome.IN_PROGRESS,
         Outcome.RETRY,
         Outcome.BODY_REFUSED,
+        Outcome.REQUEST_REFUSED,
         Outcome.UNAVAILABLE,
     }
 )

@@ -182,14 +182,53 @@ class FastApiClient:
 
         app = FastAPI()
         app.include_router(router)
+        self.app = app
         self.client = TestClient(app, raise_server_exceptions=True)
 
     def request(self, method: str, path: str, body: bytes, headers: dict[str, str], user: str | None) -> Reply:
         sent = {name: value.encode("latin-1") for name, value in headers.items()}
         if user is not None:
             sent["X-User"] = user.encode("latin-1")
+        if len(path) > 60_000:  # past httpx's own URL bound: straight to the ASGI app
+            return _asgi_call(self.app, method, path, body, sent)
         got = self.client.request(method, path, content=body, headers=sent)
         return Reply(got.status_code, list(got.headers.multi_items()), got.content)
+
+
+def _asgi_call(app, method: str, path: str, body: bytes, headers: dict[str, bytes]) -> Reply:  # type: ignore[no-untyped-def]
+    raw_path, _, query = path.partition("?")
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "scheme": "http",
+        "server": ("test", 80),
+        "client": ("test", 1),
+        "root_path": "",
+        "method": method,
+        "path": raw_path,
+        "raw_path": raw_path.encode(),
+        "query_string": query.encode(),
+        "headers": [(k.lower().encode(), v) for k, v in headers.items()] + [(b"content-length", str(len(body)).encode())],
+    }
+    sent: list[dict] = []
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():  # type: ignore[no-untyped-def]
+        if pending:
+            return pending.pop()
+        await asyncio.sleep(3600)
+
+    async def send(message):  # type: ignore[no-untyped-def]
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    start = sent[0]
+    return Reply(
+        start["status"],
+        [(k.decode("latin-1"), v.decode("latin-1")) for k, v in start["headers"]],
+        b"".join(m.get("body", b"") for m in sent[1:]),
+    )
 
 
 class DjangoClient:
@@ -692,3 +731,51 @@ def test_with_problem_details_an_unavailable_ledger_is_problem_json_with_retry_a
     reply = post(CLIENTS[adapter](missing, Orders()))
     assert (reply.status, reply.header("Retry-After"), reply.header("Content-Type")) == (503, "1", "application/problem+json")
     assert json.loads(reply.body)["type"] == "urn:idemctl:problem:idempotency_ledger_unavailable"
+
+
+# -- a request line or a principal the ledger cannot take: the client's 4xx, never a 500 ------
+LONG_TARGET = "/orders?pad=" + "a" * 65_536  # past the ledger's 64 KiB bound on the request target
+TARGET_TOO_LONG = b'{"error":"request_target_too_long","message":"The request target is longer than 65536 bytes."}'
+PRINCIPAL_UNUSABLE = (
+    b'{"error":"unauthenticated","message":"The authenticated principal cannot be used as an idempotency namespace."}'
+)
+
+
+def test_a_request_target_over_64_kib_is_414_and_nothing_is_claimed(client_for):
+    orders = Orders()
+    client, ledger = client_for(orders)
+    seen = []
+    ledger.subscribe(seen.append)
+    reply = post(client, path=LONG_TARGET)
+    assert (reply.status, reply.body) == (414, TARGET_TOO_LONG)
+    assert reply.lowered == [("content-type", "application/json"), ("content-length", str(len(TARGET_TOO_LONG)))]
+    assert orders.runs == [] and ledger.stats().total == 0
+    assert [(e.outcome.value, e.status, e.principal, e.key) for e in seen] == [("request_refused", 414, "acct_A", "k-1")]
+    # The same client with a sane target is served as ever.
+    assert post(client).status == 201
+
+
+def test_a_principal_over_512_bytes_is_401_and_nothing_is_claimed(client_for, caplog):
+    orders = Orders()
+    client, ledger = client_for(orders)
+    seen = []
+    ledger.subscribe(seen.append)
+    reply = post(client, user="u" * 513)
+    assert (reply.status, reply.body) == (401, PRINCIPAL_UNUSABLE)
+    assert orders.runs == [] and ledger.stats().total == 0
+    assert [(e.outcome.value, e.status, e.principal) for e in seen] == [("unauthenticated", 401, None)]
+    # The operator learns that the auth layer resolved a principal the ledger cannot hold.
+    assert any("cannot be used as a ledger principal" in r.getMessage() for r in caplog.records)
+
+
+def test_with_problem_details_the_414_is_problem_json(client_for):
+    client, _ = client_for(Orders(), policy=Policy(problem_details=True))
+    reply = post(client, path=LONG_TARGET)
+    problem = json.loads(reply.body)
+    assert (reply.status, reply.header("Content-Type")) == (414, "application/problem+json")
+    assert {k: problem[k] for k in ("type", "title", "status", "error")} == {
+        "type": "urn:idemctl:problem:request_target_too_long",
+        "title": "Request target too long",
+        "status": 414,
+        "error": "request_target_too_long",
+    }

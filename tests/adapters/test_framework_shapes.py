@@ -14,11 +14,13 @@ import pytest
 from django.http import FileResponse as DjangoFileResponse
 from django.http import StreamingHttpResponse
 from django.urls import path as django_path
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse
+from fastapi.testclient import TestClient
 from werkzeug.test import Client as WerkzeugClient
 
 from idemctl import Ledger, Policy
+from idemctl.asgi import IdempotencyMiddleware as AsgiMiddleware
 from idemctl.fastapi import idempotent_route
 from idemctl.flask import idempotent
 from tests.adapters.django_site import Site
@@ -178,3 +180,149 @@ def test_fastapi_waiting_duplicates_beyond_anyios_thread_pool_all_get_the_replay
     assert waiting == 45
     assert replies == [(201, b"made slow")] * 46
     assert len(runs) == 2
+
+
+# -- ASGI: an app that sends trailer fields ------------------------------------------------
+async def asgi_post(app, key: str = "k-1") -> list[dict]:  # type: ignore[no-untyped-def]
+    """One POST through an ASGI app: every message it sent."""
+    scope = {
+        "type": "http", "method": "POST", "path": "/orders", "raw_path": b"/orders", "query_string": b"",
+        "headers": [(b"idempotency-key", key.encode()), (b"content-length", b"2")],
+        "extensions": {"http.response.trailers": {}},
+    }
+    pending = [{"type": "http.request", "body": b"{}", "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive():  # type: ignore[no-untyped-def]
+        if pending:
+            return pending.pop()
+        await asyncio.sleep(3600)
+
+    async def send(message):  # type: ignore[no-untyped-def]
+        sent.append(message)
+
+    await app(scope, receive, send)
+    await app.wait_idle()
+    return sent
+
+
+def test_asgi_trailers_are_left_out_and_the_answer_is_stored_and_replayed(make_ledger):
+    ledger = make_ledger()
+    runs: list[int] = []
+
+    async def orders(scope, receive, send):  # type: ignore[no-untyped-def]
+        runs.append(1)
+        await send({"type": "http.response.start", "status": 201, "trailers": True,
+                    "headers": [(b"content-type", b"text/plain"), (b"trailer", b"x-checksum")]})
+        await send({"type": "http.response.body", "body": b"made"})
+        await send({"type": "http.response.trailers", "headers": [(b"x-checksum", b"abc")], "more_trailers": True})
+        await send({"type": "http.response.trailers", "headers": [], "more_trailers": False})
+
+    app = AsgiMiddleware(orders, ledger, principal=lambda scope: "acct_A")
+    first, again = asyncio.run(asgi_post(app)), asyncio.run(asgi_post(app))
+    # Both are the stored answer: no trailers flag, no trailer message, first and replay alike.
+    for sent in (first, again):
+        assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+        assert (sent[0]["status"], sent[0].get("trailers", False), sent[1]["body"]) == (201, False, b"made")
+    assert first == again
+    assert runs == [1]
+    row = ledger.lookup("acct_A", "k-1")
+    assert (row.status.value, row.response_status, row.body_bytes) == ("completed", 201, b"made")
+
+
+# -- FastAPI: a dependency whose commit runs after the endpoint, and fails ------------------
+class CommitFails(Exception):
+    pass
+
+
+def failing_commit_app(ledger: Ledger, *, route_class: bool, release_on_error: bool):  # type: ignore[no-untyped-def]
+    """A FastAPI app whose endpoint writes through a function-scoped yield
+    dependency: it commits after the endpoint returned, before the answer
+    goes out, and its first commit fails."""
+    commits: list[str] = []
+    runs: list[int] = []
+
+    async def session():  # type: ignore[no-untyped-def]
+        yield "session"
+        if not commits:
+            commits.append("failed")
+            raise CommitFails("the commit failed")
+        commits.append("committed")
+
+    def account(request: Request) -> str:
+        return "acct_A"
+
+    route = idempotent_route(ledger, principal=account, release_on_error=release_on_error) if route_class else None
+    router = APIRouter(route_class=route) if route is not None else APIRouter()
+
+    @router.post("/orders", status_code=201)
+    async def create(db: str = Depends(session, scope="function")) -> dict:  # type: ignore[type-arg]
+        runs.append(1)
+        return {"id": len(runs)}
+
+    app = FastAPI()
+    app.include_router(router)
+    if not route_class:
+        app = AsgiMiddleware(app, ledger, principal=lambda scope: "acct_A", release_on_error=release_on_error)  # type: ignore[assignment]
+    return app, commits, runs
+
+
+@pytest.mark.parametrize("door", ["route-class", "asgi-middleware"])
+def test_fastapi_function_scoped_commit_that_fails_is_never_replayed_as_a_success(make_ledger, door):
+    ledger = make_ledger()
+    app, commits, runs = failing_commit_app(ledger, route_class=door == "route-class", release_on_error=True)
+    client = TestClient(app, raise_server_exceptions=False)
+    headers = {"idempotency-key": "k-1"}
+    first = client.post("/orders", content=b"{}", headers=headers)
+    assert first.status_code == 500
+    # Nothing was committed, so nothing is stored: the retry runs the endpoint again.
+    assert ledger.lookup("acct_A", "k-1") is None
+    again = client.post("/orders", content=b"{}", headers=headers)
+    assert (again.status_code, again.json()) == (201, {"id": 2})
+    assert commits == ["failed", "committed"] and runs == [1, 1]
+    replay = client.post("/orders", content=b"{}", headers=headers)
+    assert (replay.status_code, replay.json(), len(runs)) == (201, {"id": 2}, 2)
+
+
+def test_fastapi_function_scoped_commit_that_fails_leaves_the_reservation_for_a_takeover(make_ledger, clock):
+    ledger = make_ledger()
+    app, commits, runs = failing_commit_app(ledger, route_class=True, release_on_error=False)
+    client = TestClient(app, raise_server_exceptions=False)
+    headers = {"idempotency-key": "k-1"}
+    assert client.post("/orders", content=b"{}", headers=headers).status_code == 500
+    assert ledger.lookup("acct_A", "k-1").status.value == "pending"
+    assert client.post("/orders", content=b"{}", headers=headers).status_code == 409
+    clock.advance(30_001)
+    again = client.post("/orders", content=b"{}", headers=headers)
+    assert (again.status_code, again.json(), runs) == (201, {"id": 2}, [1, 1])
+    assert (commits[0], commits[-1]) == ("failed", "committed")
+
+
+def test_fastapi_http_exception_reaches_function_scoped_dependencies_as_without_the_route_class(make_ledger):
+    from fastapi import HTTPException
+
+    ledger = make_ledger()
+    seen: list[str] = []
+
+    async def session():  # type: ignore[no-untyped-def]
+        try:
+            yield "session"
+        except HTTPException:
+            seen.append("rolled back")
+            raise
+        seen.append("committed")
+
+    router = APIRouter(route_class=idempotent_route(ledger, principal=lambda: "acct_A"))
+
+    @router.post("/orders")
+    async def create(db: str = Depends(session, scope="function")) -> dict:  # type: ignore[type-arg]
+        raise HTTPException(status_code=402, detail="card declined")
+
+    app = FastAPI()
+    app.include_router(router)
+    client = TestClient(app)
+    first = client.post("/orders", content=b"{}", headers={"idempotency-key": "k-1"})
+    assert (first.status_code, first.json(), seen) == (402, {"detail": "card declined"}, ["rolled back"])
+    replay = client.post("/orders", content=b"{}", headers={"idempotency-key": "k-1"})
+    assert (replay.status_code, replay.content) == (402, first.content)
+    assert ledger.lookup("acct_A", "k-1").response_status == 402

@@ -412,3 +412,35 @@ def test_a_task_cancelled_while_its_call_is_claiming_leaves_no_orphan_claim(ledg
     asyncio.run(held.cancel_mid_claim(work, "billing", "pay_3"))
     held.restore()
     assert ledger.lookup("billing", "pay_3") is None
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "status", "error"),
+    [
+        ("POST", "/orders\x01", 400, "request_target_invalid"),
+        ("PO\nST", "/orders", 400, "request_target_invalid"),
+        ("POST", "/orders?" + "\u00e9" * 32_769, 414, "request_target_too_long"),  # 65 538 bytes, 32 769 characters
+    ],
+    ids=["control-in-target", "control-in-method", "over-64-kib-in-utf-8"],
+)
+def test_the_gate_refuses_a_request_line_the_ledger_cannot_take_sync_and_async(make_ledger, method, target, status, error):
+    import json
+
+    from idemctl.gate import Gate
+
+    ledger = make_ledger(policy=Policy(protected_methods=frozenset({"POST", method})))
+    gate = Gate(ledger)
+    seen: list[Outcome] = []
+    ledger.subscribe(lambda event: seen.append(event.outcome))
+
+    async def in_thread(fn, *args):  # type: ignore[no-untyped-def]
+        return fn(*args)
+
+    answers = [
+        gate.begin("acct_A", "k-1", method, target, [], b"{}"),
+        asyncio.run(gate.begin_async("acct_A", "k-1", method, target, [], b"{}", in_thread)),
+    ]
+    for answer in answers:
+        assert (answer.status, json.loads(answer.body)["error"], answer.outcome) == (status, error, Outcome.REQUEST_REFUSED)
+    assert seen == [Outcome.REQUEST_REFUSED] * 2
+    assert ledger.stats().total == 0

@@ -8,10 +8,11 @@ import re
 
 import pytest
 import requests
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from idemctl import Outcome
-from idemctl.prometheus import instrument
+from idemctl.leases import LeaseTick
+from idemctl.prometheus import LeaseMetrics, MetricsRegistryError, instrument
 from tests.e2e.gunicorn_server import GunicornServer
 
 
@@ -43,6 +44,54 @@ def test_counters_and_histograms_follow_the_decisions(ledger, clock):
     ledger.handle("acct", "k9", "POST", "/o", {}, b"x", ok)
     assert samples(generate_latest(registry).decode(), "idemctl_decisions_total")["executed"] == 3.0
     assert Outcome.EXECUTED.value == "executed"
+
+
+def test_instrumenting_the_same_ledger_twice_returns_the_same_metrics_and_counts_once(ledger):
+    registry = CollectorRegistry()
+    first = instrument(ledger, registry=registry)
+    again = instrument(ledger, registry=registry)
+    assert again is first
+    ledger.handle("acct", "k1", "POST", "/o", {}, b"x", ok)
+    assert samples(generate_latest(registry).decode(), "idemctl_decisions_total") == {"executed": 1.0}
+    # Once unsubscribed, instrumenting again subscribes afresh (and still counts once).
+    first.unsubscribe()
+    third = instrument(ledger, registry=registry)
+    assert third is not first
+    ledger.handle("acct", "k2", "POST", "/o", {}, b"x", ok)
+    assert samples(generate_latest(registry).decode(), "idemctl_decisions_total") == {"executed": 2.0}
+
+
+def test_two_ledgers_on_one_registry_share_its_metrics_or_keep_apart_by_namespace(make_ledger):
+    orders, refunds, payouts = make_ledger(), make_ledger(), make_ledger()
+    registry = CollectorRegistry()
+    instrument(orders, registry=registry)
+    instrument(refunds, registry=registry)
+    instrument(payouts, registry=registry, namespace="payouts")
+    # make_ledger opens them on one database: keys of their own.
+    orders.handle("acct", "o1", "POST", "/o", {}, b"x", ok)
+    refunds.handle("acct", "r1", "POST", "/r", {}, b"x", ok)
+    refunds.handle("acct", "r1", "POST", "/r", {}, b"x", ok)
+    payouts.handle("acct", "p1", "POST", "/p", {}, b"x", ok)
+    text = generate_latest(registry).decode()
+    assert samples(text, "idemctl_decisions_total") == {"executed": 2.0, "replayed": 1.0}
+    assert samples(text, "payouts_decisions_total") == {"executed": 1.0}
+
+
+def test_a_registry_holding_a_foreign_metric_of_the_same_name_is_a_clear_error(ledger):
+    registry = CollectorRegistry()
+    Counter("idemctl_decisions", "someone else's", registry=registry)
+    with pytest.raises(MetricsRegistryError, match="pass instrument\\(\\) another namespace"):
+        instrument(ledger, registry=registry)
+
+
+def test_leases_held_is_the_sum_over_every_keeper_on_one_registry():
+    registry = CollectorRegistry()
+    a, b = LeaseMetrics(registry=registry), LeaseMetrics(registry=registry)
+    a.observe(LeaseTick(reservations=3, renewed=3, seconds=0.001, lapse_ms=10.0, ttl_ms=30_000))
+    b.observe(LeaseTick(reservations=2, renewed=2, seconds=0.001, lapse_ms=10.0, ttl_ms=30_000))
+    a.observe(LeaseTick(reservations=1, renewed=1, seconds=0.001, lapse_ms=10.0, ttl_ms=30_000))
+    assert registry.get_sample_value("idemctl_leases_held") == 3.0
+    assert registry.get_sample_value("idemctl_lease_renewal_seconds_count") == 3.0
 
 
 @pytest.mark.slow
