@@ -210,7 +210,16 @@ class RecipeWriter:
         if self.postgres:
             import psycopg
 
-            self.conn: Any = psycopg.connect(target, autocommit=True)
+            from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+            # The URL's `-c name=value` options are set inside each
+            # statement's transaction, not sent at connect: a PgBouncer in
+            # front of the server (the pgbouncer-* engines) refuses them.
+            params = conninfo_to_dict(target)
+            options = str(params.pop("options", "") or "")
+            words = options.replace("-c ", "-c").split()
+            self.settings = [tuple(w[2:].split("=", 1)) for w in words if w.startswith("-c") and "=" in w]
+            self.conn: Any = psycopg.connect(make_conninfo("", **params), autocommit=True, prepare_threshold=None)
         elif self.mysql:
             import pymysql
 
@@ -228,6 +237,12 @@ class RecipeWriter:
             sql = sql.replace("?", "%s")
         if self.mysql:
             sql = re.sub(r"(?<![\w`])key(?![\w`])", "`key`", sql)
+        if self.postgres:
+            with self.conn.transaction(), self.conn.cursor() as cur:
+                for name, value in self.settings:
+                    cur.execute("SELECT set_config(%s, %s, true)", (name, value))
+                cur.execute(sql, params)
+                return cur.rowcount, list(cur.fetchall()) if cur.description else []
         cur = self.conn.cursor()
         try:
             cur.execute(sql, params)

@@ -573,6 +573,10 @@ MUST_HAVE_SEEN = {
 }
 # Rarer in a run of 100 examples (MariaDB's), and so scripted below: a reused
 # key (another request under a taken key), while pending and once completed.
+# Through PgBouncer the random run has 40 examples, too few to be sure of a
+# replay; the scripted runs below run through PgBouncer too, and three of
+# them replay.
+RARE_IN_40_EXAMPLES = frozenset({"a replay"})
 
 
 @pytest.mark.parametrize("backend_name", ["sqlite", "sqlite-group", *pgbouncer_params(["postgres"]), "mysql"])
@@ -584,7 +588,12 @@ def test_ledger_agrees_with_the_contract_model_under_random_claims_takeovers_com
     with open_ledger(backend_name, ledger_target, clock) as ledger:
         ledger.init()
         run_state_machine_as_test(machine_for(ledger, clock, tally), settings=SETTINGS[backend_name])
-    missing = [what for what, events in MUST_HAVE_SEEN.items() if not sum(tally[e] for e in events)]
+    few = backend_name.startswith("pgbouncer")
+    missing = [
+        what
+        for what, events in MUST_HAVE_SEEN.items()
+        if not sum(tally[e] for e in events) and not (few and what in RARE_IN_40_EXAMPLES)
+    ]
     assert missing == [], f"the random run never did: {missing}; it did: {dict(tally)}"
 
 
