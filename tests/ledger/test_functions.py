@@ -27,7 +27,7 @@ from idemctl.errors import (
     ResultTooLargeError,
     UnserializableArgumentsError,
 )
-from tests.helpers import clean_env
+from tests.helpers import clean_env, wrap_store_run
 
 TTL = Policy().pending_ttl_ms
 
@@ -126,13 +126,13 @@ def test_with_the_wait_option_a_duplicate_waits_for_the_first_call_and_gets_its_
         return "charged"
 
     lookups = []
-    real_lookup = ledger.store.lookup
 
-    def counting_lookup(principal, key):
-        lookups.append(key)
-        return real_lookup(principal, key)
+    def counting_lookup(step, run):
+        if step == "lookup":
+            lookups.append(step)
+        return run()
 
-    ledger.store.lookup = counting_lookup  # the duplicate's polls read through here
+    wrap_store_run(ledger.store, counting_lookup)  # the duplicate's polls read through here
     results: list[tuple[str, str]] = []
     first = threading.Thread(target=lambda: results.append(("first", charge())))
     first.start()
