@@ -422,6 +422,8 @@ Savings kept, each counted before and after (instructions per request, `Ledger.h
 | the storage layer's own plumbing, each part counted alone: a row decoded by one check of every column's type, with the detailed checks only when it fails (26 200 → 10 700 a row); the fork gate passed without a lock, a statement in flight being one item of a list (6 300 → 2 700 a statement); a `Statement` slotted and not frozen (5 100 → 2 700); one write run without the list of a writer-queue turn (−6 000 a write); the fencing token read from `os.urandom` directly (4 400 → 3 500) | 354 851 | 234 380 |
 | the decision loop claims through `Store.claim_or_read` (on PostgreSQL one statement that also reads the row in the way, a replay's one round trip; on SQLite the claim and then the lookup, called by the store) | 355 940 | 232 176 |
 | two mends after a review, chosen for clarity: a lone write and a sweep's turn share one skeleton in the SQLite engine (about 2 300 a write more than the copy they replace), and the lookup after a lost claim is the decision loop's again, not repeated inside the store | 359 724 | 238 184 |
+| counted again at `7db0f07` (keys found by `key_id` everywhere, and the work merged since) | 386 997 | 242 846 |
+| one vocabulary between the loop and the stores: the loop yields the Store's own `Statement`s and a driver runs each with `store.run(op)`, with no `decision.Call` built, no method looked up by name and no wrapper method per statement (409 key reused 253 227 → 244 352, 409 in progress 336 816 → 323 381) | 375 557 | 234 032 |
 
 The adapters, counted the same way: the ASGI middleware hands each step to a
 worker thread as the executor's own future instead of a coroutine around it,

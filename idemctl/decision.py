@@ -2,14 +2,17 @@
 
 Claim, or look up and branch: each step is one atomic statement of the
 store, and nothing is held between them. The loop does no I/O itself: it
-yields what it needs, a :class:`Call` of the store (claim, lookup, takeover,
-the clock when the clock is the database's) or a :class:`Pause` of an
-in-progress wait, and is sent the result. So one loop serves every driver:
-:func:`run` calls the store and sleeps in the calling thread (WSGI, scripts,
-workers); :func:`run_async` awaits an asynchronous store's statements on the
-event loop (PostgreSQL), or runs the steps between two pauses in a worker
-thread (SQLite), and sleeps on the loop, so a waiting duplicate holds no
-thread while it waits.
+yields what it needs, in the store's own vocabulary (storage/store_base.py):
+a :class:`~idemctl.storage.store_base.Statement` the Store built (claim,
+lookup, takeover, the clock when the clock is the database's), a ``Turn`` or
+``Tables`` from a multi-statement operation's steps, or a :class:`Pause` of
+an in-progress wait, and is sent the result. So one loop serves every
+driver: :func:`run` runs each with ``store.run(op)`` and sleeps in the
+calling thread (WSGI, scripts, workers); :func:`run_async` awaits
+``async_store.run(op)`` on the event loop (PostgreSQL), or runs the steps
+between two pauses in a worker thread (SQLite), and sleeps on the loop, so a
+waiting duplicate holds no thread while it waits. No operation is looked
+up by name: a driver knows one verb, ``run``.
 
 >>> from idemctl import Ledger
 >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 from .outcomes import Outcome, Reservation, Status, StoredRow, quick_init
 from .policy import Policy
 from .storage import Store
-from .storage.store import new_token
+from .storage.store import Statement, StoreOp, Tables, new_token
 
 if TYPE_CHECKING:
     from .storage.aio import AsyncStore
@@ -42,26 +45,6 @@ S = TypeVar("S")
 P = ParamSpec("P")
 
 
-# Not frozen: one is built for every statement, and a frozen dataclass pays
-# for its guard on every field; a Call is a message, read once by a driver.
-@dataclass(slots=True)
-class Call:
-    """One operation of the store the loop needs: ``store.<name>(*args)``
-    synchronously (the drivers call it directly), or the asynchronous
-    store's method of the same name."""
-
-    store: Store
-    name: str
-    args: tuple[Any, ...] = ()
-
-    async def run_async(self, store: AsyncStore) -> Any:
-        return await getattr(store, self.name)(*self.args)
-
-
-# The store operations that write nothing.
-_READS = frozenset({"lookup", "database_now"})
-
-
 @dataclass(frozen=True)
 class Pause:
     """Wait this many seconds before the next poll; nothing is held meanwhile."""
@@ -69,9 +52,10 @@ class Pause:
     seconds: float
 
 
-Op = Call | Pause
+Op = StoreOp | Pause
 #: A decision (or any ledger work) in the making: yields the operations it
-#: needs, is sent their results (a Pause's is None), returns its result.
+#: needs (the store's, or a pause), is sent their results (a Pause's is
+#: None), returns its result.
 Steps = Generator[Op, Any, T]
 InThread = Callable[..., Awaitable[Any]]
 
@@ -143,13 +127,13 @@ def decide(
     local_clock = clock != store.database_now
     while True:
         now = int(clock()) if local_clock else (yield from now_steps(store, clock))
-        got = yield Call(store, "claim_or_read", (principal, key, fingerprint, token, now))
+        got = yield store.claim_or_read_statement(principal, key, fingerprint, token, now)
         if type(got) is int:
             return Claimed(Reservation(principal, key, got, fingerprint, token), Outcome.EXECUTED, now)
         # None: no row came back with the lost claim (the engine does not
         # read it there, or it was committed while the claim waited), so it
         # is read now; still none, it has gone.
-        row = got if got is not None else (yield Call(store, "lookup", (principal, key)))
+        row = got if got is not None else (yield store.lookup_statement(principal, key))
         if row is None:
             return Vanished(now)
         expired_before = now - policy.retention_ms
@@ -159,8 +143,8 @@ def decide(
             # atomically; if the row changed meanwhile (swept, or another
             # request took it), decide afresh.
             stale_before = now - policy.pending_ttl_ms
-            generation = yield Call(
-                store, "takeover", (principal, key, fingerprint, token, now, stale_before, expired_before)
+            generation = yield store.takeover_statement(
+                principal, key, fingerprint, token, now, stale_before, expired_before
             )
             if generation is not None:
                 return Claimed(Reservation(principal, key, generation, fingerprint, token), Outcome.EXECUTED, now)
@@ -173,8 +157,9 @@ def decide(
         if row.status is Status.COMPLETED:
             return Completed(row, now)
         stale_before = now - policy.pending_ttl_ms
-        args = (principal, key, fingerprint, token, now, stale_before, expired_before)
-        generation = yield Call(store, "takeover", args)
+        generation = yield store.takeover_statement(
+            principal, key, fingerprint, token, now, stale_before, expired_before
+        )
         if generation is not None:
             log.warning("took over stale reservation principal=%s key=%s as generation %d", principal, key, generation)
             return Claimed(Reservation(principal, key, generation, fingerprint, token), Outcome.TAKEN_OVER, now)
@@ -201,7 +186,7 @@ def _wait_for_change(
     while (left := deadline - time.monotonic()) > 0:
         yield Pause(min(pause, left))
         pause = min(pause * 2, _LONGEST_PAUSE_S)
-        row = yield Call(store, "lookup", (principal, key))
+        row = yield store.lookup_statement(principal, key)
         if row is None or row.status is not Status.PENDING or row.generation != generation:
             return True
         if row.updated_at < (yield from now_steps(store, clock)) - policy.pending_ttl_ms:
@@ -213,7 +198,7 @@ def now_steps(store: Store, clock: Callable[[], int]) -> Steps[int]:
     """The time by `clock`: the database's clock is a statement like any
     other (asked through the driver), any other clock is called here."""
     if clock == store.database_now:
-        return int((yield Call(store, "database_now")))
+        return int((yield store.database_now_statement()))
     return int(clock())
 
 
@@ -235,9 +220,9 @@ def _resume(steps: Steps[Any], value: Any, error: Exception | None) -> Op | _Ste
         return _Step(0.0, True, done.value)
 
 
-async def _outcome_async(op: Call, store: AsyncStore) -> tuple[Any, Exception | None]:
+async def _outcome_async(op: StoreOp, store: AsyncStore) -> tuple[Any, Exception | None]:
     try:
-        return await op.run_async(store), None
+        return await store.run(op), None
     except Exception as exc:
         return None, exc
 
@@ -288,10 +273,10 @@ def _advance(steps: Steps[Any]) -> _Step:
 def _until_pause(steps: Steps[Any], op: Op) -> Pause:
     """Run the operations the steps yield, from `op` on, up to the next
     pause; the steps' end raises StopIteration. This is every request's
-    driver: the store is called directly, with no value built per step."""
-    while isinstance(op, Call):
+    driver: each operation runs on the store that built it, ``store.run(op)``."""
+    while type(op) is not Pause:
         try:
-            value = getattr(op.store, op.name)(*op.args)
+            value = op.store.run(op)  # type: ignore[union-attr, arg-type]  # not a Pause: a StoreOp
         except Exception as exc:
             error = exc  # raised inside the steps, where it happened (outside this handler)
         else:
@@ -357,14 +342,14 @@ async def _run_on(steps: Steps[T], store: AsyncStore, orphaned: Callable[[T], ob
         if isinstance(op, Pause):
             await asyncio.sleep(op.seconds)  # cancelled here: nothing is held
             continue
-        if op.name in _READS:
+        if type(op) is Tables or (type(op) is Statement and not op.write):
             # A read cut off by a cancellation leaves nothing behind: no
             # shield (and no task of its own) needed.
             value, error = await _outcome_async(op, store)
             continue
         # Shielded: a cancelled caller does not cut a write off half-way
         # (a claim's outcome would be unknown, and could not be released).
-        landing = asyncio.ensure_future(op.run_async(store))
+        landing = asyncio.ensure_future(store.run(op))
         try:
             value = await asyncio.shield(landing)
         except asyncio.CancelledError:
@@ -390,7 +375,7 @@ async def _finish_orphan(
     except Exception as exc:
         value, error = None, exc
     try:
-        while isinstance(op := _resume(steps, value, error), Call):
+        while not isinstance(op := _resume(steps, value, error), (Pause, _Step)):
             value, error = await _outcome_async(op, store)
         if isinstance(op, Pause):
             steps.close()
@@ -449,7 +434,6 @@ async def settle_orphans(timeout_s: float = 5.0) -> int:
 
 __all__ = [
     "Busy",
-    "Call",
     "Claimed",
     "Completed",
     "Decision",

@@ -186,14 +186,45 @@ class IdempotentCall:
 
     def discard(self) -> None:
         """Nothing of the work ran: release the reservation now, so a repeat
-        runs at once, and end the call without storing anything."""
+        runs at once, and end the call without storing anything. Inside
+        ``async with``, use :meth:`adiscard`, which releases without
+        blocking the event loop.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> with ledger.idempotent_call(principal="acct_1", key="k1", args=()) as call:
+        ...     call.discard()
+        >>> ledger.lookup("acct_1", "k1") is None
+        True
+        """
+        decision.run(self._discard_steps())
+
+    async def adiscard(self) -> None:
+        """:meth:`discard` for ``async with``: the release runs on the
+        ledger's asynchronous store (PostgreSQL) or in a worker thread
+        (SQLite), never blocking the event loop.
+
+        >>> import asyncio
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> async def main() -> None:
+        ...     async with ledger.idempotent_call(principal="acct_1", key="k1", args=()) as call:
+        ...         await call.adiscard()
+        >>> asyncio.run(main()); ledger.lookup("acct_1", "k1") is None
+        True
+        """
+        steps = self._discard_steps()
+        await decision.drive(steps, asyncio.to_thread, self.ledger.async_store())
+
+    def _discard_steps(self) -> decision.Steps[None]:
+        # Checked now, not at the steps' first step: the caller's mistake is raised where it is made.
         reservation = self._reservation
         if reservation is None or self._ended or self._result is not None:
             raise RuntimeError("discard() needs a call that this block runs and has not stored")
         self._ended = True
         ticket = Ticket(reservation, self.outcome or Outcome.EXECUTED, b"", self._started_at, "CALL", self._name,
                         self._ledger_s * 1000, self._owned_at)
-        self.ledger.abandon(ticket, release=True)
+        return self.ledger.abandon_steps(ticket, release=True)
 
     # -- the context manager, sync and async --------------------------------------------
     def __enter__(self) -> IdempotentCall:

@@ -209,7 +209,6 @@ class RecipeWriter:
         self.postgres = target.startswith(("postgres://", "postgresql://"))
         if self.postgres:
             import psycopg
-
             from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
             # The URL's `-c name=value` options are set inside each
@@ -290,3 +289,44 @@ class RecipeWriter:
             " AND status = 'pending'",
             (status, self.body(body), headers, at, principal, key),
         )
+
+
+# -- the store's statements, told apart -----------------------------------------------
+# The decision loop asks the store for statements (Store.run), never for
+# operations by name: a test that holds or breaks one step wraps `run` and
+# tells the statement by its text.
+_STEP_TEXTS = ("CLAIM", "CLAIM_OR_READ", "LOOKUP", "TAKEOVER", "COMPLETE", "COMPLETED_AS", "RELEASE", "RECORD_FENCED")
+
+
+def step_of(op: Any) -> str | None:
+    """Which request-path statement `op` (a Statement, Turn or Tables) runs,
+    by the name of its text in idemctl.storage.statements, lower case
+    ("claim_or_read", "complete", ...); None for any other."""
+    from idemctl.storage import statements
+    from idemctl.storage.store_base import Statement
+
+    if type(op) is not Statement:
+        return None
+    store = op.store
+    if op.sql == store.sql(store.dialect.now_sql):
+        return "database_now"
+    for name in _STEP_TEXTS:
+        try:
+            if op.sql == store.sql(getattr(statements, name)):
+                return name.lower()
+        except Exception:  # a text this engine has no form of
+            continue
+    return None
+
+
+def wrap_store_run(store: Any, around: Any) -> Any:
+    """Make `store.run(op)` call `around(step_of(op), run_it)` (run_it()
+    runs the op for real) on this store object only; returns the real run,
+    to put back with ``store.run = real``."""
+    real = store.run
+
+    def run(op: Any) -> Any:
+        return around(step_of(op), lambda: real(op))
+
+    store.run = run
+    return real

@@ -57,7 +57,7 @@ class Maintenance(LedgerBase):
             # The last probe showed nothing can expire before then: no statement at all.
             return SweepResult(0, 0, now - self.policy.retention_ms, now - self.policy.fenced_retention_ms, 0)
         try:
-            result: SweepResult = yield decision.Call(self.store, "sweep", self._sweep_args(now, None, None, None))
+            result = yield from self.store.sweep_steps(*self._sweep_args(now, None, None, None))
         except IdemctlError as exc:
             log.warning("post-response sweep failed: %s", exc)
             return None

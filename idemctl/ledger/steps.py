@@ -143,15 +143,16 @@ class SingleSteps(LedgerBase):
         self, reservation: Reservation, stored: responses.ToStore, stamp: int
     ) -> decision.Steps[tuple[bool, FencedEvent | None]]:
         """Whether the answer was stored; when fenced out, the event recorded."""
-        who = (reservation.principal, reservation.key, reservation.generation)
-        args = (*who, reservation.token, stored.status, stored.body, stored.headers_json, stamp)
+        store, r = self.store, reservation
         try:
-            ok = yield decision.Call(self.store, "complete", args)
+            ok = yield store.complete_statement(
+                r.principal, r.key, r.generation, r.token, stored.status, stored.body, stored.headers_json, stamp
+            )
         except ConnectionFailedError as lost:
-            ok = yield from _on_a_fresh_connection(lambda: self._store_again(args), lost, reservation)
+            ok = yield from _on_a_fresh_connection(lambda: self._store_again(r, stored, stamp), lost, r)
         event = None
         if not ok:
-            event = yield decision.Call(self.store, "record_fenced", (*who, stored.status, stamp))
+            event = yield from store.record_fenced_steps(r.principal, r.key, r.generation, stored.status, stamp)
             log.error(
                 "fenced out: principal=%s key=%s generation=%d was superseded by generation %s; "
                 "its answer (status %d) was not stored and the mutation may have run twice — "
@@ -164,14 +165,16 @@ class SingleSteps(LedgerBase):
             )
         return ok, event
 
-    def _store_again(self, args: tuple[object, ...]) -> decision.Steps[bool]:
+    def _store_again(self, r: Reservation, stored: responses.ToStore, stamp: int) -> decision.Steps[bool]:
         """COMPLETE once more, after a try whose connection was lost. The
         fence makes it safe to repeat; if the row is no longer pending under
         our generation and token, either the lost try committed (the row
         holds this answer under them: stored) or a takeover fenced us out."""
-        if (yield decision.Call(self.store, "complete", args)):
+        store = self.store
+        answer = (r.token, stored.status, stored.body, stored.headers_json)
+        if (yield store.complete_statement(r.principal, r.key, r.generation, *answer, stamp)):
             return True
-        return bool((yield decision.Call(self.store, "completed_as", args[:-1])))
+        return bool((yield store.completed_as_statement(r.principal, r.key, r.generation, *answer)))
 
     def _stamp_steps(self, reservation: Reservation) -> decision.Steps[int]:
         """The completion's timestamp; the database's clock is asked again
@@ -197,8 +200,8 @@ class SingleSteps(LedgerBase):
         (True, False)
         """
         self._drop(reservation)
-        args = (reservation.principal, reservation.key, reservation.generation, reservation.token)
-        return bool((yield decision.Call(self.store, "release", args)))
+        r = reservation
+        return bool((yield self.store.release_statement(r.principal, r.key, r.generation, r.token)))
 
     release = decision.blocking(release_steps)
 

@@ -1,38 +1,25 @@
 """The store's request path on an asynchronous engine, for one event loop.
 
-No SQL lives here: every statement is built, and its rows decoded, by the
-same Store methods the synchronous path uses (``Store.claim_statement``,
-``Store.sweep_steps``, ...); an AsyncStore only awaits them on an
-asynchronous engine (storage/postgres/aio.py's AsyncPostgresEngine). Its methods
-carry the names of the Store's, so that the decision loop's operations
-(:class:`idemctl.decision.Call`) run on either."""
+No SQL and no operation lives here: every statement is built, and its rows
+decoded, by the Store (``Store.claim_or_read_statement``,
+``Store.sweep_steps``, ...), and the decision loop and the multi-statement
+operations yield them (idemctl/storage/store_base.py: Statement, Turn,
+Tables). An AsyncStore only awaits them on an asynchronous engine
+(storage/postgres/aio.py's AsyncPostgresEngine): :meth:`AsyncStore.run` is
+the awaited twin of :meth:`Store.run`, and nothing else has to match the
+Store method for method."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Iterable, Sequence
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, TypeVar, overload
 
-from ..outcomes import FencedEvent, StoredRow, SweepResult
 from .engine import Params, Rows
 from .statements import FENCED_TABLE, TABLES, VERSION
 from .store import Store
-from .store_base import Statement, Turn, reads_version, resume, version_in
+from .store_base import Statement, StoreOp, StoreSteps, Tables, Turn, reads_version, version_in
 
 R = TypeVar("R")
-P = ParamSpec("P")
-
-
-def awaits(
-    build: Callable[Concatenate[Store, P], Statement[R]],
-) -> Callable[Concatenate[AsyncStore, P], Coroutine[Any, Any, R]]:
-    """The awaited request-path step that runs the Statement the Store's
-    `build` makes (the asynchronous twin of store.runs)."""
-
-    async def step(self: AsyncStore, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return await self.run(build(self.store, *args, **kwargs))
-
-    step.__doc__ = build.__doc__
-    return step
 
 
 class AsyncEngine(Protocol):
@@ -54,8 +41,8 @@ class AsyncEngine(Protocol):
 
 
 class AsyncStore:
-    """A Store's request path (claim, lookup, takeover, complete, release,
-    the fenced-out event, the database clock, the sweep) awaited on an
+    """What a Store builds (the claim, lookup, takeover, completion,
+    release, fenced-out event, database clock, sweep), awaited on an
     asynchronous engine. It shares the Store's schema knowledge: the guard
     that runs before the first write, and the tables found."""
 
@@ -66,11 +53,39 @@ class AsyncStore:
     def describe(self) -> str:
         return self.engine.describe()
 
-    async def run(self, statement: Statement[R]) -> R:
-        """A Statement built by the Store, awaited, its rows decoded by the Store."""
-        if statement.write:
+    @overload
+    async def run(self, op: Statement[R]) -> R: ...
+    @overload
+    async def run(self, op: Turn) -> list[Rows]: ...
+    @overload
+    async def run(self, op: Tables) -> frozenset[str]: ...
+    async def run(self, op: StoreOp) -> Any:
+        """One operation built by the Store, awaited: a Statement's rows
+        decoded by the Store, a Turn's rows per statement, the tables found."""
+        if type(op) is Statement:
+            if op.write:
+                await self._guard()
+            return op.decode(await self.engine.execute(op.sql, op.params))
+        if type(op) is Turn:
             await self._guard()
-        return statement.decode(await self.engine.execute(statement.sql, statement.params))
+            return await self.engine.write_turn(op.statements)
+        return await self.tables()
+
+    async def run_steps(self, steps: StoreSteps[R]) -> R:
+        """A multi-statement operation's steps (`Store.record_fenced_steps`,
+        `Store.sweep_steps`, ...), each awaited here: the asynchronous twin
+        of `Store.run_steps`."""
+        try:
+            op = steps.send(None)
+            while True:
+                try:
+                    value = await self.run(op)
+                except Exception as exc:
+                    op = steps.throw(exc)
+                else:
+                    op = steps.send(value)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
     # -- schema: Store.tables / check_not_newer, awaited -----------------------------
     async def _guard(self) -> None:
@@ -93,45 +108,6 @@ class AsyncStore:
 
     async def has_fenced_log(self) -> bool:
         return FENCED_TABLE in await self.tables()
-
-    # -- the request path: the Store's statements ----------------------------------
-    claim = awaits(Store.claim_statement)
-
-    async def claim_or_read(
-        self, principal: str, key: str, fingerprint: str, token: int, now: int
-    ) -> int | StoredRow | None:
-        """Store.claim_or_read, awaited."""
-        store = self.store
-        if store.dialect.claim_reads_row:
-            return await self.run(store.claim_or_read_statement(principal, key, fingerprint, token, now))
-        return await self.claim(principal, key, fingerprint, token, now)
-
-    lookup = awaits(Store.lookup_statement)
-    takeover = awaits(Store.takeover_statement)
-    complete = awaits(Store.complete_statement)
-    completed_as = awaits(Store.completed_as_statement)
-    release = awaits(Store.release_statement)
-    database_now = awaits(Store.database_now_statement)
-
-    async def record_fenced(
-        self, principal: str, key: str, generation: int, computed_status: int, now: int
-    ) -> FencedEvent | None:
-        if not await self.has_fenced_log():
-            return None
-        return await self.run(self.store.record_fenced_statement(principal, key, generation, computed_status, now))
-
-    async def sweep(self, now: int, cutoff: int, fenced_cutoff: int, limit: int) -> SweepResult:
-        """Store.sweep's steps, each awaited (see Store.sweep_steps)."""
-        await self._guard()
-        steps = self.store.sweep_steps(now, cutoff, fenced_cutoff, limit, await self.has_fenced_log())
-        step = resume(steps, None)
-        engine = self.engine
-        while not isinstance(step, SweepResult):
-            if isinstance(step, Turn):
-                step = resume(steps, await engine.write_turn(step.statements))
-            else:
-                step = resume(steps, await engine.execute(step.sql, step.params))
-        return step
 
     async def aclose(self) -> None:
         await self.engine.aclose()

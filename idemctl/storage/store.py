@@ -12,7 +12,7 @@ renewals and the sweep."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..errors import InvalidPrincipalError
@@ -27,6 +27,7 @@ from .statements import (
     COMPLETE,
     COMPLETED_AS,
     FENCED_EVENT,
+    FENCED_TABLE,
     FROM_THE_START,
     OLDEST,
     OLDEST_WITH_FENCED,
@@ -39,7 +40,7 @@ from .statements import (
     new_token,
     renew_text,
 )
-from .store_base import Statement, StoreBase, SweepSteps, Turn, resume
+from .store_base import Statement, StoreBase, StoreOp, StoreSteps, SweepSteps, Tables, Turn
 
 R = TypeVar("R")
 S = TypeVar("S", bound=StoreBase)
@@ -47,14 +48,27 @@ P = ParamSpec("P")
 
 
 def runs(build: Callable[Concatenate[S, P], Statement[R]]) -> Callable[Concatenate[S, P], R]:
-    """The request-path step that runs the Statement `build` makes: the
-    synchronous half of each `*_statement` method (storage/aio.py awaits the
-    same Statements)."""
+    """A thin synchronous method over a `*_statement` builder, for the CLI,
+    operators and scripts: ``store.claim(...)`` is ``store.run(store.claim_statement(...))``.
+    The request path yields the statements themselves to its driver."""
 
     def step(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return self.run(build(self, *args, **kwargs))
 
     step.__doc__ = build.__doc__
+    step.__name__ = step.__qualname__ = build.__name__.removesuffix("_statement")
+    return step
+
+
+def runs_steps(build: Callable[Concatenate[S, P], StoreSteps[R]]) -> Callable[Concatenate[S, P], R]:
+    """A thin synchronous method over a `*_steps` builder (an operation of
+    several statements), its steps run by `Store.run_steps`."""
+
+    def step(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self.run_steps(build(self, *args, **kwargs))
+
+    step.__doc__ = build.__doc__
+    step.__name__ = step.__qualname__ = build.__name__.removesuffix("_steps")
     return step
 
 
@@ -70,7 +84,8 @@ class Store(CopyStatements, OperatorStatements):
     """
 
     # -- request path -----------------------------------------------------------------
-    # Each step: `*_statement` builds it, the method of the step's own name runs it.
+    # Each step: `*_statement` builds it (or `*_steps` for several statements);
+    # the method of the step's own name is a thin synchronous wrapper for operators.
     def _claim_params(self, principal: str, key: str, fingerprint: str, token: int, now: int) -> dict[str, Any]:
         limit = self.dialect.max_principal_bytes
         if limit is not None and len(principal.encode("utf-8")) > limit:
@@ -85,17 +100,21 @@ class Store(CopyStatements, OperatorStatements):
         self, principal: str, key: str, fingerprint: str, token: int, now: int
     ) -> Statement[int | None]:
         params = self._claim_params(principal, key, fingerprint, token, now)
-        return Statement(self.sql(CLAIM), params, first_int, True)
+        return Statement(self, self.sql(CLAIM), params, first_int, True)
 
     claim = runs(claim_statement)
 
     def claim_or_read_statement(
         self, principal: str, key: str, fingerprint: str, token: int, now: int
     ) -> Statement[int | StoredRow | None]:
-        """The claim and the row that stands in its way, in one statement
-        (CLAIM_OR_READ); only where `dialect.claim_reads_row`."""
+        """The claim, one statement: where `dialect.claim_reads_row`, the
+        claim and the row that stands in its way (CLAIM_OR_READ, PostgreSQL's
+        one round trip for a replay); elsewhere the claim alone (CLAIM), and
+        a lost claim gives None."""
         params = self._claim_params(principal, key, fingerprint, token, now)
-        return Statement(self.sql(CLAIM_OR_READ), params, self._claimed_or_row, True)
+        if self.dialect.claim_reads_row:
+            return Statement(self, self.sql(CLAIM_OR_READ), params, self._claimed_or_row, True)
+        return Statement(self, self.sql(CLAIM), params, first_int, True)
 
     def _claimed_or_row(self, rows: Rows) -> int | StoredRow | None:
         if not rows:
@@ -118,9 +137,7 @@ class Store(CopyStatements, OperatorStatements):
         >>> store.claim_or_read("acct", "k", "fp", 2, 1001) is None  # SQLite: the lookup is the caller's
         True
         """
-        if self.dialect.claim_reads_row:
-            return self.run(self.claim_or_read_statement(principal, key, fingerprint, token, now))
-        return self.claim(principal, key, fingerprint, token, now)
+        return self.run(self.claim_or_read_statement(principal, key, fingerprint, token, now))
 
     def takeover_statement(
         self, principal: str, key: str, fingerprint: str, token: int, now: int, stale_before: int, expired_before: int
@@ -136,7 +153,7 @@ class Store(CopyStatements, OperatorStatements):
             "stale_before": stale_before,
             "expired_before": expired_before,
         }
-        return Statement(self.sql(TAKEOVER), params, first_int, True)
+        return Statement(self, self.sql(TAKEOVER), params, first_int, True)
 
     takeover = runs(takeover_statement)
 
@@ -161,7 +178,7 @@ class Store(CopyStatements, OperatorStatements):
             "headers": headers_json,
             "now": now,
         }
-        return Statement(self.sql(COMPLETE), params, any_row, True)
+        return Statement(self, self.sql(COMPLETE), params, any_row, True)
 
     complete = runs(complete_statement)
 
@@ -189,14 +206,13 @@ class Store(CopyStatements, OperatorStatements):
             "no_body": 1 if body is None else 0,
             "headers": headers_json,
         }
-        return Statement(self.sql(COMPLETED_AS), params, any_row, False)
+        return Statement(self, self.sql(COMPLETED_AS), params, any_row, False)
 
     completed_as = runs(completed_as_statement)
 
     def release_statement(self, principal: str, key: str, generation: int, token: int | None) -> Statement[bool]:
         params = {"principal": principal, "key": key, "generation": generation, "token": token}
-        return Statement(self.sql(RELEASE), params, any_row, True)
-
+        return Statement(self, self.sql(RELEASE), params, any_row, True)
 
     release = runs(release_statement)
 
@@ -205,7 +221,7 @@ class Store(CopyStatements, OperatorStatements):
     ) -> Statement[FencedEvent | None]:
         """Only for a ledger with the fenced-out log (`has_fenced_log`)."""
         params = {"principal": principal, "key": key, "generation": generation, "status": computed_status, "now": now}
-        return Statement(self.sql(RECORD_FENCED), params, fenced_event, True)
+        return Statement(self, self.sql(RECORD_FENCED), params, fenced_event, True)
 
     def renew(self, held: Sequence[tuple[str, str, int, int | None]], now: int) -> int:
         """Move `updated_at` to `now` for every (principal, key, generation,
@@ -258,41 +274,50 @@ class Store(CopyStatements, OperatorStatements):
             statements.append((self.sql(renew_text(size, form, self.dialect.returning)), params))
         return statements
 
-    def record_fenced(
+    def record_fenced_steps(
         self, principal: str, key: str, generation: int, computed_status: int, now: int
-    ) -> FencedEvent | None:
-        if not self.has_fenced_log():
+    ) -> StoreSteps[FencedEvent | None]:
+        """Record a fenced-out completion in the fenced-out log; None for a
+        ledger without the log (the recipe's table alone, until `init`). An
+        engine without RETURNING gets the event's id from the insert and
+        reads the event back by it."""
+        if FENCED_TABLE not in (yield Tables(self)):
             return None
         if not self.dialect.returning:
-            # No RETURNING: the insert hands back the event's id; the event is read back by it.
             params = {"principal": principal, "key": key, "generation": generation}
-            rows = self._write(RECORD_FENCED, {**params, "status": computed_status, "now": now})
-            return self._event(self._read(FENCED_EVENT, {"id": rows[0][0]})[0]) if rows else None
-        return self.run(self.record_fenced_statement(principal, key, generation, computed_status, now))
+            params.update(status=computed_status, now=now)
+            rows = yield Statement(self, self.sql(RECORD_FENCED), params, all_rows, True)
+            if not rows:
+                return None
+            event: FencedEvent | None = yield Statement(
+                self, self.sql(FENCED_EVENT), {"id": rows[0][0]}, self._first_event, False
+            )
+            return event
+        event = yield self.record_fenced_statement(principal, key, generation, computed_status, now)
+        return event
+
+    record_fenced = runs_steps(record_fenced_steps)
+
+    def _first_event(self, rows: Rows) -> FencedEvent | None:
+        return self._event(rows[0]) if rows else None
 
     # -- sweep ------------------------------------------------------------------------------
-    def sweep(self, now: int, cutoff: int, fenced_cutoff: int, limit: int) -> SweepResult:
+    def sweep_steps(self, now: int, cutoff: int, fenced_cutoff: int, limit: int) -> SweepSteps:
         """At most `limit` expired rows and `limit` expired fenced-out events,
-        in one turn of the engine's writer queue (see `sweep_steps`)."""
-        self._guard()
-        steps = self.sweep_steps(now, cutoff, fenced_cutoff, limit, self.has_fenced_log())
-        step = resume(steps, None)
-        while not isinstance(step, SweepResult):
-            engine = self.engine
-            rows = engine.write_turn(step.statements) if isinstance(step, Turn) else engine.read(step.sql, step.params)
-            step = resume(steps, rows)
-        return step
-
-    def sweep_steps(self, now: int, cutoff: int, fenced_cutoff: int, limit: int, fenced_log: bool) -> SweepSteps:
-        """The sweep's statements as steps, run by `sweep` here and by the
-        asynchronous store: it yields a read or a Turn and is sent its rows.
+        in one turn of the engine's writer queue, as steps (run by `sweep`
+        here, by the post-response sweep's driver, sync or async).
         First one indexed read of
         the oldest timestamps: when nothing is past retention it deletes
         nothing, takes no write lock, and says in `quiet_for_ms` how long
         nothing can be (rows only get newer). While a backlog drains (the
         last batch was full) the read is skipped. Not check-then-act: each
-        DELETE decides on its own. `fenced_log`: whether the ledger has the
-        fenced-out log (the caller asks `has_fenced_log`, its own way)."""
+        DELETE decides on its own."""
+        fenced_log = FENCED_TABLE in (yield Tables(self))
+        return (yield from self._sweep_steps(now, cutoff, fenced_cutoff, limit, fenced_log))
+
+    sweep = runs_steps(sweep_steps)
+
+    def _sweep_steps(self, now: int, cutoff: int, fenced_cutoff: int, limit: int, fenced_log: bool) -> SweepSteps:
         if self._draining:
             self._draining = False
             keys, _ = yield from self._delete_batch(cutoff, limit, self._sweep_from, None)
@@ -301,7 +326,7 @@ class Store(CopyStatements, OperatorStatements):
         probe = self.sql(OLDEST_WITH_FENCED if fenced_log else OLDEST)
         after = self._sweep_from
         while True:
-            oldest = (yield Statement(probe, {"after": after}, all_rows, False))[0]
+            oldest = (yield Statement(self, probe, {"after": after}, all_rows, False))[0]
             oldest_row = oldest[0]
             oldest_event = oldest[1] if fenced_log else None
             # With no row (or event), the first one to expire is one written from now on.
@@ -318,7 +343,7 @@ class Store(CopyStatements, OperatorStatements):
             return SweepResult(0, 0, cutoff, fenced_cutoff, min(row_headroom, event_headroom))
         fenced_cutoff_due = fenced_cutoff if fenced_log and event_headroom <= 0 else None
         if row_headroom > 0:
-            (events,) = yield Turn([self._fenced_batch(fenced_cutoff, limit)])
+            (events,) = yield Turn(self, [self._fenced_batch(fenced_cutoff, limit)])
             return SweepResult(0, len(events), cutoff, fenced_cutoff)
         keys, fenced = yield from self._delete_batch(cutoff, limit, int(oldest_row), fenced_cutoff_due)
         return SweepResult(keys, fenced, cutoff, fenced_cutoff)
@@ -328,7 +353,7 @@ class Store(CopyStatements, OperatorStatements):
 
     def _delete_batch(
         self, cutoff: int, limit: int, after: int, fenced_cutoff: int | None
-    ) -> Generator[Turn, Any, tuple[int, int]]:
+    ) -> StoreSteps[tuple[int, int]]:
         """One batch of expired rows from `after` on, and one of the
         fenced-out log's when `fenced_cutoff` is given, in one turn; it
         remembers where the rows' batch ended."""
@@ -336,7 +361,7 @@ class Store(CopyStatements, OperatorStatements):
         statements: list[tuple[str, Mapping[str, Any]]] = [(self.sql(self.dialect.sweep_keys), batch)]
         if fenced_cutoff is not None:
             statements.append(self._fenced_batch(fenced_cutoff, limit))
-        results = yield Turn(statements)
+        results = yield Turn(self, statements)
         keys, newest = self.dialect.sweep_tally(results[0])
         if newest is not None:
             self._sweep_from = newest
@@ -346,4 +371,15 @@ class Store(CopyStatements, OperatorStatements):
 
 
 # What other modules import from here, where they live now.
-__all__ = ["LedgerRow", "Statement", "Store", "SweepSteps", "Turn", "derive_state", "new_token"]
+__all__ = [
+    "LedgerRow",
+    "Statement",
+    "Store",
+    "StoreOp",
+    "StoreSteps",
+    "SweepSteps",
+    "Tables",
+    "Turn",
+    "derive_state",
+    "new_token",
+]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 from ..errors import SchemaOutdatedError, SchemaTooNewError, StorageError
 from ..outcomes import FencedEvent, InitAction, InitResult, StoredRow, SweepResult
@@ -53,48 +53,58 @@ def _duplicate(exc: Exception) -> bool:
     text = str(exc).lower()
     return "idx_idempotency_keys_key_id" in text or ("key_id" in text and ("unique" in text or "duplicate" in text))
 
-# -- one statement, whichever way it runs ---------------------------------------------
-# Each request-path method of Store is split in two halves: `*_statement`
-# builds a Statement (the text as the engine spells it, its parameters, and
-# how its rows decode), and the method itself runs it with `Store.run`. The
-# asynchronous store (storage/aio.py) runs the very same Statements on an
-# asynchronous connection: the SQL and its decoding exist once, only the
-# execution differs.
+# -- the store's vocabulary: what the ledger asks it to run -------------------------
+# The decision loop (idemctl/decision.py) and every multi-statement
+# operation (the claim then the lookup, the fenced-out event, the
+# completion's retry, the sweep) are generator steps that yield these and are
+# sent what they give back: a Statement (its rows, decoded), a Turn (the rows
+# of each of its statements) or Tables (which of idemctl's tables exist).
+# A synchronous driver runs each with `Store.run`, an asynchronous one with
+# `await AsyncStore.run` (storage/aio.py): the SQL, its decoding and the
+# operations' branches exist once, only the execution differs, and no
+# operation is looked up by name. Each carries the store that spelled it
+# (its SQL is that engine's), so a driver needs nothing else to run it.
 
 
 # Not frozen: two are built for every request, and a frozen dataclass pays
 # for its guard on every field; a Statement is read once, by the store that runs it.
 @dataclass(slots=True)
 class Statement(Generic[R]):
-    """One statement ready to run: spelled, bound, and how its rows decode.
-    A `write` runs only after the store's schema guard."""
+    """One statement ready to run: spelled for `store`'s engine, bound, and
+    how its rows decode. A `write` runs only after the store's schema guard."""
 
+    store: StoreBase
     sql: str
     params: Mapping[str, Any]
     decode: Callable[[Rows], R]
     write: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Turn:
     """Statements that run together in one turn of the engine's writers
-    (`Engine.write_turn`); the sweep's deletes."""
+    (`Engine.write_turn`); the sweep's deletes. Runs after the schema guard;
+    gives back a list of rows per statement."""
 
+    store: StoreBase
     statements: Sequence[tuple[str, Mapping[str, Any]]]
 
 
-#: The sweep as steps: it yields a read (a Statement) or a Turn and is sent
-#: the rows (a list of rows per statement for a Turn); it returns its result.
-SweepSteps = Generator["Statement[Rows] | Turn", Any, SweepResult]
+@dataclass(frozen=True, slots=True)
+class Tables:
+    """Which of idemctl's tables exist (`StoreBase.tables`): a catalog read
+    until the schema is complete, remembered from then on."""
+
+    store: StoreBase
 
 
-
-def resume(steps: SweepSteps, sent: Any) -> Statement[Rows] | Turn | SweepResult:
-    """The sweep's next step, sent the rows of the last one; its result once done."""
-    try:
-        return steps.send(sent)
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
+#: What a store runs: `Store.run`, or `await AsyncStore.run`.
+StoreOp = Statement[Any] | Turn | Tables
+#: A store operation of several statements, as steps: it yields StoreOps
+#: and is sent what each gives back; it returns its result.
+StoreSteps = Generator[StoreOp, Any, R]
+#: The sweep as steps.
+SweepSteps = StoreSteps[SweepResult]
 
 
 def reads_version(tables: Collection[str]) -> bool:
@@ -164,15 +174,43 @@ class StoreBase:
     def drain_batch(self) -> int:
         return self.dialect.drain_batch
 
-    def run(self, statement: Statement[R]) -> R:
-        """Run a built statement on this store's engine and decode its rows."""
-        if statement.write:
+    @overload
+    def run(self, op: Statement[R]) -> R: ...
+    @overload
+    def run(self, op: Turn) -> list[Rows]: ...
+    @overload
+    def run(self, op: Tables) -> frozenset[str]: ...
+    def run(self, op: StoreOp) -> Any:
+        """Run one operation on this store's engine: a Statement's rows
+        decoded, a Turn's rows per statement, or the tables found."""
+        if type(op) is Statement:
+            if op.write:
+                self._guard()
+                return op.decode(self.engine.write(op.sql, op.params))
+            return op.decode(self.engine.read(op.sql, op.params))
+        if type(op) is Turn:
             self._guard()
-            return statement.decode(self.engine.write(statement.sql, statement.params))
-        return statement.decode(self.engine.read(statement.sql, statement.params))
+            return self.engine.write_turn(op.statements)
+        return self.tables()
+
+    def run_steps(self, steps: StoreSteps[R]) -> R:
+        """A multi-statement operation's steps, each run here in turn (the
+        synchronous twin of `AsyncStore.run_steps`). An operation's error is
+        raised inside the steps, where it happened."""
+        try:
+            op = steps.send(None)
+            while True:
+                try:
+                    value = op.store.run(op)
+                except Exception as exc:
+                    op = steps.throw(exc)
+                else:
+                    op = steps.send(value)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
     def database_now_statement(self) -> Statement[int]:
-        return Statement(self.sql(self.dialect.now_sql), {}, database_ms, False)
+        return Statement(self, self.sql(self.dialect.now_sql), {}, database_ms, False)
 
     def database_now(self) -> int:
         """The database server's clock in ms since the epoch (one round trip)."""
@@ -186,7 +224,7 @@ class StoreBase:
         return decode_event(self.dialect, values)
 
     def lookup_statement(self, principal: str, key: str) -> Statement[StoredRow | None]:
-        return Statement(self.sql(LOOKUP), {"principal": principal, "key": key}, self._decode_first_row, False)
+        return Statement(self, self.sql(LOOKUP), {"principal": principal, "key": key}, self._decode_first_row, False)
 
     def _decode_first_row(self, rows: Rows) -> StoredRow | None:
         return decode_row(self.dialect, rows[0]) if rows else None
@@ -199,7 +237,7 @@ class StoreBase:
             # the key as stored, bare or as the header's sf-string.
             quoted = '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
             params = {"principal": principal, "key": key, "quoted": quoted}
-            return self.run(Statement(self.sql(LOOKUP_STORED), params, self._decode_first_row, False))
+            return self.run(Statement(self, self.sql(LOOKUP_STORED), params, self._decode_first_row, False))
 
     # -- schema ---------------------------------------------------------------------
     def tables(self) -> frozenset[str]:

@@ -20,6 +20,7 @@ from idemctl.asgi import IdempotencyMiddleware
 from idemctl.errors import UnsupportedFunctionError
 from idemctl.fastapi import idempotent_route
 from idemctl.storage.aio import AsyncStore
+from tests.helpers import step_of
 
 ORDER = b'{"sku":"tea"}'
 
@@ -122,31 +123,36 @@ class ClaimsHeld:
     def __init__(self, ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
         self.ledger = ledger
         self.entered, self.proceed, self.landed = threading.Event(), threading.Event(), threading.Event()
-        # The decision loop claims through `claim_or_read` (on PostgreSQL one
-        # statement that also reads the row in the way): held there.
-        self.claim = claim = ledger.store.claim_or_read
+        # The decision loop yields its claim as a statement (on PostgreSQL
+        # one that also reads the row in the way), run by `store.run`: held there.
+        claims = ("claim", "claim_or_read")
+        self.run = run = ledger.store.run
 
-        def slow_claim(*args, **kwargs):  # type: ignore[no-untyped-def]
+        def slow_run(op):  # type: ignore[no-untyped-def]
+            if step_of(op) not in claims:
+                return run(op)
             self.entered.set()
             self.proceed.wait(10)
             try:
-                return claim(*args, **kwargs)
+                return run(op)
             finally:
                 self.landed.set()
 
-        ledger.store.claim_or_read = slow_claim  # type: ignore[method-assign]
+        ledger.store.run = slow_run  # type: ignore[method-assign]
         # PostgreSQL's claim runs on the loop (the asynchronous store): held there.
-        async_claim = AsyncStore.claim_or_read
+        async_run = AsyncStore.run
 
-        async def slow_async_claim(store, *args):  # type: ignore[no-untyped-def]
+        async def slow_async_run(store, op):  # type: ignore[no-untyped-def]
+            if step_of(op) not in claims:
+                return await async_run(store, op)
             self.entered.set()
             await asyncio.get_running_loop().run_in_executor(None, self.proceed.wait, 10)
             try:
-                return await async_claim(store, *args)
+                return await async_run(store, op)
             finally:
                 self.landed.set()
 
-        monkeypatch.setattr(AsyncStore, "claim_or_read", slow_async_claim)
+        monkeypatch.setattr(AsyncStore, "run", slow_async_run)
 
     async def cancel_mid_claim(self, start, principal: str, key: str) -> None:  # type: ignore[no-untyped-def]
         """Cancel the task `start()` makes while its claim is held, then let
@@ -162,7 +168,7 @@ class ClaimsHeld:
         assert self.landed.is_set()
 
     def restore(self) -> None:
-        self.ledger.store.claim_or_read = self.claim  # type: ignore[method-assign]
+        self.ledger.store.__dict__.pop("run", None)
 
 
 def test_two_idempotency_key_fields_are_400_and_nothing_runs_under_asgi(make_ledger):

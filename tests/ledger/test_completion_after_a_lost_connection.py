@@ -19,7 +19,7 @@ import pytest
 from idemctl import AnswerNotStoredError, Ledger, Outcome, Policy, Status, Ticket
 from idemctl.errors import ConnectionFailedError, DatabaseLockedError
 from idemctl.ledger import steps
-from tests.helpers import FakeClock
+from tests.helpers import FakeClock, wrap_store_run
 
 BODY = b'{"sku":"x"}'
 HEADERS = {"content-type": "application/json", "location": "/orders/1"}
@@ -31,27 +31,24 @@ def lost(what: str = "server closed the connection unexpectedly") -> ConnectionF
 
 
 def wrap_complete(ledger: Ledger, before: Callable[[int], None], after: Callable[[int], None]) -> list[str]:
-    """The store's `complete`, with `before(n)` and `after(n)` run around the
-    n-th call (from 1) and around each `completed_as`; the names called, in order."""
-    store = ledger.store
-    real_complete, real_completed_as = store.complete, getattr(store, "completed_as", None)
+    """The store's COMPLETE, with `before(n)` and `after(n)` run around the
+    n-th one (from 1); the steps run from then on, in order, of those that
+    store the answer (COMPLETE, COMPLETED_AS)."""
     calls: list[str] = []
 
-    def complete(*args: Any) -> bool:
-        calls.append("complete")
+    def around(step: str | None, run: Callable[[], Any]) -> Any:
+        if step not in ("complete", "completed_as"):
+            return run()
+        calls.append(step)
+        if step == "completed_as":
+            return run()
         n = calls.count("complete")
         before(n)
-        ok = real_complete(*args)
+        ok = run()
         after(n)
         return ok
 
-    def completed_as(*args: Any) -> bool:
-        calls.append("completed_as")
-        assert real_completed_as is not None
-        return real_completed_as(*args)
-
-    store.complete = complete  # type: ignore[method-assign]
-    store.completed_as = completed_as  # type: ignore[method-assign]
+    wrap_store_run(ledger.store, around)
     return calls
 
 
@@ -232,18 +229,17 @@ def test_the_database_clock_lost_before_the_completion_is_asked_again(make_ledge
     ledger = Ledger.open(ledger_target, clock="database")
     try:
         ticket = begin(ledger)
-        real = ledger.store.database_now
         asked: list[int] = []
 
-        def database_now() -> int:
-            asked.append(1)
-            if len(asked) == 1:
-                raise lost()
-            return real()
+        def around(step: str | None, run: Callable[[], Any]) -> Any:
+            # The database's clock is a statement the loop yields, like any other.
+            if step == "database_now":
+                asked.append(1)
+                if len(asked) == 1:
+                    raise lost()
+            return run()
 
-        # The ledger knows the database clock by the store's own method.
-        ledger.store.database_now = database_now  # type: ignore[method-assign]
-        ledger.clock = database_now
+        wrap_store_run(ledger.store, around)
         answer = ledger.finish(ticket, 201, HEADERS, ANSWER)
         assert answer.outcome is Outcome.EXECUTED and len(asked) == 2
         row = ledger.lookup("acct", "k1")

@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 import time
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -26,7 +27,7 @@ from idemctl.errors import (
     ResultTooLargeError,
     UnserializableArgumentsError,
 )
-from tests.helpers import clean_env
+from tests.helpers import clean_env, wrap_store_run
 
 TTL = Policy().pending_ttl_ms
 
@@ -125,13 +126,13 @@ def test_with_the_wait_option_a_duplicate_waits_for_the_first_call_and_gets_its_
         return "charged"
 
     lookups = []
-    real_lookup = ledger.store.lookup
 
-    def counting_lookup(principal, key):
-        lookups.append(key)
-        return real_lookup(principal, key)
+    def counting_lookup(step, run):
+        if step == "lookup":
+            lookups.append(step)
+        return run()
 
-    ledger.store.lookup = counting_lookup  # the duplicate's polls read through here
+    wrap_store_run(ledger.store, counting_lookup)  # the duplicate's polls read through here
     results: list[tuple[str, str]] = []
     first = threading.Thread(target=lambda: results.append(("first", charge())))
     first.start()
@@ -665,3 +666,50 @@ def test_function_calls_emit_events_like_requests(ledger):
         (Outcome.FAILED, "CALL", "capture", "o-3"),
     ]
     assert seen[0].app_ms is not None and seen[1].app_ms is None
+
+
+def test_the_async_twin_of_discard_releases_the_claim_without_blocking_the_event_loop(make_ledger):
+    ledger = make_ledger()
+    blocking_calls: list[str] = []
+    # Whatever runs synchronously on the loop's own thread goes through the
+    # synchronous store: on SQLite the release must reach it from a worker
+    # thread (asyncio.to_thread), on PostgreSQL not at all (the async store).
+    real_run = ledger.store.run
+
+    def watched(op: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return real_run(op)
+        blocking_calls.append(type(op).__name__)
+        return real_run(op)
+
+    ledger.store.run = watched  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with ledger.idempotent_call(principal="acct", key="k1", args=()) as call:
+            assert call.outcome is Outcome.EXECUTED
+            await call.adiscard()
+        assert await asyncio.to_thread(ledger.lookup, "acct", "k1") is None  # released: a repeat runs at once
+        async with ledger.idempotent_call(principal="acct", key="k1", args=()) as call:
+            assert call.outcome is Outcome.EXECUTED and call.generation == 1
+            call.store("done")
+
+    asyncio.run(main())
+    assert blocking_calls == []  # the blocking discard() ran a Statement here
+    row = ledger.lookup("acct", "k1")
+    assert row is not None and row.status is Status.COMPLETED
+
+
+def test_adiscard_refuses_a_call_it_does_not_run_as_discard_does(make_ledger):
+    ledger = make_ledger()
+
+    async def main() -> None:
+        async with ledger.idempotent_call(principal="acct", key="k1", args=()) as call:
+            call.store("done")
+            with pytest.raises(RuntimeError, match="discard\\(\\) needs a call"):
+                await call.adiscard()
+
+    asyncio.run(main())
+    row = ledger.lookup("acct", "k1")
+    assert row is not None and row.status is Status.COMPLETED

@@ -9,6 +9,7 @@ import pytest
 
 from idemctl import Outcome, Policy, State, Status, fingerprint
 from idemctl.errors import InvalidBodyError
+from tests.helpers import wrap_store_run
 
 # The PostgreSQL tests run through PgBouncer (session and transaction pooling) too.
 THROUGH_PGBOUNCER = True
@@ -208,8 +209,7 @@ def test_row_vanishing_between_claim_and_lookup_is_409_retry(ledger, monkeypatch
     # claim lost and saw no row (on PostgreSQL, one committed while it
     # waited), and the lookup after it finds nothing either.
     ledger.claim("acct_A", "k-1", fingerprint("POST", "/orders", HEADERS, BODY))
-    monkeypatch.setattr(ledger.store, "claim_or_read", lambda principal, key, fingerprint, token, now: None)
-    monkeypatch.setattr(ledger.store, "lookup", lambda principal, key: None)
+    wrap_store_run(ledger.store, lambda step, run: None if step in ("claim_or_read", "claim", "lookup") else run())
     run = Mutation()
     answer = post(ledger, run)
     assert answer.status == 409

@@ -9,6 +9,7 @@ import pytest
 from idemctl import Ledger, Outcome, Policy, PolicyError
 from idemctl.storage.dialect import SQLITE
 from idemctl.storage.statements import SWEEP_FENCED
+from idemctl.storage.store import Statement
 
 SQL_SWEEP, SQL_SWEEP_FENCED = SQLITE.sweep_keys, SWEEP_FENCED
 
@@ -145,10 +146,16 @@ def test_after_response_logs_and_swallows_storage_errors(ledger, clock, caplog, 
     answer = ledger.handle("acct", "k", "POST", "/", {}, b"", lambda b: (200, {}, b""))
     from idemctl.errors import DatabaseLockedError
 
-    def locked(*args):
-        raise DatabaseLockedError("database x is locked")
+    real_run = ledger.store.run
 
-    monkeypatch.setattr(ledger.store, "sweep", locked)
+    def locked(op):
+        # The sweep's first statement, its probe of the oldest timestamps (a
+        # Tables question before it is the schema's, not the sweep's own).
+        if type(op) is Statement and "min(updated_at)" in op.sql:
+            raise DatabaseLockedError("database x is locked")
+        return real_run(op)
+
+    monkeypatch.setattr(ledger.store, "run", locked)
     assert ledger.after_response(answer) is None
     assert "post-response sweep failed: database x is locked" in caplog.text
 

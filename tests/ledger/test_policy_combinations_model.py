@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -36,7 +38,7 @@ from hypothesis.stateful import (
 )
 
 from idemctl import Answer, AnswerNotStoredError, Ledger, Outcome, Policy, StorageError, Ticket
-from tests.helpers import FakeClock
+from tests.helpers import FakeClock, wrap_store_run
 
 KEYS = ("k1", "k2")
 # Request bodies: 0 and 1 are the same JSON in another spelling (one request
@@ -101,7 +103,14 @@ def expected_answer(policy: Policy, status: int, headers: tuple[tuple[str, str],
     return status, tuple(kept), b"" if status in NULL_BODY else body
 
 
-def machine_for(target: str, fake: FakeClock) -> type[RuleBasedStateMachine]:
+def machine_for(
+    target: str, fake: FakeClock, open_ledger: Callable[[str, Policy, Any], Ledger] | None = None
+) -> type[RuleBasedStateMachine]:
+    """The model over ledgers on `target`; `open_ledger(target, policy, clock)`
+    opens each (by default `Ledger.open`; tests/ledger/test_one_vocabulary.py
+    drives the same model through each driver of the decision loop)."""
+    opener = open_ledger or (lambda where, policy, clock: Ledger.open(where, policy=policy, clock=clock))
+
     class PolicyCombinations(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
@@ -116,7 +125,7 @@ def machine_for(target: str, fake: FakeClock) -> type[RuleBasedStateMachine]:
             self.policy, self.clock_kind = drawn
             fake.advance(10**9)  # far past every earlier history's rows
             clock = "database" if self.clock_kind == "database" else fake
-            self.ledger = Ledger.open(target, policy=self.policy, clock=clock)
+            self.ledger = opener(target, self.policy, clock)
 
         def teardown(self) -> None:
             if self.ledger is not None:
@@ -237,24 +246,24 @@ def machine_for(target: str, fake: FakeClock) -> type[RuleBasedStateMachine]:
             ledger = self.ledger
             assert ledger is not None
             store = ledger.store
-            real_complete, real_clock = type(store).complete, ledger.clock
+            real_clock = ledger.clock
 
-            def complete(*args, **kwargs):
-                if armed[0]:
+            def complete(step, run):
+                if armed[0] and step == "complete":
                     raise StorageError("the database went away")
-                return real_complete(store, *args, **kwargs)
+                return run()
 
             def clock() -> int:
                 if armed[0]:
                     raise StorageError("the database went away")
                 return real_clock()
 
-            store.__dict__["complete"] = complete
+            wrap_store_run(store, complete)
             if self.clock_kind == "database":
                 ledger.clock = clock
 
             def restore() -> None:
-                store.__dict__.pop("complete", None)
+                store.__dict__.pop("run", None)
                 ledger.clock = real_clock
 
             return restore

@@ -27,6 +27,7 @@ from idemctl.outcomes import Answer, Ticket
 from idemctl.storage.aio import AsyncStore
 from tests.adapters.test_gate import ORDER, call, scope_for
 from tests.conftest import pgbouncer_params
+from tests.helpers import step_of
 
 # PostgreSQL itself, and through PgBouncer (session and transaction pooling).
 pytestmark = pytest.mark.parametrize("backend_name", pgbouncer_params(["postgres"]))
@@ -133,10 +134,14 @@ def test_asgi_answer_not_stored_is_still_sent_and_the_row_stays_pending(make_led
     runs: list[bytes] = []
     app, executor = middleware(ledger, runs)
 
-    async def failing_complete(self, *args):  # type: ignore[no-untyped-def]
-        raise StorageError("the disk is full")
+    real_run = AsyncStore.run
 
-    monkeypatch.setattr(AsyncStore, "complete", failing_complete)
+    async def failing_complete(self, op):  # type: ignore[no-untyped-def]
+        if step_of(op) == "complete":
+            raise StorageError("the disk is full")
+        return await real_run(self, op)
+
+    monkeypatch.setattr(AsyncStore, "run", failing_complete)
 
     async def scenario() -> tuple[int, bytes]:
         reply = await call(app, scope_for("k1"))
@@ -219,18 +224,20 @@ def test_a_request_cancelled_mid_claim_on_the_async_path_leaves_no_claim(make_le
     app, executor = middleware(ledger, runs)
     entered, landed = asyncio.Event(), threading.Event()
     proceed: asyncio.Event | None = None
-    real_claim = AsyncStore.claim_or_read
+    real_run = AsyncStore.run
 
-    async def held_claim(self, *args):  # type: ignore[no-untyped-def]
+    async def held_claim(self, op):  # type: ignore[no-untyped-def]
+        if step_of(op) != "claim_or_read":
+            return await real_run(self, op)
         entered.set()
         assert proceed is not None
         await proceed.wait()
         try:
-            return await real_claim(self, *args)
+            return await real_run(self, op)
         finally:
             landed.set()
 
-    monkeypatch.setattr(AsyncStore, "claim_or_read", held_claim)
+    monkeypatch.setattr(AsyncStore, "run", held_claim)
 
     async def scenario() -> None:
         nonlocal proceed
