@@ -580,16 +580,48 @@ def test_an_unavailable_ledger_publishes_one_unavailable_event(adapter, tmp_path
     assert [(e.outcome.value, e.status) for e in seen] == [("unavailable", 503)]
 
 
-def test_an_answer_over_the_body_cap_is_stored_as_the_sentinel_and_never_runs_again(client_for):
+NOT_STORED = (
+    b'{"error":"idempotency_response_not_stored","message":"The request was processed, but its response was too '
+    b'large to store, so it cannot be replayed; it will not run again under this Idempotency-Key."}'
+)
+NOT_STORED_PROBLEM = (
+    b'{"type":"urn:idemctl:problem:idempotency_response_not_stored","title":"Answer too large to store",'
+    b'"status":500,"detail":"The request was processed, but its response was too large to store, so it cannot be '
+    b'replayed; it will not run again under this Idempotency-Key.","error":"idempotency_response_not_stored"}'
+)
+
+
+@pytest.mark.parametrize(
+    ("problem_details", "content_type", "body"),
+    [(False, "application/json", NOT_STORED), (True, "application/problem+json", NOT_STORED_PROBLEM)],
+    ids=["json", "problem-details"],
+)
+def test_an_answer_over_the_body_cap_is_the_ledgers_json_error_first_and_on_every_retry(
+    client_for, problem_details, content_type, body
+):
+    # The app answers application/json with a Location: neither describes
+    # the 500 sent instead, whose body is the ledger's own error.
     orders = Orders()
-    client, ledger = client_for(orders, policy=Policy(body_cap_bytes=4))
+    client, ledger = client_for(orders, policy=Policy(body_cap_bytes=4, problem_details=problem_details))
     first = post(client)
     again = post(client)
-    assert (first.status, first.body) == (500, b"")
-    assert (again.status, again.body) == (500, b"")
+    expected = (500, [("content-type", content_type), ("content-length", str(len(body)))], body)
+    assert (first.status, first.lowered, first.body) == expected
+    assert (again.status, again.lowered, again.body) == expected
     assert len(orders.runs) == 1
     row = ledger.lookup("acct_A", "k-1")
     assert (row.response_status, row.body_bytes) == (500, None)
+
+
+def test_headers_over_the_header_cap_are_the_same_json_error(client_for):
+    orders = Orders()
+    client, _ = client_for(orders, policy=Policy(header_cap_bytes=10))
+    first = post(client)
+    again = post(client)
+    expected = (500, [("content-type", "application/json"), ("content-length", str(len(NOT_STORED)))], NOT_STORED)
+    assert (first.status, first.lowered, first.body) == expected
+    assert (again.status, again.lowered, again.body) == expected
+    assert len(orders.runs) == 1
 
 
 def test_an_error_raised_after_the_claim_leaves_the_reservation_pending_and_publishes_failed(client_for):
