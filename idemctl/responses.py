@@ -418,7 +418,13 @@ def key_invalid() -> tuple[int, Headers, bytes]:
 
 
 def key_repeated() -> tuple[int, Headers, bytes]:
-    return _refusal(400, "idempotency_key_invalid", "Send exactly one Idempotency-Key header field.")
+    # Several fields, and one value with a comma outside its quotes (the
+    # same fields joined by a server or proxy), get this one answer.
+    return _refusal(
+        400,
+        "idempotency_key_invalid",
+        "Send exactly one Idempotency-Key: several fields, or a comma outside a quoted key, are a list.",
+    )
 
 
 def unauthenticated() -> tuple[int, Headers, bytes]:

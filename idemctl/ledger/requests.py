@@ -19,6 +19,7 @@ from ..fingerprint import (
     check_key,
     fingerprint_body,
     header_pairs,
+    is_key_list,
     parse_key,
     request_digest,
 )
@@ -97,7 +98,10 @@ class RequestFlow(SingleSteps):
             return self._decided(refusal, principal, None, method, path_and_query, 0.0)
         parsed = parse_key(key)
         if parsed is None:
-            refusal = Answer(*responses.key_invalid(), Outcome.KEY_INVALID)
+            # A list is answered as several fields are where an adapter sees
+            # them (a WSGI server joins them with commas): one rule everywhere.
+            invalid = responses.key_repeated() if is_key_list(key) else responses.key_invalid()
+            refusal = Answer(*invalid, Outcome.KEY_INVALID)
             return self._decided(refusal, principal, None, method, path_and_query, 0.0)
         key = parsed  # "abc" (an sf-string, as the IETF draft sends it) and abc are one key
         check_request_line(method, path_and_query)

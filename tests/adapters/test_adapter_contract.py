@@ -92,6 +92,8 @@ class WsgiClient:
         if user is not None:
             env["REMOTE_USER"] = user
         for name, value in headers.items():
+            if isinstance(value, list):
+                value = ", ".join(value)  # several fields, joined as WSGI servers join them
             if name.lower() == "content-type":
                 env["CONTENT_TYPE"] = value
             else:
@@ -139,7 +141,8 @@ class AsgiClient:
             "path": raw_path,
             "raw_path": raw_path.encode(),
             "query_string": query.encode(),
-            "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()] + [(b"content-length", str(len(body)).encode())],
+            "headers": [(k.lower().encode(), v.encode()) for k, vs in headers.items() for v in (vs if isinstance(vs, list) else [vs])]
+            + [(b"content-length", str(len(body)).encode())],
             "user": user,
         }
         chunks = [body[: len(body) // 2], body[len(body) // 2 :]]
@@ -185,9 +188,9 @@ class FastApiClient:
         self.client = TestClient(app, raise_server_exceptions=True)
 
     def request(self, method: str, path: str, body: bytes, headers: dict[str, str], user: str | None) -> Reply:
-        sent = {name: value.encode("latin-1") for name, value in headers.items()}
+        sent = [(name, v.encode("latin-1")) for name, vs in headers.items() for v in (vs if isinstance(vs, list) else [vs])]
         if user is not None:
-            sent["X-User"] = user.encode("latin-1")
+            sent.append(("X-User", user.encode("latin-1")))
         got = self.client.request(method, path, content=body, headers=sent)
         return Reply(got.status_code, list(got.headers.multi_items()), got.content)
 
@@ -214,7 +217,8 @@ class DjangoClient:
         self.site = Site([django_path("orders", view), django_path("login", view)], idemctl)
 
     def request(self, method: str, path: str, body: bytes, headers: dict[str, str], user: str | None) -> Reply:
-        sent = dict(headers)
+        # Several fields reach Django joined, as its WSGI or ASGI handler joins them.
+        sent = {name: ", ".join(value) if isinstance(value, list) else value for name, value in headers.items()}
         if user is not None:
             sent["X-User"] = user
         got = self.site.request(method, path, body, sent)
@@ -261,9 +265,9 @@ class FlaskViewClient:
         self.client = WerkzeugClient(app)
 
     def request(self, method: str, path: str, body: bytes, headers: dict[str, str], user: str | None) -> Reply:
-        sent = dict(headers)
+        sent = [(name, v) for name, vs in headers.items() for v in (vs if isinstance(vs, list) else [vs])]
         if user is not None:
-            sent["X-User"] = user
+            sent.append(("X-User", user))
         got = self.client.open(path, method=method, data=body, headers=sent)
         return Reply(got.status_code, list(got.headers.items()), got.get_data())
 
@@ -306,10 +310,10 @@ def mw_client_for(middleware: str, make_ledger: Callable[..., Ledger]):
     return _factory(middleware, make_ledger)
 
 
-def post(client, *, key: str | None = "k-1", body: bytes = ORDER, user: str | None = "acct_A", path: str = "/orders", ctype: str = "application/json") -> Reply:
+def post(client, *, key: str | list[str] | None = "k-1", body: bytes = ORDER, user: str | None = "acct_A", path: str = "/orders", ctype: str = "application/json") -> Reply:
     headers = {"Content-Type": ctype}
     if key is not None:
-        headers["Idempotency-Key"] = key
+        headers["Idempotency-Key"] = key  # type: ignore[assignment]  # a list: several fields
     return client.request("POST", path, body, headers, user)
 
 
@@ -657,6 +661,55 @@ def test_an_invalid_sf_string_is_400_and_nothing_runs_through_every_adapter(clie
     reply = post(client, key=value)
     assert (reply.status, reply.body) == (400, INVALID_KEY)
     assert orders.runs == [] and ledger.stats().total == 0
+
+
+KEY_LIST = (
+    b'{"error":"idempotency_key_invalid","message":"Send exactly one Idempotency-Key: several fields, or a comma '
+    b'outside a quoted key, are a list."}'
+)
+
+
+@pytest.mark.parametrize(
+    ("value", "body"),
+    [
+        ('"lx" ;x=1', INVALID_KEY),  # RFC 8941: no space before a parameter's ";"
+        ('"lx"\t;x=1', INVALID_KEY),
+        ('"lx";X=1', INVALID_KEY),  # a parameter name is lower-case
+        ('"lx";x=', INVALID_KEY),  # "=" needs a bare item
+        ('"lx";x=1;', INVALID_KEY),
+        ('"ly";x=1,"other"', KEY_LIST),  # a list is not an item
+        ('"ly", "ly"', KEY_LIST),
+        ("t2, t2", KEY_LIST),  # two fields a server or proxy joined, or a list
+        ("t1,t2", KEY_LIST),
+        (["t2", "t2"], KEY_LIST),  # two fields, joined by the WSGI server or seen apart
+        (['"t2"', '"t2"'], KEY_LIST),
+    ],
+    ids=["space-before-param", "tab-before-param", "upper-param", "empty-param-value", "trailing-semicolon",
+         "quoted-list", "quoted-list-spaced", "bare-list", "bare-list-no-space", "two-fields", "two-quoted-fields"],
+)
+def test_a_key_that_is_no_single_sf_item_is_400_and_nothing_runs_through_every_adapter(client_for, value, body):
+    orders = Orders()
+    client, ledger = client_for(orders)
+    reply = post(client, key=value)
+    assert (reply.status, reply.lowered, reply.body) == (
+        400,
+        [("content-type", "application/json"), ("content-length", str(len(body)))],
+        body,
+    )
+    assert orders.runs == [] and ledger.stats().total == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "key"),
+    [('"lx"; x=1', "lx"), ('"lx";x=1;y="a b";z=?0;w=:YQ==:;v=tok/1;u=-1.5', "lx"), ('"a,b"', "a,b"), ("a;x=1", "a;x=1")],
+    ids=["space-after-semicolon", "every-bare-item", "comma-inside-quotes", "bare-with-semicolon"],
+)
+def test_a_single_item_with_parameters_is_its_key_through_every_adapter(client_for, value, key):
+    orders = Orders()
+    client, ledger = client_for(orders)
+    first = post(client, key=value)
+    assert (first.status, first.body) == (201, b'{"id":1}')
+    assert ledger.lookup("acct_A", key).generation == 1 and ledger.stats().total == 1
 
 
 def test_a_255_character_key_in_quotes_is_accepted_through_every_adapter(client_for):
