@@ -411,9 +411,8 @@ def test_a_dataclass_comes_back_as_the_dataclass_through_its_pair_first_and_on_e
     assert ledger.lookup("billing", "pay_f").body_bytes == b'{"payment_id":"pay_f","amount":"9.99","lines":[1,2]}'
 
 
-def test_a_pydantic_model_and_a_powertools_serializer_are_taken_as_they_are(ledger):
-    import pydantic
-    from aws_lambda_powertools.utilities.idempotency.serialization.dataclass import DataclassSerializer
+def test_a_pydantic_model_comes_back_as_the_model_through_its_dump_and_validate(ledger):
+    import pydantic  # FastAPI's, so the test dependencies hold it
 
     class Charge(pydantic.BaseModel):
         amount: decimal.Decimal
@@ -427,11 +426,38 @@ def test_a_pydantic_model_and_a_powertools_serializer_are_taken_as_they_are(ledg
 
     assert charge() == charge() == Charge(amount=decimal.Decimal("5.10"), currency="EUR")
 
-    @ledger.idempotent(key="pay_h", principal="billing", serializer=DataclassSerializer(model=Settled))
+
+def test_a_powertools_output_serializer_is_taken_as_it_is(ledger):
+    # A peer (the bench extra), not a test dependency: checked where it is installed, as CI installs it.
+    serialization = pytest.importorskip("aws_lambda_powertools.utilities.idempotency.serialization.dataclass")
+
+    @ledger.idempotent(key="pay_h", principal="billing", serializer=serialization.DataclassSerializer(model=Settled))
     def settle():
         return Settled("pay_h", "1.00", [])
 
     assert settle() == settle() == Settled("pay_h", "1.00", [])
+
+
+def test_an_async_function_gets_its_dataclass_back_through_the_pair(ledger_target):
+    from idemctl import Ledger
+
+    ledger = Ledger.open(ledger_target)
+    ledger.init()
+    runs: list[int] = []
+
+    @ledger.idempotent(key="pay_j", principal="billing", serializer=(dataclasses.asdict, lambda d: Settled(**d)))
+    async def settle():
+        runs.append(1)
+        return Settled("pay_j", "4.00", [7])
+
+    async def twice():
+        return await settle(), await settle()
+
+    try:
+        assert asyncio.run(twice()) == (Settled("pay_j", "4.00", [7]),) * 2
+    finally:
+        ledger.close()
+    assert runs == [1]
 
 
 @pytest.mark.parametrize("serializer", [str, (str,), (str, "not callable"), object()])
