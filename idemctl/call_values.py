@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from .errors import UnserializableArgumentsError
@@ -41,6 +42,70 @@ class JsonSerializer:
 
 
 JSON = JsonSerializer()
+
+
+class JsonVia:
+    """A value stored as JSON through a user's own pair of functions:
+    `dump(value)` turns it into what JSON holds (a dict, a list, a str, a
+    number...), `load(that)` turns it back. The pair a dataclass, a
+    pydantic model or a `Decimal` already has, as the to_dict/from_dict of
+    AWS Lambda Powertools' output serializers (whose serializer objects are
+    taken as they are). The stored JSON stays readable in `idemctl inspect`.
+
+    >>> from decimal import Decimal
+    >>> money = JsonVia(str, Decimal)
+    >>> money.dumps(Decimal("12.50")), money.loads(b'"12.50"')
+    (b'"12.50"', Decimal('12.50'))
+    """
+
+    def __init__(self, dump: Callable[[Any], Any], load: Callable[[Any], Any]) -> None:
+        self.dump = dump
+        self.load = load
+
+    def dumps(self, value: Any) -> bytes:
+        return JSON.dumps(self.dump(value))
+
+    def loads(self, data: bytes) -> Any:
+        return self.load(JSON.loads(data))
+
+
+# What `serializer=` takes: an object with dumps/loads (bytes), a (dump, load)
+# pair of JSON-value functions, or an object with to_dict/from_dict.
+# (Typed loosely: a Powertools serializer matches no protocol of ours.)
+SerializerLike = Serializer | tuple[Callable[[Any], Any], Callable[[Any], Any]] | object
+
+
+def as_serializer(given: object) -> Serializer:
+    """The serializer a `serializer=` option names: JSON for None; an object
+    with ``dumps(value) -> bytes`` and ``loads(bytes) -> value`` as it is; a
+    ``(dump, load)`` pair of callables, or an object with ``to_dict`` and
+    ``from_dict`` (a Powertools output serializer), as :class:`JsonVia`.
+    TypeError for anything else, before any call is made.
+
+    >>> from dataclasses import asdict, dataclass
+    >>> @dataclass
+    ... class Receipt:
+    ...     charged: int
+    >>> as_serializer((asdict, lambda d: Receipt(**d))).loads(b'{"charged":500}')
+    Receipt(charged=500)
+    >>> as_serializer(str)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: serializer must be a (dump, load) pair, ...; got a type
+    """
+    if given is None:
+        return JSON
+    if isinstance(given, tuple):
+        if len(given) == 2 and callable(given[0]) and callable(given[1]):
+            return JsonVia(given[0], given[1])
+    elif all(callable(getattr(given, m, None)) for m in ("dumps", "loads")):
+        return given  # type: ignore[return-value]  # it has both methods
+    elif all(callable(getattr(given, m, None)) for m in ("to_dict", "from_dict")):
+        return JsonVia(given.to_dict, given.from_dict)  # type: ignore[attr-defined]  # checked just above
+    raise TypeError(
+        "serializer must be a (dump, load) pair, an object with dumps/loads of bytes, "
+        f"or one with to_dict/from_dict; got a {type(given).__name__}"
+    )
 
 
 def canonical_json(value: object, *, what: str = "args") -> bytes:

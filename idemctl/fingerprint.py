@@ -15,8 +15,20 @@ HeadersLike = Mapping[str, str] | Iterable[tuple[str, str]]
 # \Z, not $: Python's $ also matches before a trailing newline, which would
 # let "abc\n" through where the recipe's JavaScript pattern rejects it.
 _KEY_PATTERN = re.compile(r"[\x20-\x7e]{1,255}\Z")
-# RFC 8941 parameters after an sf-string: ;key[=bare-item], leniently (they are ignored).
-_SF_PARAMETERS = re.compile(r"(?:[ \t]*;[ \t]*[a-z*][a-z0-9_.*-]*(?:=[\x21-\x7e]+)?)+\Z")
+# RFC 8941 §4.2.3.2 (and RFC 9651, which adds dates and display strings):
+# the parameters after an sf-string, each ";" straight after what precedes
+# it, spaces allowed only after the ";"; a value is a bare item. They are
+# checked, then ignored.
+_SF_BARE_ITEM = (
+    r"(?:-?[0-9]{1,15}(?:\.[0-9]{1,3})?"  # integer, decimal
+    r'|"(?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\[\\"])*"'  # string
+    r"|[A-Za-z*][!#$%&'*+\-.^_`|~0-9A-Za-z:/]*"  # token
+    r"|:[A-Za-z0-9+/=]*:"  # byte sequence
+    r"|\?[01]"  # boolean
+    r"|@-?[0-9]{1,15}"  # date
+    r'|%"(?:[\x20\x21\x23\x24\x26-\x5b\x5d-\x7e]|%[0-9a-f]{2})*")'  # display string
+)
+_SF_PARAMETERS = re.compile(r"(?:; *[a-z*][a-z0-9_.*-]*(?:=" + _SF_BARE_ITEM + r")?)*\Z")
 
 # Fetch's Headers trims HTTP whitespace only; str.strip() would also eat
 # vertical tabs, form feeds and Unicode spaces and change the fingerprint.
@@ -27,19 +39,29 @@ def parse_key(value: object) -> str | None:
     r"""The key an ``Idempotency-Key`` value carries, or None when it carries
     none that is valid.
 
-    A value that begins with ``"`` is an RFC 8941 sf-string, as the IETF
-    draft sends it: the key is the string inside (``\"`` and ``\\``
-    unescaped); parameters after it (``;name=value``) are ignored; anything
-    else after it, or a string that is not terminated, is invalid. Any
-    other value (a bare token, as Stripe's SDKs and the recipe send) is the
-    key as it is. Either way the key is 1-255 characters of 0x20-0x7E, and
-    it never begins with ``"``: a stored value that begins with one is the
-    header as an older writer stored it (see :func:`stored_key_identity`).
+    A value that begins with ``"`` is an RFC 8941 sf-string item, as the
+    IETF draft sends it: the key is the string inside (``\"`` and ``\\``
+    unescaped); parameters after it (``;name=value``, the ``;`` straight
+    after the string, spaces only after it) are checked and ignored;
+    anything else after it (a space before the ``;``, a second list
+    member), or a string that is not terminated, is invalid. Any other
+    value (a bare token, as Stripe's SDKs and the recipe send) is the key
+    as it is, but for a comma: HTTP lets a server or proxy join several
+    fields into one with commas (RFC 9110 §5.3), so ``t1, t2`` may be two
+    fields and is refused (see :func:`is_key_list`); a key holding a comma
+    is sent quoted (``"a,b"``). Either way the key is 1-255 characters of
+    0x20-0x7E, and it never begins with ``"``: a stored value that begins
+    with one is the header as an older writer stored it (see
+    :func:`stored_key_identity`).
 
     >>> parse_key('"8e03978e-40d5-43e8-bc93-6894a57f9324"'), parse_key("order-42")
     ('8e03978e-40d5-43e8-bc93-6894a57f9324', 'order-42')
     >>> parse_key('"a\\"b";v=1'), parse_key('"abc'), parse_key('""'), parse_key("abc\n")
     ('a"b', None, None, None)
+    >>> parse_key('"lx"; x=1'), parse_key('"lx" ;x=1'), parse_key('"ly";x=1,"other"'), parse_key("t2, t2")
+    ('lx', None, None, None)
+    >>> parse_key('"a,b"')
+    'a,b'
     """
     if not isinstance(value, str):
         return None
@@ -47,9 +69,35 @@ def parse_key(value: object) -> str | None:
         key = _sf_string(value)
         if key is None or key.startswith('"'):
             return None
+    elif "," in value:
+        return None
     else:
         key = value
     return key if _KEY_PATTERN.match(key) is not None else None
+
+
+def is_key_list(value: object) -> bool:
+    r"""Whether an ``Idempotency-Key`` value is a list: a comma outside its
+    sf-string, as a server that joined several fields (WSGI's environ,
+    Django's META) or a client sending a list writes it. Such a value
+    carries no one key: it is answered like several fields.
+
+    >>> is_key_list("t2, t2"), is_key_list('"ly";x=1,"other"'), is_key_list('"a,b"'), is_key_list("k")
+    (True, True, False, False)
+    """
+    if not isinstance(value, str):
+        return False
+    if not value.startswith('"'):
+        return "," in value
+    i, end = 1, len(value)
+    while i < end:
+        if value[i] == "\\":
+            i += 2
+        elif value[i] == '"':
+            return "," in value[i + 1 :]
+        else:
+            i += 1
+    return False
 
 
 def stored_key_identity(stored: str) -> str:
@@ -86,6 +134,7 @@ def _sf_string(value: str) -> str | None:
             out.append(value[i + 1])
             i += 2
         elif char == '"':
+            # The field's trailing whitespace is not the value's (RFC 9110 §5.5).
             rest = value[i + 1 :].rstrip(" \t")
             if rest and not _SF_PARAMETERS.match(rest):
                 return None
@@ -109,9 +158,15 @@ def stored_key(value: object) -> str:
     ('legacy-1', '"abc', 'k')
     """
     parsed = parse_key(value)
-    if parsed is None and isinstance(value, str) and value.startswith('"') and _KEY_PATTERN.match(value):
+    if parsed is None and isinstance(value, str) and _KEY_PATTERN.match(value) and _older_only(value):
         return value
     return check_key(value)
+
+
+def _older_only(value: str) -> bool:
+    """A value an older writer stored as it came that no request may send
+    any more: it begins with a quote, or holds a comma."""
+    return value.startswith('"') or "," in value
 
 
 def is_valid_key(key: object) -> bool:
@@ -134,6 +189,11 @@ def check_key(key: object) -> str:
     idemctl.errors.InvalidKeyError: invalid Idempotency-Key 'order 42\n': must be 1-255 printable ASCII characters
     """
     parsed = parse_key(key)
+    if parsed is None and is_key_list(key):
+        raise InvalidKeyError(
+            f"invalid Idempotency-Key {key!r}: a comma outside quotes makes it a list of keys "
+            "(send a key holding a comma as an sf-string: \"a,b\")"
+        )
     if parsed is None:
         raise InvalidKeyError(f"invalid Idempotency-Key {key!r}: must be 1-255 printable ASCII characters")
     return parsed

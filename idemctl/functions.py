@@ -33,7 +33,7 @@ from types import TracebackType
 from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
 from . import decision
-from .call_values import JSON, Serializer, call_fingerprint
+from .call_values import JSON, Serializer, SerializerLike, as_serializer, call_fingerprint
 from .errors import (
     CallInProgressError,
     IdemctlError,
@@ -95,15 +95,16 @@ _CLAIM_ATTEMPTS = 3
 class CallSettings:
     """How a call is stored, the same for every call a decorator makes: the
     `name` its fingerprint carries (None: the function's ``__qualname__``),
-    the `serializer` of its value (None: JSON), and whether a call that
-    raised releases its reservation.
+    the `serializer` of its value (None: JSON; see
+    :func:`idemctl.call_values.as_serializer` for what it may be), and
+    whether a call that raised releases its reservation.
 
     >>> CallSettings().release_on_error
     False
     """
 
     name: str | None = None
-    serializer: Serializer | None = None
+    serializer: SerializerLike | None = None
     release_on_error: ReleasePolicy = False
 
 
@@ -141,7 +142,7 @@ class IdempotentCall:
         self.principal = principal
         self.key = key
         self.fingerprint = call_fingerprint(args, name=settings.name)
-        self.serializer: Serializer = JSON if settings.serializer is None else settings.serializer
+        self.serializer: Serializer = as_serializer(settings.serializer)
         self.release_on_error = settings.release_on_error
         #: EXECUTED or TAKEN_OVER (this call runs), REPLAYED, or, after a
         #: late completion, FENCED_OUT; None before the call is entered.
@@ -342,11 +343,17 @@ class IdempotentCall:
             if not isinstance(data, (bytes, bytearray, memoryview)):
                 raise TypeError(f"{type(self.serializer).__name__}.dumps returned a {type(data).__name__}, not bytes")
         except Exception as exc:
-            # It ran: a row left pending would run it again after the TTL.
+            # It ran: a row left pending would run it again after the TTL,
+            # and a row released would let the next caller run it again (a
+            # second charge). The row records that it ran and what could not
+            # be stored; every repeat is told so, and never runs it.
             type_name = type(value).__qualname__
             note = {"error": _NOT_SERIALIZABLE, "type": type_name}
             yield from self._store_bytes(reservation, NOT_STORED_STATUS, JSON.dumps(note))
-            raise ResultNotSerializableError(self.principal, self.key, type_name, str(exc)) from exc
+            detail = str(exc)
+            if self.serializer is JSON:
+                detail += "; pass serializer=(dump, load) to store it as JSON (docs/workers.md)"
+            raise ResultNotSerializableError(self.principal, self.key, type_name, detail) from exc
         data = bytes(data)
         done = yield from self._store_bytes(reservation, STORED_STATUS, data)
         if done.oversize:
@@ -431,8 +438,7 @@ class IdempotentDecorator:
             )
         if args is not None and not (isinstance(args, (str, Sequence)) or callable(args)):
             raise TypeError(f"args must be a name, a list of names or a callable, got {type(args).__name__}")
-        if serializer is not None and not all(callable(getattr(serializer, m, None)) for m in ("dumps", "loads")):
-            raise TypeError("serializer must have dumps(value) -> bytes and loads(bytes) -> value")
+        as_serializer(serializer)  # refused here, before any call, when it is none
         self.ledger = ledger
         self.key = key
         self.principal = principal

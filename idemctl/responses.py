@@ -93,6 +93,8 @@ class ToStore:
         >>> stored.answer == from_stored(stored.status, stored.body, stored.headers_json)
         True
         """
+        if self.oversize:
+            return not_stored()
         body = b"" if self.status in NULL_BODY_STATUSES else self.wire_body
         return self.status, self.wire_headers, body
 
@@ -291,8 +293,20 @@ def from_stored(
 ) -> tuple[int, Headers, bytes]:
     """Rebuild (status, headers, body) from the stored columns. Rows written
     by other programs are not trusted: a header that may not be sent (see
-    `header_problem`) is left out and logged at ERROR, on every replay."""
+    `header_problem`) is left out and logged at ERROR, on every replay.
+
+    The oversize sentinel (a 500 with no body) is answered as the ledger's
+    own error (`not_stored`), never with the app's headers: they describe a
+    body that is not there (a client would parse its empty JSON).
+
+    >>> from_stored(201, "made", '{"location":"/orders/7"}')
+    (201, (('location', '/orders/7'),), b'made')
+    >>> from_stored(500, None, '{"content-type":"text/csv","location":"/x"}') == not_stored()
+    True
+    """
     status = OVERSIZE_STATUS if status is None else int(status)
+    if status == OVERSIZE_STATUS and body is None:
+        return not_stored()
     headers = _replayed_headers(headers_json, row)
     if status in NULL_BODY_STATUSES or body is None:
         raw = b""
@@ -344,6 +358,7 @@ PROBLEM_TITLES = {
     "request_body_incomplete": "Request body incomplete",
     "request_target_too_long": "Request target too long",
     "request_target_invalid": "Request target invalid",
+    "idempotency_response_not_stored": "Answer too large to store",
 }
 _PROBLEM_DETAILS = {
     "idempotency_key_required": "This request needs an Idempotency-Key header.",
@@ -378,6 +393,16 @@ def as_problem(answer: tuple[int, Headers, bytes]) -> tuple[int, Headers, bytes]
     return status, (PROBLEM_CONTENT_TYPE, *kept), _dumps(problem).encode("utf-8")
 
 
+def is_not_stored(answer: tuple[int, Headers, bytes]) -> bool:
+    """Whether `answer` is the oversize sentinel's (see `not_stored`), the
+    one answer built from a stored row that is the ledger's own error.
+
+    >>> is_not_stored(not_stored()), is_not_stored((500, (), b""))
+    (True, False)
+    """
+    return answer[0] == OVERSIZE_STATUS and answer[2] == _NOT_STORED_BODY
+
+
 def json_error(status: int, payload: dict[str, object], extra: Headers = ()) -> tuple[int, Headers, bytes]:
     return status, (JSON_CONTENT_TYPE, *extra), _dumps(payload).encode("utf-8")
 
@@ -395,7 +420,13 @@ def key_invalid() -> tuple[int, Headers, bytes]:
 
 
 def key_repeated() -> tuple[int, Headers, bytes]:
-    return _refusal(400, "idempotency_key_invalid", "Send exactly one Idempotency-Key header field.")
+    # Several fields, and one value with a comma outside its quotes (the
+    # same fields joined by a server or proxy), get this one answer.
+    return _refusal(
+        400,
+        "idempotency_key_invalid",
+        "Send exactly one Idempotency-Key: several fields, or a comma outside a quoted key, are a list.",
+    )
 
 
 def unauthenticated() -> tuple[int, Headers, bytes]:
@@ -455,6 +486,29 @@ def body_too_large(limit_bytes: int) -> tuple[int, Headers, bytes]:
             "limit_bytes": limit_bytes,
         },
     )
+
+
+# The answer of an oversize sentinel: what the app answered was over a cap,
+# so nothing of it was stored; the request did run, once, and never runs
+# again under this key.
+_NOT_STORED_BODY = _dumps(
+    {
+        "error": "idempotency_response_not_stored",
+        "message": "The request was processed, but its response was too large to store, "
+        "so it cannot be replayed; it will not run again under this Idempotency-Key.",
+    }
+).encode("utf-8")
+
+
+def not_stored() -> tuple[int, Headers, bytes]:
+    """What the first caller and every retry of an oversize sentinel get:
+    500 with the ledger's JSON error body (problem details with
+    ``Policy(problem_details=True)``, as the other refusals).
+
+    >>> not_stored()[:2]
+    (500, (('content-type', 'application/json'),))
+    """
+    return OVERSIZE_STATUS, (JSON_CONTENT_TYPE,), _NOT_STORED_BODY
 
 
 def body_incomplete() -> tuple[int, Headers, bytes]:

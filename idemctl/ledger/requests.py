@@ -19,6 +19,7 @@ from ..fingerprint import (
     check_key,
     fingerprint_body,
     header_pairs,
+    is_key_list,
     parse_key,
     request_digest,
 )
@@ -98,7 +99,10 @@ class RequestFlow(SingleSteps):
             return self._decided(refusal, principal, None, method, path_and_query, 0.0)
         parsed = parse_key(key)
         if parsed is None:
-            refusal = Answer(*responses.key_invalid(), Outcome.KEY_INVALID)
+            # A list is answered as several fields are where an adapter sees
+            # them (a WSGI server joins them with commas): one rule everywhere.
+            invalid = responses.key_repeated() if is_key_list(key) else responses.key_invalid()
+            refusal = Answer(*invalid, Outcome.KEY_INVALID)
             return self._decided(refusal, principal, None, method, path_and_query, 0.0)
         key = parsed  # "abc" (an sf-string, as the IETF draft sends it) and abc are one key
         check_request_line(method, path_and_query)
@@ -163,12 +167,19 @@ class RequestFlow(SingleSteps):
             retry_ms = made.takeover_in_ms if self.policy.retry_after_from_row else self.policy.pending_ttl_ms
             answer = responses.in_progress(self.policy, retry_ms)
             return Answer(*answer, Outcome.IN_PROGRESS, row.generation, made.now)
-        status, out_headers, out_body = responses.from_stored(
+        replayed = responses.from_stored(
             row.response_status, row.response_body, row.response_headers, row=(principal, key)
         )
+        status, out_headers, out_body = self._shape_stored(replayed)
         if (expires := self.policy.expires_header) is not None:
             out_headers = self._with_expiry(out_headers, expires, row.updated_at)
         return Answer(status, out_headers, out_body, Outcome.REPLAYED, row.generation, made.now)
+
+    def _shape_stored(self, answer: tuple[int, responses.Headers, bytes]) -> tuple[int, responses.Headers, bytes]:
+        """An answer built from a stored row: the app's, untouched, or the
+        oversize sentinel's, which is the ledger's own error and shaped as
+        the other refusals are."""
+        return self.shape(answer) if self.policy.problem_details and responses.is_not_stored(answer) else answer
 
     def _with_expiry(
         self, headers: tuple[tuple[str, str], ...], name: str, updated_at: int
@@ -263,11 +274,12 @@ class RequestFlow(SingleSteps):
         app_ms = (time.perf_counter() - ticket.issued) * 1000 if ticket.issued else None
         mark = time.perf_counter()
         stored = self._prepare(reservation, status, headers, body)
-        computed = stored.answer
+        computed = self._shape_stored(stored.answer)
         keep = self.policy.keep_answer
-        # keep_answer judges what the app answered: an oversize answer's 500
-        # sentinel is the ledger's own, and is stored like any kept answer.
-        if keep is not None and not keep(status, computed[1]):
+        # keep_answer judges what the app answered (its status and the
+        # headers kept of it): an oversize answer's 500 sentinel is the
+        # ledger's own, and is stored like any kept answer.
+        if keep is not None and not keep(status, stored.wire_headers):
             # Not an answer to keep (say a 503): release, so the retry runs again.
             yield from self._release_quietly(reservation)
             answer = Answer(*computed, Outcome.NOT_KEPT, reservation.generation, ticket.started_at)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from .. import functions
-from ..call_values import Serializer
+from ..call_values import SerializerLike
 from .maintenance import Maintenance
 from .requests import RequestFlow
 
@@ -20,7 +20,7 @@ class FunctionShortcuts(RequestFlow, Maintenance):
         principal: functions.PrincipalSource,
         args: functions.ArgsSelector | None = None,
         name: str | None = None,
-        serializer: Serializer | None = None,
+        serializer: SerializerLike | None = None,
         release_on_error: functions.ReleasePolicy = False,
     ) -> functions.IdempotentDecorator:
         """Decorator: run a function (plain or ``async def``) once per
@@ -30,7 +30,11 @@ class FunctionShortcuts(RequestFlow, Maintenance):
         runs raises CallInProgressError (``retry_after``). `key` and
         `principal` are strings or callables of the function's arguments;
         `args` chooses the arguments the fingerprint covers (all by default).
-        See docs/workers.md.
+        `serializer` stores a value JSON cannot hold: a ``(dump, load)``
+        pair of functions to and from JSON values (or a Powertools output
+        serializer), or an object with ``dumps``/``loads`` of bytes; the
+        first caller and every repeat get ``load``'s value. See
+        docs/workers.md.
 
         >>> from idemctl import Ledger
         >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
@@ -45,6 +49,21 @@ class FunctionShortcuts(RequestFlow, Maintenance):
         Traceback (most recent call last):
         ...
         idemctl.errors.KeyReusedError: key 'pay_1' of principal 'billing' was used for a call with other arguments; ...
+
+        A dataclass comes back as the dataclass through the pair it already has:
+
+        >>> from dataclasses import asdict, dataclass
+        >>> from decimal import Decimal
+        >>> @dataclass
+        ... class Receipt:
+        ...     payment_id: str
+        ...     amount: str
+        >>> @ledger.idempotent(key=lambda payment_id, amount: payment_id, principal="billing",
+        ...                    serializer=(asdict, lambda d: Receipt(**d)))
+        ... def settle(payment_id, amount):
+        ...     return Receipt(payment_id, str(Decimal(amount)))
+        >>> settle("pay_2", "12.50"), settle("pay_2", "12.50")
+        (Receipt(payment_id='pay_2', amount='12.50'), Receipt(payment_id='pay_2', amount='12.50'))
         """
         settings = functions.CallSettings(name, serializer, release_on_error)
         return functions.IdempotentDecorator(self, key=key, principal=principal, args=args, settings=settings)
@@ -56,7 +75,7 @@ class FunctionShortcuts(RequestFlow, Maintenance):
         key: str,
         args: object,
         name: str | None = None,
-        serializer: Serializer | None = None,
+        serializer: SerializerLike | None = None,
         release_on_error: functions.ReleasePolicy = False,
     ) -> functions.IdempotentCall:
         """One idempotent call as a context manager (``with`` or ``async

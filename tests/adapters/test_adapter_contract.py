@@ -92,6 +92,8 @@ class WsgiClient:
         if user is not None:
             env["REMOTE_USER"] = user
         for name, value in headers.items():
+            if isinstance(value, list):
+                value = ", ".join(value)  # several fields, joined as WSGI servers join them
             if name.lower() == "content-type":
                 env["CONTENT_TYPE"] = value
             else:
@@ -139,7 +141,8 @@ class AsgiClient:
             "path": raw_path,
             "raw_path": raw_path.encode(),
             "query_string": query.encode(),
-            "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()] + [(b"content-length", str(len(body)).encode())],
+            "headers": [(k.lower().encode(), v.encode()) for k, vs in headers.items() for v in (vs if isinstance(vs, list) else [vs])]
+            + [(b"content-length", str(len(body)).encode())],
             "user": user,
         }
         chunks = [body[: len(body) // 2], body[len(body) // 2 :]]
@@ -186,16 +189,16 @@ class FastApiClient:
         self.client = TestClient(app, raise_server_exceptions=True)
 
     def request(self, method: str, path: str, body: bytes, headers: dict[str, str], user: str | None) -> Reply:
-        sent = {name: value.encode("latin-1") for name, value in headers.items()}
+        sent = [(name, v.encode("latin-1")) for name, vs in headers.items() for v in (vs if isinstance(vs, list) else [vs])]
         if user is not None:
-            sent["X-User"] = user.encode("latin-1")
+            sent.append(("X-User", user.encode("latin-1")))
         if len(path) > 60_000:  # past httpx's own URL bound: straight to the ASGI app
             return _asgi_call(self.app, method, path, body, sent)
         got = self.client.request(method, path, content=body, headers=sent)
         return Reply(got.status_code, list(got.headers.multi_items()), got.content)
 
 
-def _asgi_call(app, method: str, path: str, body: bytes, headers: dict[str, bytes]) -> Reply:  # type: ignore[no-untyped-def]
+def _asgi_call(app, method: str, path: str, body: bytes, headers: list[tuple[str, bytes]]) -> Reply:  # type: ignore[no-untyped-def]
     raw_path, _, query = path.partition("?")
     scope = {
         "type": "http",
@@ -209,7 +212,7 @@ def _asgi_call(app, method: str, path: str, body: bytes, headers: dict[str, byte
         "path": raw_path,
         "raw_path": raw_path.encode(),
         "query_string": query.encode(),
-        "headers": [(k.lower().encode(), v) for k, v in headers.items()] + [(b"content-length", str(len(body)).encode())],
+        "headers": [(k.lower().encode(), v) for k, v in headers] + [(b"content-length", str(len(body)).encode())],
     }
     sent: list[dict] = []
     pending = [{"type": "http.request", "body": body, "more_body": False}]
@@ -253,7 +256,8 @@ class DjangoClient:
         self.site = Site([django_path("orders", view), django_path("login", view)], idemctl)
 
     def request(self, method: str, path: str, body: bytes, headers: dict[str, str], user: str | None) -> Reply:
-        sent = dict(headers)
+        # Several fields reach Django joined, as its WSGI or ASGI handler joins them.
+        sent = {name: ", ".join(value) if isinstance(value, list) else value for name, value in headers.items()}
         if user is not None:
             sent["X-User"] = user
         got = self.site.request(method, path, body, sent)
@@ -300,9 +304,9 @@ class FlaskViewClient:
         self.client = WerkzeugClient(app)
 
     def request(self, method: str, path: str, body: bytes, headers: dict[str, str], user: str | None) -> Reply:
-        sent = dict(headers)
+        sent = [(name, v) for name, vs in headers.items() for v in (vs if isinstance(vs, list) else [vs])]
         if user is not None:
-            sent["X-User"] = user
+            sent.append(("X-User", user))
         got = self.client.open(path, method=method, data=body, headers=sent)
         return Reply(got.status_code, list(got.headers.items()), got.get_data())
 
@@ -345,10 +349,10 @@ def mw_client_for(middleware: str, make_ledger: Callable[..., Ledger]):
     return _factory(middleware, make_ledger)
 
 
-def post(client, *, key: str | None = "k-1", body: bytes = ORDER, user: str | None = "acct_A", path: str = "/orders", ctype: str = "application/json") -> Reply:
+def post(client, *, key: str | list[str] | None = "k-1", body: bytes = ORDER, user: str | None = "acct_A", path: str = "/orders", ctype: str = "application/json") -> Reply:
     headers = {"Content-Type": ctype}
     if key is not None:
-        headers["Idempotency-Key"] = key
+        headers["Idempotency-Key"] = key  # type: ignore[assignment]  # a list: several fields
     return client.request("POST", path, body, headers, user)
 
 
@@ -619,16 +623,48 @@ def test_an_unavailable_ledger_publishes_one_unavailable_event(adapter, tmp_path
     assert [(e.outcome.value, e.status) for e in seen] == [("unavailable", 503)]
 
 
-def test_an_answer_over_the_body_cap_is_stored_as_the_sentinel_and_never_runs_again(client_for):
+NOT_STORED = (
+    b'{"error":"idempotency_response_not_stored","message":"The request was processed, but its response was too '
+    b'large to store, so it cannot be replayed; it will not run again under this Idempotency-Key."}'
+)
+NOT_STORED_PROBLEM = (
+    b'{"type":"urn:idemctl:problem:idempotency_response_not_stored","title":"Answer too large to store",'
+    b'"status":500,"detail":"The request was processed, but its response was too large to store, so it cannot be '
+    b'replayed; it will not run again under this Idempotency-Key.","error":"idempotency_response_not_stored"}'
+)
+
+
+@pytest.mark.parametrize(
+    ("problem_details", "content_type", "body"),
+    [(False, "application/json", NOT_STORED), (True, "application/problem+json", NOT_STORED_PROBLEM)],
+    ids=["json", "problem-details"],
+)
+def test_an_answer_over_the_body_cap_is_the_ledgers_json_error_first_and_on_every_retry(
+    client_for, problem_details, content_type, body
+):
+    # The app answers application/json with a Location: neither describes
+    # the 500 sent instead, whose body is the ledger's own error.
     orders = Orders()
-    client, ledger = client_for(orders, policy=Policy(body_cap_bytes=4))
+    client, ledger = client_for(orders, policy=Policy(body_cap_bytes=4, problem_details=problem_details))
     first = post(client)
     again = post(client)
-    assert (first.status, first.body) == (500, b"")
-    assert (again.status, again.body) == (500, b"")
+    expected = (500, [("content-type", content_type), ("content-length", str(len(body)))], body)
+    assert (first.status, first.lowered, first.body) == expected
+    assert (again.status, again.lowered, again.body) == expected
     assert len(orders.runs) == 1
     row = ledger.lookup("acct_A", "k-1")
     assert (row.response_status, row.body_bytes) == (500, None)
+
+
+def test_headers_over_the_header_cap_are_the_same_json_error(client_for):
+    orders = Orders()
+    client, _ = client_for(orders, policy=Policy(header_cap_bytes=10))
+    first = post(client)
+    again = post(client)
+    expected = (500, [("content-type", "application/json"), ("content-length", str(len(NOT_STORED)))], NOT_STORED)
+    assert (first.status, first.lowered, first.body) == expected
+    assert (again.status, again.lowered, again.body) == expected
+    assert len(orders.runs) == 1
 
 
 def test_an_error_raised_after_the_claim_leaves_the_reservation_pending_and_publishes_failed(client_for):
@@ -664,6 +700,55 @@ def test_an_invalid_sf_string_is_400_and_nothing_runs_through_every_adapter(clie
     reply = post(client, key=value)
     assert (reply.status, reply.body) == (400, INVALID_KEY)
     assert orders.runs == [] and ledger.stats().total == 0
+
+
+KEY_LIST = (
+    b'{"error":"idempotency_key_invalid","message":"Send exactly one Idempotency-Key: several fields, or a comma '
+    b'outside a quoted key, are a list."}'
+)
+
+
+@pytest.mark.parametrize(
+    ("value", "body"),
+    [
+        ('"lx" ;x=1', INVALID_KEY),  # RFC 8941: no space before a parameter's ";"
+        ('"lx"\t;x=1', INVALID_KEY),
+        ('"lx";X=1', INVALID_KEY),  # a parameter name is lower-case
+        ('"lx";x=', INVALID_KEY),  # "=" needs a bare item
+        ('"lx";x=1;', INVALID_KEY),
+        ('"ly";x=1,"other"', KEY_LIST),  # a list is not an item
+        ('"ly", "ly"', KEY_LIST),
+        ("t2, t2", KEY_LIST),  # two fields a server or proxy joined, or a list
+        ("t1,t2", KEY_LIST),
+        (["t2", "t2"], KEY_LIST),  # two fields, joined by the WSGI server or seen apart
+        (['"t2"', '"t2"'], KEY_LIST),
+    ],
+    ids=["space-before-param", "tab-before-param", "upper-param", "empty-param-value", "trailing-semicolon",
+         "quoted-list", "quoted-list-spaced", "bare-list", "bare-list-no-space", "two-fields", "two-quoted-fields"],
+)
+def test_a_key_that_is_no_single_sf_item_is_400_and_nothing_runs_through_every_adapter(client_for, value, body):
+    orders = Orders()
+    client, ledger = client_for(orders)
+    reply = post(client, key=value)
+    assert (reply.status, reply.lowered, reply.body) == (
+        400,
+        [("content-type", "application/json"), ("content-length", str(len(body)))],
+        body,
+    )
+    assert orders.runs == [] and ledger.stats().total == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "key"),
+    [('"lx"; x=1', "lx"), ('"lx";x=1;y="a b";z=?0;w=:YQ==:;v=tok/1;u=-1.5', "lx"), ('"a,b"', "a,b"), ("a;x=1", "a;x=1")],
+    ids=["space-after-semicolon", "every-bare-item", "comma-inside-quotes", "bare-with-semicolon"],
+)
+def test_a_single_item_with_parameters_is_its_key_through_every_adapter(client_for, value, key):
+    orders = Orders()
+    client, ledger = client_for(orders)
+    first = post(client, key=value)
+    assert (first.status, first.body) == (201, b'{"id":1}')
+    assert ledger.lookup("acct_A", key).generation == 1 and ledger.stats().total == 1
 
 
 def test_a_255_character_key_in_quotes_is_accepted_through_every_adapter(client_for):

@@ -184,7 +184,8 @@ def test_two_idempotency_key_fields_are_400_and_nothing_runs_under_asgi(make_led
     status, body = asyncio.run(call(app, scope_for(["k1", "k2"])))
     assert (status, body) == (
         400,
-        b'{"error":"idempotency_key_invalid","message":"Send exactly one Idempotency-Key header field."}',
+        b'{"error":"idempotency_key_invalid","message":"Send exactly one Idempotency-Key: several fields, or a comma '
+        b'outside a quoted key, are a list."}',
     )
     assert runs == [] and ledger.stats().total == 0
     assert [e.outcome for e in seen] == [Outcome.KEY_INVALID]

@@ -17,6 +17,7 @@ from wsgiref.validate import validator
 import pytest
 
 from idemctl import Ledger, Policy, State, Status, fingerprint, wall_clock_ms
+from idemctl.responses import not_stored
 from idemctl.wsgi import IdempotencyMiddleware, request_target, status_line
 from tests.helpers import ROOT
 
@@ -473,7 +474,11 @@ def test_binary_request_and_response_bodies_round_trip_byte_for_byte(ledger, ord
 def test_a_response_over_the_body_cap_is_the_500_sentinel_for_the_first_caller_too(ledger, orders):
     app = wrap(orders, ledger)
     first = call(app, environ(path="/big"))
-    assert first == Reply("500 Internal Server Error", [("content-type", "text/plain"), ("content-length", "0")], b"")
+    # The ledger's own JSON error, not the app's text/plain over a body that is not there.
+    body = not_stored()[2]
+    assert first == Reply(
+        "500 Internal Server Error", [("content-type", "application/json"), ("content-length", str(len(body)))], body
+    )
     assert call(app, environ(path="/big")) == first
 
 

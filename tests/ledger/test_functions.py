@@ -4,6 +4,7 @@ rule at a time, on every storage backend, with a fake clock."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import decimal
 import functools
 import inspect
@@ -22,6 +23,7 @@ from idemctl.cli import app
 from idemctl.errors import (
     InvalidKeyError,
     InvalidPrincipalError,
+    MalformedRowError,
     ResultNotSerializableError,
     ResultNotStoredError,
     ResultTooLargeError,
@@ -349,6 +351,145 @@ class RawBytes:
 
     def loads(self, data: bytes) -> bytes:
         return data
+
+
+def test_a_decimal_the_default_cannot_write_raises_naming_the_fix_and_stores_only_the_failure(ledger):
+    runs: list[int] = []
+
+    @ledger.idempotent(key="pay_d", principal="billing")
+    def charge():
+        runs.append(1)
+        return decimal.Decimal("12.50")
+
+    with pytest.raises(ResultNotSerializableError, match=r"Decimal.*pass serializer=\(dump, load\)") as first:
+        charge()
+    with pytest.raises(ResultNotSerializableError) as again:
+        charge()
+    assert (first.value.type_name, again.value.type_name, runs) == ("Decimal", "Decimal", [1])
+    # Completed, never pending (a takeover would run it again) nor released
+    # (the next caller would): the row says it ran and what was not stored.
+    row = ledger.lookup("billing", "pay_d")
+    assert (row.status.value, row.response_status, row.body_bytes) == (
+        "completed",
+        500,
+        b'{"error":"result_not_serializable","type":"Decimal"}',
+    )
+
+
+def test_a_decimal_round_trips_through_a_users_dump_and_load_pair(ledger):
+    runs: list[int] = []
+
+    @ledger.idempotent(key="pay_e", principal="billing", serializer=(str, decimal.Decimal))
+    def charge():
+        runs.append(1)
+        return decimal.Decimal("12.50")
+
+    first, again = charge(), charge()
+    assert (first, again, runs) == (decimal.Decimal("12.50"), decimal.Decimal("12.50"), [1])
+    assert type(first) is type(again) is decimal.Decimal
+    assert ledger.lookup("billing", "pay_e").body_bytes == b'"12.50"'  # readable JSON in idemctl inspect
+
+
+@dataclasses.dataclass(frozen=True)
+class Settled:
+    payment_id: str
+    amount: str
+    lines: list[int]
+
+
+def test_a_dataclass_comes_back_as_the_dataclass_through_its_pair_first_and_on_every_repeat(ledger):
+    runs: list[int] = []
+    pair = (dataclasses.asdict, lambda d: Settled(**d))
+
+    @ledger.idempotent(key=lambda payment_id: payment_id, principal="billing", serializer=pair)
+    def settle(payment_id):
+        runs.append(1)
+        return Settled(payment_id, "9.99", [1, 2])
+
+    first, again = settle("pay_f"), settle("pay_f")
+    assert first == again == Settled("pay_f", "9.99", [1, 2]) and type(again) is Settled
+    assert runs == [1]
+    assert ledger.lookup("billing", "pay_f").body_bytes == b'{"payment_id":"pay_f","amount":"9.99","lines":[1,2]}'
+
+
+def test_a_pydantic_model_comes_back_as_the_model_through_its_dump_and_validate(ledger):
+    import pydantic  # FastAPI's, so the test dependencies hold it
+
+    class Charge(pydantic.BaseModel):
+        amount: decimal.Decimal
+        currency: str
+
+    @ledger.idempotent(
+        key="pay_g", principal="billing", serializer=(lambda m: m.model_dump(mode="json"), Charge.model_validate)
+    )
+    def charge():
+        return Charge(amount=decimal.Decimal("5.10"), currency="EUR")
+
+    assert charge() == charge() == Charge(amount=decimal.Decimal("5.10"), currency="EUR")
+
+
+def test_a_powertools_output_serializer_is_taken_as_it_is(ledger):
+    # A peer (the bench extra), not a test dependency: checked where it is installed, as CI installs it.
+    serialization = pytest.importorskip("aws_lambda_powertools.utilities.idempotency.serialization.dataclass")
+
+    @ledger.idempotent(key="pay_h", principal="billing", serializer=serialization.DataclassSerializer(model=Settled))
+    def settle():
+        return Settled("pay_h", "1.00", [])
+
+    assert settle() == settle() == Settled("pay_h", "1.00", [])
+
+
+def test_an_async_function_gets_its_dataclass_back_through_the_pair(ledger_target):
+    from idemctl import Ledger
+
+    ledger = Ledger.open(ledger_target)
+    ledger.init()
+    runs: list[int] = []
+
+    @ledger.idempotent(key="pay_j", principal="billing", serializer=(dataclasses.asdict, lambda d: Settled(**d)))
+    async def settle():
+        runs.append(1)
+        return Settled("pay_j", "4.00", [7])
+
+    async def twice():
+        return await settle(), await settle()
+
+    try:
+        assert asyncio.run(twice()) == (Settled("pay_j", "4.00", [7]),) * 2
+    finally:
+        ledger.close()
+    assert runs == [1]
+
+
+@pytest.mark.parametrize("serializer", [str, (str,), (str, "not callable"), object()])
+def test_a_serializer_that_is_none_of_the_accepted_shapes_is_refused_before_any_call(ledger, serializer):
+    with pytest.raises(TypeError, match=r"serializer must be a \(dump, load\) pair"):
+        ledger.idempotent(key="k", principal="p", serializer=serializer)
+    with pytest.raises(TypeError, match=r"serializer must be a \(dump, load\) pair"):
+        ledger.idempotent_call(principal="p", key="k", args={}, serializer=serializer)
+    assert ledger.stats().total == 0
+
+
+def test_a_value_stored_through_a_load_that_fails_is_read_back_once_the_load_is_fixed(ledger):
+    runs: list[int] = []
+
+    def broken_load(d):
+        raise ValueError("a bug in the load")
+
+    def pay(load):
+        @ledger.idempotent(key="pay_i", principal="billing", name="pay", serializer=(dataclasses.asdict, load))
+        def settle():
+            runs.append(1)
+            return Settled("pay_i", "3.00", [])
+
+        return settle()
+
+    with pytest.raises(MalformedRowError, match="a bug in the load"):
+        pay(broken_load)
+    # The value was stored before it was read back: nothing is lost, and
+    # the function never runs again.
+    assert pay(lambda d: Settled(**d)) == Settled("pay_i", "3.00", [])
+    assert runs == [1]
 
 
 def test_a_pluggable_serializer_stores_and_replays_binary_values_byte_for_byte(ledger):

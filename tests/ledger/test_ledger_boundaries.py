@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from idemctl import Outcome, Policy, State, Status, fingerprint
+from idemctl.responses import not_stored
 
 HEADERS = {"Content-Type": "application/json"}
 BODY = b"{}"
@@ -94,13 +95,14 @@ def test_body_of_exactly_the_cap_is_stored(ledger):
 
 def test_body_one_byte_over_the_cap_becomes_the_500_sentinel(ledger):
     answer = post(ledger, answer_with(b"x" * 16_385))
-    assert answer.status == 500
-    assert answer.body == b""
-    assert answer.headers == (("content-type", "text/plain"),)
+    # The ledger's own JSON error, not the app's text/plain over a body that is not there.
+    assert answer.wire == not_stored()
+    assert answer.headers == (("content-type", "application/json"),)
     row = ledger.lookup("acct_A", "k-1")
     assert (row.status, row.response_status, row.response_body) == (Status.COMPLETED, 500, None)
+    assert row.response_headers == '{"content-type":"text/plain"}'  # the row is as before
     replay = post(ledger, answer_with(b"never"))
-    assert (replay.outcome, replay.status, replay.body) == (Outcome.REPLAYED, 500, b"")
+    assert (replay.outcome, replay.wire) == (Outcome.REPLAYED, not_stored())
     assert replay.wire == answer.wire
 
 

@@ -38,6 +38,7 @@ from hypothesis.stateful import (
 )
 
 from idemctl import Answer, AnswerNotStoredError, Ledger, Outcome, Policy, StorageError, Ticket
+from idemctl.responses import as_problem, not_stored
 from tests.helpers import FakeClock, wrap_store_run
 
 KEYS = ("k1", "k2")
@@ -96,10 +97,9 @@ def expected_answer(policy: Policy, status: int, headers: tuple[tuple[str, str],
     for name, value in kept:
         grouped.setdefault(name, []).append(value)
     stored = json.dumps({n: v[0] if len(v) == 1 else v for n, v in grouped.items()}, separators=(",", ":"))
-    if len(stored.encode()) > policy.header_cap_bytes:
-        return 500, (), b""
-    if len(body) > policy.body_cap_bytes:
-        return 500, tuple(kept), b""
+    if len(stored.encode()) > policy.header_cap_bytes or len(body) > policy.body_cap_bytes:
+        # Nothing of the app's answer is sent: the ledger's own error, shaped as its refusals are.
+        return as_problem(not_stored()) if policy.problem_details else not_stored()
     return status, tuple(kept), b"" if status in NULL_BODY else body
 
 

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from idemctl import Ledger
 from idemctl.cli import app
-from idemctl.fingerprint import parse_key, stored_key_identity
+from idemctl.errors import InvalidKeyError
+from idemctl.fingerprint import check_key, is_key_list, parse_key, stored_key, stored_key_identity
 from tests.helpers import RecipeWriter, clean_env
 
 DRAFT_KEY = "8e03978e-40d5-43e8-bc93-6894a57f9324"  # the draft's own example
@@ -28,6 +29,10 @@ DRAFT_KEY = "8e03978e-40d5-43e8-bc93-6894a57f9324"  # the draft's own example
         ('"abc"  ', "abc"),
         ('"' + "k" * 255 + '"', "k" * 255),
         ('a"b', 'a"b'),  # a bare token may hold a quote after its start
+        ('"abc"; v=1', "abc"),  # spaces after the ";" (RFC 8941 §4.2.3.2)
+        ('"abc";a=1;b=?1;c="x y";d=:YQ==:;e=tok/1:2;f=-12.5;g=@1700000000;h=%"h%c3%a9";*i', "abc"),
+        ('"a,b"', "a,b"),  # a comma inside the string is the key's
+        ("a;v=1", "a;v=1"),  # a bare token is the key as sent
     ],
 )
 def test_a_key_is_the_string_an_sf_string_carries_or_the_bare_token(value, key):
@@ -41,6 +46,47 @@ def test_a_key_is_the_string_an_sf_string_carries_or_the_bare_token(value, key):
 )
 def test_what_is_not_a_valid_key(value):
     assert parse_key(value) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "is_list"),
+    [
+        ('"lx" ;x=1', False),  # a space before ";" ends the item: what follows is garbage
+        ('"lx"\t;x=1', False),
+        ('"lx";X=1', False),  # parameter names are lower-case
+        ('"lx";1x=1', False),
+        ('"lx";x=', False),
+        ('"lx";x=1;', False),
+        ('"lx";x="open', False),
+        ('"lx";x=a b', False),
+        ('"ly";x=1,"other"', True),  # a list, not an item
+        ('"ly", "ly"', True),
+        ("t2, t2", True),  # two fields a server joined, or a list
+        ("t1,t2", True),
+        (",", True),
+    ],
+)
+def test_what_is_no_single_sf_item_is_not_a_key(value, is_list):
+    assert parse_key(value) is None
+    assert is_key_list(value) is is_list
+
+
+def test_a_key_list_is_refused_by_name_and_a_quoted_comma_is_the_way_to_send_one():
+    with pytest.raises(InvalidKeyError, match="a comma outside quotes makes it a list of keys"):
+        check_key("inv_1,inv_2")
+    assert check_key('"inv_1,inv_2"') == "inv_1,inv_2"
+    # An operator still names a row an older writer stored under a bare comma key.
+    assert stored_key("inv_1,inv_2") == "inv_1,inv_2"
+
+
+def test_the_library_answers_a_key_list_as_it_answers_several_fields(ledger):
+    runs: list[bytes] = []
+    answer = ledger.handle("acct_1", "t2, t2", "POST", "/orders", {}, b"", lambda body: runs.append(body) or (201, {}, b""))
+    assert (answer.status, json.loads(answer.body)["message"]) == (
+        400,
+        "Send exactly one Idempotency-Key: several fields, or a comma outside a quoted key, are a list.",
+    )
+    assert runs == [] and ledger.stats().total == 0
 
 
 def test_the_library_takes_the_quoted_key_as_the_bare_one(ledger):
