@@ -139,30 +139,61 @@ def with_hint(exc: IdemctlError, db: str | None = None, given: bool = False) -> 
 
 
 def read_only_advice(db: str) -> str:
-    """What to check when a ledger refuses a write: for a SQLite file, who
-    owns it and its directory (SQLite writes -wal and -shm beside it), and
-    as whom to run; for a server, that the URL names a writable primary."""
+    """What to check when a ledger refuses a write: for a SQLite file, why
+    this user cannot write it or its directory (SQLite writes -wal and -shm
+    beside it) and what to run; for a server, that the URL names a writable
+    primary."""
     if "://" in db or keyword_dsn(db) is not None:
         return (
             "point --db at the primary (a standby, a read-only server or a role without write "
             "privileges refuses writes), or grant the role INSERT, UPDATE and DELETE on the ledger's tables"
         )
     path = os.path.abspath(os.path.expanduser(db))
-    me = _user_name(os.geteuid())
-    blocked = [p for p in (path, f"{path}-wal", f"{path}-shm") if os.path.exists(p) and not os.access(p, os.W_OK)]
     parent = os.path.dirname(path)
+    candidates = [p for p in (path, f"{path}-wal", f"{path}-shm") if os.path.exists(p)]
+    blocked = [p for p in candidates if not os.access(p, os.W_OK)]
     if not os.access(parent, os.W_OK):
         blocked.append(parent)
+    first = blocked[0] if blocked else path
+    if _read_only_mount(first):
+        return f"the file system holding {first} is mounted read-only (`findmnt -T {shlex.quote(first)}` shows it)"
+    if _immutable(first):
+        return f"{first} is marked immutable: `chattr -i {shlex.quote(first)}` (as root) lets writes through"
     if not blocked:
         return "check that the file system is mounted read-write and that the file is not marked immutable"
-    first = blocked[0]
     st = os.stat(first)
-    owner = _user_name(st.st_uid)
+    owner, me = _user_name(st.st_uid), _user_name(os.geteuid())
     what = "its directory" if first == parent else "it"
     return (
         f"{first} belongs to {owner} (mode {st.st_mode & 0o777:o}) and you are {me}: run it as {owner} "
         f"(`{shlex.join(['sudo', '-u', owner, 'idemctl', *_shown_args()])}`), or let {me} write {what}"
     )
+
+
+def _read_only_mount(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _immutable(path: str) -> bool:
+    """Whether the file carries the immutable attribute (`chattr +i`), which
+    refuses writes even to root. Linux only; False where it cannot be read."""
+    try:
+        import array
+        import fcntl
+
+        fs_ioc_getflags, fs_immutable_fl = 0x80086601, 0x10
+        flags = array.array("l", [0])
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            fcntl.ioctl(fd, fs_ioc_getflags, flags, True)
+        finally:
+            os.close(fd)
+        return bool(flags[0] & fs_immutable_fl)
+    except (ImportError, OSError):
+        return False
 
 
 def _shown_args() -> list[str]:
