@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from ..copying import DEFAULT_COPY_BATCH, MAX_COPY_BATCH, CopyProgress
-from ..errors import LedgerNotFoundError, SchemaMissingError
+from ..errors import ConnectionFailedError, LedgerNotFoundError, SchemaMissingError
 from ..ledger import Ledger
 from ..schema import SCHEMA_VERSION
 from .core import (
@@ -27,7 +27,7 @@ from .core import (
 from .documents import copy_json
 from .options import DbOpt, JsonOpt, in_range
 from .output import emit_json, progress_bar, say_no
-from .schema import create_database
+from .schema import create_database, database_missing
 from .words import copy_words
 
 
@@ -44,7 +44,9 @@ def _open_destination(url: str, busy_timeout_ms: int, *, init: bool, dry_run: bo
     writes = init and not dry_run
     try:
         return _opened(url, busy_timeout_ms, writes=writes, how=how)
-    except LedgerNotFoundError as exc:
+    except (LedgerNotFoundError, ConnectionFailedError) as exc:
+        if not database_missing(url, exc):
+            raise
         if not writes:
             raise UserError(f"the destination: {exc}: {how}") from None
         # --init creates a missing server database, as `init` does.

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ..errors import LedgerNotFoundError
+from ..errors import ConnectionFailedError, LedgerNotFoundError
 from ..ledger import Ledger
 from ..outcomes import InitAction, InitResult
 from ..schema import SCHEMA_VERSION
@@ -85,10 +86,10 @@ def init(
         return
     try:
         _init(target, s.busy_timeout_ms, mode)
-    except LedgerNotFoundError:
+    except (LedgerNotFoundError, ConnectionFailedError) as exc:
         # A database that does not exist on its server: create it when this
         # role may, rather than send the operator to `init`, which they just ran.
-        if not create_database(target, s.busy_timeout_ms):
+        if not database_missing(target, exc) or not create_database(target, s.busy_timeout_ms):
             raise
         _init(target, s.busy_timeout_ms, mode)
 
@@ -97,6 +98,19 @@ def _init(target: str, busy_timeout_ms: int, mode: int) -> None:
     with Ledger.open(target, create=True, busy_timeout_ms=busy_timeout_ms, file_mode=mode) as ledger:
         result = ledger.init()
         typer.echo(f"{ledger.describe()}: {result.describe()}")
+
+
+def database_missing(target: str, exc: Exception) -> bool:
+    """Whether `exc` may mean that the server database `target` names is not
+    there: MariaDB tells a role with no privilege on a database that does not
+    exist "access denied to database", not "unknown database"."""
+    if isinstance(exc, LedgerNotFoundError):
+        return True
+    return _is_mysql(target) and "to database" in str(exc)
+
+
+def _is_mysql(target: str) -> bool:
+    return target.split("://", 1)[0].lower() in ("mysql", "mariadb")
 
 
 def create_database(target: str, busy_timeout_ms: int, again: str | None = None, *, err: bool = False) -> bool:
@@ -108,7 +122,7 @@ def create_database(target: str, busy_timeout_ms: int, again: str | None = None,
     if is_postgres_url(target):
         _create_pg_database(target, busy_timeout_ms, again, err)
         return True
-    if target.split("://", 1)[0].lower() in ("mysql", "mariadb"):
+    if _is_mysql(target):
         _create_mysql_database(target, busy_timeout_ms, again, err)
         return True
     return False
@@ -132,7 +146,9 @@ def _create_mysql_database(target: str, busy_timeout_ms: int, again: str, err: b
             conn.close()
     except pymysql.MySQLError as exc:
         reason = engine._scrub(str(exc.args[1]) if len(exc.args) > 1 else str(exc))
-        statement = f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4; GRANT ALL ON `{name}`.* TO '{engine.user}'@'%'"
+        # A plain name goes unquoted, so the hint's backquotes delimit only commands.
+        shown = engine.database if re.fullmatch(r"[A-Za-z0-9_$]+", engine.database) else f"`{name}`"
+        statement = f"CREATE DATABASE {shown} CHARACTER SET utf8mb4; GRANT ALL ON {shown}.* TO '{engine.user}'@'%'"
         admin = ["mysql", "-u", "root"]
         if engine.host:
             admin += ["-h", engine.host, "-P", str(engine.port)]
