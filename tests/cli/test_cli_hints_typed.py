@@ -235,12 +235,11 @@ def test_a_missing_directory_hint_makes_it_then_inits(tmp_path: Path):
     assert idemctl("--db", target, "stats").code == 0
 
 
+@pytest.mark.parametrize("fresh", ["postgres", "mysql"], indirect=True)
 @pytest.mark.parametrize("command", ["init", "copy"])
 def test_a_role_that_may_not_create_the_database_gets_the_admin_statement_then_the_same_command(
     fresh: Fresh, tmp_path: Path, command: str
 ):
-    if fresh.engine == "sqlite":
-        pytest.skip("a SQLite file has no role")
     role = f"idemctl_hint_{secrets.token_hex(4)}"
     if fresh.engine == "postgres":
         _pg_admin(fresh.admin_url, f'CREATE ROLE "{role}" LOGIN NOCREATEDB')
