@@ -390,3 +390,27 @@ def test_bash_completion_offers_scenarios_and_formats(words: str, expected: list
     done = subprocess.run(["idemctl"], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == expected
+
+
+# -- what the docs say ------------------------------------------------------------------------------
+def test_a_read_command_leaves_wal_and_shm_and_the_next_write_removes_them(tmp_path: Path):
+    # docs/cli.md, "Files beside a SQLite ledger": a read-only connection may
+    # not remove them; a writer closing last does.
+    db = tmp_path / "demo.db"
+    assert idemctl("--db", str(db), "init").code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.db"]
+    for command in ("stats", "pending", "fenced"):
+        assert idemctl("--db", str(db), command).code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.db", "demo.db-shm", "demo.db-wal"]
+    assert (tmp_path / "demo.db-wal").stat().st_size == 0
+    assert idemctl("simulate", "happy", "--db", str(db)).code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.db", "demo.db-idemctl.lock"]
+
+
+def test_the_sweep_scenario_s_clock_step_says_what_the_clock_shows():
+    done = idemctl("simulate", "sweep")
+    assert done.code == 0, done.stderr
+    advance = next(line for line in done.stdout.splitlines() if " advance " in line)
+    assert advance.split()[:5] == ["+24:00:01.000", "clock", "advance", "1", "d"]
+    assert advance.split()[5:8] == ["1", "s", "advanced"]
+    assert "virtual clock +1 d 1 s" in done.stdout
