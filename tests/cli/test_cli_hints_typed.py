@@ -27,6 +27,8 @@ import pytest
 from idemctl import Ledger, fingerprint, wall_clock_ms
 from tests.helpers import read_only_file
 
+pytestmark = pytest.mark.slow  # every test starts the installed command, most several times
+
 ENGINES = ["sqlite", "postgres", "mysql"]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 BACKQUOTED = re.compile(r"`([^`]+)`")
