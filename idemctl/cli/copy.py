@@ -14,15 +14,14 @@ from ..errors import ConnectionFailedError, LedgerNotFoundError, SchemaMissingEr
 from ..ledger import Ledger
 from ..schema import SCHEMA_VERSION
 from .core import (
-    _LEDGER_IN_FORCE,
     EXIT_NO,
     IdemctlCommand,
     UserError,
     app,
     idemctl_command,
     open_ledger,
+    same_command,
     settings,
-    shown_db,
 )
 from .documents import copy_json
 from .options import DbOpt, JsonOpt, in_range
@@ -50,18 +49,11 @@ def _open_destination(url: str, busy_timeout_ms: int, *, init: bool, dry_run: bo
         if not writes:
             raise UserError(f"the destination: {exc}: {how}") from None
         # --init creates a missing server database, as `init` does.
-        again = (
-            f"idemctl --db {shlex.quote(shown_db(_source_in_force()))} copy --to {shlex.quote(shown_db(url))} --init"
-        )
+        again = same_command()
         if not create_database(url, busy_timeout_ms, again, err=True):
             parent = os.path.dirname(os.path.abspath(os.path.expanduser(url)))
-            raise UserError(f"the destination: {exc}: run `mkdir -p {shlex.quote(parent)}` first") from None
+            raise UserError(f"the destination: {exc}: run `mkdir -p {shlex.quote(parent)} && {again}`") from None
         return _opened(url, busy_timeout_ms, writes=writes, how=how)
-
-
-def _source_in_force() -> str:
-    in_force = _LEDGER_IN_FORCE.get()
-    return in_force[0] if in_force else ""
 
 
 def _opened(url: str, busy_timeout_ms: int, *, writes: bool, how: str) -> Ledger:

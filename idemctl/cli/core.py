@@ -196,6 +196,11 @@ def _immutable(path: str) -> bool:
         return False
 
 
+def same_command() -> str:
+    """The running command as typed, each location that carries a password masked."""
+    return shlex.join(["idemctl", *_shown_args()])
+
+
 def _shown_args() -> list[str]:
     """The running command's words, each location that carries a password masked."""
     return [shown_db(word) if "://" in word or keyword_dsn(word) is not None else word for word in _ARGS_IN_FORCE.get()]

@@ -416,3 +416,12 @@ def test_the_sweep_scenario_s_clock_step_says_what_the_clock_shows():
     assert advance.split()[:5] == ["+24:00:01.000", "clock", "advance", "1", "d"]
     assert advance.split()[5:8] == ["1", "s", "advanced"]
     assert "virtual clock +1 d 1 s" in done.stdout
+
+
+def test_copy_init_into_a_missing_directory_says_mkdir_then_the_same_copy(tmp_path: Path):
+    src = _source_with_a_row(tmp_path)
+    target = str(tmp_path / "new" / "dir" / "copy.db")
+    line = hint_line("--db", src, "copy", "--to", target, "--init")
+    assert commands_in(line) == [f"mkdir -p {tmp_path / 'new' / 'dir'} && idemctl --db {src} copy --to {target} --init"]
+    type_it(commands_in(line)[0])
+    assert idemctl("--db", target, "inspect", "order-1", "--principal", "acct_A").code == 0
