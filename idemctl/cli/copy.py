@@ -2,34 +2,66 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
 from ..copying import DEFAULT_COPY_BATCH, MAX_COPY_BATCH, CopyProgress
-from ..errors import SchemaMissingError
+from ..errors import ConnectionFailedError, LedgerNotFoundError, SchemaMissingError
 from ..ledger import Ledger
 from ..schema import SCHEMA_VERSION
-from .core import EXIT_NO, IdemctlCommand, UserError, app, open_ledger, settings
+from .core import (
+    EXIT_NO,
+    IdemctlCommand,
+    UserError,
+    app,
+    idemctl_command,
+    open_ledger,
+    same_command,
+    settings,
+)
 from .documents import copy_json
 from .options import DbOpt, JsonOpt, in_range
 from .output import emit_json, progress_bar, say_no
+from .schema import create_database, database_missing
 from .words import copy_words
 
 
 def _open_destination(url: str, busy_timeout_ms: int, *, init: bool, dry_run: bool) -> Ledger:
     if not url.strip():
         raise UserError("--to is empty: give a ledger file path, a postgresql:// or a mysql:// URL")
+    # Hints name the destination: the source is what --db names.
+    init_destination = idemctl_command("init", url, True)
     how = (
-        "run `idemctl --db DESTINATION init` first (a dry run writes nothing, not even a schema)"
+        f"run `{init_destination}` first (a dry run writes nothing, not even a schema)"
         if dry_run
         else "pass --init to create or upgrade it"
     )
     writes = init and not dry_run
     try:
+        return _opened(url, busy_timeout_ms, writes=writes, how=how)
+    except (LedgerNotFoundError, ConnectionFailedError) as exc:
+        if not database_missing(url, exc):
+            raise
+        if not writes:
+            raise UserError(f"the destination: {exc}: {how}") from None
+        # --init creates a missing server database, as `init` does.
+        again = same_command()
+        if not create_database(url, busy_timeout_ms, again, err=True):
+            parent = os.path.dirname(os.path.abspath(os.path.expanduser(url)))
+            raise UserError(f"the destination: {exc}: run `mkdir -p {shlex.quote(parent)} && {again}`") from None
+        return _opened(url, busy_timeout_ms, writes=writes, how=how)
+
+
+def _opened(url: str, busy_timeout_ms: int, *, writes: bool, how: str) -> Ledger:
+    try:
         destination = Ledger.open(url, create=writes, busy_timeout_ms=busy_timeout_ms)
-    except SchemaMissingError as exc:  # a SQLite file that does not exist
+    except LedgerNotFoundError:
+        raise
+    except SchemaMissingError as exc:
         raise UserError(f"the destination: {exc}: {how}") from None
     try:
         if writes:

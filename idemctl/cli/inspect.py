@@ -35,6 +35,7 @@ from .options import (
     PrincipalOpt,
     RetentionOpt,
     TtlOpt,
+    complete_from,
     count_option,
     duration_option,
     flag,
@@ -234,6 +235,9 @@ def _write_atomically(path: Path, text: str) -> None:
         raise UserError(f"cannot write --output {path}: {exc.strerror or exc}") from None
 
 
+STATS_FORMATS = ("text", "json", "prometheus")
+
+
 @app.command(
     cls=IdemctlCommand,
     epilog=(
@@ -263,6 +267,7 @@ def stats(
         str,
         typer.Option(
             "--format",
+            autocompletion=complete_from(STATS_FORMATS),
             metavar="FORMAT",
             help="text (default), json (as --json) or prometheus (gauges for node_exporter's textfile collector). "
             "The --max-* checks apply to every format.",
@@ -291,7 +296,7 @@ def stats(
     retention: RetentionOpt = None,
 ) -> None:
     """Rows by state (expired: past retention), takeovers, fenced-out events, oldest rows, size."""
-    if output_format not in ("text", "json", "prometheus"):
+    if output_format not in STATS_FORMATS:
         raise UserError(f"--format must be text, json or prometheus, got {output_format!r}")
     if json_out and from_command_line(ctx, "output_format") and output_format != "json":
         raise UserError(f"give --json or --format {output_format}, not both")

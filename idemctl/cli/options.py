@@ -4,7 +4,7 @@ command's help and every bad value read the same."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, cast
 
@@ -115,3 +115,17 @@ PrincipalOpt = Annotated[
     str, typer.Option("--principal", "-p", metavar="PRINCIPAL", help="The principal (account) the key belongs to.")
 ]
 KeyArg = Annotated[str, typer.Argument(metavar="KEY", help="The Idempotency-Key.", show_default=False)]
+
+
+def complete_from(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """A shell completion of an option or argument: the `choices` that
+    begin with what has been typed.
+
+    >>> complete_from(["text", "json"])("j")
+    ['json']
+    """
+
+    def complete(incomplete: str) -> list[str]:
+        return [c for c in choices if c.startswith(incomplete)]
+
+    return complete

@@ -11,8 +11,8 @@ from typing import Annotated
 import typer
 from rich.progress import TaskID
 
-from .core import EXIT_NO, IdemctlCommand, UserError, app, command_policy, settings
-from .options import JsonOpt, RetentionOpt, TtlOpt, count_option, from_command_line
+from .core import EXIT_NO, IdemctlCommand, UserError, app, command_policy, settings, shown_db
+from .options import JsonOpt, RetentionOpt, TtlOpt, complete_from, count_option, from_command_line
 from .output import CliConsole, console, emit_json, progress_bar, say_no
 from .scenario import BUILTIN_NAMES, Op, builtin, load_scenario_file
 from .simulation import run_scenario
@@ -44,8 +44,8 @@ def _inspect_hint(timeline: Timeline, target: str | None) -> str:
     if not timeline.database or not inspected:
         return ""
     last = inspected[-1]
-    # A URL is not echoed back: it may carry a password.
-    where = "<the same URL>" if target is not None and "://" in target else shlex.quote(timeline.database)
+    # A location that carries a password is not echoed back.
+    where = shlex.quote(shown_db(target) if target is not None and "://" in target else timeline.database)
     key, principal = shlex.quote(last.key or ""), shlex.quote(last.principal or "")
     return f"; see it with: idemctl inspect {key} --principal {principal} --db {where}"
 
@@ -62,7 +62,10 @@ def simulate(
     scenario: Annotated[
         str | None,
         typer.Argument(
-            metavar="SCENARIO", help="A built-in scenario: " + ", ".join(BUILTIN_NAMES) + ".", show_default=False
+            metavar="SCENARIO",
+            help="A built-in scenario: " + ", ".join(BUILTIN_NAMES) + ".",
+            show_default=False,
+            autocompletion=complete_from(BUILTIN_NAMES),
         ),
     ] = None,
     file: Annotated[

@@ -22,14 +22,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..durations import human_duration
 from ..errors import IdemctlError, ScenarioError
 from ..ledger import Ledger, wall_clock_ms
 from ..outcomes import Outcome, Reservation, SweepResult
 from ..policy import Policy
 from .race import race_processes
 from .scenario import Op, Scenario, Step, StepOutcome, mutation_answer
-from .timeline import Timeline, TimelineEvent
+from .timeline import Timeline, TimelineEvent, exact_duration
 from .words import state_words
 
 MAX_SWEEP_BATCHES = 10_000
@@ -231,7 +230,7 @@ class _Runner:
 
     def _advance(self, step: Step) -> None:
         self.clock.advance(step.by_ms)
-        self.emit(step, StepOutcome.ADVANCED, f"virtual clock +{human_duration(step.by_ms)}")
+        self.emit(step, StepOutcome.ADVANCED, f"virtual clock +{exact_duration(step.by_ms)}")
 
     def _sweep(self, step: Step) -> None:
         batch = step.batch or self.ledger.policy.sweep_batch

@@ -17,6 +17,24 @@ from ..policy import Policy
 from .scenario import Op, Scenario, StepOutcome
 
 
+def exact_duration(ms: int) -> str:
+    """A duration with every unit it holds, unrounded, so that a clock step
+    reads as the clock column moves: ``"1 d 1 s"`` is +24:00:01.
+
+    >>> exact_duration(86_401_000), exact_duration(31_000), exact_duration(1_500)
+    ('1 d 1 s', '31 s', '1 s 500 ms')
+    """
+    if ms <= 0:
+        return f"{ms} ms"
+    parts = []
+    rest = ms
+    for name, size in (("d", 86_400_000), ("h", 3_600_000), ("min", 60_000), ("s", 1000), ("ms", 1)):
+        count, rest = divmod(rest, size)
+        if count:
+            parts.append(f"{count} {name}")
+    return " ".join(parts)
+
+
 @dataclass(frozen=True)
 class TimelineEvent:
     """One line of the timeline: what a step, one batch of a sweep or one
@@ -151,7 +169,7 @@ def _step_words(e: TimelineEvent, timeline: Timeline) -> str:
     if e.op in (Op.COMPLETE, Op.RELEASE) and e.generation is not None:
         return f"{name} gen {e.generation}"
     if e.op is Op.ADVANCE:
-        return f"advance {human_duration(step.by_ms)}"
+        return f"advance {exact_duration(step.by_ms)}"
     if e.op is Op.SWEEP:
         return f"sweep ≤{step.batch or timeline.policy.sweep_batch}"
     if e.op is Op.FILL:

@@ -174,10 +174,11 @@ class Records:
         self._columns = columns
         self._blocks = False
         self._printed = False
-        self._blank_last = False  # whether the last line written was blank
 
     def _table(self, rows: Sequence[Sequence[Text]], header: bool) -> Table:
-        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_header=header)
+        # No edge: SIMPLE_HEAD's is a blank line above and below, and a
+        # listing's first line is its header (`idemctl pending | head -1`).
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_header=header, show_edge=False)
         for c in self._columns:
             table.add_column(c.name, no_wrap=c.whole, overflow="fold", justify="right" if c.right else "left")
         for row in rows:
@@ -200,20 +201,18 @@ class Records:
             return
         table = self._table(rows, header=not self._printed)
         if not self._blocks and (not self._console.is_terminal or self._fits(table, rows)):
-            self._console.print(table)  # its box begins and ends with a blank line
+            self._console.print(table)
         else:
             self._blocks = True
             width = max(cell_len(c.name) for c in self._columns)
             for row in rows:
-                if not self._blank_last:
+                if self._printed:  # a blank line between records, none before the first
                     self._console.print()
                 for c, cell in zip(self._columns, row, strict=True):
                     # soft_wrap: rich inserts no line break; a value longer than
                     # the terminal is wrapped by the terminal alone, and copies whole.
                     self._console.print(Text(c.name.ljust(width) + "  ", style="bold") + cell, soft_wrap=True)
-                self._blank_last = False
-            self._console.print()
-        self._blank_last = True
+                self._printed = True
         self._printed = True
 
 
@@ -262,15 +261,23 @@ def stats_grid(where: str, st: Stats, policy: Policy) -> Table:
     """`stats` for a person: each count with what it means."""
     grid = _grid()
     grid.add_row("ledger", Text(f"{where} (schema version {st.schema_version})"))
-    grid.add_row("rows", str(st.total))
-    grid.add_row("  pending, fresh", f"{st.pending_fresh}  (retries get 409 in progress)")
-    grid.add_row("  pending, stale", f"{st.pending_stale}  (the next retry takes over, whatever their age)")
-    grid.add_row("  completed", f"{st.completed}  (retries are replayed)")
+    counts = (st.total, st.pending_fresh, st.pending_stale, st.completed, st.expired, st.taken_over)
+    # Every count right-aligned to the widest, so that the notes beside them
+    # start in one column whatever the number of digits.
+    width = max(len(str(n)) for n in (*counts, st.fenced_out_events))
+
+    def count(n: int, note: str = "") -> str:
+        return f"{n:>{width}}" + (f"  ({note})" if note else "")
+
+    grid.add_row("rows", count(st.total))
+    grid.add_row("  pending, fresh", count(st.pending_fresh, "retries get 409 in progress"))
+    grid.add_row("  pending, stale", count(st.pending_stale, "the next retry takes over, whatever their age"))
+    grid.add_row("  completed", count(st.completed, "retries are replayed"))
     retention = human_duration(policy.retention_ms)
     also = f"; {st.expired_pending} of them pending, also counted as stale" if st.expired_pending else ""
-    grid.add_row("  expired", f"{st.expired}  (past the {retention} retention: the sweep deletes them{also})")
-    grid.add_row("taken over", f"{st.taken_over}  (rows with generation > 1)")
-    grid.add_row("fenced-out events", str(st.fenced_out_events))
+    grid.add_row("  expired", count(st.expired, f"past the {retention} retention: the sweep deletes them{also}"))
+    grid.add_row("taken over", count(st.taken_over, "rows with generation > 1"))
+    grid.add_row("fenced-out events", count(st.fenced_out_events))
     for label, at in (
         ("oldest pending", st.oldest_pending_at),
         ("oldest completed", st.oldest_completed_at),

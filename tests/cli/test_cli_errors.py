@@ -122,7 +122,9 @@ def test_a_write_command_on_a_read_only_ledger_is_one_line_and_changes_nothing(t
         ledger.init()
         ledger.complete(ledger.claim("acct_A", "old", fingerprint("POST", "/x", [], b"")), 201, {}, b"{}")
     with read_only_file(db):
-        assert fails(["--db", str(db), "sweep"]) == f"error: database {db} is read-only"
+        assert fails(["--db", str(db), "sweep"]) == (
+            f"error: database {db} is read-only — {db} is marked immutable: `chattr -i {db}` (as root) lets writes through"
+        )
         ok = CliRunner().invoke(app, ["--db", str(db), "stats", "--json"])
         assert ok.exit_code == 0 and '"expired": 1' in ok.stdout
     with Ledger.open(db, create=False) as ledger:

@@ -111,30 +111,27 @@ def fenced_times(wide_rows_db: str) -> list[str]:
 def test_piped_fenced_keeps_each_event_whole_on_one_line_so_grep_finds_key_and_status(wide_rows_db):
     out = piped("fenced", "--db", wide_rows_db)
     newer, older = fenced_times(wide_rows_db)
+    # The header first (`idemctl fenced | head -1`), no edge, no blank line.
     assert out.splitlines() == [
-        "",
-        " fenced at (UTC)        age       principal                                     key"
+        "fenced at (UTC)        age       principal                                     key"
         "                                    late   row   status",
-        " " + "─" * 137,
-        f" {newer}   2 d ago   {P2}   {K2}      1     2      202",
-        f" {older}   2 d ago   {P1}    {K1}      1     2      201",
-        "",
+        "─" * 137,
+        f"{newer}   2 d ago   {P2}   {K2}      1     2      202",
+        f"{older}   2 d ago   {P1}    {K1}      1     2      201",
         FENCED_SUMMARY,
     ]
     # What `idemctl fenced | grep <key>` and `| grep 201` print.
-    assert [line for line in out.splitlines() if K1 in line] == [f" {older}   2 d ago   {P1}    {K1}      1     2      201"]
-    assert [line for line in out.splitlines() if "201" in line] == [f" {older}   2 d ago   {P1}    {K1}      1     2      201"]
+    assert [line for line in out.splitlines() if K1 in line] == [f"{older}   2 d ago   {P1}    {K1}      1     2      201"]
+    assert [line for line in out.splitlines() if "201" in line] == [f"{older}   2 d ago   {P1}    {K1}      1     2      201"]
 
 
 def test_piped_pending_keeps_each_row_whole_on_one_line_without_trailing_blanks(wide_rows_db):
     out = piped("pending", "--db", wide_rows_db)
     assert out.splitlines() == [
-        "",
-        " principal                                     key                                    gen   age   a retry now",
-        " " + "─" * 123,
-        f" {P1}    {K3}   1     3 d   takes over as generation 2",
-        f" {P2}   {K4}   1     2 d   takes over as generation 2",
-        "",
+        "principal                                     key                                    gen   age   a retry now",
+        "─" * 123,
+        f"{P1}    {K3}   1     3 d   takes over as generation 2",
+        f"{P2}   {K4}   1     2 d   takes over as generation 2",
         "2 pending row(s), oldest first; TTL 30 s",
     ]
 
@@ -159,11 +156,9 @@ def test_piped_inspect_writes_long_lines_whole_without_padding(wide_rows_db):
         "{}",
         "",
         "fenced-out events (1): a late owner's answer was not stored; the mutation may have run twice",
-        "",
-        " fenced at (UTC)        age       late   row   status",
-        " " + "─" * 52,
-        f" {newer}   2 d ago      1     2      202",
-        "",
+        "fenced at (UTC)        age       late   row   status",
+        "─" * 52,
+        f"{newer}   2 d ago      1     2      202",
     ]
 
 
@@ -239,8 +234,7 @@ def test_on_an_80_column_terminal_fenced_events_become_blocks_with_every_field_w
     out = on_terminal("fenced", "--db", wide_rows_db, columns=80)
     newer, older = fenced_times(wide_rows_db)
     lines = [line.rstrip() for line in out.splitlines()]
-    assert lines[:17] == [
-        "",
+    assert lines[:15] == [
         f"fenced at (UTC)  {newer}",
         "age              2 d ago",
         f"principal        {P2}",
@@ -256,16 +250,14 @@ def test_on_an_80_column_terminal_fenced_events_become_blocks_with_every_field_w
         "late             1",
         "row              2",
         "status           201",
-        "",
     ]
     # The summary is prose: on a terminal rich wraps it between words.
-    assert " ".join(line.strip() for line in lines[17:]) == FENCED_SUMMARY
+    assert " ".join(line.strip() for line in lines[15:]) == FENCED_SUMMARY
 
 
 def test_on_an_80_column_terminal_pending_rows_become_blocks(wide_rows_db):
     out = on_terminal("pending", "--db", wide_rows_db, columns=80)
     assert [line.rstrip() for line in out.splitlines()] == [
-        "",
         f"principal    {P1}",
         f"key          {K3}",
         "gen          1",
@@ -277,23 +269,22 @@ def test_on_an_80_column_terminal_pending_rows_become_blocks(wide_rows_db):
         "gen          1",
         "age          2 d",
         "a retry now  takes over as generation 2",
-        "",
         "2 pending row(s), oldest first; TTL 30 s",
     ]
 
 
 def test_on_a_wide_terminal_the_listing_is_a_table_and_a_narrower_one_folds_only_the_prose(wide_rows_db):
     wide = [line.rstrip() for line in on_terminal("pending", "--db", wide_rows_db, columns=200).splitlines()]
-    assert wide[3:5] == [
-        f" {P1}    {K3}   1     3 d   takes over as generation 2",
-        f" {P2}   {K4}   1     2 d   takes over as generation 2",
+    assert wide[2:4] == [
+        f"{P1}    {K3}   1     3 d   takes over as generation 2",
+        f"{P2}   {K4}   1     2 d   takes over as generation 2",
     ]
     narrower = [line.rstrip() for line in on_terminal("pending", "--db", wide_rows_db, columns=112).splitlines()]
-    assert narrower[3:7] == [
-        f" {P1}    {K3}   1     3 d   takes over as",
-        " " * 98 + "generation 2",
-        f" {P2}   {K4}   1     2 d   takes over as",
-        " " * 98 + "generation 2",
+    assert narrower[2:6] == [
+        f"{P1}    {K3}   1     3 d   takes over as",
+        " " * 97 + "generation 2",
+        f"{P2}   {K4}   1     2 d   takes over as",
+        " " * 97 + "generation 2",
     ]
 
 
@@ -305,6 +296,6 @@ def test_on_a_terminal_a_value_wider_than_the_terminal_is_written_whole_for_the_
         assert ledger.complete(ledger.claim(principal, K1, "fp"), 201, {}, b"{}").stored
         ledger.claim(principal, K2, "fp")
     listing = [line.rstrip() for line in on_terminal("pending", "--db", path, columns=80).splitlines()]
-    assert listing[1:3] == [f"principal    {principal}", f"key          {K2}"]
+    assert listing[0:2] == [f"principal    {principal}", f"key          {K2}"]
     inspected = on_terminal("inspect", K1, "--principal", principal, "--db", path, columns=80)
     assert inspected.splitlines()[0] == f"{principal} / {K1}"
