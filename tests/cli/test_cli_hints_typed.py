@@ -425,3 +425,50 @@ def test_copy_init_into_a_missing_directory_says_mkdir_then_the_same_copy(tmp_pa
     assert commands_in(line) == [f"mkdir -p {tmp_path / 'new' / 'dir'} && idemctl --db {src} copy --to {target} --init"]
     type_it(commands_in(line)[0])
     assert idemctl("--db", target, "inspect", "order-1", "--principal", "acct_A").code == 0
+
+
+def _older_schema_ledger(path: Path) -> str:
+    """A SQLite ledger as idemctl left it at schema version 2: no key_id."""
+    import sqlite3
+
+    with Ledger.open(str(path)) as ledger:
+        ledger.init()
+    conn = sqlite3.connect(path)
+    try:
+        conn.executescript(
+            "DROP INDEX idx_idempotency_keys_key_id;"
+            " ALTER TABLE idempotency_keys DROP COLUMN key_id;"
+            " UPDATE idemctl_schema_version SET version = 2;"
+        )
+    finally:
+        conn.close()
+    return str(path)
+
+
+def test_the_upgrade_hint_of_an_older_schema_upgrades_it_and_the_command_then_runs(tmp_path: Path):
+    db = _older_schema_ledger(tmp_path / "older.db")
+    line = hint_line("--db", db, "simulate", "takeover")
+    assert "older ledger schema" in line
+    assert commands_in(line) == [f"idemctl --db {shlex.quote(db)} init"]
+    type_it(commands_in(line)[0])
+    assert idemctl("--db", db, "simulate", "takeover").code == 0
+
+
+def test_the_fenced_hint_of_a_recipe_only_ledger_adds_the_log(tmp_path: Path):
+    import sqlite3
+
+    db = str(tmp_path / "recipe.db")
+    schema = Path(__file__).resolve().parents[2] / "schema" / "sqlite" / "0001_recipe.sql"
+    conn = sqlite3.connect(db)
+    try:
+        conn.executescript(schema.read_text())
+    finally:
+        conn.close()
+    before = idemctl("--db", db, "fenced")
+    assert before.code == 0, before
+    assert before.stdout.startswith("no fenced-out log: this ledger has only the recipe's table"), before.stdout
+    (command,) = commands_in(before.stdout)
+    assert command == f"idemctl --db {shlex.quote(db)} init"
+    type_it(command)
+    after = idemctl("--db", db, "fenced")
+    assert after.code == 0 and "no fenced-out log" not in after.stdout, after
