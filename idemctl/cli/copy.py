@@ -13,17 +13,9 @@ from ..copying import DEFAULT_COPY_BATCH, MAX_COPY_BATCH, CopyProgress
 from ..errors import ConnectionFailedError, LedgerNotFoundError, SchemaMissingError
 from ..ledger import Ledger
 from ..schema import SCHEMA_VERSION
-from .core import (
-    EXIT_NO,
-    IdemctlCommand,
-    UserError,
-    app,
-    idemctl_command,
-    open_ledger,
-    same_command,
-    settings,
-)
+from .core import EXIT_NO, IdemctlCommand, UserError, app, open_ledger, settings
 from .documents import copy_json
+from .hints import idemctl_command, same_command
 from .options import DbOpt, JsonOpt, in_range
 from .output import emit_json, progress_bar, say_no
 from .schema import create_database, database_missing

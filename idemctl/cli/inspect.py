@@ -16,7 +16,7 @@ from rich.text import Text
 from ..durations import human_duration
 from ..errors import MalformedRowError
 from ..fingerprint import stored_key
-from .core import EXIT_NO, EXIT_USAGE, IdemctlCommand, UserError, app, existing_row, hint_command, list_cap, open_ledger
+from .core import EXIT_NO, EXIT_USAGE, IdemctlCommand, UserError, app, existing_row, list_cap, open_ledger
 from .documents import (
     event_json,
     fenced_json,
@@ -26,6 +26,7 @@ from .documents import (
     stats_report_json,
     view_json,
 )
+from .hints import hint_command
 from .options import (
     DbOpt,
     JsonOpt,

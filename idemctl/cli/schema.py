@@ -13,7 +13,8 @@ from ..ledger import Ledger
 from ..outcomes import InitAction, InitResult
 from ..schema import SCHEMA_VERSION
 from ..storage import is_postgres_url
-from .core import IdemctlCommand, UserError, app, hint_command, settings, shown_db
+from .core import IdemctlCommand, UserError, app, settings
+from .hints import hint_command, shown_db
 from .options import DbOpt, flag
 
 if TYPE_CHECKING:  # the driver lives behind the postgres extra

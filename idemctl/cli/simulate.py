@@ -11,7 +11,8 @@ from typing import Annotated
 import typer
 from rich.progress import TaskID
 
-from .core import EXIT_NO, IdemctlCommand, UserError, app, command_policy, settings, shown_db
+from .core import EXIT_NO, IdemctlCommand, UserError, app, command_policy, settings
+from .hints import shown_db
 from .options import JsonOpt, RetentionOpt, TtlOpt, complete_from, count_option, from_command_line
 from .output import CliConsole, console, emit_json, progress_bar, say_no
 from .scenario import BUILTIN_NAMES, Op, builtin, load_scenario_file

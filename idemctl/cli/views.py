@@ -24,8 +24,9 @@ from ..ledger import Ledger
 from ..outcomes import FencedEvent, RowView, State, Stats, Status
 from ..policy import Policy
 from ..responses import header_problem, stored_header_pairs
-from .core import EXIT_INTERRUPTED, hint_command
+from .core import EXIT_INTERRUPTED
 from .escaping import visible
+from .hints import hint_command
 from .output import PIPE_WIDTH, console
 from .words import body_kind, state_words, takeovers_words
 
