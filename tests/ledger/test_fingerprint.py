@@ -97,5 +97,6 @@ def test_different_bodies_give_different_fingerprints(a, b):
 @given(st.text(max_size=300).filter(lambda k: not k.startswith('"')))
 def test_key_rule_is_exactly_printable_ascii_1_to_255(key):
     # A value that begins with a quote is an sf-string (tests/ledger/test_structured_keys.py).
-    expected = 1 <= len(key) <= 255 and all(0x20 <= ord(c) <= 0x7E for c in key)
+    # A comma outside quotes makes a list (several fields): never a bare key.
+    expected = 1 <= len(key) <= 255 and all(0x20 <= ord(c) <= 0x7E for c in key) and "," not in key
     assert is_valid_key(key) is expected
