@@ -94,7 +94,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="where the database files go (default: a new directory under the system temp dir); "
         "must be the file system the ledger would live on",
     )
-    p.add_argument("--out", default=None, help=f"results JSON (default: {os.path.relpath(LATEST)}; --quick: inside --dir)")
+    p.add_argument(
+        "--out", default=None, help=f"results JSON (default: {os.path.relpath(LATEST)}; --quick: inside --dir)"
+    )
     p.add_argument("--page", default=PAGE, help=f"page that --report writes (default: {os.path.relpath(PAGE)})")
     p.add_argument("--conditions", default="", help="free text about the run's conditions, stored with the results")
     return p.parse_args(argv)
@@ -115,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         only, args.merge = only | {"instructions"}, True
     unknown = only - set(BENCHMARKS)
     if unknown:
-        print(f"unknown benchmark(s): {', '.join(sorted(unknown))}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
+        print(
+            f"unknown benchmark(s): {', '.join(sorted(unknown))}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr
+        )
         return 2
     created = args.dir is None
     workdir = tempfile.mkdtemp(prefix="idemctl-bench-") if created else args.dir
@@ -158,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.merge:
             # Measured apart from the run the rest of the file holds: the page says when and where.
             res["measured"] = {
-                "started_utc": datetime.fromtimestamp(time.time() - res["elapsed_s"], UTC).isoformat(timespec="seconds"),
+                "started_utc": datetime.fromtimestamp(time.time() - res["elapsed_s"], UTC).isoformat(
+                    timespec="seconds"
+                ),
                 "commit": results["machine"]["commit"],
                 "loadavg": os.getloadavg(),
                 "conditions": args.conditions,

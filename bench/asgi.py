@@ -148,7 +148,7 @@ async def _rounds(
     names = list(variants)
     rates: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(reps):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
             count, fn = variants[name]
             t0 = time.perf_counter()
             await fn(rep)
@@ -343,7 +343,9 @@ async def _lag(ctx: Context, synchronous: str) -> dict[str, Any]:
         tick = asyncio.create_task(ticker(stop, lags))
         app = apps.get(condition)
         clients = [
-            asyncio.create_task(client(app, f"{tag}-{c}", stop, latencies)) for c in range(CONCURRENCY) if app is not None
+            asyncio.create_task(client(app, f"{tag}-{c}", stop, latencies))
+            for c in range(CONCURRENCY)
+            if app is not None
         ]
         t0 = time.perf_counter()
         await asyncio.sleep(duration)
@@ -363,7 +365,7 @@ async def _lag(ctx: Context, synchronous: str) -> dict[str, Any]:
     latencies: dict[str, list[float]] = {c: [] for c in conditions}
     throughput: dict[str, list[float]] = {c: [] for c in conditions}
     for rnd in range(rounds):
-        for condition in conditions[rnd % 3:] + conditions[: rnd % 3]:
+        for condition in conditions[rnd % 3 :] + conditions[: rnd % 3]:
             lag, lat, elapsed = await measure(condition, f"{condition}-{rnd}", seconds)
             lags[condition] += lag
             p99[condition].append(percentile(sorted(lag), 99) * 1000)

@@ -171,7 +171,13 @@ def raw_pair(conn: sqlite3.Connection, principal: str, key: str, now: int) -> No
     contract needs."""
     row = {"principal": principal, "key": key, "token": now}
     gen = conn.execute(RAW_CLAIM, {**row, "fingerprint": FINGERPRINT, "now": now}).fetchall()[0][0]
-    done = {"generation": gen, "status": 201, "body": STORED_1K.decode(), "headers": RESPONSE_HEADERS_JSON, "now": now + 1}
+    done = {
+        "generation": gen,
+        "status": 201,
+        "body": STORED_1K.decode(),
+        "headers": RESPONSE_HEADERS_JSON,
+        "now": now + 1,
+    }
     conn.execute(RAW_COMPLETE, {**row, **done}).fetchall()
 
 
@@ -243,7 +249,9 @@ def filesystem_of(path: str) -> dict[str, str]:
 def git_commit() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+        )
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--", "idemctl"], cwd=here, capture_output=True, text=True, timeout=10
         )

@@ -105,9 +105,7 @@ def run(ctx: Context) -> dict[str, Any]:
             res = measure(path, synchronous, queue, workers, seconds)
             if workers == 1:
                 single = res
-            res["ratio_to_single"] = spread(
-                [a / single["throughput"]["median"] for a in res["throughput"]["values"]]
-            )
+            res["ratio_to_single"] = spread([a / single["throughput"]["median"] for a in res["throughput"]["values"]])
             res["ratio_to_single"]["total"] = round(res["requests"] / single["requests"], 3)
             ctx.log(
                 f"  contention {synchronous} queue={'on' if queue else 'off'} x{workers}: "

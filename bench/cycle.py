@@ -37,14 +37,12 @@ from .common import (
 PRINCIPAL = "acct_bench"
 
 
-def _paired(
-    reps: int, n: int, variants: dict[str, Callable[[int, int], None]]
-) -> dict[str, list[float]]:
+def _paired(reps: int, n: int, variants: dict[str, Callable[[int, int], None]]) -> dict[str, list[float]]:
     """Run each variant n times per repetition, rotating their order; rates in ops/s."""
     names = list(variants)
     rates: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(reps):
-        order = names[rep % len(names):] + names[: rep % len(names)]
+        order = names[rep % len(names) :] + names[: rep % len(names)]
         for name in order:
             fn = variants[name]
             rates[name].append(n / timed(lambda: fn(rep, n)))
@@ -85,7 +83,9 @@ def request_cycle(ctx: Context, synchronous: str) -> dict[str, Any]:
 
     def ours_with_sweep(rep: int, n: int) -> None:
         for i in range(n):
-            ledger.after_response(handle(PRINCIPAL, f"sw-{rep}-{i}", "POST", "/orders", HEADERS, BODY_1K, noop_mutation))
+            ledger.after_response(
+                handle(PRINCIPAL, f"sw-{rep}-{i}", "POST", "/orders", HEADERS, BODY_1K, noop_mutation)
+            )
 
     check = handle(PRINCIPAL, "check", "POST", "/orders", HEADERS, BODY_1K, noop_mutation)
     assert check.outcome is Outcome.EXECUTED and check.body == b"r" * 1024, check
@@ -130,7 +130,9 @@ def read_paths(ctx: Context) -> dict[str, Any]:
     def claim_then_select(rep: int, n: int) -> None:
         for i in range(n):
             key = f"done-{i % keys}"
-            raw.execute(RAW_CLAIM, {"principal": PRINCIPAL, "key": key, "fingerprint": FINGERPRINT, "token": 1, "now": now}).fetchall()
+            raw.execute(
+                RAW_CLAIM, {"principal": PRINCIPAL, "key": key, "fingerprint": FINGERPRINT, "token": 1, "now": now}
+            ).fetchall()
             raw.execute(RAW_LOOKUP, {"principal": PRINCIPAL, "key": key}).fetchall()
 
     def run_path(prefix: str, body: bytes) -> Callable[[int, int], None]:

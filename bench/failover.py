@@ -59,7 +59,9 @@ class Setting:
 SETTINGS = {
     "async": Setting("async", "asynchronous (default), synchronous_commit=on", False),
     "sync": Setting("sync", "synchronous_standby_names='*', synchronous_commit=on", True, "on"),
-    "remote_apply": Setting("remote_apply", "synchronous_standby_names='*', synchronous_commit=remote_apply", True, "remote_apply"),
+    "remote_apply": Setting(
+        "remote_apply", "synchronous_standby_names='*', synchronous_commit=remote_apply", True, "remote_apply"
+    ),
 }
 
 

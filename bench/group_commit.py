@@ -200,7 +200,11 @@ def run(ctx: Context) -> dict[str, Any]:
         "configs": configs,
         # synchronous=OFF, no group commit; divided by the median floor of the same round.
         "ledger_ceiling_off": [
-            {"threads": t, "pairs_per_s": spread(v, 1), "ratio_to_floor": spread([x / f for x, f in zip(v, round_floors)])}
+            {
+                "threads": t,
+                "pairs_per_s": spread(v, 1),
+                "ratio_to_floor": spread([x / f for x, f in zip(v, round_floors)]),
+            }
             for t, v in ceiling.items()
         ],
     }

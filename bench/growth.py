@@ -32,7 +32,16 @@ def _measure(path: str, synchronous: str, reps: int, n: int, seed: int) -> dict[
     # pay for reading the file back into the page cache.
     warm = now_ms()
     for _ in range(min(n, 50)):
-        raw.execute(RAW_CLAIM, {"principal": "acct_growth", "key": "%032x" % rnd.getrandbits(128), "fingerprint": FINGERPRINT, "token": 1, "now": warm}).fetchall()
+        raw.execute(
+            RAW_CLAIM,
+            {
+                "principal": "acct_growth",
+                "key": "%032x" % rnd.getrandbits(128),
+                "fingerprint": FINGERPRINT,
+                "token": 1,
+                "now": warm,
+            },
+        ).fetchall()
         ledger.claim("acct_growth", "%032x" % rnd.getrandbits(128), FINGERPRINT, now=warm)
         unqueued.claim("acct_growth", "%032x" % rnd.getrandbits(128), FINGERPRINT, now=warm)
     for rep in range(reps):
@@ -43,7 +52,10 @@ def _measure(path: str, synchronous: str, reps: int, n: int, seed: int) -> dict[
 
         def run_floor() -> None:
             for k in keys_a:
-                raw.execute(RAW_CLAIM, {"principal": "acct_growth", "key": k, "fingerprint": FINGERPRINT, "token": 1, "now": now}).fetchall()
+                raw.execute(
+                    RAW_CLAIM,
+                    {"principal": "acct_growth", "key": k, "fingerprint": FINGERPRINT, "token": 1, "now": now},
+                ).fetchall()
 
         def run_ours() -> None:
             for k in keys_b:

@@ -144,7 +144,6 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
     if "idemkit" in specs:
         kit, kit_backend = idemkit_asgi(specs["idemkit"])
     try:
-
         # `tag` names the round and level: every first call has a key of its own.
         async def floor_first(i: int, tag: str) -> None:
             row = {"principal": PRINCIPAL, "key": f"raw-{tag}-{i}", "token": i + 1}
@@ -183,11 +182,13 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
         paths["floor_first"] = floor_first
         paths["floor_replay"] = floor_replay
 
-        names = [f"{base}_{kind}@{level}" for level in LEVELS for base in ("floor", *systems) for kind in ("first", "replay")]
+        names = [
+            f"{base}_{kind}@{level}" for level in LEVELS for base in ("floor", *systems) for kind in ("first", "replay")
+        ]
         rates: dict[str, list[float]] = {name: [] for name in names}
         for rep in range(reps):
             ctx.log(f"  [inflight] round {rep + 1}/{reps}")
-            for name in names[rep % len(names):] + names[: rep % len(names)]:
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
                 path, level = name.split("@")
                 go = paths[path]
                 tag = f"{rep}-{level}"

@@ -247,7 +247,9 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
 RESPONSE_HEADERS = {"content-type": "application/json"}
 
 
-def _frameworks(ledger: Any, principal: str, adapter: Any, wsgi_call: Any, loop: Any, through: Any, stored: bytes, io: Any) -> None:
+def _frameworks(
+    ledger: Any, principal: str, adapter: Any, wsgi_call: Any, loop: Any, through: Any, stored: bytes, io: Any
+) -> None:
     """Flask, Django and FastAPI, each where it is installed."""
     try:
         from flask import Flask, Response, request
@@ -395,7 +397,9 @@ def run(ctx: Context) -> dict[str, Any]:
     return _summarise(per, sqlite_share, plan["segments"], n)
 
 
-def _summarise(per: dict[str, float], sqlite_share: dict[str, float], segments: list[dict[str, Any]], n: int) -> dict[str, Any]:
+def _summarise(
+    per: dict[str, float], sqlite_share: dict[str, float], segments: list[dict[str, Any]], n: int
+) -> dict[str, Any]:
     raw_first, raw_replay = per["raw_first"], per["raw_replay"]
     rows = []
     for seg in segments:
@@ -436,7 +440,10 @@ def _summarise(per: dict[str, float], sqlite_share: dict[str, float], segments: 
             "raw": round(per["raw_complete"]),
         },
         {"phase": "events (nobody listening: none built)", "instructions": round(phases["events"])},
-        {"phase": "app hand-off and the rest (decision loop, ticket, answer, mutation call)", "instructions": round(rest)},
+        {
+            "phase": "app hand-off and the rest (decision loop, ticket, answer, mutation call)",
+            "instructions": round(rest),
+        },
         {"phase": "total: Ledger.handle, new key", "instructions": round(per["handle_first"]), "raw": round(raw_first)},
     ]
     for name in ("wsgi", "asgi", "flask", "django", "fastapi"):

@@ -86,7 +86,7 @@ def _cycle(ctx: Context, synchronous: str) -> dict[str, Any]:
     rates: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
     for rep in range(reps):
-        for name in names[rep % 3:] + names[: rep % 3]:
+        for name in names[rep % 3 :] + names[: rep % 3]:
             rates[name].append(n / timed(lambda: variants[name](rep)))
     ledger.close()
     raw.close()

@@ -101,7 +101,9 @@ def cycle(ctx: Context, base: str, admin) -> dict[str, Any]:  # type: ignore[no-
         for i in range(n):
             ledger.handle("acct_bench", f"led-0-{i % 50}", "POST", "/orders", HEADERS, BODY_1K, noop_mutation)
 
-    assert ledger.handle("acct_bench", "check", "POST", "/o", HEADERS, BODY_1K, noop_mutation).outcome is Outcome.EXECUTED
+    assert (
+        ledger.handle("acct_bench", "check", "POST", "/o", HEADERS, BODY_1K, noop_mutation).outcome is Outcome.EXECUTED
+    )
     rates: dict[str, list[float]] = {"floor": [], "handle": [], "handle_after": [], "pk_select": [], "replay": []}
     variants = {"floor": floor, "handle": ours, "handle_after": ours_and_sweep, "pk_select": lookup, "replay": replay}
     rotation = ["floor", "handle", "handle_after"]
@@ -175,7 +177,9 @@ def _load(admin, base: str, name: str, expired: int, live: int) -> None:  # type
     Ledger.open(_db_url(base, name)).init()
     conn = _connect(base, name)
     with conn.cursor() as cur:
-        cur.execute(LOAD.replace("seq_1_to_N", f"seq_1_to_{int(expired)}"), {"seed": "x", "at": now_ms() - 2 * DAY_MS - 10**7})
+        cur.execute(
+            LOAD.replace("seq_1_to_N", f"seq_1_to_{int(expired)}"), {"seed": "x", "at": now_ms() - 2 * DAY_MS - 10**7}
+        )
         cur.execute(LOAD.replace("seq_1_to_N", f"seq_1_to_{int(live)}"), {"seed": "live", "at": now_ms()})
         cur.execute("ANALYZE TABLE idempotency_keys")
         cur.fetchall()
@@ -251,7 +255,14 @@ def run(ctx: Context) -> dict[str, Any]:
             " @@innodb_buffer_pool_size, @@innodb_doublewrite"
         )
         values = cur.fetchone()
-    keys = ("version", "innodb_flush_log_at_trx_commit", "sync_binlog", "log_bin", "innodb_buffer_pool_size", "innodb_doublewrite")
+    keys = (
+        "version",
+        "innodb_flush_log_at_trx_commit",
+        "sync_binlog",
+        "log_bin",
+        "innodb_buffer_pool_size",
+        "innodb_doublewrite",
+    )
     server = dict(zip(keys, values))
     try:
         return {

@@ -59,7 +59,12 @@ ROWS: list[dict[str, Any]] = [
     {"id": "idemkit_wsgi", "system": "idemkit", "label": "idemkit, `WSGIIdempotencyMiddleware`", "floor": "postgres"},
     {"id": "idemctl_asgi", "system": "idemctl", "label": "idemctl, ASGI `IdempotencyMiddleware`", "floor": "postgres"},
     {"id": "idemkit_asgi", "system": "idemkit", "label": "idemkit, ASGI `IdempotencyMiddleware`", "floor": "postgres"},
-    {"id": "idemctl_function", "system": "idemctl", "label": "idemctl, `Ledger.idempotent` (a function)", "floor": "postgres"},
+    {
+        "id": "idemctl_function",
+        "system": "idemctl",
+        "label": "idemctl, `Ledger.idempotent` (a function)",
+        "floor": "postgres",
+    },
     {"id": "powertools", "system": "powertools", "label": "Powertools, `idempotent_function`", "floor": "redis"},
 ]
 LATENCY_MS = ("p50_ms", "p99_ms", "max_ms")
@@ -127,7 +132,13 @@ async def _throughput(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[st
             row = {"principal": PRINCIPAL, "key": f"raw-{i}", "token": i + 1}
             now = int(time.time() * 1000)
             gen = raw.execute(sql_claim, {**row, "fingerprint": FINGERPRINT, "now": now}).fetchall()[0][0]
-            done = {"generation": gen, "status": 201, "body": STORED_1K, "headers": RESPONSE_HEADERS_JSON, "now": now + 1}
+            done = {
+                "generation": gen,
+                "status": 201,
+                "body": STORED_1K,
+                "headers": RESPONSE_HEADERS_JSON,
+                "now": now + 1,
+            }
             raw.execute(sql_complete, {**row, **done}).fetchall()
 
         def raw_lookup(i: int) -> None:
@@ -229,7 +240,7 @@ async def _throughput(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[st
         rates: dict[str, list[float]] = {name: [] for name in names}
         latencies: dict[str, list[float]] = {name: [] for name in names}
         for rep in range(reps):
-            for name in names[rep % len(names):] + names[: rep % len(names)]:
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
                 t0 = time.perf_counter()
                 lat = await rounds[name](rep)
                 rates[name].append(len(lat) / (time.perf_counter() - t0))
@@ -253,7 +264,9 @@ async def _throughput(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[st
                     kind: {
                         "ops_per_s": spread(rates[f"floor_{floor}_{kind}"], 1),
                         "latency": {
-                            k: v for k, v in latency_summary(latencies[f"floor_{floor}_{kind}"]).items() if k in ("count", *LATENCY_MS)
+                            k: v
+                            for k, v in latency_summary(latencies[f"floor_{floor}_{kind}"]).items()
+                            if k in ("count", *LATENCY_MS)
                         },
                     }
                     for kind in ("first", "replay")

@@ -205,7 +205,9 @@ def late_writer(system: System, ttl_s: float, margin_s: float = 0.3) -> dict[str
 
     ra = a_reply[0] if a_reply else None
     a_got = (
-        f"error: {type(ra).__name__}" if isinstance(ra, Exception) else (f"{ra.kind} {which(ra.body)}" if ra else "nothing")
+        f"error: {type(ra).__name__}"
+        if isinstance(ra, Exception)
+        else (f"{ra.kind} {which(ra.body)}" if ra else "nothing")
     )
     return {
         "ttl_s": ttl_s,

@@ -74,8 +74,7 @@ def _version(dist: str) -> str | None:
 
 def versions() -> dict[str, str | None]:
     return {
-        name: _version(name)
-        for name in ("idemctl", "psycopg", "idemkit", "asyncpg", "aws-lambda-powertools", "redis")
+        name: _version(name) for name in ("idemctl", "psycopg", "idemkit", "asyncpg", "aws-lambda-powertools", "redis")
     }
 
 
@@ -128,8 +127,7 @@ def drop_schema(base: str, schema: str) -> None:
     with psycopg.connect(base, autocommit=True, connect_timeout=5) as admin:
         # A killed child's backend may linger for a moment holding locks.
         admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
-            "AND query ILIKE %s",
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND query ILIKE %s",
             (f"%{schema}%",),
         )
         admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
@@ -173,7 +171,9 @@ def deprovision(spec: dict[str, Any]) -> None:
         delete_redis_keys(spec["redis_url"], spec["prefix"])
 
 
-def spec_for(system: str, tag: str, ttl_s: float, *, wait_s: float | None = None, purpose: str = "bench") -> dict[str, Any]:
+def spec_for(
+    system: str, tag: str, ttl_s: float, *, wait_s: float | None = None, purpose: str = "bench"
+) -> dict[str, Any]:
     return {
         "system": system,
         "pg_base": pg_base(),

@@ -78,7 +78,13 @@ def cycle(ctx: Context, base: str, admin) -> dict[str, Any]:  # type: ignore[no-
             key = f"raw-{rep}-{i}"
             row = {"principal": "acct_bench", "key": key, "token": i + 1}
             gen = raw.execute(SQL_CLAIM, {**row, "fingerprint": FINGERPRINT, "now": now}).fetchall()[0][0]
-            done = {"generation": gen, "status": 201, "body": STORED_1K, "headers": RESPONSE_HEADERS_JSON, "now": now + 1}
+            done = {
+                "generation": gen,
+                "status": 201,
+                "body": STORED_1K,
+                "headers": RESPONSE_HEADERS_JSON,
+                "now": now + 1,
+            }
             raw.execute(SQL_COMPLETE, {**row, **done}).fetchall()
 
     def ours(rep: int) -> None:
@@ -99,7 +105,9 @@ def cycle(ctx: Context, base: str, admin) -> dict[str, Any]:  # type: ignore[no-
         for i in range(n):
             ledger.handle("acct_bench", f"led-0-{i % 50}", "POST", "/orders", HEADERS, BODY_1K, noop_mutation)
 
-    assert ledger.handle("acct_bench", "check", "POST", "/o", HEADERS, BODY_1K, noop_mutation).outcome is Outcome.EXECUTED
+    assert (
+        ledger.handle("acct_bench", "check", "POST", "/o", HEADERS, BODY_1K, noop_mutation).outcome is Outcome.EXECUTED
+    )
     rates: dict[str, list[float]] = {"floor": [], "handle": [], "handle_after": [], "pk_select": [], "replay": []}
     variants = {"floor": floor, "handle": ours, "handle_after": ours_and_sweep, "pk_select": lookup, "replay": replay}
     rotation = ["floor", "handle", "handle_after"]

@@ -51,7 +51,9 @@ def find_bindir() -> str | None:
     if os.environ.get(BIN_ENV):
         candidates.append(os.environ[BIN_ENV])
     versions = glob.glob("/usr/lib/postgresql/*/bin")
-    candidates += sorted(versions, key=lambda p: int(p.split("/")[-2]) if p.split("/")[-2].isdigit() else 0, reverse=True)
+    candidates += sorted(
+        versions, key=lambda p: int(p.split("/")[-2]) if p.split("/")[-2].isdigit() else 0, reverse=True
+    )
     on_path = shutil.which("initdb")
     if on_path:
         candidates.append(os.path.dirname(on_path))
@@ -178,7 +180,9 @@ class ReplicaPair:
             probe = tempfile.mkdtemp(prefix="idemctl-failover-probe-", dir=_scratch_dir())
             try:
                 shutil.chown(probe, user="postgres", group=None)
-                writable = subprocess.run([*runas, "test", "-w", probe], capture_output=True, timeout=30).returncode == 0
+                writable = (
+                    subprocess.run([*runas, "test", "-w", probe], capture_output=True, timeout=30).returncode == 0
+                )
             finally:
                 shutil.rmtree(probe, ignore_errors=True)
             if not writable:
@@ -221,7 +225,9 @@ class ReplicaPair:
         env["LC_ALL"] = "C"
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=self.root)
         if done.returncode != 0:
-            raise PairError(f"{tool} {' '.join(args)} failed ({done.returncode}): {done.stderr.strip() or done.stdout.strip()}")
+            raise PairError(
+                f"{tool} {' '.join(args)} failed ({done.returncode}): {done.stderr.strip() or done.stdout.strip()}"
+            )
         return done.stdout
 
     def _append_conf(self, datadir: Path, lines: list[str]) -> None:

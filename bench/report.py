@@ -51,8 +51,10 @@ def _gap(name: str, res: dict[str, Any] | None) -> str | None:
 def _machine(r: dict[str, Any]) -> str:
     m = r["machine"]
     fs = m["filesystem"]
-    load = "/".join(f"{x:.1f}" for x in m.get("loadavg_start", ())) + " → " + "/".join(
-        f"{x:.1f}" for x in m.get("loadavg_end", ())
+    load = (
+        "/".join(f"{x:.1f}" for x in m.get("loadavg_start", ()))
+        + " → "
+        + "/".join(f"{x:.1f}" for x in m.get("loadavg_end", ()))
     )
     lines = [
         f"Measured {r['started_utc']} – {r['finished_utc']} ({r['elapsed_s'] / 60:.1f} min{', **quick mode: not figures**' if r['quick'] else ''}) "
@@ -192,14 +194,19 @@ def _sweep(res: dict[str, Any]) -> list[str]:
         return f"| {label} | {' | '.join(cells)} | {floor} |"
 
     heads = [
-        f"`--batch-size {c['batch_size']}`" + (" (the CLI's default on SQLite)" if c is res["cli"] else "") for c, _, _ in runs
+        f"`--batch-size {c['batch_size']}`" + (" (the CLI's default on SQLite)" if c is res["cli"] else "")
+        for c, _, _ in runs
     ]
     out = [
         f"| (5) sweep: {_n(res['expired_rows'])} expired + {_n(res['live_rows'])} live rows, `idemctl sweep` with | "
         + " | ".join(heads)
         + " | floor: one unbounded DELETE |",
         "|---" * (len(runs) + 2) + "|",
-        row("time to drain (process start to exit)", [f"{c['sweep_s']:.1f} s" for c, _, _ in runs], f"{fl['delete_s']:.1f} s"),
+        row(
+            "time to drain (process start to exit)",
+            [f"{c['sweep_s']:.1f} s" for c, _, _ in runs],
+            f"{fl['delete_s']:.1f} s",
+        ),
         row("ratio to the floor", [f"{r:.2f}" for _, _, r in runs], "1"),
         row(
             "… with the checkpoint afterwards",
@@ -283,7 +290,13 @@ def aims(b: dict[str, Any], cores: int = 2) -> str:
     ]
     seconds = [
         ("`handle` ÷ raw pair, FULL, in seconds", "(1)", ("cycle", "full", "handle", "ratio", "median"), 0.95, False),
-        ("`handle` ÷ raw pair, NORMAL, in seconds", "(1)", ("cycle", "normal", "handle", "ratio", "median"), 0.85, False),
+        (
+            "`handle` ÷ raw pair, NORMAL, in seconds",
+            "(1)",
+            ("cycle", "normal", "handle", "ratio", "median"),
+            0.85,
+            False,
+        ),
         (
             "replay ÷ raw claim attempt + SELECT, in seconds",
             "(1)",
@@ -291,7 +304,13 @@ def aims(b: dict[str, Any], cores: int = 2) -> str:
             0.6,
             False,
         ),
-        ("ASGI adapter's own µs per first call, NORMAL", "(8)", ("asgi", "normal", "first", "overhead_us", "median"), 100, True),
+        (
+            "ASGI adapter's own µs per first call, NORMAL",
+            "(8)",
+            ("asgi", "normal", "first", "overhead_us", "median"),
+            100,
+            True,
+        ),
         (
             "FastAPI inside the middleware ÷ both floors",
             "(8)",
@@ -299,7 +318,13 @@ def aims(b: dict[str, Any], cores: int = 2) -> str:
             0.9,
             False,
         ),
-        ("PostgreSQL `handle` ÷ raw psycopg pair", "(7)", ("postgres", "cycle", "handle", "ratio", "median"), 0.95, False),
+        (
+            "PostgreSQL `handle` ÷ raw psycopg pair",
+            "(7)",
+            ("postgres", "cycle", "handle", "ratio", "median"),
+            0.95,
+            False,
+        ),
         ("PostgreSQL replay ÷ raw PK SELECT", "(7)", ("postgres", "cycle", "replay", "ratio", "median"), 0.6, False),
     ]
     for label, where, path, bound, at_most in seconds:
@@ -317,7 +342,9 @@ def aims(b: dict[str, Any], cores: int = 2) -> str:
             ok = got <= bound if at_most else got >= bound
             verdict, shown = ("yes" if ok else "**no**"), (f"{got:.0f}" if bound >= 100 else f"{got:.2f}")
         out.append(f"| {label} | {where} | {shown} | {'≤' if at_most else '≥'} {bound:g} | {verdict} |")
-    apart = [b[name]["measured"] for name in ("cycle", "asgi", "postgres") if _usable(b.get(name)) and "measured" in b[name]]
+    apart = [
+        b[name]["measured"] for name in ("cycle", "asgi", "postgres") if _usable(b.get(name)) and "measured" in b[name]
+    ]
     loads = [x for m in apart for x in m.get("loadavg", ())]
     if loads and max(loads) > cores:
         out += [
@@ -455,7 +482,10 @@ def _instructions(res: dict[str, Any]) -> list[str]:
         "| (0) instructions per request | ours | floor | ours ÷ floor | the app alone | the adapter's own |",
         "|---|---|---|---|---|---|",
     ]
-    floors = {"raw_first": f"{_n(res['raw_first'])} (raw pair)", "raw_replay": f"{_n(res['raw_replay'])} (claim attempt + SELECT)"}
+    floors = {
+        "raw_first": f"{_n(res['raw_first'])} (raw pair)",
+        "raw_replay": f"{_n(res['raw_replay'])} (claim attempt + SELECT)",
+    }
     for row in res["rows"]:
         if row["name"].startswith("raw_"):
             continue
@@ -593,8 +623,26 @@ def _asgi(res: dict[str, Any]) -> list[str]:
     for key, label in (("full", "FULL"), ("normal", "NORMAL")):
         c = res[key]
         bare = c["bare_ops_per_s"]["median"]
-        out.append(row(f"`IdempotencyMiddleware`, first calls, {label}", c["first"], c["ledger_first_ops_per_s"]["median"], in_thread, bare, "(bare app)"))
-        out.append(row(f"… replays, {label}", c["replay"], c["ledger_replay_ops_per_s"]["median"], in_thread, bare, "(bare app)"))
+        out.append(
+            row(
+                f"`IdempotencyMiddleware`, first calls, {label}",
+                c["first"],
+                c["ledger_first_ops_per_s"]["median"],
+                in_thread,
+                bare,
+                "(bare app)",
+            )
+        )
+        out.append(
+            row(
+                f"… replays, {label}",
+                c["replay"],
+                c["ledger_replay_ops_per_s"]["median"],
+                in_thread,
+                bare,
+                "(bare app)",
+            )
+        )
     normal = res["normal"]
     if "on_loop" in normal:
         ol = normal["on_loop"]
@@ -619,7 +667,9 @@ def _asgi(res: dict[str, Any]) -> list[str]:
         ):
             ledger = normal["ledger_first_ops_per_s" if key.endswith("first") else "ledger_replay_ops_per_s"]["median"]
             out.append(row(label, fa[key], ledger, in_thread, plain, "(plain FastAPI)"))
-    hops = ", ".join(f"{c['executor_hop_us']['median']:.0f} µs ({c['synchronous']} run)" for c in (res["full"], res["normal"]))
+    hops = ", ".join(
+        f"{c['executor_hop_us']['median']:.0f} µs ({c['synchronous']} run)" for c in (res["full"], res["normal"])
+    )
     out += ["", f"One `run_in_executor` round trip of a no-op, the unit of a hand-off to the ledger's thread: {hops}."]
     if "hand_offs_per_request" in res["normal"]:
         h = res["normal"]["hand_offs_per_request"]
@@ -741,7 +791,9 @@ def _peers(res: dict[str, Any]) -> list[str]:
         if floor not in t["floors"]:
             continue
         fl = t["floors"][floor]
-        out.append(f"| {floor_labels[floor]} | {_store_label(res, floor)} | {fig(fl['first'], True)} | {fig(fl['replay'], True)} |")
+        out.append(
+            f"| {floor_labels[floor]} | {_store_label(res, floor)} | {fig(fl['first'], True)} | {fig(fl['replay'], True)} |"
+        )
         for row in t["rows"]:
             if row["floor"] != floor:
                 continue
@@ -784,7 +836,11 @@ def _peers(res: dict[str, Any]) -> list[str]:
             )
             governed = f"`{rec['ttl_setting']}`, set to {rec['ttl_s']:g} s here (default {rec['ttl_default_s']:g} s)"
             stored = late["stored_after_a"]
-            verdict = "B: A is fenced out" if stored == "B" else ("**A: the late writer overwrote B**" if stored == "A" else stored)
+            verdict = (
+                "B: A is fenced out"
+                if stored == "B"
+                else ("**A: the late writer overwrote B**" if stored == "A" else stored)
+            )
             out.append(
                 f"| {label} | {ran} | {recovered} | {governed} | {verdict} (A's client: {late['a_client_got'].split()[-1]}) |"
             )
@@ -932,7 +988,7 @@ def renewal_table(res: dict[str, Any]) -> list[str]:
         f"at commit `{run['commit']}`, load average {'/'.join(f'{x:.1f}' for x in run['loadavg_start'])} → "
         f"{'/'.join(f'{x:.1f}' for x in run['loadavg_end'])}, on the servers of the sections above. The ledger "
         "holds the given number of completed rows of another principal beside the live reservations; a tick is "
-        "what the lease keeper runs every third of the TTL (`Store.renew`), the \"before\" line the single "
+        'what the lease keeper runs every third of the TTL (`Store.renew`), the "before" line the single '
         "statement every engine ran until this release. The keeper calls a renewal late once reservations have "
         "gone half the TTL without one (they normally go a third), so a tick must stay well under a sixth of "
         "the TTL: with the old statement, ticks of a second and more on a 10^6-row MariaDB ledger let a retry "
@@ -993,7 +1049,6 @@ def move_table(res: dict[str, Any]) -> list[str]:
     return out
 
 
-
 def _inflight(res: dict[str, Any]) -> list[str]:
     """(8)/(10) in flight: idemctl and idemkit through their ASGI middleware
     on PostgreSQL at 1, 10 and 50 requests in flight, against the raw
@@ -1027,8 +1082,7 @@ def _inflight(res: dict[str, Any]) -> list[str]:
         )
     lines += [
         "",
-        when
-        + f"{res['rounds']} alternated rounds of {res['requests_per_round']} requests per variant and level "
+        when + f"{res['rounds']} alternated rounds of {res['requests_per_round']} requests per variant and level "
         f"(median and min–max); pools of {res['pool_max_size']} connections; psycopg {v.get('psycopg')}"
         + (f", idemkit {v.get('idemkit')} (asyncpg {v.get('asyncpg')})" if kit else "")
         + ". The floor runs idemctl's own statements on psycopg's AsyncConnection: a first call is the claim "
@@ -1083,6 +1137,7 @@ def glance(b: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(out)
+
 
 INTRO_HEAD = """\
 # Performance
@@ -1264,11 +1319,12 @@ def _notes(b: dict[str, Any]) -> list[str]:
         notes.append(
             f"- **Growth (4).** From {_n(gr['sizes'][0]['rows'])} to {_n(gr['sizes'][-1]['rows'])} rows already "
             f"present, a claim stays within {min(ratios):.2f}–{max(ratios):.2f}× the raw claim under FULL: its "
-            "cost follows the floor's, which grows only by a B-tree level."
-            + _growth_gap(gr)
+            "cost follows the floor's, which grows only by a B-tree level." + _growth_gap(gr)
         )
     if sw := _ok(b, "sweep"):
-        runs = [(sw["cli"], sw["ratio_delete_only"])] + [(o["cli"], o["ratio_delete_only"]) for o in sw["cli_other_batches"]]
+        runs = [(sw["cli"], sw["ratio_delete_only"])] + [
+            (o["cli"], o["ratio_delete_only"]) for o in sw["cli_other_batches"]
+        ]
         default = sw["cli"]
         others = "; ".join(
             f"{c['batch_size']}-row batches drain in {r:.1f}× with a p99 of {c['claimer']['p99_ms']:.0f} ms"
@@ -1521,7 +1577,13 @@ def _asgi_notes(res: dict[str, Any]) -> list[str]:
 def render_page(r: dict[str, Any]) -> str:
     """All of docs/performance.md."""
     notes = _notes(r["benchmarks"])
-    parts = [INTRO_HEAD, glance(r["benchmarks"]), aims(r["benchmarks"], int((r.get("machine") or {}).get("nproc") or 2)), INTRO, render(r)]
+    parts = [
+        INTRO_HEAD,
+        glance(r["benchmarks"]),
+        aims(r["benchmarks"], int((r.get("machine") or {}).get("nproc") or 2)),
+        INTRO,
+        render(r),
+    ]
     if notes:
         parts += ["## Reading the tables\n", "\n".join(notes) + "\n"]
     parts.append(WRITER_QUEUE)

@@ -98,7 +98,9 @@ def scratch_ledger(engine: str, base: str) -> Iterator[tuple[str, Any]]:
         url = base.split("?", 1)[0].rsplit("/", 1)[0] + f"/{name}"
 
         def end_all() -> int:
-            cur.execute("SELECT id FROM information_schema.processlist WHERE db = %s AND id <> CONNECTION_ID()", (name,))
+            cur.execute(
+                "SELECT id FROM information_schema.processlist WHERE db = %s AND id <> CONNECTION_ID()", (name,)
+            )
             ids = [int(r[0]) for r in cur.fetchall()]
             for one in ids:
                 with contextlib.suppress(pymysql.MySQLError):
@@ -297,7 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
-    result = soak(args.engine, args.url or DEFAULT_URLS[args.engine], args.seconds, args.end_every, args.clients, args.workers)
+    result = soak(
+        args.engine, args.url or DEFAULT_URLS[args.engine], args.seconds, args.end_every, args.clients, args.workers
+    )
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0 if result["rerun_after_ack"] == 0 else 1
 

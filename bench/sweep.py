@@ -68,7 +68,7 @@ def per_request_batch(ctx: Context, big: str, reps: int, calls: int) -> dict[str
     ledgers = {"small": Ledger.open(small), "big": Ledger.open(big)}
     lat: dict[str, list[float]] = {"small": [], "big": []}
     for rep in range(reps):
-        for name in (("small", "big") if rep % 2 == 0 else ("big", "small")):
+        for name in ("small", "big") if rep % 2 == 0 else ("big", "small"):
             ledger = ledgers[name]
             t0 = time.perf_counter()
             deleted = sum(ledger.sweep(batch=20).keys_deleted for _ in range(calls))
@@ -200,7 +200,9 @@ def run(ctx: Context) -> dict[str, Any]:
     out["per_request_batch"] = per_request_batch(ctx, big, ctx.size(5, 2), ctx.size(10, 3))
     ctx.log(f"  sweep: per-request batch {out['per_request_batch']['ratio_big_to_small']['median']}x at 10^6 vs 10^3")
     out["memory_reads"] = memory_of_reads(big)
-    ctx.log(f"  memory: stats {out['memory_reads']['stats']['peak_rss_mib']} MiB, pending {out['memory_reads']['pending']['peak_rss_mib']} MiB")
+    ctx.log(
+        f"  memory: stats {out['memory_reads']['stats']['peak_rss_mib']} MiB, pending {out['memory_reads']['pending']['peak_rss_mib']} MiB"
+    )
     _checkpoint(big)
     expired = count_rows(big, "updated_at < ?", (cutoff,))
     out["expired_rows"] = expired
@@ -226,7 +228,9 @@ def run(ctx: Context) -> dict[str, Any]:
         out["cli_other_batches"].append(
             {"cli": run_, "ratio_delete_only": round(run_["sweep_s"] / out["floor"]["delete_s"], 3)}
         )
-        ctx.log(f"  sweep: idemctl sweep --batch-size {batch} {run_['sweep_s']} s, claimer p99 {run_['claimer']['p99_ms']} ms")
+        ctx.log(
+            f"  sweep: idemctl sweep --batch-size {batch} {run_['sweep_s']} s, claimer p99 {run_['claimer']['p99_ms']} ms"
+        )
     # Transaction lengths, timed one batch at a time on a fresh copy: the
     # first batches of each size, the largest last (it may drain the rest).
     ledger = Ledger.open(timed)

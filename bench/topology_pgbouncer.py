@@ -116,9 +116,7 @@ def run(
             base = server
             if mode is not None:
                 if (mode, ignore) not in bouncers:
-                    bouncers[mode, ignore] = stack.enter_context(
-                        running_pgbouncer(mode, server, ignore_options=ignore)
-                    )
+                    bouncers[mode, ignore] = stack.enter_context(running_pgbouncer(mode, server, ignore_options=ignore))
                 base = bouncers[mode, ignore].url(server.split("?", 1)[0].rsplit("/", 1)[1])
             with _schema(server) as schema:
                 # The schema is made on the server itself: statement pooling refuses init's transaction.

@@ -213,9 +213,11 @@ def add_attachment(order_id: int) -> Response:
     db = orders_db()
     try:
         _find_order(db, account, order_id)
-        pk = db["attachments"].insert(
-            {"order_id": order_id, "account": account, "content_type": content_type, "data": data}
-        ).last_pk
+        pk = (
+            db["attachments"]
+            .insert({"order_id": order_id, "account": account, "content_type": content_type, "data": data})
+            .last_pk
+        )
     finally:
         db.close()
     response = Response(data, status=201, content_type=content_type)

@@ -192,7 +192,7 @@ def check_key(key: object) -> str:
     if parsed is None and is_key_list(key):
         raise InvalidKeyError(
             f"invalid Idempotency-Key {key!r}: a comma outside quotes makes it a list of keys "
-            "(send a key holding a comma as an sf-string: \"a,b\")"
+            '(send a key holding a comma as an sf-string: "a,b")'
         )
     if parsed is None:
         raise InvalidKeyError(f"invalid Idempotency-Key {key!r}: must be 1-255 printable ASCII characters")

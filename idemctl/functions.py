@@ -76,6 +76,8 @@ class CallLedger(Protocol):
     def complete_steps(
         self, reservation: Reservation, status: int, headers: None, body: bytes, *, now: int | None = None
     ) -> decision.Steps[Completion]: ...
+
+
 ReleasePolicy = bool | Callable[[BaseException], bool]
 
 log = logging.getLogger("idemctl")
@@ -223,8 +225,16 @@ class IdempotentCall:
         if reservation is None or self._ended or self._result is not None:
             raise RuntimeError("discard() needs a call that this block runs and has not stored")
         self._ended = True
-        ticket = Ticket(reservation, self.outcome or Outcome.EXECUTED, b"", self._started_at, "CALL", self._name,
-                        self._ledger_s * 1000, self._owned_at)
+        ticket = Ticket(
+            reservation,
+            self.outcome or Outcome.EXECUTED,
+            b"",
+            self._started_at,
+            "CALL",
+            self._name,
+            self._ledger_s * 1000,
+            self._owned_at,
+        )
         return self.ledger.abandon_steps(ticket, release=True)
 
     # -- the context manager, sync and async --------------------------------------------
@@ -296,8 +306,12 @@ class IdempotentCall:
             try:
                 yield from self.ledger.release_steps(made.reservation)
             except IdemctlError as exc:
-                log.error("could not release the claim of a cancelled call principal=%s key=%s: %s",
-                          self.principal, self.key, exc)
+                log.error(
+                    "could not release the claim of a cancelled call principal=%s key=%s: %s",
+                    self.principal,
+                    self.key,
+                    exc,
+                )
 
     def _publish(
         self, outcome: Outcome, generation: int | None, started: float, app_s: float | None, *, at: int | None = None
@@ -331,8 +345,16 @@ class IdempotentCall:
         if self._result is None and exc is not None:
             policy = self.release_on_error
             release = bool(policy(exc) if callable(policy) else policy)
-            ticket = Ticket(reservation, self.outcome or Outcome.EXECUTED, b"", self._started_at, "CALL", self._name,
-                            self._ledger_s * 1000, self._owned_at)
+            ticket = Ticket(
+                reservation,
+                self.outcome or Outcome.EXECUTED,
+                b"",
+                self._started_at,
+                "CALL",
+                self._name,
+                self._ledger_s * 1000,
+                self._owned_at,
+            )
             yield from self.ledger.abandon_steps(ticket, release=release)
             return
         yield from self._store_value(reservation, None if self._result is None else self._result[0])

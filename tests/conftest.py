@@ -33,6 +33,7 @@ def pgbouncer_params(names: list[str]) -> list[object]:
     extra = [pytest.param(name, marks=pytest.mark.slow) for name in PGBOUNCER_BACKENDS] if "postgres" in names else []
     return [*names, *extra]
 
+
 # The PostgreSQL half runs against this server; CI fails when it is missing,
 # anywhere else those tests are skipped with one reason.
 POSTGRES_URL_ENV = "IDEMCTL_TEST_POSTGRES_URL"
@@ -177,7 +178,9 @@ def mysql_server() -> str:
 
 
 @pytest.fixture
-def ledger_target(backend_name: str, tmp_path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def ledger_target(
+    backend_name: str, tmp_path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
     """Where a fresh, empty ledger lives for this test (a path or a URL)."""
     if backend_name in ("sqlite", "sqlite-group"):  # sqlite-group: a few modules' group-commit variant
         yield str(tmp_path / "ledger.db")
@@ -197,7 +200,9 @@ def make_ledger(ledger_target: str, clock: FakeClock) -> Iterator[Callable[..., 
     """Open (and init) ledgers on this test's target; all are closed afterwards."""
     opened: list[Ledger] = []
 
-    def factory(*, policy: Policy | None = None, clock_fn: Callable[[], int] | None = None, init: bool = True, **kw: object) -> Ledger:
+    def factory(
+        *, policy: Policy | None = None, clock_fn: Callable[[], int] | None = None, init: bool = True, **kw: object
+    ) -> Ledger:
         ledger = Ledger.open(ledger_target, policy=policy, clock=clock_fn or clock, **kw)  # type: ignore[arg-type]
         opened.append(ledger)
         if init:
@@ -212,7 +217,6 @@ def make_ledger(ledger_target: str, clock: FakeClock) -> Iterator[Callable[..., 
 @pytest.fixture
 def ledger(make_ledger: Callable[..., Ledger]) -> Ledger:
     return make_ledger()
-
 
 
 @pytest.fixture(scope="session")

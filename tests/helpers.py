@@ -106,8 +106,7 @@ def postgres_test_schema(base: str, monkeypatch: pytest.MonkeyPatch, *, via: str
             # which could hold a lock on the schema, is ended.
             admin.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                " WHERE application_name = %s AND pid <> pg_backend_pid()"
-                + (" AND state <> 'idle'" if via else ""),
+                " WHERE application_name = %s AND pid <> pg_backend_pid()" + (" AND state <> 'idle'" if via else ""),
                 (app,),
             )
             admin.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
@@ -143,7 +142,9 @@ def mysql_test_database(base: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[
         for engine in opened:
             engine.close()
         with contextlib.closing(admin()) as conn, conn.cursor() as cur:
-            cur.execute("SELECT id FROM information_schema.processlist WHERE db = %s AND id <> CONNECTION_ID()", (name,))
+            cur.execute(
+                "SELECT id FROM information_schema.processlist WHERE db = %s AND id <> CONNECTION_ID()", (name,)
+            )
             for (thread_id,) in cur.fetchall():
                 with contextlib.suppress(pymysql.MySQLError):
                     cur.execute(f"KILL {int(thread_id)}")

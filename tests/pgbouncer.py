@@ -121,7 +121,9 @@ def running_pgbouncer(mode: str, server_url: str, *, ignore_options: bool = Fals
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def start_or_skip(mode: str, server_url: str, *, ignore_options: bool = False) -> contextlib.AbstractContextManager[PgBouncer]:
+def start_or_skip(
+    mode: str, server_url: str, *, ignore_options: bool = False
+) -> contextlib.AbstractContextManager[PgBouncer]:
     """`running_pgbouncer`, or skip (fail under CI) with the reason it cannot run."""
     reason = missing_reason()
     if reason is not None:

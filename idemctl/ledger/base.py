@@ -127,7 +127,10 @@ class LedgerBase:
         60
         """
         sqlite = SqliteOptions(
-            create=create, synchronous=synchronous, write_queue=write_queue, file_mode=file_mode,
+            create=create,
+            synchronous=synchronous,
+            write_queue=write_queue,
+            file_mode=file_mode,
             group_commit=group_commit,
         )
         engine = open_engine(target, readonly=readonly, busy_timeout_ms=busy_timeout_ms, sqlite=sqlite)

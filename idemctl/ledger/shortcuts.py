@@ -96,4 +96,3 @@ class FunctionShortcuts(RequestFlow, Maintenance):
         """
         settings = functions.CallSettings(name, serializer, release_on_error)
         return functions.IdempotentCall(self, principal=principal, key=key, args=args, settings=settings)
-

@@ -156,7 +156,6 @@ class CopyStatements(StoreBase):
     def count_rows(self) -> int:
         return int(self._read(COUNT_ROWS)[0][0])
 
-
     def copy_page(self, after: tuple[str, str] | None, limit: int, *, with_token: bool = True) -> list[LedgerRow]:
         """At most `limit` rows in primary-key order, after `after` (None: from the start).
         A ledger older than the token column copies its rows with none."""

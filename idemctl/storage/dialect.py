@@ -87,6 +87,7 @@ RETURNING updated_at
 def _tally_returned(rows: list[tuple[Any, ...]]) -> tuple[int, int | None]:
     return len(rows), max((int(r[0]) for r in rows), default=None)
 
+
 # PostgreSQL has no DELETE … LIMIT either. An InitPlan walks the updated_at
 # index oldest first from `:after` (rows deleted by earlier batches stay in
 # the index as dead entries until VACUUM: a walk from the index's start would

@@ -122,9 +122,7 @@ _SESSION = (
 _READ_ONLY_SESSION = "SET SESSION TRANSACTION READ ONLY"
 # One round trip for what a new connection must know; `wsrep_on` is absent
 # on MySQL and OFF on a MariaDB server that is not a Galera node.
-_SERVER_FACTS = (
-    "SHOW SESSION VARIABLES WHERE Variable_name IN ('max_allowed_packet', 'wsrep_on', 'wsrep_sync_wait')"
-)
+_SERVER_FACTS = "SHOW SESSION VARIABLES WHERE Variable_name IN ('max_allowed_packet', 'wsrep_on', 'wsrep_sync_wait')"
 _SYNC_WAIT = "SET SESSION wsrep_sync_wait = %s"
 # The variables (the ledger's session) and status values `idemctl doctor`
 # assesses (replication_mysql.py).

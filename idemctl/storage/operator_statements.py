@@ -137,4 +137,3 @@ class OperatorStatements(StoreBase):
         if not seen:
             return PurgeResult(PurgeOutcome.NOT_FOUND, None)
         return PurgeResult(PurgeOutcome.REFUSED_FRESH_PENDING, self.decode_row(tuple(seen[0][:-1])))
-

@@ -85,7 +85,6 @@ def as_stored(body: bytes | None) -> str | bytes | None:
         return body
 
 
-
 def database_ms(rows: Rows) -> int:
     return int(rows[0][0])
 

@@ -369,7 +369,6 @@ class Store(CopyStatements, OperatorStatements):
         return keys, len(results[1]) if fenced_cutoff is not None else 0
 
 
-
 # What other modules import from here, where they live now.
 __all__ = [
     "LedgerRow",

@@ -53,6 +53,7 @@ def _duplicate(exc: Exception) -> bool:
     text = str(exc).lower()
     return "idx_idempotency_keys_key_id" in text or ("key_id" in text and ("unique" in text or "duplicate" in text))
 
+
 # -- the store's vocabulary: what the ledger asks it to run -------------------------
 # The decision loop (idemctl/decision.py) and every multi-statement
 # operation (the claim then the lookup, the fenced-out event, the

@@ -66,8 +66,10 @@ class Orders:
         if self.fail:
             raise RuntimeError("the mutation failed")
         n = len(self.runs)
-        return self.status, [("Content-Type", "application/json"), ("Location", f"/orders/{n}"), ("X-Trace", "t")], (
-            b'{"id":%d}' % n
+        return (
+            self.status,
+            [("Content-Type", "application/json"), ("Location", f"/orders/{n}"), ("X-Trace", "t")],
+            (b'{"id":%d}' % n),
         )
 
 
@@ -123,7 +125,13 @@ class AsgiClient:
                 if not message.get("more_body"):
                     break
             status, headers, out = await asyncio.get_running_loop().run_in_executor(None, orders.answer, body)
-            await send({"type": "http.response.start", "status": status, "headers": [(k.lower().encode(), v.encode()) for k, v in headers]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [(k.lower().encode(), v.encode()) for k, v in headers],
+                }
+            )
             # Streamed in two pieces: the stored answer joins them.
             await send({"type": "http.response.body", "body": out[:3], "more_body": True})
             await send({"type": "http.response.body", "body": out[3:]})
@@ -141,7 +149,11 @@ class AsgiClient:
             "path": raw_path,
             "raw_path": raw_path.encode(),
             "query_string": query.encode(),
-            "headers": [(k.lower().encode(), v.encode()) for k, vs in headers.items() for v in (vs if isinstance(vs, list) else [vs])]
+            "headers": [
+                (k.lower().encode(), v.encode())
+                for k, vs in headers.items()
+                for v in (vs if isinstance(vs, list) else [vs])
+            ]
             + [(b"content-length", str(len(body)).encode())],
             "user": user,
         }
@@ -189,7 +201,9 @@ class FastApiClient:
         self.client = TestClient(app, raise_server_exceptions=True)
 
     def request(self, method: str, path: str, body: bytes, headers: dict[str, str], user: str | None) -> Reply:
-        sent = [(name, v.encode("latin-1")) for name, vs in headers.items() for v in (vs if isinstance(vs, list) else [vs])]
+        sent = [
+            (name, v.encode("latin-1")) for name, vs in headers.items() for v in (vs if isinstance(vs, list) else [vs])
+        ]
         if user is not None:
             sent.append(("X-User", user.encode("latin-1")))
         if len(path) > 60_000:  # past httpx's own URL bound: straight to the ASGI app
@@ -349,7 +363,15 @@ def mw_client_for(middleware: str, make_ledger: Callable[..., Ledger]):
     return _factory(middleware, make_ledger)
 
 
-def post(client, *, key: str | list[str] | None = "k-1", body: bytes = ORDER, user: str | None = "acct_A", path: str = "/orders", ctype: str = "application/json") -> Reply:
+def post(
+    client,
+    *,
+    key: str | list[str] | None = "k-1",
+    body: bytes = ORDER,
+    user: str | None = "acct_A",
+    path: str = "/orders",
+    ctype: str = "application/json",
+) -> Reply:
     headers = {"Content-Type": ctype}
     if key is not None:
         headers["Idempotency-Key"] = key  # type: ignore[assignment]  # a list: several fields
@@ -386,7 +408,11 @@ def test_replayed_header_is_opt_in(client_for):
             400,
             b'{"error":"idempotency_key_invalid","message":"Idempotency-Key must be 1-255 printable ASCII characters."}',
         ),
-        ({"key": "x" * 256}, 400, b'{"error":"idempotency_key_invalid","message":"Idempotency-Key must be 1-255 printable ASCII characters."}'),
+        (
+            {"key": "x" * 256},
+            400,
+            b'{"error":"idempotency_key_invalid","message":"Idempotency-Key must be 1-255 printable ASCII characters."}',
+        ),
         ({"user": None}, 401, b'{"error":"unauthenticated","message":"No authenticated principal for this request."}'),
     ],
     ids=["no-key", "empty-key", "non-ascii-key", "long-key", "no-principal"],
@@ -680,7 +706,9 @@ def test_an_error_raised_after_the_claim_leaves_the_reservation_pending_and_publ
 
 # -- the key as the IETF draft sends it: an sf-string ------------------------------------------
 DRAFT_KEY = "8e03978e-40d5-43e8-bc93-6894a57f9324"
-INVALID_KEY = b'{"error":"idempotency_key_invalid","message":"Idempotency-Key must be 1-255 printable ASCII characters."}'
+INVALID_KEY = (
+    b'{"error":"idempotency_key_invalid","message":"Idempotency-Key must be 1-255 printable ASCII characters."}'
+)
 
 
 def test_the_quoted_and_the_bare_key_are_one_reservation_through_every_adapter(client_for):
@@ -723,8 +751,19 @@ KEY_LIST = (
         (["t2", "t2"], KEY_LIST),  # two fields, joined by the WSGI server or seen apart
         (['"t2"', '"t2"'], KEY_LIST),
     ],
-    ids=["space-before-param", "tab-before-param", "upper-param", "empty-param-value", "trailing-semicolon",
-         "quoted-list", "quoted-list-spaced", "bare-list", "bare-list-no-space", "two-fields", "two-quoted-fields"],
+    ids=[
+        "space-before-param",
+        "tab-before-param",
+        "upper-param",
+        "empty-param-value",
+        "trailing-semicolon",
+        "quoted-list",
+        "quoted-list-spaced",
+        "bare-list",
+        "bare-list-no-space",
+        "two-fields",
+        "two-quoted-fields",
+    ],
 )
 def test_a_key_that_is_no_single_sf_item_is_400_and_nothing_runs_through_every_adapter(client_for, value, body):
     orders = Orders()
@@ -740,7 +779,12 @@ def test_a_key_that_is_no_single_sf_item_is_400_and_nothing_runs_through_every_a
 
 @pytest.mark.parametrize(
     ("value", "key"),
-    [('"lx"; x=1', "lx"), ('"lx";x=1;y="a b";z=?0;w=:YQ==:;v=tok/1;u=-1.5', "lx"), ('"a,b"', "a,b"), ("a;x=1", "a;x=1")],
+    [
+        ('"lx"; x=1', "lx"),
+        ('"lx";x=1;y="a b";z=?0;w=:YQ==:;v=tok/1;u=-1.5', "lx"),
+        ('"a,b"', "a,b"),
+        ("a;x=1", "a;x=1"),
+    ],
     ids=["space-after-semicolon", "every-bare-item", "comma-inside-quotes", "bare-with-semicolon"],
 )
 def test_a_single_item_with_parameters_is_its_key_through_every_adapter(client_for, value, key):
@@ -755,8 +799,6 @@ def test_a_255_character_key_in_quotes_is_accepted_through_every_adapter(client_
     client, ledger = client_for(Orders())
     assert post(client, key='"' + "k" * 255 + '"').status == 201
     assert ledger.lookup("acct_A", "k" * 255) is not None
-
-
 
 
 # -- problem details on request ---------------------------------------------------------------
@@ -803,7 +845,11 @@ def test_with_problem_details_409s_keep_retry_after_and_their_members(client_for
         runner.join(10)
     reused = post(client, body=b'{"sku":"coffee"}')
     replay = post(client)
-    assert (busy.status, busy.header("Retry-After"), busy.header("Content-Type")) == (409, "30", "application/problem+json")
+    assert (busy.status, busy.header("Retry-After"), busy.header("Content-Type")) == (
+        409,
+        "30",
+        "application/problem+json",
+    )
     assert json.loads(busy.body)["retry_after_ms"] == 30000
     assert json.loads(busy.body)["type"] == "urn:idemctl:problem:idempotency_key_in_progress"
     assert json.loads(reused.body)["type"] == "urn:idemctl:problem:idempotency_key_reused"
@@ -814,7 +860,11 @@ def test_with_problem_details_409s_keep_retry_after_and_their_members(client_for
 def test_with_problem_details_an_unavailable_ledger_is_problem_json_with_retry_after(adapter, tmp_path):
     missing = Ledger.open(tmp_path / "never-initialised.db", policy=Policy(problem_details=True))
     reply = post(CLIENTS[adapter](missing, Orders()))
-    assert (reply.status, reply.header("Retry-After"), reply.header("Content-Type")) == (503, "1", "application/problem+json")
+    assert (reply.status, reply.header("Retry-After"), reply.header("Content-Type")) == (
+        503,
+        "1",
+        "application/problem+json",
+    )
     assert json.loads(reply.body)["type"] == "urn:idemctl:problem:idempotency_ledger_unavailable"
 
 
@@ -835,7 +885,9 @@ def test_a_request_target_over_64_kib_is_414_and_nothing_is_claimed(client_for):
     assert (reply.status, reply.body) == (414, TARGET_TOO_LONG)
     assert reply.lowered == [("content-type", "application/json"), ("content-length", str(len(TARGET_TOO_LONG)))]
     assert orders.runs == [] and ledger.stats().total == 0
-    assert [(e.outcome.value, e.status, e.principal, e.key) for e in seen] == [("request_refused", 414, "acct_A", "k-1")]
+    assert [(e.outcome.value, e.status, e.principal, e.key) for e in seen] == [
+        ("request_refused", 414, "acct_A", "k-1")
+    ]
     # The same client with a sane target is served as ever.
     assert post(client).status == 201
 

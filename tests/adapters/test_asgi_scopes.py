@@ -72,7 +72,13 @@ def test_an_unprotected_method_reaches_the_app_with_its_own_body_and_no_ledger_w
     middleware = IdempotencyMiddleware(app, ledger, principal=lambda scope: "acct")
     sent = run(
         middleware,
-        {"type": "http", "method": "GET", "path": "/orders", "headers": [(b"idempotency-key", b"k")], "query_string": b""},
+        {
+            "type": "http",
+            "method": "GET",
+            "path": "/orders",
+            "headers": [(b"idempotency-key", b"k")],
+            "query_string": b"",
+        },
         [{"type": "http.request", "body": b"q", "more_body": False}],
     )
     assert sent == [

@@ -124,7 +124,9 @@ def test_safe_methods_pass_through_without_a_key_or_a_user(ledger):
 
 def test_a_principal_named_by_dotted_path_replaces_request_user(ledger):
     orders = Orders()
-    site = Site([path("orders", orders.view)], {"LEDGER": ledger, "PRINCIPAL": "tests.adapters.test_django.header_principal"})
+    site = Site(
+        [path("orders", orders.view)], {"LEDGER": ledger, "PRINCIPAL": "tests.adapters.test_django.header_principal"}
+    )
     assert site.post("/orders", ORDER, X_User="acct_A").status_code == 201
     assert ledger.lookup("acct_A", "k-1").response_status == 201
 
@@ -179,7 +181,11 @@ class DrfOrders:
 
         bases = (IdempotencyMixin, d.APIView) if mixin else (d.APIView,)
         permission = d.AllowAny if open_to_anonymous else d.IsAuthenticated
-        attributes = {"authentication_classes": [d.TokenAuthentication], "permission_classes": [permission], "post": post}
+        attributes = {
+            "authentication_classes": [d.TokenAuthentication],
+            "permission_classes": [permission],
+            "post": post,
+        }
         self.view = type("OrderList", bases, attributes).as_view()
 
 
@@ -245,7 +251,10 @@ def test_a_drf_validation_error_is_the_stored_answer_and_is_replayed(ledger):
     token = {"Authorization": f"Token {token_for(make_user())}"}
     first = site.post("/api/orders", b'{"sku":"tea","qty":0}', **token)
     again = site.post("/api/orders", b'{"sku":"tea","qty":0}', **token)
-    assert (first.status_code, json.loads(first.content)) == (400, {"qty": ["Ensure this value is greater than or equal to 1."]})
+    assert (first.status_code, json.loads(first.content)) == (
+        400,
+        {"qty": ["Ensure this value is greater than or equal to 1."]},
+    )
     assert wire(again) == wire(first)
     assert (orders.attempts, orders.runs) == (1, [])
 
@@ -399,16 +408,24 @@ def test_marked_views_and_exempt_paths(ledger):
         {
             "LEDGER": ledger,
             "PRINCIPAL": header_principal,
-            "EXEMPT_PATHS": ["/hooks/", re.compile(r"/callbacks/\d+\Z"), lambda request: "HTTP_X_INTERNAL" in request.META],
+            "EXEMPT_PATHS": [
+                "/hooks/",
+                re.compile(r"/callbacks/\d+\Z"),
+                lambda request: "HTTP_X_INTERNAL" in request.META,
+            ],
         },
     )
 
     def keyless(path_: str, **headers: str) -> Any:
         return site.post(path_, key=None, X_User="acct_A", **headers)
 
-    assert [keyless(p).status_code for p in ("/login", "/session", "/ping", "/ping", "/hooks/free", "/callbacks/7")] == [200] * 6
+    assert [
+        keyless(p).status_code for p in ("/login", "/session", "/ping", "/ping", "/hooks/free", "/callbacks/7")
+    ] == [200] * 6
     assert keyless("/orders", X_Internal="1").status_code == 201
-    assert (keyless("/hooks/strict").content, keyless("/callbacks/x").content, keyless("/orders").content) == (KEY_REQUIRED,) * 3
+    assert (keyless("/hooks/strict").content, keyless("/callbacks/x").content, keyless("/orders").content) == (
+        KEY_REQUIRED,
+    ) * 3
     assert runs == ["login", "session", "ping", "ping", "free", "callback", "order"]
     assert ledger.stats().total == 0
     # A key-optional view with a key is protected as usual.
@@ -516,7 +533,9 @@ def test_a_multipart_upload_behind_csrf_checks_is_fingerprinted_and_replayed(led
 def test_a_chunked_body_django_cannot_read_is_411_before_any_claim(ledger):
     orders = Orders()
     site = Site([path("orders", orders.view)], {"LEDGER": ledger, "PRINCIPAL": header_principal})
-    reply = site.request("POST", "/orders", b"", {"Idempotency-Key": "c-1", "X-User": "acct_A", "Transfer-Encoding": "chunked"})
+    reply = site.request(
+        "POST", "/orders", b"", {"Idempotency-Key": "c-1", "X-User": "acct_A", "Transfer-Encoding": "chunked"}
+    )
     status, _, body = responses.length_required()
     assert (reply.status_code, reply.content) == (status, body) == (411, body)
     assert orders.runs == [] and ledger.stats().total == 0

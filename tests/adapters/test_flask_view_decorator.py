@@ -181,14 +181,20 @@ def test_the_decorator_sends_what_the_wsgi_middleware_sends(ledger, streamed):
     plain.add_url_rule("/orders", "orders", answer, methods=["POST"])
     wrapped = IdempotencyMiddleware(plain.wsgi_app, ledger, principal=lambda environ: "acct_A")
     decorated = flask.Flask("decorated")
-    decorated.add_url_rule("/orders", "orders", idempotent(ledger, principal=lambda: "acct_A")(answer), methods=["POST"])
+    decorated.add_url_rule(
+        "/orders", "orders", idempotent(ledger, principal=lambda: "acct_A")(answer), methods=["POST"]
+    )
 
     by_middleware = _wsgi_call(wrapped, "by-middleware")
     by_decorator = _wsgi_call(decorated, "by-decorator")
-    assert by_decorator == by_middleware == (
-        "201 Created",
-        [("content-type", "application/json"), ("location", "/orders/7"), ("content-length", "8")],
-        b'{"id":7}',
+    assert (
+        by_decorator
+        == by_middleware
+        == (
+            "201 Created",
+            [("content-type", "application/json"), ("location", "/orders/7"), ("content-length", "8")],
+            b'{"id":7}',
+        )
     )
     assert _wsgi_call(decorated, "by-decorator") == by_decorator
     assert ledger.lookup("acct_A", "by-decorator").fingerprint == ledger.lookup("acct_A", "by-middleware").fingerprint

@@ -195,7 +195,11 @@ def test_fastapi_waiting_duplicates_beyond_anyios_thread_pool_all_get_the_replay
 async def asgi_post(app, key: str = "k-1") -> list[dict]:  # type: ignore[no-untyped-def]
     """One POST through an ASGI app: every message it sent."""
     scope = {
-        "type": "http", "method": "POST", "path": "/orders", "raw_path": b"/orders", "query_string": b"",
+        "type": "http",
+        "method": "POST",
+        "path": "/orders",
+        "raw_path": b"/orders",
+        "query_string": b"",
         "headers": [(b"idempotency-key", key.encode()), (b"content-length", b"2")],
         "extensions": {"http.response.trailers": {}},
     }
@@ -221,8 +225,14 @@ def test_asgi_trailers_are_left_out_and_the_answer_is_stored_and_replayed(make_l
 
     async def orders(scope, receive, send):  # type: ignore[no-untyped-def]
         runs.append(1)
-        await send({"type": "http.response.start", "status": 201, "trailers": True,
-                    "headers": [(b"content-type", b"text/plain"), (b"trailer", b"x-checksum")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 201,
+                "trailers": True,
+                "headers": [(b"content-type", b"text/plain"), (b"trailer", b"x-checksum")],
+            }
+        )
         await send({"type": "http.response.body", "body": b"made"})
         await send({"type": "http.response.trailers", "headers": [(b"x-checksum", b"abc")], "more_trailers": True})
         await send({"type": "http.response.trailers", "headers": [], "more_trailers": False})

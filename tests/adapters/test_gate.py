@@ -430,7 +430,9 @@ def test_a_task_cancelled_while_its_call_is_claiming_leaves_no_orphan_claim(ledg
     ],
     ids=["control-in-target", "control-in-method", "over-64-kib-in-utf-8"],
 )
-def test_the_gate_refuses_a_request_line_the_ledger_cannot_take_sync_and_async(make_ledger, method, target, status, error):
+def test_the_gate_refuses_a_request_line_the_ledger_cannot_take_sync_and_async(
+    make_ledger, method, target, status, error
+):
     import json
 
     from idemctl.gate import Gate
@@ -448,6 +450,10 @@ def test_the_gate_refuses_a_request_line_the_ledger_cannot_take_sync_and_async(m
         asyncio.run(gate.begin_async("acct_A", "k-1", method, target, [], b"{}", in_thread)),
     ]
     for answer in answers:
-        assert (answer.status, json.loads(answer.body)["error"], answer.outcome) == (status, error, Outcome.REQUEST_REFUSED)
+        assert (answer.status, json.loads(answer.body)["error"], answer.outcome) == (
+            status,
+            error,
+            Outcome.REQUEST_REFUSED,
+        )
     assert seen == [Outcome.REQUEST_REFUSED] * 2
     assert ledger.stats().total == 0

@@ -47,7 +47,9 @@ def test_a_row_the_recipe_stored_with_the_quotes_is_replayed_and_nothing_runs(
     orders = Orders()
     client = CLIENTS[adapter](ledger, orders)
 
-    reply = client.request("POST", "/orders", ORDER, {"Content-Type": "application/json", "Idempotency-Key": header}, "alice")
+    reply = client.request(
+        "POST", "/orders", ORDER, {"Content-Type": "application/json", "Idempotency-Key": header}, "alice"
+    )
 
     assert (reply.status, reply.body) == (201, b'{"id":7}')
     assert reply.header("location") == "/orders/7"
@@ -63,7 +65,11 @@ def test_a_different_request_under_the_quoted_key_is_refused_not_run(make_ledger
     recipe.insert_completed("alice", '"legacy-1"', fingerprint, 201, STORED_HEADERS, '{"id":7}', clock.now)
     orders = Orders()
     reply = WsgiClient(ledger, orders).request(
-        "POST", "/orders", b'{"sku":"other"}', {"Content-Type": "application/json", "Idempotency-Key": '"legacy-1"'}, "alice"
+        "POST",
+        "/orders",
+        b'{"sku":"other"}',
+        {"Content-Type": "application/json", "Idempotency-Key": '"legacy-1"'},
+        "alice",
     )
     assert reply.status == 409
     assert json.loads(reply.body)["error"] == "idempotency_key_reused"
@@ -120,11 +126,15 @@ def test_an_old_writer_and_idemctl_handling_the_same_quoted_key_at_once_run_it_o
             thread.start()
             start.wait(10)
             replies.append(
-                client.request("POST", "/orders", ORDER, {"Content-Type": "application/json", "Idempotency-Key": key}, "alice")
+                client.request(
+                    "POST", "/orders", ORDER, {"Content-Type": "application/json", "Idempotency-Key": key}, "alice"
+                )
             )
             thread.join(30)
             assert not thread.is_alive()
-            assert len(old_runs) + len(orders.runs) == n + 1, f"round {n}: {len(old_runs)} old runs, {len(orders.runs)} idemctl runs"
+            assert len(old_runs) + len(orders.runs) == n + 1, (
+                f"round {n}: {len(old_runs)} old runs, {len(orders.runs)} idemctl runs"
+            )
     finally:
         for writer in writers:
             writer.close()
@@ -133,7 +143,9 @@ def test_an_old_writer_and_idemctl_handling_the_same_quoted_key_at_once_run_it_o
     assert len(old_runs) + len(orders.runs) == ROUNDS
 
 
-def test_a_stale_reservation_an_old_writer_left_under_the_quoted_key_is_taken_over_once(make_ledger, ledger_target, clock):
+def test_a_stale_reservation_an_old_writer_left_under_the_quoted_key_is_taken_over_once(
+    make_ledger, ledger_target, clock
+):
     """The recipe's Worker claimed "legacy-1" and died: the retry takes its
     row over (by key_id), runs once, stores its answer; the dead owner's late
     completion is fenced out by the generation, as in the recipe."""
@@ -147,11 +159,17 @@ def test_a_stale_reservation_an_old_writer_left_under_the_quoted_key_is_taken_ov
         client = WsgiClient(ledger, orders)
         headers = {"Content-Type": "application/json", "Idempotency-Key": '"legacy-1"'}
         first = client.request("POST", "/orders", ORDER, headers, "alice")
-        writer.complete("alice", '"legacy-1"', 201, STORED_HEADERS, '{"id":"late"}', clock.now)  # fenced: generation moved on
+        writer.complete(
+            "alice", '"legacy-1"', 201, STORED_HEADERS, '{"id":"late"}', clock.now
+        )  # fenced: generation moved on
         again = client.request("POST", "/orders", ORDER, headers, "alice")
     finally:
         writer.close()
     assert (first.status, first.body, len(orders.runs)) == (201, b'{"id":1}', 1)
     assert (again.status, again.body, len(orders.runs)) == (201, b'{"id":1}', 1)
     view = ledger.get("alice", "legacy-1")
-    assert view is not None and (view.row.key, view.row.generation, view.row.response_body) == ('"legacy-1"', 2, '{"id":1}')
+    assert view is not None and (view.row.key, view.row.generation, view.row.response_body) == (
+        '"legacy-1"',
+        2,
+        '{"id":1}',
+    )

@@ -91,7 +91,9 @@ def test_sixteen_threads_racing_one_key_run_the_handler_once(system: peers_syste
         assert set(others) <= {"in_progress", "replayed"}, facts
 
 
-def test_a_late_writer_after_a_takeover_leaves_the_newer_answer_stored_or_overwrites_it(system: peers_systems.System) -> None:
+def test_a_late_writer_after_a_takeover_leaves_the_newer_answer_stored_or_overwrites_it(
+    system: peers_systems.System,
+) -> None:
     facts = peers_facts.late_writer(system, TTL_S)
     assert facts["b_reply"] == "ran B"  # B took the stalled key over and ran
     assert facts["stored_after_b"] == "B"

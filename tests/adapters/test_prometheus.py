@@ -100,10 +100,16 @@ def test_gunicorn_workers_report_every_decision_through_any_one_of_them(tmp_path
     headers = {"X-Api-Key": "demo-key-A", "Content-Type": "application/json"}
     with GunicornServer(tmp_path, workers=3, metrics=True) as srv:
         for i in range(12):
-            first = requests.post(srv.url + "/orders", data=order, headers={**headers, "Idempotency-Key": f"m-{i}"}, timeout=10)
-            again = requests.post(srv.url + "/orders", data=order, headers={**headers, "Idempotency-Key": f"m-{i}"}, timeout=10)
+            first = requests.post(
+                srv.url + "/orders", data=order, headers={**headers, "Idempotency-Key": f"m-{i}"}, timeout=10
+            )
+            again = requests.post(
+                srv.url + "/orders", data=order, headers={**headers, "Idempotency-Key": f"m-{i}"}, timeout=10
+            )
             assert (first.status_code, again.status_code) == (201, 201)
-        reused = requests.post(srv.url + "/orders", data=b'{"sku":"x"}', headers={**headers, "Idempotency-Key": "m-0"}, timeout=10)
+        reused = requests.post(
+            srv.url + "/orders", data=b'{"sku":"x"}', headers={**headers, "Idempotency-Key": "m-0"}, timeout=10
+        )
         assert reused.status_code == 409
         # Whichever worker answers the scrape, it reports all workers' counts.
         scrapes = [requests.get(srv.url + "/metrics", timeout=10).text for _ in range(6)]

@@ -142,7 +142,9 @@ def test_a_long_dropped_value_is_quoted_in_the_log_up_to_200_characters(ledger, 
     with caplog.at_level(logging.ERROR, logger="idemctl"):
         ledger.handle("acct_A", "k1", "POST", "/orders", [], BODY, run)
     assert idemctl_errors(caplog) == [
-        "response header 'location' not stored for principal='acct_A' key='k1': its value contains CR, LF or NUL: '/x\\r\\n" + "a" * 196 + "'..."
+        "response header 'location' not stored for principal='acct_A' key='k1': its value contains CR, LF or NUL: '/x\\r\\n"
+        + "a" * 196
+        + "'..."
     ]
 
 
@@ -347,4 +349,9 @@ def test_gunicorn_replays_a_foreign_row_with_a_crlf_location_as_200_not_500(tmp_
         assert answer.headers["Content-Type"] == "text/plain"
         assert "Location" not in answer.headers and "Set-Cookie" not in answer.headers
     assert srv.count_orders("tea") == 0
-    assert log.count("response header 'location' not replayed for principal='acct_A' key='foreign-1': its value contains CR, LF or NUL") == 2
+    assert (
+        log.count(
+            "response header 'location' not replayed for principal='acct_A' key='foreign-1': its value contains CR, LF or NUL"
+        )
+        == 2
+    )

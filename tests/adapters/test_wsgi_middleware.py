@@ -487,7 +487,11 @@ def test_an_unregistered_status_code_gets_its_class_phrase_on_first_answer_and_r
     first = call(app, environ(path="/odd-status"))
     assert first.status == "299 Success"
     assert call(app, environ(path="/odd-status")) == first
-    assert (status_line(201), status_line(499), status_line(599)) == ("201 Created", "499 Client Error", "599 Server Error")
+    assert (status_line(201), status_line(499), status_line(599)) == (
+        "201 Created",
+        "499 Client Error",
+        "599 Server Error",
+    )
 
 
 # -- the request target ---------------------------------------------------------------------
@@ -522,7 +526,9 @@ def test_request_target_reduces_an_absolute_form_target_to_path_and_query():
 def test_the_fingerprint_uses_raw_uri_so_reordered_query_parameters_are_a_different_request(ledger, orders):
     app = wrap(orders, ledger)
     call(app, environ(query="a=1&b=2", RAW_URI="/orders?a=1&b=2"))
-    assert ledger.lookup("acct_A", "key-1").fingerprint == fingerprint("POST", "/orders?a=1&b=2", {"content-type": JSON}, ORDER)
+    assert ledger.lookup("acct_A", "key-1").fingerprint == fingerprint(
+        "POST", "/orders?a=1&b=2", {"content-type": JSON}, ORDER
+    )
     assert call(app, environ(query="b=2&a=1", RAW_URI="/orders?b=2&a=1")).code == 409
     assert call(app, environ(query="a=1&b=2", RAW_URI="/orders?a=1&b=2")).code == 201
     assert len(orders.calls) == 1
@@ -645,7 +651,9 @@ def test_a_ledger_locked_past_the_busy_timeout_is_503_with_retry_after_and_the_a
         ledger.close()
     body = b'{"error":"idempotency_ledger_unavailable","message":"The idempotency ledger is unavailable; retry later."}'
     assert reply == Reply(
-        "503 Service Unavailable", [("content-type", JSON), ("retry-after", "3"), ("content-length", str(len(body)))], body
+        "503 Service Unavailable",
+        [("content-type", JSON), ("retry-after", "3"), ("content-length", str(len(body)))],
+        body,
     )
     assert orders.calls == []
     assert any("refused POST /orders with 503" in r.getMessage() and "locked" in r.getMessage() for r in caplog.records)
@@ -659,7 +667,11 @@ def test_an_unreachable_postgres_ledger_is_503_and_the_app_never_runs(orders, ca
             reply = call(wrap(orders, ledger), environ())
     finally:
         ledger.close()
-    assert (reply.code, reply.header("Retry-After"), reply.json()["error"]) == (503, "1", "idempotency_ledger_unavailable")
+    assert (reply.code, reply.header("Retry-After"), reply.json()["error"]) == (
+        503,
+        "1",
+        "idempotency_ledger_unavailable",
+    )
     assert orders.calls == []
     assert any("cannot reach PostgreSQL" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
@@ -672,9 +684,15 @@ def test_a_ledger_without_its_schema_is_503_and_the_app_never_runs(tmp_path, ord
             reply = call(wrap(orders, ledger), environ())
     finally:
         ledger.close()
-    assert (reply.code, reply.header("Retry-After"), reply.json()["error"]) == (503, "1", "idempotency_ledger_unavailable")
+    assert (reply.code, reply.header("Retry-After"), reply.json()["error"]) == (
+        503,
+        "1",
+        "idempotency_ledger_unavailable",
+    )
     assert orders.calls == []
-    assert any(r.getMessage().endswith("has no idempotency ledger") for r in caplog.records if r.levelno == logging.ERROR)
+    assert any(
+        r.getMessage().endswith("has no idempotency ledger") for r in caplog.records if r.levelno == logging.ERROR
+    )
 
 
 def test_when_the_answer_cannot_be_stored_the_client_still_gets_what_the_app_computed(tmp_path, orders, caplog):
@@ -691,7 +709,9 @@ def test_when_the_answer_cannot_be_stored_the_client_still_gets_what_the_app_com
     try:
         assert reply == Reply("201 Created", [("content-type", JSON), ("content-length", "16")], b'{"charged":true}')
         assert ledger.lookup("acct_A", "key-1").status is Status.PENDING
-        assert any("the mutation ran but its answer (status 201) could not be stored" in r.getMessage() for r in caplog.records)
+        assert any(
+            "the mutation ran but its answer (status 201) could not be stored" in r.getMessage() for r in caplog.records
+        )
     finally:
         ledger.close()
 
@@ -790,7 +810,9 @@ def test_sixteen_threads_with_one_key_run_the_app_once_and_agree_on_the_answer(l
     assert len(calls) == 1
     codes = sorted(r.code for r in replies)
     assert codes == [201] + [409] * 15
-    assert all(r.json() == {"error": "idempotency_key_in_progress", "retry_after_ms": 30000} for r in replies if r.code == 409)
+    assert all(
+        r.json() == {"error": "idempotency_key_in_progress", "retry_after_ms": 30000} for r in replies if r.code == 409
+    )
 
 
 def test_constructor_rejects_impossible_settings(ledger, orders):

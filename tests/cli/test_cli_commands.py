@@ -110,7 +110,10 @@ def test_init_upgrades_a_recipe_only_database_and_keeps_its_rows(tmp_path):
     conn.close()
 
     dry = cli("init", "--dry-run", "--db", str(db))
-    assert dry.stdout == f"{db}: would upgrade from 0 to 3 (adds idemctl tables and columns, no row touched); nothing written\n"
+    assert (
+        dry.stdout
+        == f"{db}: would upgrade from 0 to 3 (adds idemctl tables and columns, no row touched); nothing written\n"
+    )
     with Ledger.open(db, create=False, readonly=True) as ledger:
         assert ledger.schema_version() == 0
 
@@ -130,7 +133,18 @@ def test_read_commands_work_on_a_recipe_only_database_and_write_nothing(tmp_path
         "INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, response_status, "
         "response_body, response_headers, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         [
-            ("acct_A", "done", FP, "completed", 2, 201, '{"id":1}', '{"content-type":"application/json"}', now - HOUR, now - HOUR),
+            (
+                "acct_A",
+                "done",
+                FP,
+                "completed",
+                2,
+                201,
+                '{"id":1}',
+                '{"content-type":"application/json"}',
+                now - HOUR,
+                now - HOUR,
+            ),
             ("acct_A", "stuck", FP, "pending", 1, None, None, None, now - MINUTE, now - MINUTE),
             ("acct_A", "ancient", FP, "completed", 1, 201, "{}", "{}", now - 48 * HOUR, now - 48 * HOUR),
         ],
@@ -162,16 +176,24 @@ def test_fenced_on_a_recipe_only_database_says_nothing_records_them(tmp_path):
     conn.close()
     result = cli("fenced", "--db", str(db))
     assert result.exit_code == 0
-    assert result.stdout == f"no fenced-out log: this ledger has only the recipe's table; `idemctl --db {db} init` adds it\n"
+    assert (
+        result.stdout
+        == f"no fenced-out log: this ledger has only the recipe's table; `idemctl --db {db} init` adds it\n"
+    )
     as_json = json.loads(cli("fenced", "--json", "--db", str(db)).stdout)
     assert (as_json["fenced_log"], as_json["events"]) == (False, [])
     as_lines = cli("fenced", "--nl", "--db", str(db))
     assert (as_lines.exit_code, as_lines.stdout) == (0, "")
-    assert as_lines.stderr == f"no fenced-out log: this ledger has only the recipe's table; `idemctl --db {db} init` adds it\n"
+    assert (
+        as_lines.stderr
+        == f"no fenced-out log: this ledger has only the recipe's table; `idemctl --db {db} init` adds it\n"
+    )
 
 
 # -- inspect -----------------------------------------------------------------------------------
-def test_inspect_completed_taken_over_row_shows_state_generation_response_and_fenced_event(make_ledger, ledger_target, at):
+def test_inspect_completed_taken_over_row_shows_state_generation_response_and_fenced_event(
+    make_ledger, ledger_target, at
+):
     ledger = make_ledger()
     taken_over_row(ledger, at)
     result = cli("inspect", "order-42", "--principal", "acct_A", "--db", ledger_target)
@@ -180,7 +202,9 @@ def test_inspect_completed_taken_over_row_shows_state_generation_response_and_fe
     lines = [line.rstrip() for line in out.splitlines()]
     assert lines[0] == "acct_A / order-42"
     assert re.search(
-        r"^state\s+completed 3 h ago: replayed until \S+:\d\dZ \(in 21 h\); the sweep may delete it after that$", out, re.M
+        r"^state\s+completed 3 h ago: replayed until \S+:\d\dZ \(in 21 h\); the sweep may delete it after that$",
+        out,
+        re.M,
     )
     assert re.search(r"^status\s+completed$", out, re.M)
     assert re.search(r"^generation\s+2 \(taken over once\)$", out, re.M)
@@ -209,7 +233,9 @@ def test_inspect_pending_row_says_how_long_retries_get_409_and_who_takes_over(ma
 
     stale = cli("--ttl", "10s", "inspect", "order-7", "-p", "acct_A", "--db", ledger_target)
     assert re.search(
-        r"^state\s+pending, 1[23] s old, past the 10 s TTL: the next retry takes over as generation 2$", stale.stdout, re.M
+        r"^state\s+pending, 1[23] s old, past the 10 s TTL: the next retry takes over as generation 2$",
+        stale.stdout,
+        re.M,
     )
 
 
@@ -221,12 +247,37 @@ def test_inspect_json_has_the_documented_fields(make_ledger, ledger_target, at):
     doc = json.loads(result.stdout)
     assert sorted(doc) == sorted(
         [
-            "found", "principal", "key", "status", "generation", "takeovers", "fingerprint", "created_at", "updated_at",
-            "response", "state", "state_text", "now", "age_ms", "pending_ttl_ms", "retention_ms", "takeover_at",
-            "takeover_in_ms", "takes_over_now", "replay_until", "sweep_after", "fenced_out",
+            "found",
+            "principal",
+            "key",
+            "status",
+            "generation",
+            "takeovers",
+            "fingerprint",
+            "created_at",
+            "updated_at",
+            "response",
+            "state",
+            "state_text",
+            "now",
+            "age_ms",
+            "pending_ttl_ms",
+            "retention_ms",
+            "takeover_at",
+            "takeover_in_ms",
+            "takes_over_now",
+            "replay_until",
+            "sweep_after",
+            "fenced_out",
         ]
     )
-    assert (doc["found"], doc["status"], doc["state"], doc["generation"], doc["takeovers"]) == (True, "completed", "completed", 2, 1)
+    assert (doc["found"], doc["status"], doc["state"], doc["generation"], doc["takeovers"]) == (
+        True,
+        "completed",
+        "completed",
+        2,
+        1,
+    )
     assert doc["response"] == {
         "status": 201,
         "headers": {"content-type": "application/json", "location": "/orders/42"},
@@ -239,8 +290,14 @@ def test_inspect_json_has_the_documented_fields(make_ledger, ledger_target, at):
     assert doc["replay_until"] == doc["updated_at"] + 24 * HOUR
     assert doc["takeover_at"] is None and doc["takes_over_now"] is False
     [event] = doc["fenced_out"]
-    assert {k: event[k] for k in ("principal", "key", "superseded_generation", "current_generation", "computed_status")} == {
-        "principal": "acct_A", "key": "order-42", "superseded_generation": 1, "current_generation": 2, "computed_status": 201,
+    assert {
+        k: event[k] for k in ("principal", "key", "superseded_generation", "current_generation", "computed_status")
+    } == {
+        "principal": "acct_A",
+        "key": "order-42",
+        "superseded_generation": 1,
+        "current_generation": 2,
+        "computed_status": 201,
     }
 
 
@@ -270,7 +327,9 @@ def test_inspect_a_missing_row_exits_1_with_one_line(make_ledger, ledger_target)
     result = cli("inspect", "nope", "--principal", "acct_A", "--db", ledger_target)
     assert result.exit_code == 1
     assert result.stdout == ""
-    assert one_line(result) == "no row for principal 'acct_A' key 'nope': the next request with this key runs the mutation"
+    assert (
+        one_line(result) == "no row for principal 'acct_A' key 'nope': the next request with this key runs the mutation"
+    )
 
 
 def test_inspect_json_of_a_missing_row_is_a_document_saying_not_found_and_exits_1(make_ledger, ledger_target):
@@ -278,17 +337,37 @@ def test_inspect_json_of_a_missing_row_is_a_document_saying_not_found_and_exits_
     result = cli("inspect", "nope", "--principal", "acct_A", "--json", "--db", ledger_target)
     assert result.exit_code == 1
     assert result.stdout == '{\n  "found": false,\n  "principal": "acct_A",\n  "key": "nope"\n}\n'
-    assert one_line(result) == "no row for principal 'acct_A' key 'nope': the next request with this key runs the mutation"
-    installed = subprocess.run(
-        [str(Path(sys.executable).with_name("idemctl")), "inspect", "nope", "-p", "acct_A", "--json", "--db", ledger_target],
-        capture_output=True, text=True, timeout=60,
+    assert (
+        one_line(result) == "no row for principal 'acct_A' key 'nope': the next request with this key runs the mutation"
     )
-    assert (installed.returncode, json.loads(installed.stdout)) == (1, {"found": False, "principal": "acct_A", "key": "nope"})
+    installed = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("idemctl")),
+            "inspect",
+            "nope",
+            "-p",
+            "acct_A",
+            "--json",
+            "--db",
+            ledger_target,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (installed.returncode, json.loads(installed.stdout)) == (
+        1,
+        {"found": False, "principal": "acct_A", "key": "nope"},
+    )
 
 
 # -- pending ----------------------------------------------------------------------------------
 def seed_pending(ledger: Ledger, at) -> None:
-    for principal, key, age in (("acct_A", "fresh", 5 * SECOND), ("acct_B", "stale", 2 * MINUTE), ("acct_A", "old", HOUR)):
+    for principal, key, age in (
+        ("acct_A", "fresh", 5 * SECOND),
+        ("acct_B", "stale", 2 * MINUTE),
+        ("acct_A", "old", HOUR),
+    ):
         at(age)
         ledger.claim(principal, key, FP)
     at(10 * MINUTE)
@@ -301,7 +380,11 @@ def test_pending_lists_oldest_first_with_whether_a_retry_takes_over_now(make_led
     result = cli("pending", "--db", ledger_target)
     assert result.exit_code == 0 and result.stderr == ""
     lines = [line for line in result.stdout.splitlines() if line.strip().startswith("acct_")]
-    assert [line.split()[:3] for line in lines] == [["acct_A", "old", "1"], ["acct_B", "stale", "1"], ["acct_A", "fresh", "1"]]
+    assert [line.split()[:3] for line in lines] == [
+        ["acct_A", "old", "1"],
+        ["acct_B", "stale", "1"],
+        ["acct_A", "fresh", "1"],
+    ]
     assert re.fullmatch(r"\s*acct_A\s+old\s+1\s+1 h\s+takes over as generation 2", lines[0])
     assert re.fullmatch(r"\s*acct_B\s+stale\s+1\s+2 min\s+takes over as generation 2", lines[1])
     assert re.fullmatch(r"\s*acct_A\s+fresh\s+1\s+[56] s\s+409 in progress for 2[345] s more", lines[2])
@@ -361,11 +444,25 @@ def test_stats_counts_rows_by_state_expired_and_fenced_events(make_ledger, ledge
     ledger.complete(expired, 201, JSON_HEADERS, b"{}")
 
     doc = json.loads(cli("stats", "--json", "--db", ledger_target).stdout)
-    assert {k: doc[k] for k in ("total", "pending_fresh", "pending_stale", "completed", "expired", "taken_over", "fenced_out_events")} == {
-        "total": 6, "pending_fresh": 1, "pending_stale": 2, "completed": 2, "expired": 1, "taken_over": 1, "fenced_out_events": 1,
+    assert {
+        k: doc[k]
+        for k in ("total", "pending_fresh", "pending_stale", "completed", "expired", "taken_over", "fenced_out_events")
+    } == {
+        "total": 6,
+        "pending_fresh": 1,
+        "pending_stale": 2,
+        "completed": 2,
+        "expired": 1,
+        "taken_over": 1,
+        "fenced_out_events": 1,
     }
     assert doc["oldest_row_at"] == doc["oldest_completed_at"] < doc["oldest_pending_at"]
-    assert (doc["pending_ttl_ms"], doc["retention_ms"], doc["schema_version"], doc["check_failed"]) == (30_000, 86_400_000, 3, [])
+    assert (doc["pending_ttl_ms"], doc["retention_ms"], doc["schema_version"], doc["check_failed"]) == (
+        30_000,
+        86_400_000,
+        3,
+        [],
+    )
 
     text = cli("stats", "--db", ledger_target)
     assert text.exit_code == 0 and text.stderr == ""
@@ -437,7 +534,10 @@ def test_purge_of_a_missing_row_exits_1(make_ledger, ledger_target):
     make_ledger()
     result = cli("purge", "ghost", "-p", "acct_A", "--yes", "--db", ledger_target)
     assert result.exit_code == 1 and result.stdout == ""
-    assert one_line(result) == "no row for principal 'acct_A' key 'ghost': the next request with this key runs the mutation"
+    assert (
+        one_line(result)
+        == "no row for principal 'acct_A' key 'ghost': the next request with this key runs the mutation"
+    )
 
 
 # -- fingerprint -------------------------------------------------------------------------------
@@ -453,23 +553,49 @@ def test_fingerprint_prints_the_recipe_hash():
 def test_fingerprint_reads_headers_and_the_body_from_a_file_or_stdin(tmp_path):
     body = tmp_path / "body.json"
     body.write_bytes(b'{"sku":"book"}')
-    args = ["fingerprint", "-X", "POST", "--path", "/orders", "-H", "Content-Type:  application/json ", "-H", "User-Agent: x"]
+    args = [
+        "fingerprint",
+        "-X",
+        "POST",
+        "--path",
+        "/orders",
+        "-H",
+        "Content-Type:  application/json ",
+        "-H",
+        "User-Agent: x",
+    ]
     from_file = cli(*args, "--body-file", str(body))
     from_stdin = cli(*args, "--body-file", "-", input=b'{"sku":"book"}')
     from_text = cli(*args, "--body", '{"sku":"book"}')
     assert from_file.stdout == from_stdin.stdout == from_text.stdout == FP + "\n"
     doc = json.loads(cli(*args, "--body-file", str(body), "--json").stdout)
     assert doc == {
-        "fingerprint": FP, "method": "POST", "path_and_query": "/orders",
+        "fingerprint": FP,
+        "method": "POST",
+        "path_and_query": "/orders",
         "headers": {"content-type": "application/json", "x-api-version": None},
-        "body_bytes": 14, "body_form": "raw", "row": None, "matches": None, "verdict": None,
+        "body_bytes": 14,
+        "body_form": "raw",
+        "row": None,
+        "matches": None,
+        "verdict": None,
     }
 
 
 def test_fingerprint_with_a_key_says_replay_reused_or_new(make_ledger, ledger_target, at):
     ledger = make_ledger()
     taken_over_row(ledger, at)
-    same = ["fingerprint", "-X", "POST", "--path", "/orders", "-H", "Content-Type: application/json", "--body", '{"sku":"book"}']
+    same = [
+        "fingerprint",
+        "-X",
+        "POST",
+        "--path",
+        "/orders",
+        "-H",
+        "Content-Type: application/json",
+        "--body",
+        '{"sku":"book"}',
+    ]
     match = cli(*same, "--key", "order-42", "--principal", "acct_A", "--db", ledger_target)
     assert match.exit_code == 0
     assert match.stdout == f"{FP}\nmatches the stored fingerprint: this request is replayed (201, generation 2)\n"
@@ -506,7 +632,9 @@ def test_version_and_help_with_an_example_on_every_command():
         assert "Example" in page.stdout and "idemctl " in page.stdout, command
 
 
-def test_env_vars_choose_the_ledger_and_policy_and_command_options_override_them(make_ledger, ledger_target, at, tmp_path):
+def test_env_vars_choose_the_ledger_and_policy_and_command_options_override_them(
+    make_ledger, ledger_target, at, tmp_path
+):
     ledger = make_ledger()
     at(12 * SECOND)
     ledger.claim("acct_A", "k", FP)

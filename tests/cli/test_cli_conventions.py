@@ -164,7 +164,10 @@ def test_fenced_nl_writes_one_event_per_line(tmp_path):
     assert (result.exit_code, result.stderr) == (0, "")
     (event,) = [json.loads(line) for line in result.stdout.splitlines()]
     assert (event["principal"], event["key"], event["superseded_generation"], event["current_generation"]) == (
-        "acct_F", "late", 1, 2,
+        "acct_F",
+        "late",
+        1,
+        2,
     )
     assert [event] == json.loads(cli("--db", str(db), "fenced", "--json").stdout)["events"]
 
@@ -186,7 +189,11 @@ def test_a_closed_pipe_ends_quietly_with_141(tmp_path, form):
     ledger_with(db, pending=3000)
     done = subprocess.run(
         f"'{IDEMCTL}' --db '{db}' pending --limit 0 {' '.join(form)} | head -1; echo \"status ${{PIPESTATUS[0]}}\" >&2",
-        shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120,
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.stderr == "status 141\n"  # nothing else: no traceback, no "Exception ignored"
     assert len(done.stdout.splitlines()) == 1
@@ -196,7 +203,11 @@ def test_a_closed_pipe_ends_quietly_with_141(tmp_path, form):
 def test_help_into_a_closed_pipe_ends_quietly_with_141():
     done = subprocess.run(
         f"'{IDEMCTL}' --help | head -1 >/dev/null; echo \"status ${{PIPESTATUS[0]}}\" >&2",
-        shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=60,
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.stderr == "status 141\n"
 
@@ -207,7 +218,9 @@ def test_ctrl_c_on_stats_watch_exits_130_quietly(tmp_path):
     ledger_with(db)
     proc = subprocess.Popen(
         [str(IDEMCTL), "--db", str(db), "stats", "--watch", "--interval", "200ms"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout is not None
@@ -293,7 +306,9 @@ def test_no_color_removes_bold_too_on_a_terminal(tmp_path):
     def on_a_terminal(*args: str, **env: str) -> bytes:
         master, slave = pty.openpty()
         proc = subprocess.Popen(
-            [str(IDEMCTL), *args], stdout=slave, stderr=slave,
+            [str(IDEMCTL), *args],
+            stdout=slave,
+            stderr=slave,
             env={**os.environ, "TERM": "xterm", "COLUMNS": "120", **env},
         )
         os.close(slave)
@@ -310,7 +325,11 @@ def test_no_color_removes_bold_too_on_a_terminal(tmp_path):
         proc.wait(30)
         return seen
 
-    for args in (["--db", str(db), "inspect", "late", "-p", "acct_F"], ["stats", "--help"], ["--db", "nowhere.db", "stats"]):
+    for args in (
+        ["--db", str(db), "inspect", "late", "-p", "acct_F"],
+        ["stats", "--help"],
+        ["--db", "nowhere.db", "stats"],
+    ):
         assert b"\x1b[" in on_a_terminal(*args), args  # styled by default: the check below can fail
         assert b"\x1b[" not in on_a_terminal(*args, NO_COLOR="1"), args
 
@@ -318,9 +337,18 @@ def test_no_color_removes_bold_too_on_a_terminal(tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["sweep", "--pause", "50"], "Invalid value for '--pause': duration '50' needs a unit (ms, s, m, h or d), e.g. 50s"),
-        (["stats", "--watch", "--interval", "5x"], "Invalid value for '--interval': cannot read duration '5x': use e.g. 500ms, 30s, 15m, 24h, 7d or 1h30m"),
-        (["--ttl", "30", "stats"], "Invalid value for '--ttl': duration '30' needs a unit (ms, s, m, h or d), e.g. 30s"),
+        (
+            ["sweep", "--pause", "50"],
+            "Invalid value for '--pause': duration '50' needs a unit (ms, s, m, h or d), e.g. 50s",
+        ),
+        (
+            ["stats", "--watch", "--interval", "5x"],
+            "Invalid value for '--interval': cannot read duration '5x': use e.g. 500ms, 30s, 15m, 24h, 7d or 1h30m",
+        ),
+        (
+            ["--ttl", "30", "stats"],
+            "Invalid value for '--ttl': duration '30' needs a unit (ms, s, m, h or d), e.g. 30s",
+        ),
         (["pending", "--limit", "-1"], "Invalid value for '--limit' / '-n': must be 0 or more, got -1"),
     ],
 )
@@ -339,7 +367,10 @@ def test_sweep_pause_takes_a_duration_and_the_old_spelling_still_works(tmp_path)
     old = cli("--db", str(db), "sweep", "--pause-ms", "1")
     assert old.exit_code == 0
     both = cli("--db", str(db), "sweep", "--pause", "1ms", "--pause-ms", "1")
-    assert (both.exit_code, both.stderr) == (2, "error: --pause-ms is the old spelling of --pause: give one (e.g. --pause 50ms)\n")
+    assert (both.exit_code, both.stderr) == (
+        2,
+        "error: --pause-ms is the old spelling of --pause: give one (e.g. --pause 50ms)\n",
+    )
 
 
 @pytest.mark.parametrize("option", [["--batch-size", "10"], ["--max-batches", "1"], ["--pause", "1s"]])
@@ -383,12 +414,16 @@ expect = "filled"
 def test_a_long_fill_shows_its_progress_on_a_terminal_and_nothing_piped(tmp_path):
     scenario = tmp_path / "big.toml"
     scenario.write_text(FILL_SCENARIO)
-    piped = subprocess.run([str(IDEMCTL), "simulate", "--file", str(scenario)], capture_output=True, text=True, timeout=120)
+    piped = subprocess.run(
+        [str(IDEMCTL), "simulate", "--file", str(scenario)], capture_output=True, text=True, timeout=120
+    )
     assert (piped.returncode, piped.stderr) == (0, "")
     assert "1500 completed rows acct_B/" in piped.stdout
     master, slave = pty.openpty()
     proc = subprocess.Popen(
-        [str(IDEMCTL), "simulate", "--file", str(scenario)], stdout=subprocess.DEVNULL, stderr=slave,
+        [str(IDEMCTL), "simulate", "--file", str(scenario)],
+        stdout=subprocess.DEVNULL,
+        stderr=slave,
         env={**os.environ, "TERM": "xterm", "COLUMNS": "100"},
     )
     os.close(slave)

@@ -33,7 +33,18 @@ def test_ctrl_c_while_a_copy_waits_on_postgres_prints_one_line_and_exits_130(led
         # copy's first one is surely in flight when Ctrl-C comes.
         blocker.execute("LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "idemctl", "--db", str(source), "--busy-timeout", "60s", "copy", "--to", ledger_target],
+            [
+                sys.executable,
+                "-m",
+                "idemctl",
+                "--db",
+                str(source),
+                "--busy-timeout",
+                "60s",
+                "copy",
+                "--to",
+                ledger_target,
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

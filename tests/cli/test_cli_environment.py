@@ -24,7 +24,12 @@ def idemctl(*args: str, cwd: Path | None = None, **variables: str) -> subprocess
     """The installed command with only these IDEMCTL_* variables set."""
     env = {k: v for k, v in os.environ.items() if k not in IDEMCTL_ENV}
     return subprocess.run(
-        [str(IDEMCTL), *args], capture_output=True, text=True, env={**env, "COLUMNS": "100", **variables}, cwd=cwd, timeout=60
+        [str(IDEMCTL), *args],
+        capture_output=True,
+        text=True,
+        env={**env, "COLUMNS": "100", **variables},
+        cwd=cwd,
+        timeout=60,
     )
 
 
@@ -57,7 +62,10 @@ def test_a_duration_variable_without_a_unit_is_an_error_suggesting_milliseconds_
 
 @pytest.mark.slow
 def test_policy_mistakes_in_variables_are_told_with_the_variables_names(db):
-    assert refused("stats", "--db", db, IDEMCTL_PENDING_TTL="0s") == "error: IDEMCTL_PENDING_TTL must be longer than 0 s, got 0s"
+    assert (
+        refused("stats", "--db", db, IDEMCTL_PENDING_TTL="0s")
+        == "error: IDEMCTL_PENDING_TTL must be longer than 0 s, got 0s"
+    )
     assert refused("stats", "--db", db, IDEMCTL_RETENTION="10s") == (
         "error: IDEMCTL_RETENTION (10 s) must be longer than --ttl (30 s)"
     )
@@ -93,7 +101,18 @@ def test_every_setting_is_read_from_its_variable(db, tmp_path):
 def test_options_override_their_variables_even_ones_that_cannot_be_used(db, tmp_path):
     broken = {"IDEMCTL_PENDING_TTL": "10000", "IDEMCTL_RETENTION": "soon", "IDEMCTL_FENCED_RETENTION": "0s"}
     done = idemctl(
-        "--ttl", "10s", "sweep", "--dry-run", "--json", "--retention", "1h", "--fenced-retention", "7d", "--db", db, **broken
+        "--ttl",
+        "10s",
+        "sweep",
+        "--dry-run",
+        "--json",
+        "--retention",
+        "1h",
+        "--fenced-retention",
+        "7d",
+        "--db",
+        db,
+        **broken,
     )
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
@@ -101,7 +120,9 @@ def test_options_override_their_variables_even_ones_that_cannot_be_used(db, tmp_
     # A command's own option overrides the global one, which overrides the variable.
     other = str(tmp_path / "other.db")
     Ledger.open(other).init()
-    ttl = idemctl("--ttl", "1m", "stats", "--json", "--ttl", "2m", "--db", other, IDEMCTL_DB=db, IDEMCTL_PENDING_TTL="30s")
+    ttl = idemctl(
+        "--ttl", "1m", "stats", "--json", "--ttl", "2m", "--db", other, IDEMCTL_DB=db, IDEMCTL_PENDING_TTL="30s"
+    )
     assert (json.loads(ttl.stdout)["pending_ttl_ms"], json.loads(ttl.stdout)["database"]) == (120_000, other)
     retired = idemctl("--ttl", "10s", "stats", "--json", "--db", db, IDEMCTL_PENDING_TTL_MS="10000")
     assert json.loads(retired.stdout)["pending_ttl_ms"] == 10_000
@@ -155,7 +176,9 @@ def test_a_fifteen_minute_IDEMCTL_PENDING_TTL_is_read_by_the_cli(db):
     result = CliRunner().invoke(app, ["stats", "--json"], env={"IDEMCTL_DB": db, "IDEMCTL_PENDING_TTL": "15m"})
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["pending_ttl_ms"] == 900_000
-    inspect = CliRunner().invoke(app, ["inspect", "k", "-p", "acct_A"], env={"IDEMCTL_DB": db, "IDEMCTL_PENDING_TTL": "15m"})
+    inspect = CliRunner().invoke(
+        app, ["inspect", "k", "-p", "acct_A"], env={"IDEMCTL_DB": db, "IDEMCTL_PENDING_TTL": "15m"}
+    )
     assert (inspect.exit_code, inspect.stderr) == (
         1,
         "no row for principal 'acct_A' key 'k': the next request with this key runs the mutation\n",

@@ -48,7 +48,9 @@ def test_the_default_ledger_path_is_idempotency_db_in_the_current_directory(tmp_
 
 
 def test_the_init_hint_names_the_ledger_given_in_idemctl_db_or_on_the_command_line(tmp_path, monkeypatch):
-    assert fails(["stats", "--db", "missing.db"]) == "error: no ledger at missing.db — run `idemctl --db missing.db init`"
+    assert (
+        fails(["stats", "--db", "missing.db"]) == "error: no ledger at missing.db — run `idemctl --db missing.db init`"
+    )
     assert fails(["--db", "my ledger.db", "pending"]) == (
         "error: no ledger at my ledger.db — run `idemctl --db 'my ledger.db' init`"
     )
@@ -104,7 +106,9 @@ def test_a_ledger_locked_past_the_busy_timeout_is_one_line(tmp_path):
     try:
         line = fails(["--db", str(db), "--busy-timeout", "100ms", "sweep"])
         assert line == f"error: database {db} is locked: another writer held it past the 100 ms busy timeout"
-        result = CliRunner().invoke(app, ["--db", str(db), "--busy-timeout", "100ms", "purge", "k", "-p", "acct_A", "--yes", "--force"])
+        result = CliRunner().invoke(
+            app, ["--db", str(db), "--busy-timeout", "100ms", "purge", "k", "-p", "acct_A", "--yes", "--force"]
+        )
         # Reads go on under WAL (the row is shown); the delete cannot get the lock.
         assert result.exit_code == EXIT_USAGE and result.stdout.startswith("acct_A / k (generation 1): pending")
         assert result.stderr == f"error: database {db} is locked: another writer held it past the 100 ms busy timeout\n"
@@ -156,13 +160,25 @@ def test_an_unknown_scenario_names_the_built_in_ones():
 @pytest.mark.parametrize(
     ("args", "line"),
     [
-        (["simulate"], "error: name a scenario (happy, reuse, in-progress, takeover, race, sweep) or give --file scenario.toml"),
+        (
+            ["simulate"],
+            "error: name a scenario (happy, reuse, in-progress, takeover, race, sweep) or give --file scenario.toml",
+        ),
         (["simulate", "happy", "--workers", "3"], "error: --workers only applies to `idemctl simulate race`"),
         (["simulate", "happy", "--file", "x.toml"], "error: give a scenario name or --file, not both"),
         (["fingerprint", "-X", "POST", "--path", "/", "--key", "k"], "error: --key and --principal go together"),
-        (["fingerprint", "-X", "POST", "--path", "/", "-H", "no colon"], "error: --header 'no colon' is not 'Name: value'"),
-        (["fingerprint", "-X", "POST", "--path", "/", "--body", "a", "--body-file", "-"], "error: give --body or --body-file, not both"),
-        (["fingerprint", "-X", "POST", "--path", "/", "--body-file", "missing.bin"], "error: cannot read --body-file missing.bin: No such file or directory"),
+        (
+            ["fingerprint", "-X", "POST", "--path", "/", "-H", "no colon"],
+            "error: --header 'no colon' is not 'Name: value'",
+        ),
+        (
+            ["fingerprint", "-X", "POST", "--path", "/", "--body", "a", "--body-file", "-"],
+            "error: give --body or --body-file, not both",
+        ),
+        (
+            ["fingerprint", "-X", "POST", "--path", "/", "--body-file", "missing.bin"],
+            "error: cannot read --body-file missing.bin: No such file or directory",
+        ),
         (["--ttl", "2d", "stats"], "error: --retention (1 d) must be longer than --ttl (2 d)"),
         (["--ttl", "0s", "stats"], "error: --ttl must be longer than 0 s, got 0s"),
         (["stats", "--ttl", "0ms"], "error: --ttl must be longer than 0 s, got 0ms"),
@@ -171,8 +187,14 @@ def test_an_unknown_scenario_names_the_built_in_ones():
         (["--db", "", "stats"], "error: --db is empty: give a ledger file path, a postgresql:// or a mysql:// URL"),
         (["stats", "--db", " "], "error: --db is empty: give a ledger file path, a postgresql:// or a mysql:// URL"),
         (["init", "--db", ""], "error: --db is empty: give a ledger file path, a postgresql:// or a mysql:// URL"),
-        (["simulate", "happy", "--db", ""], "error: --db is empty: give a ledger file path, a postgresql:// or a mysql:// URL"),
-        (["--db", "oracle://x/y", "stats"], "error: unsupported ledger URL oracle://…: use a file path, postgresql:// or mysql://"),
+        (
+            ["simulate", "happy", "--db", ""],
+            "error: --db is empty: give a ledger file path, a postgresql:// or a mysql:// URL",
+        ),
+        (
+            ["--db", "oracle://x/y", "stats"],
+            "error: unsupported ledger URL oracle://…: use a file path, postgresql:// or mysql://",
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) else " ".join(v[:2]),
 )

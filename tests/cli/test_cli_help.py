@@ -19,8 +19,18 @@ from idemctl.cli import app
 IDEMCTL = Path(sys.executable).with_name("idemctl")
 COMMANDS = ["init", "inspect", "pending", "fenced", "stats", "sweep", "purge", "fingerprint", "simulate"]
 FLAGS = {
-    "--json", "--nl", "--dry-run", "--yes", "--force", "--stale", "--help", "--version", "--watch", "--json-body",
-    "--install-completion", "--show-completion",
+    "--json",
+    "--nl",
+    "--dry-run",
+    "--yes",
+    "--force",
+    "--stale",
+    "--help",
+    "--version",
+    "--watch",
+    "--json-body",
+    "--install-completion",
+    "--show-completion",
 }
 
 

@@ -51,7 +51,10 @@ def test_stats_on_a_missing_database_hints_an_init_that_creates_it(postgres_serv
         f"run `idemctl --db {url} init`\n"
     )
     dry = cli("--db", url, "init", "--dry-run")
-    assert (dry.exit_code, dry.stdout) == (0, f"{where}: would create the database, then the ledger tables; nothing written\n")
+    assert (dry.exit_code, dry.stdout) == (
+        0,
+        f"{where}: would create the database, then the ledger tables; nothing written\n",
+    )
     init = cli("--db", url, "init")
     assert (init.exit_code, init.stderr) == (0, "")
     owner = urlsplit(url).username

@@ -35,7 +35,10 @@ def run(*args: str):  # type: ignore[no-untyped-def]
 def test_a_keyword_connection_string_is_a_postgres_ledger(ledger_target: str) -> None:
     dsn = keyword_dsn(ledger_target)
     init = run("--db", dsn, "init")
-    assert (init.exit_code, init.output) == (0, "postgresql://postgres@127.0.0.1:5432/test: created (schema version 3)\n")
+    assert (init.exit_code, init.output) == (
+        0,
+        "postgresql://postgres@127.0.0.1:5432/test: created (schema version 3)\n",
+    )
     with Ledger.open(ledger_target) as ledger:  # the same schema, reached by URL
         assert ledger.schema_version() == 3
         ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b"made"))
@@ -69,7 +72,9 @@ def test_a_keyword_connection_string_with_a_password_never_shows_it(ledger_targe
     assert all(SECRET not in out for out in outputs), [o for o in outputs if SECRET in o]
     # The hint names the ledger without repeating the string that holds the password.
     assert "`idemctl --db '<the same connection string>' init`" in outputs[4]
-    assert outputs[4].startswith("error: cannot open the ledger at postgresql://postgres@127.0.0.1:5432/idemctl_no_such_db")
+    assert outputs[4].startswith(
+        "error: cannot open the ledger at postgresql://postgres@127.0.0.1:5432/idemctl_no_such_db"
+    )
     assert outputs[5].startswith("error: cannot reach PostgreSQL at postgresql://postgres@127.0.0.1:1/test")
 
 
@@ -81,7 +86,10 @@ def test_a_sqlite_path_that_holds_an_equals_sign_is_a_file(tmp_path, monkeypatch
         assert (done.exit_code, done.output) == (0, f"{path.removeprefix('./')}: created (schema version 3)\n")
         assert os.path.isfile(path)
     missing = run("--db", "other=2.db", "stats")
-    assert (missing.exit_code, missing.output) == (2, "error: no ledger at other=2.db — run `idemctl --db other=2.db init`\n")
+    assert (missing.exit_code, missing.output) == (
+        2,
+        "error: no ledger at other=2.db — run `idemctl --db other=2.db init`\n",
+    )
     # A file named like a connection string is reached with a directory in front; the hint keeps it.
     named = run("--db", "./host=y.db", "stats")
     assert named.output == "error: no ledger at host=y.db — run `idemctl --db ./host=y.db init`\n"

@@ -121,8 +121,12 @@ def test_piped_fenced_keeps_each_event_whole_on_one_line_so_grep_finds_key_and_s
         FENCED_SUMMARY,
     ]
     # What `idemctl fenced | grep <key>` and `| grep 201` print.
-    assert [line for line in out.splitlines() if K1 in line] == [f"{older}   2 d ago   {P1}    {K1}      1     2      201"]
-    assert [line for line in out.splitlines() if "201" in line] == [f"{older}   2 d ago   {P1}    {K1}      1     2      201"]
+    assert [line for line in out.splitlines() if K1 in line] == [
+        f"{older}   2 d ago   {P1}    {K1}      1     2      201"
+    ]
+    assert [line for line in out.splitlines() if "201" in line] == [
+        f"{older}   2 d ago   {P1}    {K1}      1     2      201"
+    ]
 
 
 def test_piped_pending_keeps_each_row_whole_on_one_line_without_trailing_blanks(wide_rows_db):

@@ -66,8 +66,13 @@ def test_reuse_answers_409_and_replays_nothing():
 def test_in_progress_answers_409_with_retry_after_then_replays():
     doc = timeline("in-progress")
     assert outcomes(doc) == [
-        ("A", "claimed"), ("clock", "advanced"), ("A-retry", "in_progress"), ("clock", "advanced"),
-        ("A", "stored"), ("A-retry", "replayed"), ("operator", "inspected"),
+        ("A", "claimed"),
+        ("clock", "advanced"),
+        ("A-retry", "in_progress"),
+        ("clock", "advanced"),
+        ("A", "stored"),
+        ("A-retry", "replayed"),
+        ("operator", "inspected"),
     ]
     assert doc["events"][2]["detail"] == "409 in progress (Retry-After: 30); nothing ran"
     assert doc["events"][2]["row"] == {"status": "pending", "generation": 1}
@@ -76,15 +81,23 @@ def test_in_progress_answers_409_with_retry_after_then_replays():
 def test_takeover_fences_out_the_late_owner_and_replays_the_new_generations_answer():
     doc = timeline("takeover")
     assert outcomes(doc) == [
-        ("A", "claimed"), ("clock", "advanced"), ("B", "taken_over"), ("clock", "advanced"),
-        ("A", "fenced_out"), ("clock", "advanced"), ("C", "replayed"), ("operator", "inspected"),
+        ("A", "claimed"),
+        ("clock", "advanced"),
+        ("B", "taken_over"),
+        ("clock", "advanced"),
+        ("A", "fenced_out"),
+        ("clock", "advanced"),
+        ("C", "replayed"),
+        ("operator", "inspected"),
     ]
     ev = doc["events"]
     assert ev[1]["t_ms"] == 31_000  # past the 30 s TTL
     assert (ev[2]["generation"], ev[2]["row"]) == (2, {"status": "completed", "generation": 2})
     assert ev[2]["logs"] == ["WARNING took over stale reservation principal=acct_A key=order-42 as generation 2"]
     assert ev[4]["generation"] == 1 and ev[4]["row"] == {"status": "completed", "generation": 2}
-    assert ev[4]["logs"][0].startswith("ERROR fenced out: principal=acct_A key=order-42 generation=1 was superseded by generation 2")
+    assert ev[4]["logs"][0].startswith(
+        "ERROR fenced out: principal=acct_A key=order-42 generation=1 was superseded by generation 2"
+    )
     assert ev[6]["detail"] == 'replayed 201 {"order":"order-42","by":"B"} from generation 2; nothing ran'
 
 
@@ -97,7 +110,12 @@ def test_builtin_waits_follow_the_ttl_the_operator_gives():
 def test_sweep_scenario_drains_the_backlog_in_bounded_batches_and_keeps_the_fresh_row():
     doc = timeline("sweep")
     sweeps = [e for e in doc["events"] if e["op"] == "sweep"]
-    assert [(e["outcome"], e["deleted"]) for e in sweeps] == [("swept", 20), ("swept", 20), ("swept", 5), ("drained", 0)]
+    assert [(e["outcome"], e["deleted"]) for e in sweeps] == [
+        ("swept", 20),
+        ("swept", 20),
+        ("swept", 5),
+        ("drained", 0),
+    ]
     assert doc["events"][-1]["outcome"] == "inspected" and doc["events"][-1]["row"]["status"] == "completed"
 
 
@@ -110,10 +128,22 @@ def test_the_timeline_table_shows_time_actor_step_outcome_and_row_after(tmp_path
     assert lines[2].split() == ["t", "actor", "step", "outcome", "row", "after"]
     rows = [line.split(None, 3) for line in lines if line.startswith("+")]
     assert [r[:2] for r in rows] == [
-        ["+0:00:00.000", "A"], ["+0:00:31.000", "clock"], ["+0:00:31.000", "B"], ["+0:00:35.000", "clock"],
-        ["+0:00:35.000", "A"], ["+0:00:36.000", "clock"], ["+0:00:36.000", "C"], ["+0:00:36.000", "operator"],
+        ["+0:00:00.000", "A"],
+        ["+0:00:31.000", "clock"],
+        ["+0:00:31.000", "B"],
+        ["+0:00:35.000", "clock"],
+        ["+0:00:35.000", "A"],
+        ["+0:00:36.000", "clock"],
+        ["+0:00:36.000", "C"],
+        ["+0:00:36.000", "operator"],
     ]
-    assert any(line.startswith("+0:00:35.000  A") and "complete gen 1" in line and "fenced_out" in line and line.endswith("completed · gen 2") for line in lines)
+    assert any(
+        line.startswith("+0:00:35.000  A")
+        and "complete gen 1" in line
+        and "fenced_out" in line
+        and line.endswith("completed · gen 2")
+        for line in lines
+    )
     assert lines[-1] == "every step went as expected"
     assert any(line.startswith("log +0:00:35.000 ERROR fenced out:") for line in lines)
 
@@ -263,9 +293,18 @@ def test_a_scenario_file_reproduces_an_incident_step_by_step(tmp_path):
     assert doc["scenario"] == "incident-2211" and doc["pending_ttl_ms"] == 10_000
     assert doc["start"] == 1_795_835_520_000  # 2026-11-28T03:12:00Z
     assert outcomes(doc) == [
-        ("worker-1", "claimed"), ("clock", "advanced"), ("worker-2", "taken_over"), ("worker-2", "stored"),
-        ("worker-1", "fenced_out"), ("client", "replayed"), ("A", "inspected"), ("A", "purged"),
-        ("client", "executed"), ("clock", "advanced"), ("sweeper", "swept"), ("sweeper", "drained"),
+        ("worker-1", "claimed"),
+        ("clock", "advanced"),
+        ("worker-2", "taken_over"),
+        ("worker-2", "stored"),
+        ("worker-1", "fenced_out"),
+        ("client", "replayed"),
+        ("A", "inspected"),
+        ("A", "purged"),
+        ("client", "executed"),
+        ("clock", "advanced"),
+        ("sweeper", "swept"),
+        ("sweeper", "drained"),
     ]
     assert doc["events"][5]["detail"] == 'replayed 202 {"ok":true} from generation 2; nothing ran'
     # The row goes; its fenced-out event stays for the log's own 30-day retention.
@@ -285,21 +324,42 @@ def test_a_failed_expectation_exits_1_with_one_line_after_the_table(tmp_path):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('[[step]]\ndo = "explode"\n', 'step 1: unknown step \'explode\' (one of: request, claim, takeover, complete, release, advance, sweep, inspect, purge, fill, race)'),
+        (
+            '[[step]]\ndo = "explode"\n',
+            "step 1: unknown step 'explode' (one of: request, claim, takeover, complete, release, advance, sweep, inspect, purge, fill, race)",
+        ),
         ('[[step]]\nactor = "A"\n', "step 1: missing `do`"),
-        ('[[step]]\ndo = "claim"\n[[step]]\ndo = "complete"\ngeneraton = 1\n', "step 2 (do = \"complete\"): unknown field 'generaton'"),
-        ('[[step]]\ndo = "advance"\nby = "31"\n', 'step 1 (do = "advance"): by: duration \'31\' needs a unit'),
+        (
+            '[[step]]\ndo = "claim"\n[[step]]\ndo = "complete"\ngeneraton = 1\n',
+            "step 2 (do = \"complete\"): unknown field 'generaton'",
+        ),
+        ('[[step]]\ndo = "advance"\nby = "31"\n', "step 1 (do = \"advance\"): by: duration '31' needs a unit"),
         ('[[step]]\ndo = "advance"\n', 'step 1 (do = "advance"): missing `by`'),
         ('[[step]]\ndo = "request"\nexpect = "great"\n', "step 1 (do = \"request\"): expect 'great' is not an outcome"),
         ('[[step]]\ndo = "race"\nworkers = 1\n', 'step 1 (do = "race"): workers must be an integer >= 2, got 1'),
-        ('[[step]]\ndo = "request"\nresponse = { status = "ok" }\n', 'step 1 (do = "request"): response.status must be an integer >= 100'),
-        ('[[step]]\ndo = "complete"\n', 'step 1 (do = "complete"): actor \'A\' holds no reservation on acct_A/order-1'),
+        (
+            '[[step]]\ndo = "request"\nresponse = { status = "ok" }\n',
+            'step 1 (do = "request"): response.status must be an integer >= 100',
+        ),
+        ('[[step]]\ndo = "complete"\n', "step 1 (do = \"complete\"): actor 'A' holds no reservation on acct_A/order-1"),
         ('name = "x"\n', "no steps: add at least one [[step]] table"),
         ('colour = "red"\n[[step]]\ndo = "request"\n', "unknown top-level field 'colour'"),
         ("[[step]\n", "invalid TOML: Expected ']]'"),
     ],
-    ids=["unknown-op", "missing-do", "unknown-field", "bad-duration", "missing-by", "bad-expect", "one-worker",
-         "bad-status", "no-reservation", "no-steps", "unknown-top", "bad-toml"],
+    ids=[
+        "unknown-op",
+        "missing-do",
+        "unknown-field",
+        "bad-duration",
+        "missing-by",
+        "bad-expect",
+        "one-worker",
+        "bad-status",
+        "no-reservation",
+        "no-steps",
+        "unknown-top",
+        "bad-toml",
+    ],
 )
 def test_a_malformed_scenario_file_is_one_line_naming_the_bad_step(tmp_path, text, message):
     path = tmp_path / "bad.toml"
@@ -351,7 +411,9 @@ def test_readme_first_command_runs_twice_in_a_row_with_the_installed_script(tmp_
 
 def test_a_complete_after_a_takeover_that_found_nothing_is_a_failed_step_not_a_crash(tmp_path):
     path = tmp_path / "early.toml"
-    path.write_text('[[step]]\ndo = "claim"\n[[step]]\ndo = "takeover"\nactor = "B"\n[[step]]\ndo = "complete"\nactor = "B"\n')
+    path.write_text(
+        '[[step]]\ndo = "claim"\n[[step]]\ndo = "takeover"\nactor = "B"\n[[step]]\ndo = "complete"\nactor = "B"\n'
+    )
     result = simulate("--file", str(path))
     assert result.exit_code == 1
     assert "not_taken_over" in result.stdout
@@ -368,7 +430,12 @@ def test_the_documented_scenario_file_example_runs_as_documented(tmp_path):
     path = tmp_path / "incident.toml"
     path.write_text(example)
     doc = timeline("--file", str(path))
-    assert outcomes(doc) == [("worker-1", "claimed"), ("clock", "advanced"), ("client", "taken_over"), ("worker-1", "fenced_out")]
+    assert outcomes(doc) == [
+        ("worker-1", "claimed"),
+        ("clock", "advanced"),
+        ("client", "taken_over"),
+        ("worker-1", "fenced_out"),
+    ]
     assert doc["ok"] is True
     path.write_text(example.replace("generation = 1", "generaton = 1"))
     typo = simulate("--file", str(path))

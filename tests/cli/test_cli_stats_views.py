@@ -76,7 +76,9 @@ def test_watch_piped_prints_one_line_per_refresh(tmp_path):
     ledger_with_rows(db)
     done = subprocess.run(
         [str(IDEMCTL), "--db", str(db), "stats", "--watch", "--interval", "100ms", "--count", "3"],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert done.returncode == 0 and done.stderr == ""
     lines = done.stdout.splitlines()
@@ -93,7 +95,9 @@ def test_watch_on_a_terminal_is_a_live_view_that_calls_out_new_fenced_out_events
     master, slave = pty.openpty()
     proc = subprocess.Popen(
         [str(IDEMCTL), "--db", str(db), "stats", "--watch", "--interval", "300ms", "--count", "6"],
-        stdout=slave, stderr=slave, env={**os.environ, "TERM": "xterm", "COLUMNS": "120"},
+        stdout=slave,
+        stderr=slave,
+        env={**os.environ, "TERM": "xterm", "COLUMNS": "120"},
     )
     os.close(slave)
     seen = b""
@@ -128,12 +132,32 @@ def test_fingerprint_explains_the_json_form_and_matches_the_ledger_that_uses_it(
     with Ledger.open(db, policy=policy) as ledger:
         ledger.init()
         stored = ledger.handle(
-            "acct", "k", "POST", "/orders", {"content-type": "application/json"}, b'{"sku":"x","sent_at":1}',
+            "acct",
+            "k",
+            "POST",
+            "/orders",
+            {"content-type": "application/json"},
+            b'{"sku":"x","sent_at":1}',
             lambda body: (201, {}, b""),
         )
         assert stored.outcome is Outcome.EXECUTED
-    args = ["--db", str(db), "fingerprint", "-X", "POST", "--path", "/orders", "-H", "Content-Type: application/json",
-            "--body", '{ "sent_at": 2, "sku": "x" }', "--key", "k", "-p", "acct"]
+    args = [
+        "--db",
+        str(db),
+        "fingerprint",
+        "-X",
+        "POST",
+        "--path",
+        "/orders",
+        "-H",
+        "Content-Type: application/json",
+        "--body",
+        '{ "sent_at": 2, "sku": "x" }',
+        "--key",
+        "k",
+        "-p",
+        "acct",
+    ]
     plain = CliRunner().invoke(app, args)
     assert plain.exit_code == 1  # byte for byte, another request: 409 reused
     canonical = CliRunner().invoke(app, [*args, "--json-body", "--ignore-field", "sent_at"])

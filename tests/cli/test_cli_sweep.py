@@ -72,8 +72,15 @@ def test_sweep_json_reports_rows_fenced_events_batches_and_why_it_stopped(make_l
     # 7 old rows (5 plain, 2 taken over) in batches of 4: 4, 3, then an empty
     # batch; the 30 h old fenced-out events stay for the log's 30 days.
     assert doc == {
-        "dry_run": False, "deleted": 7, "fenced_deleted": 0, "batches": 3, "batch_size": 4,
-        "stopped": "drained", "remaining": 0, "retention_ms": 86_400_000, "fenced_retention_ms": 30 * 86_400_000,
+        "dry_run": False,
+        "deleted": 7,
+        "fenced_deleted": 0,
+        "batches": 3,
+        "batch_size": 4,
+        "stopped": "drained",
+        "remaining": 0,
+        "retention_ms": 86_400_000,
+        "fenced_retention_ms": 30 * 86_400_000,
     }
     assert len(list(ledger.fenced())) == 2
 
@@ -134,7 +141,9 @@ def test_sweep_retention_override_deletes_younger_rows(make_ledger, ledger_targe
     assert ledger.stats().total == 0
 
 
-def test_sweep_without_batch_size_drains_in_250s_on_sqlite_and_5000s_on_server_engines(make_ledger, ledger_target, clock):
+def test_sweep_without_batch_size_drains_in_250s_on_sqlite_and_5000s_on_server_engines(
+    make_ledger, ledger_target, clock
+):
     ledger = make_ledger()
     backlog(ledger, clock, expired=260, fresh=1)
     doc = json.loads(sweep("--json", "--db", ledger_target).stdout)

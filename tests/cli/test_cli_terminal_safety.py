@@ -99,9 +99,14 @@ def hostile_db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
             "INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, response_status,"
             " response_body, response_headers, created_at, updated_at) VALUES (?, ?, ?, ?, 1, ?, ?, ?, ?, ?)"
         )
-        conn.execute(insert, ("foreign", FOREIGN_KEY, FOREIGN_FP, "pending", None, None, None, now - 2 * SECOND, now - 2 * SECOND))
+        conn.execute(
+            insert,
+            ("foreign", FOREIGN_KEY, FOREIGN_FP, "pending", None, None, None, now - 2 * SECOND, now - 2 * SECOND),
+        )
         headers = json.dumps({"location": "/x\x1b[31m\r\nSet-Cookie: a=1", "[b]x[/b]": "v", "retry-after": 5})
-        conn.execute(insert, ("foreign", "foreign-2", FOREIGN_FP, "completed", 201, "ok", headers, now - HOUR, now - HOUR))
+        conn.execute(
+            insert, ("foreign", "foreign-2", FOREIGN_FP, "completed", 201, "ok", headers, now - HOUR, now - HOUR)
+        )
         conn.commit()
     finally:
         conn.close()
@@ -219,11 +224,16 @@ def test_purge_echoes_the_hostile_principal_escaped(hostile_db):
     done = cli("purge", "order-1", "--principal", EVIL, "--yes", "--db", hostile_db)
     assert done.exit_code == 0, done.stderr
     assert done.lines[0].startswith(f"{EVIL_SHOWN} / order-1 (generation 1): completed ")
-    assert done.lines[1] == f"purged {EVIL_SHOWN}/order-1 (completed, generation 1): the client's next retry runs the mutation again"
+    assert (
+        done.lines[1]
+        == f"purged {EVIL_SHOWN}/order-1 (completed, generation 1): the client's next retry runs the mutation again"
+    )
 
 
 def test_fingerprint_shows_a_foreign_stored_fingerprint_escaped(hostile_db):
-    done = cli("fingerprint", "-X", "POST", "--path", "/orders", "--key", "foreign-2", "-p", "foreign", "--db", hostile_db)
+    done = cli(
+        "fingerprint", "-X", "POST", "--path", "/orders", "--key", "foreign-2", "-p", "foreign", "--db", hostile_db
+    )
     assert done.exit_code == 1
     assert done.lines[-1] == r"stored: [red]fp[/]\x1b\u202e"
 
@@ -237,8 +247,12 @@ def test_an_error_line_quoting_an_operator_argument_is_escaped(hostile_db, tmp_p
 # -- the installed command, stdout a pipe ----------------------------------------------------------
 def run_idemctl(*args: str, **env: str) -> subprocess.CompletedProcess[bytes]:
     """The installed console script, stdout and stderr pipes (not a terminal)."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("IDEMCTL_") and k not in ("FORCE_COLOR", "NO_COLOR")}
-    return subprocess.run([str(IDEMCTL), *args], capture_output=True, env={**clean, "COLUMNS": "200", **env}, timeout=60)
+    clean = {
+        k: v for k, v in os.environ.items() if not k.startswith("IDEMCTL_") and k not in ("FORCE_COLOR", "NO_COLOR")
+    }
+    return subprocess.run(
+        [str(IDEMCTL), *args], capture_output=True, env={**clean, "COLUMNS": "200", **env}, timeout=60
+    )
 
 
 @pytest.mark.slow

@@ -35,7 +35,9 @@ def test_asynchronous_replication_with_a_connected_standby_is_a_warning_naming_t
 def test_a_connected_synchronous_standby_with_commits_that_wait_for_it_is_ok(commit: str) -> None:
     (finding,) = assess(ReplicationSettings(commit, "*", False, ("replica1=sync",)))
     assert finding.severity is Severity.OK
-    assert finding.message.startswith(f"synchronous replication (synchronous_standby_names='*', synchronous_commit={commit})")
+    assert finding.message.startswith(
+        f"synchronous replication (synchronous_standby_names='*', synchronous_commit={commit})"
+    )
 
 
 @pytest.mark.parametrize("commit", ["off", "local"])
@@ -94,7 +96,10 @@ def test_doctor_on_a_sqlite_ledger_says_there_is_nothing_to_fail_over_to(tmp_pat
         "ok": True,
         "replication": None,
         "findings": [
-            {"severity": "ok", "message": "SQLite: the ledger is a file on one host; there is no replication to fail over to"}
+            {
+                "severity": "ok",
+                "message": "SQLite: the ledger is a file on one host; there is no replication to fail over to",
+            }
         ],
     }
 
@@ -241,7 +246,9 @@ def test_doctor_on_a_plain_mariadb_server_names_it_and_checks_its_replication(my
 
 
 @pytest.mark.slow
-def test_doctor_on_a_galera_node_checks_the_cluster_and_the_ledgers_causal_reads(galera_cluster, galera_database) -> None:
+def test_doctor_on_a_galera_node_checks_the_cluster_and_the_ledgers_causal_reads(
+    galera_cluster, galera_database
+) -> None:
     node = galera_cluster.nodes[2]
     with Ledger.open(node.url(galera_database)) as ledger:
         ledger.init()

@@ -102,13 +102,21 @@ def idemctl(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("url", "expected"),
     [
-        (f"postgresql://app:{SECRET}@127.0.0.1:5432/payments?bogus=1", 'bad PostgreSQL URL: invalid URI query parameter: "bogus"'),
-        (f"postgresql://app:{SECRET}@127.0.0.1:1/payments", "cannot reach PostgreSQL at postgresql://app@127.0.0.1:1/payments: Connection refused"),
+        (
+            f"postgresql://app:{SECRET}@127.0.0.1:5432/payments?bogus=1",
+            'bad PostgreSQL URL: invalid URI query parameter: "bogus"',
+        ),
+        (
+            f"postgresql://app:{SECRET}@127.0.0.1:1/payments",
+            "cannot reach PostgreSQL at postgresql://app@127.0.0.1:1/payments: Connection refused",
+        ),
         (f"postgresql://nobody_here:{SECRET}@127.0.0.1:5432/test", 'role "nobody_here" does not exist'),
     ],
     ids=["bad-url", "refused", "unknown-role"],
 )
-def test_cli_database_errors_are_one_line_exit_2_without_the_password(url: str, expected: str, postgres_server: str) -> None:
+def test_cli_database_errors_are_one_line_exit_2_without_the_password(
+    url: str, expected: str, postgres_server: str
+) -> None:
     done = idemctl("--db", url, "stats")
     assert done.returncode == 2
     assert done.stdout == ""
@@ -123,12 +131,25 @@ def test_cli_init_then_inspect_against_postgres(ledger_target: str) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"{where}: created (schema version 3)"
     ledger = Ledger.open(ledger_target)
-    ledger.handle("acct_A", "order-42", "POST", "/orders", {}, b"\xff\xfe", lambda b: (201, {"content-type": "application/octet-stream"}, b"\x00\xff"))
+    ledger.handle(
+        "acct_A",
+        "order-42",
+        "POST",
+        "/orders",
+        {},
+        b"\xff\xfe",
+        lambda b: (201, {"content-type": "application/octet-stream"}, b"\x00\xff"),
+    )
     ledger.close()
     done = idemctl("--db", ledger_target, "inspect", "order-42", "--principal", "acct_A", "--json")
     assert done.returncode == 0, done.stderr
     shown = json.loads(done.stdout)
-    assert (shown["principal"], shown["key"], shown["status"], shown["generation"]) == ("acct_A", "order-42", "completed", 1)
+    assert (shown["principal"], shown["key"], shown["status"], shown["generation"]) == (
+        "acct_A",
+        "order-42",
+        "completed",
+        1,
+    )
     assert shown["response"]["status"] == 201 and shown["response"]["body_base64"] == "AP8="  # b"\x00\xff"
     again = idemctl("--db", ledger_target, "init")
     assert again.returncode == 0 and again.stdout.strip() == f"{where}: already up to date (schema version 3)"

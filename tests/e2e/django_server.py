@@ -46,7 +46,6 @@ class DjangoGunicornServer(ServerProcess):
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
 
-
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEMCTL_", "DJANGO_"))}
         env.update(ORDERS_DB=str(self.orders_path), IDEMCTL_DB=str(self.ledger_path), PYTHONUNBUFFERED="1")
@@ -63,13 +62,21 @@ class DjangoGunicornServer(ServerProcess):
         self._manage("migrate", "--no-input")
         self._manage("shell", "-c", _ADD_USERS)
         cmd = [
-            sys.executable, "-m", "gunicorn",
-            "--workers", str(self.workers),
-            "--bind", "127.0.0.1:0",
-            "--chdir", str(PROJECT),
-            "--timeout", "60",
-            "--graceful-timeout", "3",
-            "--log-level", "info",
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "--workers",
+            str(self.workers),
+            "--bind",
+            "127.0.0.1:0",
+            "--chdir",
+            str(PROJECT),
+            "--timeout",
+            "60",
+            "--graceful-timeout",
+            "3",
+            "--log-level",
+            "info",
         ]
         if self.preload:
             cmd.append("--preload")

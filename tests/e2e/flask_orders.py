@@ -47,5 +47,6 @@ if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     def metrics() -> Response:
         return Response(generate_latest(multiprocess_registry()), content_type=CONTENT_TYPE_LATEST)
 
+
 # gunicorn's own logger (silent outside gunicorn).
 logging.getLogger("gunicorn.error").info("orders app loaded (pid %d)", os.getpid())

@@ -57,7 +57,6 @@ class GunicornServer(ServerProcess):
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
 
-
     def start(self, timeout: float = 30.0) -> GunicornServer:
         self.hold_dir.mkdir(parents=True, exist_ok=True)
         with Ledger.open(self.ledger_path) as ledger:
@@ -75,14 +74,23 @@ class GunicornServer(ServerProcess):
             self.metrics_dir.mkdir(parents=True, exist_ok=True)
             env["PROMETHEUS_MULTIPROC_DIR"] = str(self.metrics_dir)
         cmd = [
-            sys.executable, "-m", "gunicorn",
-            "--workers", str(self.workers),
-            "--bind", "127.0.0.1:0",
-            "--chdir", str(REPO),
-            "--timeout", "60",
-            "--graceful-timeout", "3",
-            "--log-level", "info",
-            "--access-logfile", "-",
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "--workers",
+            str(self.workers),
+            "--bind",
+            "127.0.0.1:0",
+            "--chdir",
+            str(REPO),
+            "--timeout",
+            "60",
+            "--graceful-timeout",
+            "3",
+            "--log-level",
+            "info",
+            "--access-logfile",
+            "-",
         ]
         if self.threads > 1:
             cmd += ["--threads", str(self.threads)]

@@ -35,8 +35,13 @@ def wsgi(ledger: Ledger) -> callable:
     mw = IdempotencyMiddleware(app, ledger, principal=lambda env: "acct_A")
 
     def request(key: str, n: int) -> int:
-        env = {"REQUEST_METHOD": "POST", "PATH_INFO": f"/{n}", "HTTP_IDEMPOTENCY_KEY": key,
-               "CONTENT_LENGTH": "0", "wsgi.input": io.BytesIO(b"")}
+        env = {
+            "REQUEST_METHOD": "POST",
+            "PATH_INFO": f"/{n}",
+            "HTTP_IDEMPOTENCY_KEY": key,
+            "CONTENT_LENGTH": "0",
+            "wsgi.input": io.BytesIO(b""),
+        }
         seen = {}
         result = mw(env, lambda status, headers, exc_info=None: seen.setdefault("status", status))
         b"".join(result)
@@ -68,8 +73,14 @@ def asgi(ledger: Ledger) -> callable:
             sent.append(message)
 
         async def run() -> None:
-            scope = {"type": "http", "method": "POST", "path": f"/{n}", "raw_path": f"/{n}".encode(),
-                     "query_string": b"", "headers": [(b"idempotency-key", key.encode())]}
+            scope = {
+                "type": "http",
+                "method": "POST",
+                "path": f"/{n}",
+                "raw_path": f"/{n}".encode(),
+                "query_string": b"",
+                "headers": [(b"idempotency-key", key.encode())],
+            }
             await mw(scope, receive, send)
             await mw.wait_idle()
 

@@ -23,7 +23,9 @@ ORDER = json.dumps({"sku": "tea", "qty": 2}, separators=(",", ":")).encode()
 A = {"X-Api-Key": "demo-key-A", "Content-Type": "application/json"}
 
 
-def post(url: str, key: str | None, body: bytes = ORDER, headers: dict[str, str] = A, path: str = "/orders") -> httpx.Response:
+def post(
+    url: str, key: str | None, body: bytes = ORDER, headers: dict[str, str] = A, path: str = "/orders"
+) -> httpx.Response:
     sent = dict(headers)
     if key is not None:
         sent["Idempotency-Key"] = key

@@ -28,7 +28,9 @@ def token(user: str) -> dict[str, str]:
     return {"Authorization": f"Token {USERS[user]}"}
 
 
-def post(url: str, key: str | None, body: dict[str, object], headers: dict[str, str], path: str = "/orders") -> requests.Response:
+def post(
+    url: str, key: str | None, body: dict[str, object], headers: dict[str, str], path: str = "/orders"
+) -> requests.Response:
     sent = {"Content-Type": "application/json", **headers}
     if key is not None:
         sent["Idempotency-Key"] = key

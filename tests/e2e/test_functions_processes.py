@@ -94,7 +94,17 @@ def test_eight_processes_racing_over_200_keys_run_each_call_exactly_once(ledger_
     ids = [f"order-{i:03d}" for i in range(KEYS)]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.e2e.function_calls", "race", ledger_target, str(effects), str(go), str(seed), *ids],
+            [
+                sys.executable,
+                "-m",
+                "tests.e2e.function_calls",
+                "race",
+                ledger_target,
+                str(effects),
+                str(go),
+                str(seed),
+                *ids,
+            ],
             cwd=ROOT,
             env=env(),
             stdout=subprocess.PIPE,
@@ -128,7 +138,9 @@ def test_eight_processes_racing_over_200_keys_run_each_call_exactly_once(ledger_
 
 
 # -- SIGKILL inside the function --------------------------------------------------------------------
-def test_a_worker_killed_inside_the_function_is_taken_over_by_another_after_the_ttl(ledger_target, make_ledger, tmp_path):
+def test_a_worker_killed_inside_the_function_is_taken_over_by_another_after_the_ttl(
+    ledger_target, make_ledger, tmp_path
+):
     ledger = make_ledger(clock_fn=wall_clock_ms)
     ttl = {"IDEMCTL_PENDING_TTL": "500ms"}
     effects = tmp_path / "effects.log"

@@ -124,7 +124,9 @@ def test_while_no_host_accepts_connections_statements_fail_at_once_without_recon
     monkeypatch.setattr(postgres_engine, "RECONNECT_PAUSE_S", 0.5)
     engine = postgres.PostgresEngine("postgresql://app@127.0.0.1:1,127.0.0.1:2/payments")
     for _ in range(3):
-        with pytest.raises(ConnectionFailedError, match=r"^cannot reach PostgreSQL at postgresql://app@127\.0\.0\.1:1,"):
+        with pytest.raises(
+            ConnectionFailedError, match=r"^cannot reach PostgreSQL at postgresql://app@127\.0\.0\.1:1,"
+        ):
             engine.read("SELECT 1", {})
     assert len(attempts) == 1
     time.sleep(0.6)  # the pause is over
@@ -195,7 +197,10 @@ def test_a_multi_host_ledger_refuses_while_no_host_accepts_writes_then_serves_fr
 
         # The primary is gone and the standby still read-only: fail closed.
         for _ in range(3):
-            with pytest.raises(ConnectionFailedError, match=r"^cannot reach PostgreSQL at postgresql://postgres@127\.0\.0\.1:\d+,127\.0\.0\.1:\d+/postgres: "):
+            with pytest.raises(
+                ConnectionFailedError,
+                match=r"^cannot reach PostgreSQL at postgresql://postgres@127\.0\.0\.1:\d+,127\.0\.0\.1:\d+/postgres: ",
+            ):
                 ledger.handle("acct", "during", "POST", "/orders", {}, b"{}", order)
         assert ran == []
         pair.promote_standby()

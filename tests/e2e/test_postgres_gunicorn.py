@@ -22,7 +22,7 @@ pytest.importorskip("gunicorn")
 pytestmark = [pytest.mark.engines("postgres"), pytest.mark.slow]
 
 APP = textwrap.dedent(
-    '''
+    """
     import json, os, time
     import psycopg
     from idemctl import Ledger
@@ -43,7 +43,7 @@ APP = textwrap.dedent(
         return [json.dumps({"id": order_id, "worker": os.getpid()}).encode()]
 
     app = IdempotencyMiddleware(orders, ledger, principal=lambda environ: "acct_1")
-    '''
+    """
 )
 
 

@@ -269,7 +269,10 @@ def test_with_the_standby_gone_the_asgi_path_answers_503_within_the_bound_and_ne
 
     asyncio.run(while_the_standby_is_gone())
     assert ran == ["a-completion"]
-    assert rows(pair, pair.primary_port, "a-") == [("a-claim", "pending", 1, None), ("a-completion", "completed", 1, 201)]
+    assert rows(pair, pair.primary_port, "a-") == [
+        ("a-claim", "pending", 1, None),
+        ("a-completion", "completed", 1, 201),
+    ]
 
     pair.start_standby()
     pair.wait_caught_up()

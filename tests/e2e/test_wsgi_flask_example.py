@@ -150,7 +150,9 @@ def test_workers_booting_at_once_on_a_fresh_orders_file_all_come_up(tmp_path):
         workers = [
             subprocess.Popen(
                 [sys.executable, "-c", _BOOT_WORKER, str(EXAMPLE), str(go)],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
             )
             for _ in range(6)
         ]

@@ -82,7 +82,18 @@ def wait_until_stale(srv: GunicornServer, principal: str, key: str) -> None:
 
 def idemctl_inspect(srv: GunicornServer, key: str, principal: str) -> dict:
     done = subprocess.run(
-        [sys.executable, "-m", "idemctl", "inspect", key, "--principal", principal, "--db", str(srv.ledger_path), "--json"],
+        [
+            sys.executable,
+            "-m",
+            "idemctl",
+            "inspect",
+            key,
+            "--principal",
+            principal,
+            "--db",
+            str(srv.ledger_path),
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -180,7 +191,9 @@ def test_a_worker_killed_mid_mutation_is_taken_over_as_generation_2_after_the_tt
     assert shown["fenced_out"] == []
 
 
-def test_a_stalled_worker_that_finishes_after_a_takeover_is_fenced_out_and_replays_serve_the_new_owner(short_ttl_server):
+def test_a_stalled_worker_that_finishes_after_a_takeover_is_fenced_out_and_replays_serve_the_new_owner(
+    short_ttl_server,
+):
     srv = short_ttl_server
     key, sku = "stalled-1", "sku-stalled"
     srv.hold(key)

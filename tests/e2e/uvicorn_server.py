@@ -30,7 +30,10 @@ def free_port() -> int:
 
 class UvicornServer(ServerProcess):
     stop_signal = signal.SIGINT
-    def __init__(self, workdir: Path, *, workers: int = 4, pending_ttl: str = "30s", env: dict[str, str] | None = None) -> None:
+
+    def __init__(
+        self, workdir: Path, *, workers: int = 4, pending_ttl: str = "30s", env: dict[str, str] | None = None
+    ) -> None:
         self.workdir = workdir
         self.workers = workers
         self.pending_ttl = pending_ttl
@@ -41,7 +44,6 @@ class UvicornServer(ServerProcess):
         self.extra_env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = free_port()
-
 
     def start(self, timeout: float = 40.0) -> UvicornServer:
         self.hold_dir.mkdir(parents=True, exist_ok=True)
@@ -56,11 +58,20 @@ class UvicornServer(ServerProcess):
         )
         env.update(self.extra_env)
         cmd = [
-            sys.executable, "-m", "uvicorn", "tests.e2e.asgi_orders:app",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--workers", str(self.workers),
-            "--timeout-graceful-shutdown", "3",
-            "--log-level", "info",
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "tests.e2e.asgi_orders:app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            str(self.workers),
+            "--timeout-graceful-shutdown",
+            "3",
+            "--log-level",
+            "info",
         ]
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)

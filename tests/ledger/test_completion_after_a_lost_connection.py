@@ -62,7 +62,9 @@ def begin(ledger: Ledger, key: str = "k1") -> Ticket:
     return ticket
 
 
-def replay_after_the_ttl(ledger: Ledger, clock: FakeClock, key: str = "k1") -> tuple[int, tuple[tuple[str, str], ...], bytes]:
+def replay_after_the_ttl(
+    ledger: Ledger, clock: FakeClock, key: str = "k1"
+) -> tuple[int, tuple[tuple[str, str], ...], bytes]:
     clock.advance(ledger.policy.pending_ttl_ms + 1)
     again = ledger.begin("acct", key, "POST", "/orders", {}, BODY)
     assert not isinstance(again, Ticket), "the retry was handed the mutation again"

@@ -56,7 +56,12 @@ def test_every_decision_of_a_scripted_run_emits_one_event_with_its_outcome(make_
     ]
     first = events[0]
     assert (first.principal, first.key, first.generation, first.method, first.path, first.status) == (
-        "acct", "k1", 1, "POST", "/o", 201,
+        "acct",
+        "k1",
+        1,
+        "POST",
+        "/o",
+        201,
     )
     assert first.ledger_ms > 0 and first.app_ms is not None and first.app_ms >= 0
     assert events[1].app_ms is None and events[1].ledger_ms > 0  # a replay ran nothing
@@ -103,10 +108,16 @@ def test_non_trivial_decisions_log_one_structured_line_with_the_fields_in_extra(
     assert len(records) == 1
     record = records[0]
     assert (record.levelno, record.idemctl_outcome, record.idemctl_principal, record.idemctl_key) == (
-        logging.INFO, "reused", "acct", "k",
+        logging.INFO,
+        "reused",
+        "acct",
+        "k",
     )
     assert (record.idemctl_status, record.idemctl_generation, record.idemctl_method, record.idemctl_path) == (
-        409, 1, "POST", "/o",
+        409,
+        1,
+        "POST",
+        "/o",
     )
     assert record.getMessage().startswith("reused POST /o principal=acct key=k generation=1 status=409 ledger=")
 
@@ -136,7 +147,9 @@ def test_waiting_for_the_first_answer_turns_a_stampede_into_one_run_and_identica
         t.join(15)
     assert len(runs) == 1
     assert Counter(a.outcome for a in answers) == Counter({Outcome.EXECUTED: 1, Outcome.REPLAYED: 19})
-    assert {a.wire for a in answers} == {(201, (("content-type", "application/json"), ("location", "/orders/1")), b'{"id":1}')}
+    assert {a.wire for a in answers} == {
+        (201, (("content-type", "application/json"), ("location", "/orders/1")), b'{"id":1}')
+    }
 
 
 def test_without_the_wait_a_duplicate_still_gets_409_at_once(make_ledger):
@@ -194,7 +207,9 @@ def test_retry_after_from_the_row_counts_down_to_the_takeover(make_ledger, clock
 def test_json_fingerprints_ignore_key_order_whitespace_and_named_fields(make_ledger):
     ledger = make_ledger(policy=Policy(fingerprint_body="json", fingerprint_ignore_fields=("sent_at", "meta.trace")))
     json_ct = {"content-type": "application/json"}
-    first = ledger.handle("acct", "k", "POST", "/o", json_ct, b'{"sku":"tea","qty":2,"sent_at":1,"meta":{"trace":"a"}}', ok())
+    first = ledger.handle(
+        "acct", "k", "POST", "/o", json_ct, b'{"sku":"tea","qty":2,"sent_at":1,"meta":{"trace":"a"}}', ok()
+    )
     same = ledger.handle(
         "acct", "k", "POST", "/o", json_ct, b'{ "qty": 2, "sku": "tea", "sent_at": 2, "meta": {"trace": "x"} }', ok()
     )

@@ -79,13 +79,18 @@ header_names = st.sampled_from(["X-Trace-Id", "User-Agent", "Accept", "X-Request
 
 
 @given(
-    noise=st.lists(st.tuples(header_names, st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=20)), max_size=6),
+    noise=st.lists(
+        st.tuples(header_names, st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=20)),
+        max_size=6,
+    ),
     body=st.binary(max_size=64),
 )
 def test_headers_outside_the_list_never_affect_the_fingerprint(noise, body):
     listed = [("Content-Type", "application/json")]
-    assert fingerprint("POST", "/o", listed + noise, body) == fingerprint("POST", "/o", noise + listed, body) == fingerprint(
-        "POST", "/o", listed, body
+    assert (
+        fingerprint("POST", "/o", listed + noise, body)
+        == fingerprint("POST", "/o", noise + listed, body)
+        == fingerprint("POST", "/o", listed, body)
     )
 
 

@@ -177,7 +177,9 @@ def test_a_path_with_a_newline_cannot_forge_another_requests_fingerprint(ledger)
     assert fingerprint(*forged) == fingerprint(*real)
     ledger.handle("acct", "k", real[0], real[1], real[2], real[3], lambda body: (201, {}, b"real"))
     # ...so the ledger refuses the path HTTP could never have carried.
-    with pytest.raises(InvalidRequestError, match=r"^path '/a\\ncontent-type:x\\nx-api-version:' holds a control character$"):
+    with pytest.raises(
+        InvalidRequestError, match=r"^path '/a\\ncontent-type:x\\nx-api-version:' holds a control character$"
+    ):
         ledger.handle("acct", "k", forged[0], forged[1], forged[2], forged[3], lambda body: pytest.fail("ran"))
 
 
@@ -242,7 +244,13 @@ def test_cli_pending_stale_and_max_stale_see_a_reservation_days_past_the_retenti
     stats = run(app, [*where, "stats", "--json", "--max-stale", "2"])
     assert stats.exit_code == 1, stats.output
     doc = json.loads(stats.stdout)
-    assert (doc["total"], doc["pending_stale"], doc["pending_fresh"], doc["expired"], doc["expired_pending"]) == (4, 3, 1, 1, 1)
+    assert (doc["total"], doc["pending_stale"], doc["pending_fresh"], doc["expired"], doc["expired_pending"]) == (
+        4,
+        3,
+        1,
+        1,
+        1,
+    )
     assert doc["check_failed"] == ["3 stale pending rows (max 2)"]
     assert run(app, [*where, "stats", "--json", "--max-stale", "3"]).exit_code == 0
     # Only the dead worker's row: before, --max-stale 0 never fired for it.
@@ -253,7 +261,9 @@ def test_cli_pending_stale_and_max_stale_see_a_reservation_days_past_the_retenti
     assert lone.exit_code == 1, lone.output
     assert "1 of them pending, also counted as stale" in lone.stdout
     listing = run(app, [*where, "pending", "--stale"])
-    assert listing.exit_code == 0 and "dead-for-days" in listing.stdout and "takes over as generation 2" in listing.stdout
+    assert (
+        listing.exit_code == 0 and "dead-for-days" in listing.stdout and "takes over as generation 2" in listing.stdout
+    )
 
 
 def test_stats_and_get_agree_on_every_row_of_a_random_ledger(make_ledger, clock):

@@ -616,7 +616,10 @@ def test_name_keeps_a_functions_fingerprint_across_a_rename(ledger):
 def test_the_fingerprint_is_the_sha256_of_the_canonical_json_of_the_arguments_and_the_name():
     # Written out by hand: the fingerprint must not change across Python versions or idemctl releases.
     value = {"amount": 12.5, "lines": [1, True, None], "note": "thé ☕", "big": 2**70}
-    assert canonical_json(value) == '{"amount":12.5,"big":1180591620717411303424,"lines":[1,true,null],"note":"thé ☕"}'.encode()
+    assert (
+        canonical_json(value)
+        == '{"amount":12.5,"big":1180591620717411303424,"lines":[1,true,null],"note":"thé ☕"}'.encode()
+    )
     assert call_fingerprint(value, name="charge") == "bb049fa5432e1362e8fc09c49349f8bcaa37a6af08da70a641a59eb05e413ad6"
 
 
@@ -793,8 +796,9 @@ def test_function_calls_emit_events_like_requests(ledger):
         capture({"id": "o-1", "amount": 6})
     held = ledger.idempotent_call(principal="billing", key="o-2", args={"n": 1}, name="capture")
     held.__enter__()
-    with pytest.raises(CallInProgressError), ledger.idempotent_call(
-        principal="billing", key="o-2", args={"n": 1}, name="capture"
+    with (
+        pytest.raises(CallInProgressError),
+        ledger.idempotent_call(principal="billing", key="o-2", args={"n": 1}, name="capture"),
     ):
         pass
     with pytest.raises(RuntimeError), ledger.idempotent_call(principal="billing", key="o-3", args={}, name="capture"):

@@ -171,6 +171,7 @@ def test_renewal_uses_the_primary_key_and_never_lets_a_live_owner_be_taken_over_
     worker.start()
     assert started.wait(30)
     claimed = time.monotonic()
+
     def second_claimant(body: bytes) -> tuple[int, dict[str, str], bytes]:
         runs.append("other")
         return 201, {}, b"twice"
@@ -188,7 +189,9 @@ def test_renewal_uses_the_primary_key_and_never_lets_a_live_owner_be_taken_over_
     assert seen and set(seen) == {Outcome.IN_PROGRESS}, seen
     assert runs == ["owner"]
     assert answers[0].outcome is Outcome.EXECUTED
-    assert other.handle("acct_A", "k-slow", "POST", "/orders", {}, b"{}", lambda body: (500, {}, b"")).body == b"made once"
+    assert (
+        other.handle("acct_A", "k-slow", "POST", "/orders", {}, b"{}", lambda body: (500, {}, b"")).body == b"made once"
+    )
     # Every tick renewed every live reservation, whatever the 10^6 rows beside them.
     done = [t for t in ticks if t.done]
     assert done and all(t.error is None for t in done)

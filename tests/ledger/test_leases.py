@@ -102,7 +102,9 @@ def test_a_renewal_racing_a_takeover_never_wins_over_the_new_owner(make_ledger):
 
     def renew_forever() -> None:
         while not stop.is_set():
-            renewed_after.append(ledger.store.renew([(first.principal, first.key, first.generation, first.token)], wall_clock_ms()))
+            renewed_after.append(
+                ledger.store.renew([(first.principal, first.key, first.generation, first.token)], wall_clock_ms())
+            )
 
     renewer = threading.Thread(target=renew_forever)
     renewer.start()
@@ -203,7 +205,10 @@ def test_renewal_works_under_sqlite_group_commit(tmp_path):
     from idemctl import Ledger
 
     ledger = Ledger.open(
-        tmp_path / "group.db", policy=Policy(pending_ttl_ms=TTL, lease_renewal=True), clock=wall_clock_ms, group_commit=True
+        tmp_path / "group.db",
+        policy=Policy(pending_ttl_ms=TTL, lease_renewal=True),
+        clock=wall_clock_ms,
+        group_commit=True,
     )
     ledger.init()
     try:
@@ -217,7 +222,9 @@ def test_renewal_works_under_sqlite_group_commit(tmp_path):
         ledger.close()
 
 
-def test_inspect_shows_when_a_reservation_was_claimed_and_last_renewed(make_ledger, ledger_target, monkeypatch, tmp_path):
+def test_inspect_shows_when_a_reservation_was_claimed_and_last_renewed(
+    make_ledger, ledger_target, monkeypatch, tmp_path
+):
     from typer.testing import CliRunner
 
     from idemctl.cli import app
@@ -230,7 +237,9 @@ def test_inspect_shows_when_a_reservation_was_claimed_and_last_renewed(make_ledg
     result = CliRunner().invoke(app, ["--db", ledger_target, "inspect", "k-shown", "--principal", "acct_A"])
     ledger.finish(ticket, 201, {}, b"")
     assert result.exit_code == 0, result.output
-    assert re.search(r"pending, claimed [1-9]\d* s ago, lease last renewed \d+ (ms|s) ago", result.stdout), result.stdout
+    assert re.search(r"pending, claimed [1-9]\d* s ago, lease last renewed \d+ (ms|s) ago", result.stdout), (
+        result.stdout
+    )
 
 
 # -- a renewal that runs late is seen long before the TTL passes ---------------------------------
@@ -333,7 +342,8 @@ def test_failing_renewals_are_reported_as_late_before_the_ttl_passes(make_ledger
     assert (late.done, late.error) == (False, "the ledger is locked")
     assert seen_at - claimed < TTL / 1000
     assert any(
-        m.startswith("lease renewal is late: 1 reservation(s) have gone") and m.endswith("the last renewal failed: the ledger is locked")
+        m.startswith("lease renewal is late: 1 reservation(s) have gone")
+        and m.endswith("the last renewal failed: the ledger is locked")
         for m in caplog.messages
     ), caplog.messages
 

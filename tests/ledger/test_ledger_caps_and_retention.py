@@ -64,7 +64,9 @@ def test_keep_answer_still_refuses_an_oversize_5xx_the_app_returned(make_ledger)
 
 def test_keep_answer_is_asked_about_the_apps_status_not_the_sentinels(make_ledger):
     seen: list[int] = []
-    ledger = make_ledger(policy=Policy(keep_answer=lambda status, headers: seen.append(status) or True, body_cap_bytes=10))
+    ledger = make_ledger(
+        policy=Policy(keep_answer=lambda status, headers: seen.append(status) or True, body_cap_bytes=10)
+    )
     post(ledger, App(201, [], b"z" * 11))
     assert seen == [201]
 
@@ -256,7 +258,11 @@ def test_a_sweep_and_a_takeover_past_retention_never_both_win(make_ledger, clock
 # -- repeated headers ---------------------------------------------------------------------------
 def test_two_set_cookie_fields_are_stored_and_replayed_as_two_fields_in_order(make_ledger):
     ledger = make_ledger(policy=Policy(replayable_headers=("content-type", "set-cookie")))
-    cookies = [("Set-Cookie", "session=a; Path=/; HttpOnly"), ("content-type", "text/plain"), ("set-cookie", "csrf=b; Path=/")]
+    cookies = [
+        ("Set-Cookie", "session=a; Path=/; HttpOnly"),
+        ("content-type", "text/plain"),
+        ("set-cookie", "csrf=b; Path=/"),
+    ]
     app = App(201, cookies, b"ok")
     first, replay = post(ledger, app), post(ledger, app)
     expected = (

@@ -26,12 +26,16 @@ class Mutation:
         self.calls: list[bytes] = []
         self.status = status
         self.body = body
-        self.headers = headers if headers is not None else [
-            ("Content-Type", "application/json"),
-            ("Location", "/orders/1"),
-            ("X-Request-Id", "not-replayed"),
-            ("Set-Cookie", "session=secret"),
-        ]
+        self.headers = (
+            headers
+            if headers is not None
+            else [
+                ("Content-Type", "application/json"),
+                ("Location", "/orders/1"),
+                ("X-Request-Id", "not-replayed"),
+                ("Set-Cookie", "session=secret"),
+            ]
+        )
 
     def __call__(self, body: bytes):
         self.calls.append(body)
@@ -112,7 +116,10 @@ def test_no_principal_is_401_and_never_a_shared_namespace(ledger, principal):
     answer = post(ledger, run, principal=principal)
     assert answer.status == 401
     assert answer.headers == (JSON,)
-    assert json.loads(answer.body) == {"error": "unauthenticated", "message": "No authenticated principal for this request."}
+    assert json.loads(answer.body) == {
+        "error": "unauthenticated",
+        "message": "No authenticated principal for this request.",
+    }
     assert run.calls == []
     assert ledger.stats().total == 0
 

@@ -79,7 +79,13 @@ def test_through_handle_the_replay_returns_the_new_owners_answer(ledger, clock):
     assert a_inside.wait(10)
     clock.advance(30_001)
     b = ledger.handle(
-        "acct_A", "k-1", "POST", "/charges", HEADERS, BODY, lambda body: (201, {"Content-Type": "application/json"}, b'{"by":"B"}')
+        "acct_A",
+        "k-1",
+        "POST",
+        "/charges",
+        HEADERS,
+        BODY,
+        lambda body: (201, {"Content-Type": "application/json"}, b'{"by":"B"}'),
     )
     assert (b.outcome, b.generation, b.body) == (Outcome.TAKEN_OVER, 2, b'{"by":"B"}')
     a_release.set()
@@ -88,7 +94,9 @@ def test_through_handle_the_replay_returns_the_new_owners_answer(ledger, clock):
     assert (a.outcome, a.generation, a.body) == (Outcome.FENCED_OUT, 1, b'{"by":"A"}')
     replay = ledger.handle("acct_A", "k-1", "POST", "/charges", HEADERS, BODY, lambda body: (500, {}, b"never"))
     assert (replay.outcome, replay.body) == (Outcome.REPLAYED, b'{"by":"B"}')
-    assert [(e.superseded_generation, e.current_generation) for e in ledger.fenced(principal="acct_A", key="k-1")] == [(1, 2)]
+    assert [(e.superseded_generation, e.current_generation) for e in ledger.fenced(principal="acct_A", key="k-1")] == [
+        (1, 2)
+    ]
 
 
 def test_completion_of_a_released_row_is_fenced_with_no_current_generation(ledger):

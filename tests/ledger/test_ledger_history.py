@@ -76,9 +76,7 @@ def _stall_seconds(rng: random.Random) -> float:
     return rng.uniform(1.5, 2.2) * TTL_MS / 1000
 
 
-def _worker(
-    target: str, journal_dir: str, name: str, t0: float, stop_at: float, seed: int, group_commit: bool
-) -> None:
+def _worker(target: str, journal_dir: str, name: str, t0: float, stop_at: float, seed: int, group_commit: bool) -> None:
     """One worker process: THREADS threads sending requests until `stop_at`."""
     pid = os.getpid()
     fd = os.open(os.path.join(journal_dir, f"{name}-{pid}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -161,9 +159,7 @@ def _worker(
         t.start()
     for t in threads:
         t.join()
-    shared = (
-        {"batches": engine.batches_committed, "statements": engine.statements_committed} if group_commit else {}
-    )
+    shared = {"batches": engine.batches_committed, "statements": engine.statements_committed} if group_commit else {}
     ledger.close()
     journal(e="exit", pid=pid, **shared)
     os.close(fd)

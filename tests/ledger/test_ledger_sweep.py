@@ -182,7 +182,9 @@ def test_sweep_statements_walk_the_updated_at_index(tmp_path):
     plan = " | ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + SQL_SWEEP, params))
     assert "USING COVERING INDEX idx_idempotency_keys_updated_at (updated_at>? AND updated_at<?)" in plan
     assert "SCAN idempotency_keys" not in plan
-    plan = " | ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + SQL_SWEEP_FENCED, {"cutoff": 0, "limit": 20}))
+    plan = " | ".join(
+        row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + SQL_SWEEP_FENCED, {"cutoff": 0, "limit": 20})
+    )
     assert "idx_idemctl_fenced_out_fenced_at (fenced_at<?)" in plan
     conn.close()
     ledger.close()

@@ -101,8 +101,18 @@ class FakeStore(RecordingStore):
         row = self.rows.get((principal, key))
         if row is None:
             return None
-        return StoredRow(principal, key, row.fingerprint, row.status, row.generation, row.response_status,
-                         row.response_body, row.response_headers, row.created_at, row.updated_at)
+        return StoredRow(
+            principal,
+            key,
+            row.fingerprint,
+            row.status,
+            row.generation,
+            row.response_status,
+            row.response_body,
+            row.response_headers,
+            row.created_at,
+            row.updated_at,
+        )
 
     def _database_now(self) -> int:
         return self.fake_clock()
@@ -116,8 +126,9 @@ class FakeStore(RecordingStore):
     def _lookup(self, principal: str, key: str) -> StoredRow | None:
         return self._stored(principal, key)
 
-    def _takeover(self, principal: str, key: str, fingerprint: str, token: int, now: int, stale_before: int,
-                  expired_before: int) -> int | None:
+    def _takeover(
+        self, principal: str, key: str, fingerprint: str, token: int, now: int, stale_before: int, expired_before: int
+    ) -> int | None:
         row = self.rows.get((principal, key))
         if row is None:
             return None
@@ -132,21 +143,48 @@ class FakeStore(RecordingStore):
         row = self.rows.get((principal, key))
         return row if row is not None and (row.generation, row.token) == (generation, token) else None
 
-    def _complete(self, principal: str, key: str, generation: int, token: int | None, status: int,
-                  body: str | bytes | None, headers: str, now: int) -> bool:
+    def _complete(
+        self,
+        principal: str,
+        key: str,
+        generation: int,
+        token: int | None,
+        status: int,
+        body: str | bytes | None,
+        headers: str,
+        now: int,
+    ) -> bool:
         row = self._mine(principal, key, generation, token)
         if row is None or row.status is not Status.PENDING:
             return False
-        row.status, row.response_status, row.response_body, row.response_headers = Status.COMPLETED, status, body, headers
+        row.status, row.response_status, row.response_body, row.response_headers = (
+            Status.COMPLETED,
+            status,
+            body,
+            headers,
+        )
         row.updated_at = now
         return True
 
-    def _completed_as(self, principal: str, key: str, generation: int, token: int | None, status: int,
-                      body: str | bytes | None, no_body: int, headers: str) -> bool:
+    def _completed_as(
+        self,
+        principal: str,
+        key: str,
+        generation: int,
+        token: int | None,
+        status: int,
+        body: str | bytes | None,
+        no_body: int,
+        headers: str,
+    ) -> bool:
         row = self._mine(principal, key, generation, token)
-        return (row is not None and row.status is Status.COMPLETED and row.response_status == status
-                and row.response_headers == headers and (row.response_body == body or (row.response_body is None
-                                                                                        and no_body == 1)))
+        return (
+            row is not None
+            and row.status is Status.COMPLETED
+            and row.response_status == status
+            and row.response_headers == headers
+            and (row.response_body == body or (row.response_body is None and no_body == 1))
+        )
 
     def _release(self, principal: str, key: str, generation: int, token: int | None) -> bool:
         row = self._mine(principal, key, generation, token)
@@ -157,8 +195,15 @@ class FakeStore(RecordingStore):
 
     def _record_fenced(self, principal: str, key: str, generation: int, status: int, now: int) -> FencedEvent:
         current = self.rows.get((principal, key))
-        event = FencedEvent(len(self.events) + 1, principal, key, generation,
-                            None if current is None else current.generation, status, now)
+        event = FencedEvent(
+            len(self.events) + 1,
+            principal,
+            key,
+            generation,
+            None if current is None else current.generation,
+            status,
+            now,
+        )
         self.events.append(event)
         return event
 
@@ -341,14 +386,26 @@ def test_a_fixed_history_is_the_same_through_the_sync_driver_the_async_driver_an
     ]
     assert outcomes[5] == (Outcome.FENCED_OUT, 201) and outcomes[7] is None and outcomes[8] is Outcome.EXECUTED
     assert [entry[0] for entry in seen] == [
-        "claim", "complete",  # a new key
-        "claim", "lookup",  # its replay (SQLite: the lookup follows the lost claim)
-        "claim", "lookup",  # another request under the key
-        "claim", "claim", "lookup", "takeover",  # k2 claimed; its duplicate finds it fresh
-        "claim", "lookup", "takeover",  # past the TTL: taken over
-        "complete", "record_fenced",  # the stalled owner, fenced out
+        "claim",
+        "complete",  # a new key
+        "claim",
+        "lookup",  # its replay (SQLite: the lookup follows the lost claim)
+        "claim",
+        "lookup",  # another request under the key
+        "claim",
+        "claim",
+        "lookup",
+        "takeover",  # k2 claimed; its duplicate finds it fresh
+        "claim",
+        "lookup",
+        "takeover",  # past the TTL: taken over
+        "complete",
+        "record_fenced",  # the stalled owner, fenced out
         "complete",  # the new owner
-        "claim", "release", "lookup", "claim",  # released, then claimed afresh
+        "claim",
+        "release",
+        "lookup",
+        "claim",  # released, then claimed afresh
     ]
     for driver in ("async", "fake"):
         assert results[driver] == results["sync"], driver
@@ -358,20 +415,38 @@ def test_no_code_path_resolves_a_store_operation_by_name():
     # The message that named a store method is gone, and neither driver
     # nor the async store looks an attribute up by a computed name.
     assert not hasattr(decision, "Call")
-    for module in ("idemctl/decision.py", "idemctl/storage/aio.py", "idemctl/storage/store.py",
-                   "idemctl/storage/store_base.py", "idemctl/ledger/steps.py", "idemctl/ledger/maintenance.py"):
+    for module in (
+        "idemctl/decision.py",
+        "idemctl/storage/aio.py",
+        "idemctl/storage/store.py",
+        "idemctl/storage/store_base.py",
+        "idemctl/ledger/steps.py",
+        "idemctl/ledger/maintenance.py",
+    ):
         tree = ast.parse((ROOT / module).read_text(encoding="utf-8"))
         by_name = [
             node.lineno
             for node in ast.walk(tree)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "getattr"
             and not (len(node.args) > 1 and isinstance(node.args[1], ast.Constant))
         ]
         assert by_name == [], f"{module} looks an attribute up by a computed name at lines {by_name}"
     # Every operation the loop yields is one a store runs: the async store
     # has one verb, as the Store has.
-    ops = {"claim", "claim_or_read", "lookup", "takeover", "complete", "completed_as", "release", "record_fenced",
-           "database_now", "sweep"}
+    ops = {
+        "claim",
+        "claim_or_read",
+        "lookup",
+        "takeover",
+        "complete",
+        "completed_as",
+        "release",
+        "record_fenced",
+        "database_now",
+        "sweep",
+    }
     assert not ops & set(vars(AsyncStore)), "AsyncStore re-implements a Store operation by name"
     assert {"run", "run_steps"} <= set(vars(AsyncStore))
     assert Turn.__dataclass_fields__.keys() == {"store", "statements"}

@@ -90,9 +90,7 @@ class Row:
 def expected_answer(policy: Policy, status: int, headers: tuple[tuple[str, str], ...], body: bytes):
     """What the ledger stores for an app's answer (before any expiry header)."""
     order = {name: i for i, name in enumerate(policy.replayable_headers)}
-    kept = sorted(
-        ((n.lower(), v) for n, v in headers if n.lower() in order), key=lambda pair: order[pair[0]]
-    )
+    kept = sorted(((n.lower(), v) for n, v in headers if n.lower() in order), key=lambda pair: order[pair[0]])
     grouped: dict[str, list[str]] = {}
     for name, value in kept:
         grouped.setdefault(name, []).append(value)
@@ -341,8 +339,13 @@ def machine_for(
         def the_clock_jumps(self, jump: str) -> None:
             p = self.policy
             fake.advance(
-                {"ms": 1, "ttl": p.pending_ttl_ms, "past ttl": p.pending_ttl_ms + 1, "retention": p.retention_ms,
-                 "past retention": p.retention_ms + 1}[jump]
+                {
+                    "ms": 1,
+                    "ttl": p.pending_ttl_ms,
+                    "past ttl": p.pending_ttl_ms + 1,
+                    "retention": p.retention_ms,
+                    "past retention": p.retention_ms + 1,
+                }[jump]
             )
 
         @rule()

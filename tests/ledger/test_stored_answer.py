@@ -47,10 +47,14 @@ def test_a_first_answer_and_its_replay_through_the_ledger_are_equal_for_a_repeat
     app_headers = [("Set-Cookie", "a=1"), ("Location", "/o/1"), ("set-cookie", "b=2"), ("x-other", "no")]
     first = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"{}", lambda body: (201, app_headers, "made"))
     replay = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"{}", lambda body: (500, [], b"never"))
-    assert first.wire == replay.wire == (
-        201,
-        (("location", "/o/1"), ("set-cookie", "a=1"), ("set-cookie", "b=2")),
-        b"made",
+    assert (
+        first.wire
+        == replay.wire
+        == (
+            201,
+            (("location", "/o/1"), ("set-cookie", "a=1"), ("set-cookie", "b=2")),
+            b"made",
+        )
     )
 
 

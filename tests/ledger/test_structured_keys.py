@@ -81,7 +81,9 @@ def test_a_key_list_is_refused_by_name_and_a_quoted_comma_is_the_way_to_send_one
 
 def test_the_library_answers_a_key_list_as_it_answers_several_fields(ledger):
     runs: list[bytes] = []
-    answer = ledger.handle("acct_1", "t2, t2", "POST", "/orders", {}, b"", lambda body: runs.append(body) or (201, {}, b""))
+    answer = ledger.handle(
+        "acct_1", "t2, t2", "POST", "/orders", {}, b"", lambda body: runs.append(body) or (201, {}, b"")
+    )
     assert (answer.status, json.loads(answer.body)["message"]) == (
         400,
         "Send exactly one Idempotency-Key: several fields, or a comma outside a quoted key, are a list.",
@@ -111,7 +113,9 @@ def test_inspect_finds_the_row_by_the_quoted_and_by_the_bare_key(ledger_target, 
     assert documents[0]["key"] == "abc"
 
 
-def test_inspect_finds_a_row_the_recipe_stored_with_the_quotes(ledger_target, make_ledger, monkeypatch, tmp_path, clock):
+def test_inspect_finds_a_row_the_recipe_stored_with_the_quotes(
+    ledger_target, make_ledger, monkeypatch, tmp_path, clock
+):
     clean_env(monkeypatch, tmp_path, columns="200")
     make_ledger()
     writer = RecipeWriter(ledger_target)
@@ -126,9 +130,7 @@ def test_inspect_finds_a_row_the_recipe_stored_with_the_quotes(ledger_target, ma
         assert (document["key"], document["status"], document["response"]["status"]) == ('"legacy-1"', "completed", 201)
 
 
-@pytest.mark.parametrize(
-    "value", ['"\\"abc\\""', '"\\"abc"'], ids=["quoted-string-inside", "quote-first"]
-)
+@pytest.mark.parametrize("value", ['"\\"abc\\""', '"\\"abc"'], ids=["quoted-string-inside", "quote-first"])
 def test_a_key_that_itself_begins_with_a_quote_is_refused(value):
     # It would read as the header an older writer stored (see stored_key_identity).
     assert parse_key(value) is None
@@ -136,7 +138,14 @@ def test_a_key_that_itself_begins_with_a_quote_is_refused(value):
 
 @pytest.mark.parametrize(
     ("stored", "key"),
-    [('"legacy-1"', "legacy-1"), ("k", "k"), ('"a\\"b\\\\c";v=1', 'a"b\\c'), ('"abc', '"abc'), ('"x"y', "x"), ('a"b', 'a"b')],
+    [
+        ('"legacy-1"', "legacy-1"),
+        ("k", "k"),
+        ('"a\\"b\\\\c";v=1', 'a"b\\c'),
+        ('"abc', '"abc'),
+        ('"x"y', "x"),
+        ('a"b', 'a"b'),
+    ],
 )
 def test_the_database_computes_the_key_a_stored_value_names(stored, key, make_ledger, ledger_target, clock):
     make_ledger()
@@ -150,7 +159,9 @@ def test_the_database_computes_the_key_a_stored_value_names(stored, key, make_le
     assert (got.decode() if isinstance(got, bytes) else got) == key == stored_key_identity(stored)
 
 
-def test_inspect_and_purge_reach_a_row_whose_stored_key_no_request_may_send_any_more(ledger_target, make_ledger, monkeypatch, tmp_path, clock):
+def test_inspect_and_purge_reach_a_row_whose_stored_key_no_request_may_send_any_more(
+    ledger_target, make_ledger, monkeypatch, tmp_path, clock
+):
     # The recipe took any 1-255 printable characters: "abc (unterminated) is
     # a 400 for idemctl now, but an operator still finds and deletes the row.
     clean_env(monkeypatch, tmp_path, columns="200")

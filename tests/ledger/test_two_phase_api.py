@@ -52,7 +52,12 @@ def test_an_unprotected_method_gets_a_ticket_that_stores_nothing(ledger):
     ticket = ledger.begin(None, None, "GET", "/orders", {}, b"")
     assert (ticket.reservation, ticket.outcome, ticket.started_at) == (None, Outcome.PASSTHROUGH, None)
     answer = ledger.finish(ticket, 200, [("X-Any", "kept")], "text")
-    assert (answer.status, answer.headers, answer.body, answer.outcome) == (200, (("X-Any", "kept"),), b"text", Outcome.PASSTHROUGH)
+    assert (answer.status, answer.headers, answer.body, answer.outcome) == (
+        200,
+        (("X-Any", "kept"),),
+        b"text",
+        Outcome.PASSTHROUGH,
+    )
     assert ledger.stats().total == 0
     assert ledger.after_response(answer) is None
 

@@ -97,7 +97,9 @@ def test_quick_run_with_peers_adds_them_to_only_and_renders_the_peers_section(tm
     page = tmp_path / "performance.md"
     work = tmp_path / "work"
     run = [sys.executable, "-m", "bench", "--dir", str(work), "--out", str(out)]
-    proc = subprocess.run([*run, "--quick", "--peers", "--only", "cycle"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [*run, "--quick", "--peers", "--only", "cycle"], cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     benchmarks = json.loads(out.read_text())["benchmarks"]
     # --peers comes on top of what --only selects.
@@ -137,7 +139,9 @@ def test_quick_run_with_peers_adds_them_to_only_and_renders_the_peers_section(tm
 def test_quick_in_flight_run_measures_every_level_and_renders_its_tables(tmp_path):
     out = tmp_path / "inflight.json"
     run = [sys.executable, "-m", "bench", "--dir", str(tmp_path / "work"), "--out", str(out)]
-    proc = subprocess.run([*run, "--quick", "--only", "inflight"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [*run, "--quick", "--only", "inflight"], cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())["benchmarks"]["inflight"]
     if "missing" in res:  # no PostgreSQL driver here: a gap, never silently dropped

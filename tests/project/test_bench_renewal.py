@@ -40,7 +40,9 @@ def test_quick_renewal_benchmark_times_both_forms_and_records_primary_key_plans(
     assert all(p["before_plan"].startswith("SCAN idempotency_keys") for p in sqlite["points"])
     if "missing" not in engines["mysql"]:
         assert engines["mysql"]["form"] == "or"
-        assert all("type range, key idx_idempotency_keys_key_id, rows 300" in p["now_plan"] for p in engines["mysql"]["points"])
+        assert all(
+            "type range, key idx_idempotency_keys_key_id, rows 300" in p["now_plan"] for p in engines["mysql"]["points"]
+        )
         assert all("type index, key PRIMARY" in p["before_plan"] for p in engines["mysql"]["points"])
     if "missing" not in engines["postgres"]:
         assert engines["postgres"]["form"] == "values" and "before_ms" not in engines["postgres"]["points"][0]

@@ -17,8 +17,21 @@ pytestmark = pytest.mark.slow
 
 def test_a_short_soak_on_postgres_exits_0_with_no_acknowledged_answer_run_again(postgres_server: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.soak", "--engine", "postgres", "--url", postgres_server,
-         "--seconds", "3", "--end-every", "0.5", "--clients", "4"],
+        [
+            sys.executable,
+            "-m",
+            "bench.soak",
+            "--engine",
+            "postgres",
+            "--url",
+            postgres_server,
+            "--seconds",
+            "3",
+            "--end-every",
+            "0.5",
+            "--clients",
+            "4",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -27,7 +40,9 @@ def test_a_short_soak_on_postgres_exits_0_with_no_acknowledged_answer_run_again(
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = dict(
         (cells[1].strip(), cells[2].strip())
-        for cells in (line.split("|") for line in proc.stdout.splitlines() if line.startswith("| ") and line.count("|") == 3)
+        for cells in (
+            line.split("|") for line in proc.stdout.splitlines() if line.startswith("| ") and line.count("|") == 3
+        )
     )
     assert lines["engine"] == "postgres"
     assert lines["re-run after ack"] == "0"

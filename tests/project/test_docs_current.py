@@ -61,7 +61,9 @@ def test_cli_help_is_made_plain_for_the_page():
             "Example: idemctl sweep --dry-run",
         ]
     )
-    assert gen_cli.commands("Commands:\n  init   Create it.\n  sweep  Delete rows,\n         in batches.\n\nExit codes: 0") == [
+    assert gen_cli.commands(
+        "Commands:\n  init   Create it.\n  sweep  Delete rows,\n         in batches.\n\nExit codes: 0"
+    ) == [
         "init",
         "sweep",
     ]

@@ -98,5 +98,7 @@ def test_installed_wheel_initialises_a_ledger_from_its_own_schema(wheel, tmp_pat
     version = subprocess.run([str(venv / "bin" / "idemctl"), "--version"], env=env, capture_output=True, text=True)
     assert version.returncode == 0, version.stderr
     assert "0.1.0" in version.stdout
-    module = subprocess.run([str(py), "-m", "idemctl", "--version"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    module = subprocess.run(
+        [str(py), "-m", "idemctl", "--version"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
     assert module.returncode == 0 and module.stdout == version.stdout

@@ -46,7 +46,9 @@ def user_env() -> dict[str, str]:
 
 
 def run_shell(command: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command, shell=True, cwd=cwd, env=env or user_env(), capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        command, shell=True, cwd=cwd, env=env or user_env(), capture_output=True, text=True, timeout=120
+    )
 
 
 def try_it_steps() -> list[str]:
@@ -209,7 +211,11 @@ def test_following_the_readme_top_to_bottom_in_one_folder_works(tmp_path):
             # Bytes: the CRLFs of the HTTP head must survive.
             done = subprocess.run(
                 command.replace("127.0.0.1:8000", f"127.0.0.1:{port}"),
-                shell=True, cwd=tmp_path, env=env, capture_output=True, timeout=60,
+                shell=True,
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                timeout=60,
             )
             assert done.returncode == 0, done.stderr
             got_status, headers, got_body = http_parts(done.stdout.decode("utf-8"))

@@ -53,7 +53,9 @@ def test_upgrading_keeps_the_quoted_rows_and_replays_them(make_ledger, ledger_ta
             assert ledger.init().describe() == "upgraded from 2 to 3"
             assert stored(writer) == before
             ran: list[bytes] = []
-            again = ledger.handle("acct_1", '"legacy-1"', "POST", "/", {}, b"", lambda b: ran.append(b) or (500, {}, b""))
+            again = ledger.handle(
+                "acct_1", '"legacy-1"', "POST", "/", {}, b"", lambda b: ran.append(b) or (500, {}, b"")
+            )
             # The stored fingerprint "fp" is no request's: a reuse, refused, never a run.
             assert (again.status, again.outcome, ran) == (409, Outcome.REUSED, [])
         finally:
@@ -91,7 +93,8 @@ def test_the_runbooks_rewrite_gives_quoted_rows_their_bare_key_and_they_stay_one
         writer.insert_completed("acct_1", '"legacy-1"', "fp", 201, "{}", "made", clock.now)
         _, pairs = writer._run(
             "SELECT q.principal FROM idempotency_keys q JOIN idempotency_keys b"
-            " ON b.principal = q.principal AND q.key = " + ("CONCAT('\"', b.key, '\"')" if writer.mysql else "'\"' || b.key || '\"'"),
+            " ON b.principal = q.principal AND q.key = "
+            + ("CONCAT('\"', b.key, '\"')" if writer.mysql else "'\"' || b.key || '\"'"),
             (),
         )
         assert pairs == []  # the runbook's search for keys stored in both forms: none here

@@ -148,7 +148,9 @@ def first_request(ledger: Ledger, runs: collections.Counter[str], key: str = "k1
     return ticket
 
 
-def assert_stored_and_replayed(ledger: Ledger, clock: FakeClock, answer_wire: tuple[Any, ...], runs: collections.Counter[str]) -> None:
+def assert_stored_and_replayed(
+    ledger: Ledger, clock: FakeClock, answer_wire: tuple[Any, ...], runs: collections.Counter[str]
+) -> None:
     """The row holds the answer; a retry after the pending TTL replays it
     byte for byte instead of running the mutation again."""
     row = ledger.lookup("acct", "k1")
@@ -175,12 +177,16 @@ async def request_on_the_loop(
     meanwhile, so that the loop goes on."""
     store = ledger.async_store()
     assert store is not None
-    ticket = await decision.run_async(ledger.begin_steps("acct", "k1", "POST", "/orders", {}, BODY), no_thread, store=store)
+    ticket = await decision.run_async(
+        ledger.begin_steps("acct", "k1", "POST", "/orders", {}, BODY), no_thread, store=store
+    )
     assert isinstance(ticket, Ticket)
     runs["k1"] += 1
     if while_the_app_runs is not None:
         await asyncio.to_thread(while_the_app_runs)
-    finishing = asyncio.ensure_future(decision.drive(ledger.finish_steps(ticket, 201, HEADERS, ANSWER), no_thread, store))
+    finishing = asyncio.ensure_future(
+        decision.drive(ledger.finish_steps(ticket, 201, HEADERS, ANSWER), no_thread, store)
+    )
     if while_storing is not None:
         await asyncio.to_thread(while_storing)
     try:

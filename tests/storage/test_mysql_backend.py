@@ -192,7 +192,9 @@ def test_a_sweep_chosen_as_deadlock_victim_runs_again_and_deletes_its_batch(
     assert ledger.stats().total == 0
 
 
-def test_a_statement_that_keeps_losing_deadlocks_is_database_locked_after_the_tries(ledger: Ledger, monkeypatch) -> None:
+def test_a_statement_that_keeps_losing_deadlocks_is_database_locked_after_the_tries(
+    ledger: Ledger, monkeypatch
+) -> None:
     from idemctl.storage import mysql
 
     real_execute = pymysql.cursors.Cursor.execute
@@ -201,7 +203,9 @@ def test_a_statement_that_keeps_losing_deadlocks_is_database_locked_after_the_tr
     def deadlocking(self, query, args=None):
         if "idempotency_keys" in str(query) and query.lstrip().startswith("INSERT"):
             calls.append(query)
-            raise pymysql.err.OperationalError(1213, "Deadlock found when trying to get lock; try restarting transaction")
+            raise pymysql.err.OperationalError(
+                1213, "Deadlock found when trying to get lock; try restarting transaction"
+            )
         return real_execute(self, query, args)
 
     monkeypatch.setattr(pymysql.cursors.Cursor, "execute", deadlocking)
@@ -266,7 +270,9 @@ def test_a_connection_killed_while_idle_fails_one_request_with_503_and_the_next_
     assert replay[0].startswith("201") and replay[2] == b'{"order":1}'
 
 
-def test_a_connection_killed_mid_statement_is_a_503_and_the_key_stays_free(make_ledger, ledger_target: str, server_cursor) -> None:
+def test_a_connection_killed_mid_statement_is_a_503_and_the_key_stays_free(
+    make_ledger, ledger_target: str, server_cursor
+) -> None:
     # The claim waits on a row lock another session holds; the DBA kills the
     # claim's connection: the request gets 503 without running the app, and
     # the key is not left reserved by a claim that never answered.
@@ -296,9 +302,7 @@ def test_a_connection_killed_mid_statement_is_a_503_and_the_key_stays_free(make_
     assert replay[0].startswith("201") and replay[2] == b'{"order":1}' and runs == [1]
 
 
-def test_a_connection_killed_while_the_app_runs_costs_no_answer(
-    make_ledger, ledger_target: str, server_cursor
-) -> None:
+def test_a_connection_killed_while_the_app_runs_costs_no_answer(make_ledger, ledger_target: str, server_cursor) -> None:
     # The mutation ran and its connection died in the pool meanwhile: the
     # fenced completion is stored again on a fresh connection, so the
     # client's answer is the stored one, and a retry replays it.
@@ -325,12 +329,16 @@ def test_a_connection_idle_past_the_ping_interval_is_checked_first_and_a_dead_on
     idle = thread_id(ledger)
     monkeypatch.setattr(mysql, "IDLE_PING_S", 0.0)
     server_cursor.execute(f"KILL {idle}")
-    wait_until(lambda: server_cursor.execute("SELECT 1 FROM information_schema.processlist WHERE id = %s", (idle,)) == 0)
+    wait_until(
+        lambda: server_cursor.execute("SELECT 1 FROM information_schema.processlist WHERE id = %s", (idle,)) == 0
+    )
     assert ledger.claim("acct", "k", "fp") is not None
     assert thread_id(ledger) != idle
 
 
-def test_when_the_server_drops_every_pooled_connection_only_one_statement_fails(ledger_target: str, server_cursor) -> None:
+def test_when_the_server_drops_every_pooled_connection_only_one_statement_fails(
+    ledger_target: str, server_cursor
+) -> None:
     ledger = Ledger.open(ledger_target + "?pool_max_size=4")
     ledger.init()
     barrier = threading.Barrier(4)
@@ -512,7 +520,9 @@ def test_a_sweep_waiting_on_a_row_lock_does_not_delete_a_row_a_takeover_just_ref
 # -- schema ----------------------------------------------------------------------------------
 
 
-def test_the_ledger_table_has_the_recipes_columns_in_order_the_token_and_its_indexes(ledger: Ledger, server_cursor) -> None:
+def test_the_ledger_table_has_the_recipes_columns_in_order_the_token_and_its_indexes(
+    ledger: Ledger, server_cursor
+) -> None:
     server_cursor.execute(
         "SELECT column_name, column_type FROM information_schema.columns"
         " WHERE table_schema = DATABASE() AND table_name = 'idempotency_keys' ORDER BY ordinal_position"
@@ -540,11 +550,15 @@ def test_the_ledger_table_has_the_recipes_columns_in_order_the_token_and_its_ind
         ("idx_idempotency_keys_key_id", "principal,key_id"),
         ("idx_idempotency_keys_updated_at", "updated_at"),
     ]
-    server_cursor.execute("SELECT engine, table_collation FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = 'idempotency_keys'")
+    server_cursor.execute(
+        "SELECT engine, table_collation FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = 'idempotency_keys'"
+    )
     assert server_cursor.fetchone() == ("InnoDB", "utf8mb4_bin")
 
 
-def test_init_from_several_processes_at_once_creates_the_schema_once(ledger_target: str, server_cursor, tmp_path) -> None:
+def test_init_from_several_processes_at_once_creates_the_schema_once(
+    ledger_target: str, server_cursor, tmp_path
+) -> None:
     script = tmp_path / "init.py"
     script.write_text(
         "import sys, time\n"
@@ -556,12 +570,19 @@ def test_init_from_several_processes_at_once_creates_the_schema_once(ledger_targ
     )
     start = time.time() + 2.0
     procs = [
-        subprocess.Popen([sys.executable, str(script), ledger_target, str(start)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, str(script), ledger_target, str(start)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(5)
     ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0] * 5, [err for _, err in outs]
-    assert sorted(out.strip() for out, _ in outs) == sorted([InitAction.CREATED.value] + [InitAction.UP_TO_DATE.value] * 4)
+    assert sorted(out.strip() for out, _ in outs) == sorted(
+        [InitAction.CREATED.value] + [InitAction.UP_TO_DATE.value] * 4
+    )
     server_cursor.execute("SELECT version FROM idemctl_schema_version")
     assert server_cursor.fetchall() == ((3,),)
 
@@ -576,7 +597,9 @@ def test_init_again_is_up_to_date_and_a_dry_run_on_an_empty_database_writes_noth
 
 
 def test_a_hand_made_ledger_table_is_refused_by_init_with_what_to_do(make_ledger, server_cursor) -> None:
-    server_cursor.execute("CREATE TABLE idempotency_keys (principal VARCHAR(64), `key` VARCHAR(64), PRIMARY KEY (principal, `key`))")
+    server_cursor.execute(
+        "CREATE TABLE idempotency_keys (principal VARCHAR(64), `key` VARCHAR(64), PRIMARY KEY (principal, `key`))"
+    )
     ledger = make_ledger(init=False)
     with pytest.raises(StorageError, match=r"idempotency_keys exists but was not made by idemctl .*rename or drop"):
         ledger.init()
@@ -616,13 +639,34 @@ def test_mariadb_and_mysql_urls_open_the_same_engine_and_describe_without_the_pa
         (f"mysql://app:{SECRET}@server_cursor.internal:notaport/pay", "bad MySQL URL: Port could not be cast"),
         (f"mysql://app:{SECRET}@server_cursor.internal/", "bad MySQL URL: name one database"),
         (f"mysql://app:{SECRET}@server_cursor.internal/pay?bogus=1", "bad MySQL URL: unknown parameter 'bogus'"),
-        (f"mysql://app:{SECRET}@server_cursor.internal/pay?pool_max_size=many", "bad MySQL URL: pool_max_size='many' is not a number"),
-        (f"mysql://app:{SECRET}@server_cursor.internal/pay?pool_max_size=0", "bad MySQL URL: pool_max_size must be >= 1, got 0"),
-        (f"mysql://app:{SECRET}@db/pay?wsrep_sync_wait=16", "bad MySQL URL: wsrep_sync_wait is a bitmask from 0 to 15, got 16"),
+        (
+            f"mysql://app:{SECRET}@server_cursor.internal/pay?pool_max_size=many",
+            "bad MySQL URL: pool_max_size='many' is not a number",
+        ),
+        (
+            f"mysql://app:{SECRET}@server_cursor.internal/pay?pool_max_size=0",
+            "bad MySQL URL: pool_max_size must be >= 1, got 0",
+        ),
+        (
+            f"mysql://app:{SECRET}@db/pay?wsrep_sync_wait=16",
+            "bad MySQL URL: wsrep_sync_wait is a bitmask from 0 to 15, got 16",
+        ),
         (f"mysql://app:{SECRET}@db/pay?wsrep_sync_wait=-1", "bad MySQL URL: wsrep_sync_wait must be >= 0, got -1"),
-        (f"mysql://app:{SECRET}@db/pay?wsrep_sync_wait=reads", "bad MySQL URL: wsrep_sync_wait='reads' is not a number"),
+        (
+            f"mysql://app:{SECRET}@db/pay?wsrep_sync_wait=reads",
+            "bad MySQL URL: wsrep_sync_wait='reads' is not a number",
+        ),
     ],
-    ids=["port", "no-database", "unknown-param", "pool-size", "pool-zero", "sync-wait-16", "sync-wait-neg", "sync-wait-word"],
+    ids=[
+        "port",
+        "no-database",
+        "unknown-param",
+        "pool-size",
+        "pool-zero",
+        "sync-wait-16",
+        "sync-wait-neg",
+        "sync-wait-word",
+    ],
 )
 def test_a_bad_url_is_a_storage_error_at_open_naming_the_problem(url: str, expected: str) -> None:
     with pytest.raises(StorageError) as caught:
@@ -651,7 +695,9 @@ def test_a_galera_node_outside_a_primary_component_is_connection_failed(ledger_t
     error = pymysql.err.OperationalError(1047, "WSREP has not yet prepared node for application use")
     translated = engine._translate(error)
     assert isinstance(translated, ConnectionFailedError)
-    assert str(translated).startswith(f"cannot reach MySQL at {engine.describe()}: this Galera node is not in a Primary")
+    assert str(translated).startswith(
+        f"cannot reach MySQL at {engine.describe()}: this Galera node is not in a Primary"
+    )
 
 
 def test_the_principal_limit_that_docs_and_schema_state_is_the_one_enforced() -> None:
@@ -659,7 +705,9 @@ def test_the_principal_limit_that_docs_and_schema_state_is_the_one_enforced() ->
     from tests.helpers import ROOT
 
     docs = " ".join((ROOT / "docs" / "mysql.md").read_text().split())
-    ddl = " ".join(line.strip("- ") for line in (ROOT / "schema" / "mysql" / "0001_idemctl_v2.sql").read_text().splitlines())
+    ddl = " ".join(
+        line.strip("- ") for line in (ROOT / "schema" / "mysql" / "0001_idemctl_v2.sql").read_text().splitlines()
+    )
     assert MAX_PRINCIPAL_BYTES == 512
     assert f"A principal is at most {MAX_PRINCIPAL_BYTES} bytes of UTF-8" in docs
     assert f"a principal at most {MAX_PRINCIPAL_BYTES} bytes of UTF-8, on every engine" in ddl
@@ -668,12 +716,16 @@ def test_the_principal_limit_that_docs_and_schema_state_is_the_one_enforced() ->
 
 def test_a_wrong_password_is_connection_failed_without_the_password(mysql_server: str) -> None:
     url = mysql_server.replace("mysql://root@", f"mysql://root:{SECRET}@")
-    with pytest.raises(ConnectionFailedError, match=r"^cannot reach MySQL at mysql://root@127\.0\.0\.1:3306/test: Access denied") as caught:
+    with pytest.raises(
+        ConnectionFailedError, match=r"^cannot reach MySQL at mysql://root@127\.0\.0\.1:3306/test: Access denied"
+    ) as caught:
         Ledger.open(url).schema_version()
     assert SECRET not in str(caught.value)
 
 
-def test_a_refused_connection_is_connection_failed_and_a_missing_database_is_ledger_not_found(mysql_server: str) -> None:
+def test_a_refused_connection_is_connection_failed_and_a_missing_database_is_ledger_not_found(
+    mysql_server: str,
+) -> None:
     with pytest.raises(ConnectionFailedError, match=r"^cannot reach MySQL at mysql://root@127\.0\.0\.1:1/x: "):
         Ledger.open("mysql://root@127.0.0.1:1/x?connect_timeout=2").schema_version()
     missing = mysql_server.rsplit("/", 1)[0] + "/no_such_ledger_db"
@@ -699,7 +751,10 @@ def test_without_the_driver_a_mysql_url_asks_for_the_extra() -> None:
         "except StorageError as exc:\n    print(exc)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.stdout.strip() == "MariaDB/MySQL support needs the driver: pip install 'idemctl[mysql]' (pymysql is missing)"
+    assert (
+        done.stdout.strip()
+        == "MariaDB/MySQL support needs the driver: pip install 'idemctl[mysql]' (pymysql is missing)"
+    )
 
 
 def test_an_exhausted_pool_is_a_ledger_unavailable_error_after_the_pool_timeout(ledger_target: str) -> None:
@@ -743,7 +798,9 @@ def test_idemctl_db_and_the_cli_take_a_mysql_url_like_a_path(ledger_target: str,
     assert json.loads(done.stdout)["status"] == "pending"
 
 
-def test_rows_written_by_other_programs_are_named_when_malformed_never_a_traceback(ledger: Ledger, server_cursor) -> None:
+def test_rows_written_by_other_programs_are_named_when_malformed_never_a_traceback(
+    ledger: Ledger, server_cursor
+) -> None:
     from idemctl.errors import MalformedRowError
 
     server_cursor.execute(

@@ -46,7 +46,9 @@ def server_pid(ledger: Ledger) -> int:
 def wait_until_a_statement_waits_for_a_row(pg: psycopg.Connection, failure: str) -> None:
     """Until some statement waits for another transaction (its row lock, or its uncommitted insert)."""
     deadline = time.monotonic() + 10
-    while not pg.execute("SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'").fetchone()[0]:
+    while not pg.execute("SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'").fetchone()[
+        0
+    ]:
         assert time.monotonic() < deadline, failure
         time.sleep(0.01)
 
@@ -191,7 +193,9 @@ def test_a_row_committed_while_the_claim_waited_for_it_is_read_after_the_claim_a
     # The claim's own SELECT reads the statement's snapshot, taken before the
     # other request committed: it sees no row, and the ledger looks the key up.
     fp = fingerprint("POST", "/orders", {}, b"{}")
-    assert ledger.handle("acct", "warm", "POST", "/orders", {}, b"{}", ok()).outcome is Outcome.EXECUTED  # schema checked
+    assert (
+        ledger.handle("acct", "warm", "POST", "/orders", {}, b"{}", ok()).outcome is Outcome.EXECUTED
+    )  # schema checked
     counted = CountedStatements(ledger, monkeypatch)
     with psycopg.connect(ledger_target) as other:
         other.execute(

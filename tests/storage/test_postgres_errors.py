@@ -42,7 +42,9 @@ def pg_count_connections(ledger_target: str):
 
     def count() -> int:
         with psycopg.connect(ledger_target.replace(app, "idemctl-test-observer"), autocommit=True) as conn:
-            return int(conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (app,)).fetchone()[0])
+            return int(
+                conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (app,)).fetchone()[0]
+            )
 
     return count
 
@@ -58,11 +60,20 @@ def single_line_without_secret(exc: BaseException) -> str:
     ("url", "expected"),
     [
         (f"postgresql://app:{SECRET}@db.internal:notaport/pay", "port 'notaport' is not a number from 1 to 65535"),
-        (f"postgresql://app:{SECRET}@db.internal:5432/pay?sslmode=require&bogus=1", 'invalid URI query parameter: "bogus"'),
+        (
+            f"postgresql://app:{SECRET}@db.internal:5432/pay?sslmode=require&bogus=1",
+            'invalid URI query parameter: "bogus"',
+        ),
         (f"postgresql://app:{SECRET}@db.internal/pay%zz", 'invalid percent-encoded token: "pay%zz"'),
         (f"postgresql://app:{SECRET}@db.internal/pay?pool_max_size=many", "pool_max_size='many' is not a whole number"),
-        (f"postgresql://app:{SECRET}@db.internal/pay?pool_min_size=5&pool_max_size=2", "pool_max_size (2) is below pool_min_size (5)"),
-        (f"postgresql://app:{SECRET}@db.internal/pay?pool_timeout=soon", "pool_timeout='soon' is not a number of seconds"),
+        (
+            f"postgresql://app:{SECRET}@db.internal/pay?pool_min_size=5&pool_max_size=2",
+            "pool_max_size (2) is below pool_min_size (5)",
+        ),
+        (
+            f"postgresql://app:{SECRET}@db.internal/pay?pool_timeout=soon",
+            "pool_timeout='soon' is not a number of seconds",
+        ),
     ],
     ids=["port", "unknown-param", "percent", "pool-size", "pool-order", "pool-timeout"],
 )
@@ -136,7 +147,10 @@ def test_row_lock_held_past_the_busy_timeout_is_database_locked(make_ledger, led
     reservation = ledger.claim("acct", "k", "fp")
     with psycopg.connect(ledger_target) as holder:
         holder.execute("SELECT * FROM idempotency_keys WHERE key = 'k' FOR UPDATE")
-        with pytest.raises(DatabaseLockedError, match=r"is locked: another session held the row or table past the lock timeout \(200 ms unless the URL sets lock_timeout\): canceling statement due to lock timeout$"):
+        with pytest.raises(
+            DatabaseLockedError,
+            match=r"is locked: another session held the row or table past the lock timeout \(200 ms unless the URL sets lock_timeout\): canceling statement due to lock timeout$",
+        ):
             ledger.complete(reservation, 201, {}, b"ok")
     # Nothing was written by the timed-out statement; once free, it completes.
     assert ledger.lookup("acct", "k").status.value == "pending"
@@ -150,7 +164,9 @@ def test_lock_timeout_in_the_url_options_wins_over_the_busy_timeout(ledger_targe
     reservation = ledger.claim("acct", "k", "fp")
     with psycopg.connect(ledger_target) as holder:
         holder.execute("SELECT * FROM idempotency_keys WHERE key = 'k' FOR UPDATE")
-        timer = threading.Timer(5, holder.rollback)  # releases the lock: never hang the suite if the option were ignored
+        timer = threading.Timer(
+            5, holder.rollback
+        )  # releases the lock: never hang the suite if the option were ignored
         timer.start()
         started = time.monotonic()
         try:
@@ -251,7 +267,10 @@ def test_statement_timeout_from_the_url_is_database_locked_and_says_so(ledger_ta
         timer = threading.Timer(5, holder.rollback)  # releases the lock: never hang the suite
         timer.start()
         try:
-            with pytest.raises(DatabaseLockedError, match=r"was cancelled or ran past statement_timeout: canceling statement due to statement timeout$"):
+            with pytest.raises(
+                DatabaseLockedError,
+                match=r"was cancelled or ran past statement_timeout: canceling statement due to statement timeout$",
+            ):
                 ledger.lookup("acct", "k")
         finally:
             timer.cancel()

@@ -240,7 +240,9 @@ def test_pooler_none_in_front_of_pgbouncer_is_a_pooler_error_not_an_unreachable_
 
 def test_a_prepared_statement_lost_by_the_pooler_is_reported_as_such_not_as_cannot_reach() -> None:
     translate = Translator("postgresql://app@db/pay", lambda s: s, 5000, 5.0, 10)
-    lost = psycopg.errors.ProtocolViolation('bind message supplies 5 parameters, but prepared statement "_pg3_5" requires 2')
+    lost = psycopg.errors.ProtocolViolation(
+        'bind message supplies 5 parameters, but prepared statement "_pg3_5" requires 2'
+    )
     error = translate(lost)
     assert isinstance(error, PoolerError) and not isinstance(error, ConnectionFailedError)
     assert str(error).startswith("postgresql://app@db/pay: a prepared statement did not survive the connection pooler")
@@ -262,7 +264,10 @@ def test_statement_pooling_serves_requests_and_refuses_init_with_one_clear_error
             with pytest.raises(PoolerError, match="pooled in statement mode") as refused:
                 ledger.init()
             assert "cannot reach" not in str(refused.value)
-        with Ledger.open(statement_url + "&pooler=statement") as ledger, pytest.raises(PoolerError, match="statement mode"):
+        with (
+            Ledger.open(statement_url + "&pooler=statement") as ledger,
+            pytest.raises(PoolerError, match="statement mode"),
+        ):
             ledger.init()
         assert count_rows(postgres_server, schema) == 1
 
@@ -299,6 +304,7 @@ def test_a_direct_pools_new_connection_without_its_startup_options_is_refused_an
             bare = psycopg.connect(engine._settings.pooled_conninfo, autocommit=True)
             with bare, pytest.raises(PoolerError, match="ignored idemctl's startup options"):
                 engine._configure_for("none")(bare)
+
             # The next failure to get a connection replaces the pool, and the
             # one after finds what is there now.
             def no_connection(*args: object, **kwargs: object) -> None:
@@ -330,7 +336,10 @@ def test_a_database_pgbouncer_does_not_know_is_a_missing_ledger_not_an_unreachab
 ) -> None:
     from idemctl.errors import LedgerNotFoundError
 
-    with Ledger.open(pgbouncers("transaction").url("nosuchdb")) as ledger, pytest.raises(LedgerNotFoundError) as missing:
+    with (
+        Ledger.open(pgbouncers("transaction").url("nosuchdb")) as ledger,
+        pytest.raises(LedgerNotFoundError) as missing,
+    ):
         ledger.lookup("acct_A", "k1")
     assert str(missing.value).endswith(": the pooler has no such database: nosuchdb")
     assert not isinstance(missing.value, ConnectionFailedError)
@@ -355,7 +364,9 @@ def test_the_async_pool_whose_new_connections_lost_their_options_is_replaced_and
             monkeypatch.setattr(aio, "MARKER_QUERY", "SELECT 'off'")
             monkeypatch.setattr("idemctl.storage.postgres.pooler.MARKER_QUERY", "SELECT 'off'")
             with psycopg.connect(postgres_server, autocommit=True) as admin:
-                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s", (app,))
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s", (app,)
+                )
             for _ in range(3):  # the dead connection, then no new one within pool_timeout
                 try:
                     await on_loop.execute("SELECT 1", {})

@@ -25,9 +25,7 @@ from idemctl.schema import schema_files  # noqa: E402
 # Only this engine's half: these checks mean nothing on the others.
 pytestmark = pytest.mark.engines("postgres")
 
-RECIPE_COLUMNS = (
-    "principal, key, fingerprint, status, generation, response_status, response_body, response_headers, created_at, updated_at"
-)
+RECIPE_COLUMNS = "principal, key, fingerprint, status, generation, response_status, response_body, response_headers, created_at, updated_at"
 NOW = 1_700_000_000_000
 DAY = 86_400_000
 DONE_FP = fingerprint("POST", "/orders", {}, b"{}")
@@ -51,7 +49,18 @@ def recipe_only(pg: psycopg.Connection) -> list[tuple]:
     """A database as the recipe leaves it: its table, its index, its rows."""
     pg.execute(schema_files("postgres")[0].sql)
     rows = [
-        ("acct_1", "done", DONE_FP, "completed", 1, 201, b'{"id":1}', '{"content-type":"application/json"}', NOW - 1000, NOW - 900),
+        (
+            "acct_1",
+            "done",
+            DONE_FP,
+            "completed",
+            1,
+            201,
+            b'{"id":1}',
+            '{"content-type":"application/json"}',
+            NOW - 1000,
+            NOW - 900,
+        ),
         ("acct_1", "running", "fp2", "pending", 1, None, None, None, NOW - 1000, NOW - 1000),
         ("acct_1", "stale", "fp3", "pending", 2, None, None, None, NOW - 90_000, NOW - 60_000),
         ("acct_2", "old", "fp4", "completed", 1, 200, b"ok", "{}", NOW - 2 * DAY, NOW - 2 * DAY),
@@ -103,7 +112,9 @@ def test_ledger_table_has_the_recipes_columns_in_order_and_its_index(ledger, pg:
         " WHERE i.indrelid = 'idempotency_keys'::regclass AND i.indisprimary"
     ).fetchone()[0]
     assert pk == ["principal", "key"]
-    index = pg.execute("SELECT indexdef FROM pg_indexes WHERE indexname = 'idx_idempotency_keys_updated_at'").fetchone()[0]
+    index = pg.execute(
+        "SELECT indexdef FROM pg_indexes WHERE indexname = 'idx_idempotency_keys_updated_at'"
+    ).fetchone()[0]
     assert index.endswith("USING btree (updated_at)")
     assert pg_tables(pg) >= {"idempotency_keys", "idemctl_schema_version", "idemctl_fenced_out"}
 
@@ -157,7 +168,13 @@ def test_recipe_only_database_is_readable_then_upgraded_from_0_without_touching_
     assert [v.row.key for v in reader.pending()] == ["stale", "running"]
     assert list(reader.fenced()) == []
     stats = reader.stats()
-    assert (stats.total, stats.completed, stats.expired, stats.fenced_out_events, stats.schema_version) == (4, 1, 1, 0, 0)
+    assert (stats.total, stats.completed, stats.expired, stats.fenced_out_events, stats.schema_version) == (
+        4,
+        1,
+        1,
+        0,
+        0,
+    )
     # Requests need the fencing token of schema version 2: refused, nothing written.
     with pytest.raises(SchemaOutdatedError):
         reader.handle("acct_1", "done", "POST", "/orders", {}, b"{}", lambda b: pytest.fail("ran"))
@@ -175,7 +192,9 @@ def test_recipe_only_database_is_readable_then_upgraded_from_0_without_touching_
     assert reader.sweep().keys_deleted == 1 and reader.lookup("acct_2", "old") is None
 
 
-def test_newer_schema_version_is_refused_by_requests_and_by_init(make_ledger, pg: psycopg.Connection, ledger_target: str) -> None:
+def test_newer_schema_version_is_refused_by_requests_and_by_init(
+    make_ledger, pg: psycopg.Connection, ledger_target: str
+) -> None:
     make_ledger()
     pg.execute("INSERT INTO idemctl_schema_version (version, applied_at) VALUES (7, 0)")
     newer = Ledger.open(ledger_target)
@@ -233,7 +252,15 @@ def test_stats_report_the_tables_size_on_the_server(ledger, pg: psycopg.Connecti
 
 
 def test_a_completed_row_written_here_has_status_completed_in_plain_sql(ledger, pg: psycopg.Connection) -> None:
-    ledger.handle("acct", "k", "POST", "/o", {"content-type": "text/plain"}, b"{}", lambda b: (201, {"content-type": "text/plain"}, "h\u00e9"))
+    ledger.handle(
+        "acct",
+        "k",
+        "POST",
+        "/o",
+        {"content-type": "text/plain"},
+        b"{}",
+        lambda b: (201, {"content-type": "text/plain"}, "h\u00e9"),
+    )
     row = pg.execute(
         "SELECT status, generation, response_status, convert_from(response_body, 'UTF8'), response_headers"
         " FROM idempotency_keys"
@@ -248,9 +275,14 @@ def test_a_hand_made_recipe_table_with_a_text_body_is_refused_with_the_fix(make_
         " VALUES ('acct', 'k', 'fp', 'completed', 200, 'caf\u00e9', 1, 1)"
     )
     ledger = make_ledger(init=False)
-    with pytest.raises(StorageError, match=r"response_body is text, .* ALTER TABLE idempotency_keys ALTER COLUMN response_body TYPE bytea USING convert_to\(response_body, 'UTF8'\)$"):
+    with pytest.raises(
+        StorageError,
+        match=r"response_body is text, .* ALTER TABLE idempotency_keys ALTER COLUMN response_body TYPE bytea USING convert_to\(response_body, 'UTF8'\)$",
+    ):
         ledger.init()
     assert pg_tables(pg) == {"idempotency_keys", "idempotency_keys_pkey", "idx_idempotency_keys_updated_at"}
-    pg.execute("ALTER TABLE idempotency_keys ALTER COLUMN response_body TYPE bytea USING convert_to(response_body, 'UTF8')")
+    pg.execute(
+        "ALTER TABLE idempotency_keys ALTER COLUMN response_body TYPE bytea USING convert_to(response_body, 'UTF8')"
+    )
     assert ledger.init().describe() == "upgraded from 0 to 3"
     assert ledger.lookup("acct", "k").response_body == "caf\u00e9"

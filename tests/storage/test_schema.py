@@ -29,9 +29,7 @@ CREATE TABLE idempotency_keys (
 CREATE INDEX idx_idempotency_keys_updated_at ON idempotency_keys (updated_at);
 """
 
-RECIPE_COLUMNS = (
-    "principal, key, fingerprint, status, generation, response_status, response_body, response_headers, created_at, updated_at"
-)
+RECIPE_COLUMNS = "principal, key, fingerprint, status, generation, response_status, response_body, response_headers, created_at, updated_at"
 NOW = 1_700_000_000_000
 DAY = 86_400_000
 
@@ -40,7 +38,18 @@ def recipe_database(path) -> list[tuple]:
     conn = sqlite3.connect(path)
     conn.executescript(RECIPE_DDL)
     rows = [
-        ("acct_1", "done", "fp1", "completed", 1, 201, '{"id":1}', '{"content-type":"application/json"}', NOW - 1000, NOW - 900),
+        (
+            "acct_1",
+            "done",
+            "fp1",
+            "completed",
+            1,
+            201,
+            '{"id":1}',
+            '{"content-type":"application/json"}',
+            NOW - 1000,
+            NOW - 900,
+        ),
         ("acct_1", "running", "fp2", "pending", 1, None, None, None, NOW - 1000, NOW - 1000),
         ("acct_1", "stale", "fp3", "pending", 2, None, None, None, NOW - 90_000, NOW - 60_000),
         ("acct_2", "old", "fp4", "completed", 1, 200, "ok", "{}", NOW - 2 * DAY, NOW - 2 * DAY),
@@ -130,7 +139,14 @@ def test_recipe_database_is_readable_and_sweepable_without_init(tmp_path):
     assert ledger.get("acct_1", "stale").state is State.PENDING_STALE
     assert ledger.get("acct_2", "old").state is State.EXPIRED
     stats = ledger.stats()
-    assert (stats.total, stats.pending_fresh, stats.pending_stale, stats.completed, stats.expired, stats.taken_over) == (
+    assert (
+        stats.total,
+        stats.pending_fresh,
+        stats.pending_stale,
+        stats.completed,
+        stats.expired,
+        stats.taken_over,
+    ) == (
         4,
         1,
         1,
@@ -176,7 +192,9 @@ def test_recipe_rows_replay_after_the_upgrade_when_fingerprints_match(tmp_path):
     conn.close()
     ledger = Ledger.open(path, clock=lambda: NOW)
     ledger.init()
-    answer = ledger.handle("acct", "k", "POST", "/orders", {"content-type": "application/json"}, b'{"a":1}', lambda b: (500, {}, b""))
+    answer = ledger.handle(
+        "acct", "k", "POST", "/orders", {"content-type": "application/json"}, b'{"a":1}', lambda b: (500, {}, b"")
+    )
     assert (answer.outcome, answer.status, answer.headers, answer.body) == (
         Outcome.REPLAYED,
         201,
@@ -234,7 +252,9 @@ def test_init_on_recipe_database_adds_only_new_tables_and_touches_no_row(tmp_pat
     # ignore and the key's identity, computed by SQLite (a virtual column).
     after_sql = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'idempotency_keys'").fetchone()[0]
     added = after_sql.split("updated_at        INTEGER NOT NULL, token INTEGER, ", 1)
-    assert added[0] + "updated_at        INTEGER NOT NULL," + added[1][added[1].index("\n  PRIMARY KEY") :] == before_sql
+    assert (
+        added[0] + "updated_at        INTEGER NOT NULL," + added[1][added[1].index("\n  PRIMARY KEY") :] == before_sql
+    )
     assert added[1].startswith("key_id TEXT GENERATED ALWAYS AS (")
     assert conn.execute("SELECT version, applied_at FROM idemctl_schema_version").fetchall() == [(3, NOW)]
     conn.close()

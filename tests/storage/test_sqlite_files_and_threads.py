@@ -171,7 +171,9 @@ def test_processes_creating_one_ledger_at_once_all_succeed_and_leave_no_staging_
         "ledger = Ledger.open(sys.argv[1]); print(ledger.init().action.value); ledger.close()\n"
     )
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, str(path), str(go)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(path), str(go)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(8)
     ]
     go.touch()

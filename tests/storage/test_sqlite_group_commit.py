@@ -348,7 +348,9 @@ def _watch(db: str, keys: Any, misses: Any) -> None:
         key = keys.get(timeout=60)
         if key is None:
             break
-        row = conn.execute("SELECT status FROM idempotency_keys WHERE principal = ? AND key = ?", (PRINCIPAL, key)).fetchone()
+        row = conn.execute(
+            "SELECT status FROM idempotency_keys WHERE principal = ? AND key = ?", (PRINCIPAL, key)
+        ).fetchone()
         if row != ("completed",):
             misses.put(key)
         seen += 1

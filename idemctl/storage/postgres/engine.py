@@ -106,9 +106,7 @@ def _after_fork_in_child() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(
-        before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
-    )
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 class _PooledConnection(psycopg.Connection[tuple[Any, ...]]):
@@ -231,8 +229,12 @@ class PostgresEngine:
         if mode != self.pooler:
             if mode != "none":
                 how = "per session" if mode == "session" else "per transaction, without prepared statements"
-                log.info("PostgreSQL at %s is behind a connection pooler (%s pooling): settings apply %s",
-                         self._describe, mode, how)
+                log.info(
+                    "PostgreSQL at %s is behind a connection pooler (%s pooling): settings apply %s",
+                    self._describe,
+                    mode,
+                    how,
+                )
             self.pooler = mode
         self._options_lost = False
         conninfo, kwargs = pool_arguments(self._settings, mode, self._describe, SettingsCursor)

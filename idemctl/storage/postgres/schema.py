@@ -13,9 +13,7 @@ from ..engine import Params, Rows
 
 # to_regclass resolves through the connection's search_path, exactly as the
 # unqualified names in every statement do.
-EXISTING = (
-    "SELECT array_agg(name) FILTER (WHERE to_regclass(name) IS NOT NULL) FROM unnest(%(names)s::text[]) AS name"
-)
+EXISTING = "SELECT array_agg(name) FILTER (WHERE to_regclass(name) IS NOT NULL) FROM unnest(%(names)s::text[]) AS name"
 
 
 def existing_tables(rows: Rows) -> set[str]:

@@ -166,9 +166,7 @@ def _prepare_threshold(params: dict[str, str]) -> tuple[int | None, bool]:
     except ValueError:
         value = -1
     if value < 0:
-        raise StorageError(
-            f"bad PostgreSQL URL: prepare_threshold={raw!r} is neither a whole number >= 0 nor 'none'"
-        )
+        raise StorageError(f"bad PostgreSQL URL: prepare_threshold={raw!r} is neither a whole number >= 0 nor 'none'")
     return value, True
 
 

@@ -21,9 +21,7 @@ def split_statements(script: str) -> list[str]:
             if buffer.strip():
                 statements.append(buffer.strip())
             buffer = ""
-    if buffer.strip() and not all(
-        ln.strip().startswith("--") or not ln.strip() for ln in buffer.splitlines()
-    ):
+    if buffer.strip() and not all(ln.strip().startswith("--") or not ln.strip() for ln in buffer.splitlines()):
         raise StorageError("a schema file ends inside a statement")
     return statements
 
