@@ -322,8 +322,11 @@ def test_the_policy_model_asks_the_same_statements_and_gets_the_same_outcomes_th
         runs[driver] = (seen, outcomes)
     sync_seen, sync_outcomes = runs["sync"]
     steps_asked = {entry[0] for entry in sync_seen}
-    # The history exercised the loop's every branch worth comparing.
-    assert {"claim", "lookup", "takeover", "complete", "release"} <= steps_asked, steps_asked
+    # The history exercised the loop's main branches. A release needs a
+    # mutation that raises and asks for it, which a derandomized run of 30
+    # examples reaches under some Hypothesis versions and not others: the
+    # scripted history below releases through every driver.
+    assert {"claim", "lookup", "takeover", "complete"} <= steps_asked, steps_asked
     assert {o[0] for o in sync_outcomes} >= {Outcome.EXECUTED, Outcome.REPLAYED, Outcome.REUSED}
     for driver in ("async", "fake"):
         seen, outcomes = runs[driver]
