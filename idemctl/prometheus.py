@@ -143,6 +143,8 @@ class _LeaseCollectors:
             namespace=namespace,
             registry=registry,
         )
+        for stage in ("done", "running"):  # at 0 from the start, as the decisions are
+            self.late.labels(stage)
         self.failures = Counter("lease_failures", "Lease renewals that failed", namespace=namespace, registry=registry)
         self.held = Gauge(
             "leases_held",
