@@ -44,7 +44,10 @@ def test_a_runbook_url_points_every_alert_at_the_teams_copy_of_the_runbook():
 def test_what_it_cannot_print_is_one_line_on_stderr_and_exit_2():
     for args, error in (
         (["monitoring", "alerts"], "error: WHAT must be rules or dashboard, got 'alerts'\n"),
-        (["monitoring", "dashboard", "--runbook-url", "https://x"], "error: --runbook-url only applies to `idemctl monitoring rules`\n"),
+        (
+            ["monitoring", "dashboard", "--runbook-url", "https://x"],
+            "error: --runbook-url only applies to `idemctl monitoring rules`\n",
+        ),
         (
             ["monitoring", "rules", "--path", "--runbook-url", "https://x"],
             "error: --path prints where the shipped file is; --runbook-url changes the printed text: give one\n",

@@ -67,7 +67,9 @@ def test_every_alert_fires_on_its_series_and_stays_silent_otherwise_in_promtool_
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.split() == ["Unit", "Testing:", str(UNIT_TESTS), "SUCCESS"]
     # Every alert of the file has a test that expects it firing and one that expects silence.
-    cases = [case for test in yaml.safe_load(UNIT_TESTS.read_text())["tests"] for case in test.get("alert_rule_test", [])]
+    cases = [
+        case for test in yaml.safe_load(UNIT_TESTS.read_text())["tests"] for case in test.get("alert_rule_test", [])
+    ]
     firing = {case["alertname"] for case in cases if case["exp_alerts"]}
     silent = {case["alertname"] for case in cases if not case["exp_alerts"]}
     assert [rule["alert"] for rule in rules_of("alert")] == ALERTS
@@ -77,7 +79,8 @@ def test_every_alert_fires_on_its_series_and_stays_silent_otherwise_in_promtool_
 def test_the_unit_tests_fail_when_an_alert_no_longer_fires(promtool, tmp_path):
     # promtool really compares: a fenced-out alert that waits for six events fails its test.
     broken = text(MonitoringFile.RULES).replace(
-        'idemctl_decisions_total{outcome="fenced_out"}[1h])) > 0', 'idemctl_decisions_total{outcome="fenced_out"}[1h])) > 5'
+        'idemctl_decisions_total{outcome="fenced_out"}[1h])) > 0',
+        'idemctl_decisions_total{outcome="fenced_out"}[1h])) > 5',
     )
     assert broken != text(MonitoringFile.RULES)
     (tmp_path / "idemctl" / "monitoring").mkdir(parents=True)
@@ -108,7 +111,9 @@ def test_every_alert_links_a_section_of_the_runbook_that_exists():
 
 
 def test_the_runbook_anchor_of_a_heading_is_githubs():
-    assert github_anchor(" Requests get 503 (the ledger is unavailable)") == "requests-get-503-the-ledger-is-unavailable"
+    assert (
+        github_anchor(" Requests get 503 (the ledger is unavailable)") == "requests-get-503-the-ledger-is-unavailable"
+    )
     assert github_anchor("We failed over; did anything run twice?") == "we-failed-over-did-anything-run-twice"
 
 
@@ -137,7 +142,12 @@ def test_promtool_refuses_a_query_that_does_not_parse(promtool, tmp_path):
 
 def test_a_runbook_url_replaces_the_source_path_in_every_alert():
     rewritten = yaml.safe_load(rules_text(runbook_url="https://git.example/ops/runbook.md"))
-    urls = [rule["annotations"]["runbook_url"] for group in rewritten["groups"] for rule in group["rules"] if "alert" in rule]
+    urls = [
+        rule["annotations"]["runbook_url"]
+        for group in rewritten["groups"]
+        for rule in group["rules"]
+        if "alert" in rule
+    ]
     shipped = [rule["annotations"]["runbook_url"] for rule in rules_of("alert")]
     assert urls == [url.replace("docs/runbook.md", "https://git.example/ops/runbook.md") for url in shipped]
     assert len(urls) == len(ALERTS)

@@ -34,7 +34,9 @@ def post_order(srv: GunicornServer, key: str, sku: str) -> requests.Response:
     return requests.post(srv.url + "/orders", data=body, headers={**ACCOUNT_A, "Idempotency-Key": key}, timeout=30)
 
 
-def eventually(what: str, probe: Callable[[], T], done: Callable[[T], bool], prom: PrometheusServer, timeout: float) -> T:
+def eventually(
+    what: str, probe: Callable[[], T], done: Callable[[T], bool], prom: PrometheusServer, timeout: float
+) -> T:
     """Poll `probe` until `done` holds (a scrape and a rule evaluation happen every second)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -123,7 +125,9 @@ def test_a_fenced_out_completion_is_scraped_exactly_and_fires_the_shipped_alert(
             assert alerts == [("IdemctlFencedOut", {"alertname": "IdemctlFencedOut", "job": JOB, "severity": "page"})]
             (alert,) = [a for a in prom.alerts() if a["state"] == "firing"]
             assert alert["annotations"]["runbook_url"] == "docs/runbook.md#fenced-out-events-appeared"
-            assert alert["annotations"]["summary"] == f"{JOB}: a completion was fenced out: a mutation may have run twice"
+            assert (
+                alert["annotations"]["summary"] == f"{JOB}: a completion was fenced out: a mutation may have run twice"
+            )
 
             # The recording rules computed from the same scrapes.
             rates = prom.query("idemctl:decisions:rate5m")
