@@ -32,8 +32,8 @@ def monitoring(
             autocompletion=complete_from(list(WHAT)),
         ),
     ],
-    show_path: Annotated[
-        bool, flag("--path", help="Print where the installed file is instead of its text (to read it in place).")
+    where: Annotated[
+        bool, flag("--where", help="Print where the installed file is instead of its text (to read it in place).")
     ] = False,
     runbook_url: Annotated[
         str | None,
@@ -51,9 +51,11 @@ def monitoring(
         raise UserError(f"WHAT must be rules or dashboard, got {what!r}")
     if runbook_url is not None and which is not MonitoringFile.RULES:
         raise UserError("--runbook-url only applies to `idemctl monitoring rules`")
-    if show_path:
+    if where:
         if runbook_url is not None:
-            raise UserError("--path prints where the shipped file is; --runbook-url changes the printed text: give one")
+            raise UserError(
+                "--where prints where the shipped file is; --runbook-url changes the printed text: give one"
+            )
         typer.echo(str(path(which)))
         return
     typer.echo(rules_text(runbook_url=runbook_url) if which is MonitoringFile.RULES else text(which), nl=False)

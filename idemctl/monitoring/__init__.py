@@ -4,7 +4,7 @@ metrics of `idemctl.prometheus` and of ``idemctl stats --format prometheus``.
 
 They are plain files inside the package (``idemctl/monitoring/``);
 ``idemctl monitoring rules`` and ``idemctl monitoring dashboard`` print them,
-``--path`` says where they are (docs/observability.md).
+``--where`` says where they are (docs/observability.md).
 
 >>> "alert: IdemctlFencedOut" in rules_text()
 True

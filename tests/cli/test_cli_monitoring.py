@@ -25,9 +25,9 @@ def test_rules_and_dashboard_print_the_shipped_files_byte_for_byte():
     assert (dashboard.exit_code, dashboard.stdout, dashboard.stderr) == (0, DASHBOARD, "")
 
 
-def test_path_prints_where_the_installed_file_is():
+def test_where_prints_where_the_installed_file_is():
     for what, name in (("rules", "rules.yml"), ("dashboard", "dashboard.json")):
-        shown = cli("monitoring", what, "--path")
+        shown = cli("monitoring", what, "--where")
         assert (shown.exit_code, shown.stderr) == (0, "")
         assert shown.stdout == f"{ROOT / 'idemctl' / 'monitoring' / name}\n"
 
@@ -49,8 +49,8 @@ def test_what_it_cannot_print_is_one_line_on_stderr_and_exit_2():
             "error: --runbook-url only applies to `idemctl monitoring rules`\n",
         ),
         (
-            ["monitoring", "rules", "--path", "--runbook-url", "https://x"],
-            "error: --path prints where the shipped file is; --runbook-url changes the printed text: give one\n",
+            ["monitoring", "rules", "--where", "--runbook-url", "https://x"],
+            "error: --where prints where the shipped file is; --runbook-url changes the printed text: give one\n",
         ),
         (
             ["monitoring", "rules", "--runbook-url", "https://wiki/run book"],
