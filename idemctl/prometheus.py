@@ -4,7 +4,8 @@
 
 - ``idemctl_decisions_total{outcome}``: a counter per decision (executed,
   replayed, in_progress, reused, taken_over, fenced_out, ...), so replays
-  are told apart from fresh runs;
+  are told apart from fresh runs; every outcome's series exists from the
+  start at 0, so that ``increase()`` and ``rate()`` see the first one;
 - ``idemctl_ledger_seconds{outcome}``: time spent in the ledger's own
   statements per request;
 - ``idemctl_app_seconds{outcome}``: time the mutation took, for requests
@@ -39,8 +40,12 @@ dead workers in the gunicorn config (docs/observability.md).
 >>> metrics = instrument(ledger, registry=registry)
 >>> _ = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b""))
 >>> _ = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b""))
->>> [line for line in generate_latest(registry).decode().splitlines() if line.startswith("idemctl_decisions_total")]
+>>> lines = generate_latest(registry).decode().splitlines()
+>>> decisions = [line for line in lines if line.startswith("idemctl_decisions_total")]
+>>> [line for line in decisions if not line.endswith(" 0.0")]
 ['idemctl_decisions_total{outcome="executed"} 1.0', 'idemctl_decisions_total{outcome="replayed"} 1.0']
+>>> 'idemctl_decisions_total{outcome="fenced_out"} 0.0' in decisions
+True
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from prometheus_client import multiprocess as _multiprocess
 from .errors import IdemctlError
 from .leases import LeaseKeeper, LeaseTick
 from .ledger import Ledger
-from .outcomes import Event
+from .outcomes import Event, Outcome
 
 # Ledger statements take tenths of a millisecond to tens of milliseconds;
 # mutations, milliseconds to seconds.
@@ -89,6 +94,11 @@ class _DecisionCollectors:
         self.decisions = Counter(
             "decisions", "Idempotency decisions by outcome", ["outcome"], namespace=namespace, registry=registry
         )
+        # Every outcome from the start, at 0: a counter whose series appears
+        # with its first increment at 1 shows no increase() to an alert rule
+        # (the first fenced-out decision would page nobody).
+        for outcome in Outcome:
+            self.decisions.labels(outcome.value)
         self.ledger_seconds = Histogram(
             "ledger_seconds",
             "Time spent in the ledger's statements per request",
@@ -133,6 +143,8 @@ class _LeaseCollectors:
             namespace=namespace,
             registry=registry,
         )
+        for stage in ("done", "running"):  # at 0 from the start, as the decisions are
+            self.late.labels(stage)
         self.failures = Counter("lease_failures", "Lease renewals that failed", namespace=namespace, registry=registry)
         self.held = Gauge(
             "leases_held",

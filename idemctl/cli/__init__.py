@@ -25,6 +25,7 @@ from . import fingerprint as fingerprint  # fingerprint
 from . import simulate as simulate  # simulate
 from . import doctor as doctor  # doctor
 from . import copy as copy  # copy
+from . import monitoring as monitoring  # monitoring
 # isort: on
 
 __all__ = [

@@ -361,6 +361,9 @@ def stats_prometheus(database: str, stats: Stats, policy: Policy) -> str:
         ("idemctl_ledger_storage_bytes", "Size of the ledger on disk.", [(one, stats.storage_bytes)]),
         ("idemctl_ledger_pending_ttl_seconds", "The TTL the counts use.", [(one, policy.pending_ttl_ms / 1000)]),
         ("idemctl_ledger_retention_seconds", "The retention the counts use.", [(one, policy.retention_ms / 1000)]),
+        # node_exporter serves the last file written for ever: an alert on
+        # time() minus this tells a stopped cron from a quiet ledger.
+        ("idemctl_ledger_stats_timestamp_seconds", "When these counts were taken.", [(one, stats.now / 1000)]),
     ]
     lines: list[str] = []
     for name, help_text, samples in gauges:

@@ -20,12 +20,26 @@ def ok(body: bytes):
     return 201, {}, b"made"
 
 
-def samples(text: str, name: str) -> dict[str, float]:
+def every_sample(text: str, name: str) -> dict[str, float]:
     """{outcome: value} of one metric family in Prometheus text format."""
     out = {}
     for m in re.finditer(rf'^{name}{{outcome="([a-z_]+)"}} (\S+)$', text, re.M):
         out[m.group(1)] = float(m.group(2))
     return out
+
+
+def samples(text: str, name: str) -> dict[str, float]:
+    """The outcomes counted at least once (every outcome's series is there from the start, at 0)."""
+    return {outcome: value for outcome, value in every_sample(text, name).items() if value}
+
+
+def test_every_outcome_is_a_series_at_zero_before_the_first_decision(ledger):
+    registry = CollectorRegistry()
+    instrument(ledger, registry=registry)
+    text = generate_latest(registry).decode()
+    assert every_sample(text, "idemctl_decisions_total") == {outcome.value: 0.0 for outcome in Outcome}
+    # The histograms stay per outcome seen: 14 buckets each for 17 outcomes would be noise.
+    assert every_sample(text, "idemctl_ledger_seconds_count") == {}
 
 
 def test_counters_and_histograms_follow_the_decisions(ledger, clock):
@@ -115,4 +129,5 @@ def test_gunicorn_workers_report_every_decision_through_any_one_of_them(tmp_path
         scrapes = [requests.get(srv.url + "/metrics", timeout=10).text for _ in range(6)]
     for text in scrapes:
         assert samples(text, "idemctl_decisions_total") == {"executed": 12.0, "replayed": 12.0, "reused": 1.0}
+        assert set(every_sample(text, "idemctl_decisions_total")) == {outcome.value for outcome in Outcome}
         assert samples(text, "idemctl_app_seconds_count") == {"executed": 12.0}

@@ -96,6 +96,13 @@ def test_prometheus_writes_integers_exactly_and_a_zero_age_when_nothing_is_pendi
     assert f'idemctl_ledger_storage_bytes{{ledger="{db}"}} {st.storage_bytes}' in lines
     assert f'idemctl_ledger_oldest_pending_age_seconds{{ledger="{db}"}} 0' in lines
     assert f'idemctl_ledger_retention_seconds{{ledger="{db}"}} 86400' in lines
+    # When the counts were taken, to the millisecond: a file the cron stopped writing shows its age.
+    taken = stats_prometheus("l.db", replace(st, now=1_700_000_000_123), policy).splitlines()
+    assert 'idemctl_ledger_stats_timestamp_seconds{ledger="l.db"} 1700000000.123' in taken
+    assert (
+        'idemctl_ledger_stats_timestamp_seconds{ledger="l.db"} 1700000000'
+        in stats_prometheus("l.db", replace(st, now=1_700_000_000_000), policy).splitlines()
+    )
     # A size with more digits than `:g` keeps (it wrote 4.80543e+07).
     big = stats_prometheus("l.db", replace(st, storage_bytes=48_054_272), policy).splitlines()
     assert 'idemctl_ledger_storage_bytes{ledger="l.db"} 48054272' in big

@@ -17,7 +17,7 @@ import typer
 from idemctl.cli import app
 
 IDEMCTL = Path(sys.executable).with_name("idemctl")
-COMMANDS = ["init", "inspect", "pending", "fenced", "stats", "sweep", "purge", "fingerprint", "simulate"]
+COMMANDS = ["init", "inspect", "pending", "fenced", "stats", "sweep", "purge", "fingerprint", "simulate", "monitoring"]
 FLAGS = {
     "--json",
     "--nl",
@@ -29,6 +29,7 @@ FLAGS = {
     "--version",
     "--watch",
     "--json-body",
+    "--where",
     "--install-completion",
     "--show-completion",
 }

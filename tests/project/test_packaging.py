@@ -39,6 +39,9 @@ def test_wheel_contains_schema_and_py_typed(wheel):
     assert "idemctl/schema/postgres/0002_idemctl_v1.sql" in names
     assert "idemctl/schema/mysql/0001_idemctl_v2.sql" in names
     assert "idemctl/py.typed" in names
+    # The monitoring files `idemctl monitoring` prints, as in the source tree.
+    for shipped in ("idemctl/monitoring/rules.yml", "idemctl/monitoring/dashboard.json"):
+        assert zipfile.ZipFile(wheel).read(shipped) == (ROOT / shipped).read_bytes()
     assert (ROOT / "schema" / "sqlite" / "0001_recipe.sql").read_bytes() == zipfile.ZipFile(wheel).read(
         "idemctl/schema/sqlite/0001_recipe.sql"
     )

@@ -1,0 +1,136 @@
+"""A real Prometheus server (Debian's /usr/bin/prometheus) started by a test:
+a temporary config and storage under the test's directory, a free port on
+127.0.0.1, the shipped rules loaded, stopped by the test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from tests.galera import free_ports
+
+PROMETHEUS = "/usr/bin/prometheus"
+
+
+def prometheus_or_skip() -> str:
+    """The server's binary; skips where it is missing, fails under CI (which installs it)."""
+    found = PROMETHEUS if os.path.exists(PROMETHEUS) else shutil.which("prometheus")
+    if found is None:
+        reason = "prometheus is not installed (Debian: apt-get install --no-install-recommends prometheus)"
+        if os.environ.get("CI"):
+            pytest.fail(f"CI scrapes a real application with Prometheus: {reason}", pytrace=False)
+        pytest.skip(reason)
+    return found
+
+
+class PrometheusServer:
+    def __init__(self, binary: str, workdir: Path, *, targets: dict[str, str], rule_files: list[Path]) -> None:
+        self.binary = binary
+        self.workdir = workdir
+        self.targets = targets  # job name: host:port
+        self.rule_files = rule_files
+        self.log_path = workdir / "prometheus.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _config(self) -> str:
+        # Written as YAML by hand: flow style keeps it one readable block.
+        lines = [
+            "global:",
+            "  scrape_interval: 1s",
+            "  evaluation_interval: 1s",
+            "rule_files:",
+            *[f"  - {path}" for path in self.rule_files],
+            "scrape_configs:",
+        ]
+        for job, target in self.targets.items():
+            lines += [f"  - job_name: {job}", "    static_configs:", f"      - targets: ['{target}']"]
+        return "\n".join(lines) + "\n"
+
+    def start(self, timeout: float = 30.0) -> PrometheusServer:
+        (self.port,) = free_ports(1)
+        config = self.workdir / "prometheus.yml"
+        config.write_text(self._config(), encoding="utf-8")
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [
+                self.binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={self.workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.workdir,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if requests.get(self.url + "/-/ready", timeout=1).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"prometheus was not ready within {timeout} s:\n{self.log()}")
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+    def __enter__(self) -> PrometheusServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    # -- its HTTP API ----------------------------------------------------------------
+    def _get(self, path: str, **params: str) -> Any:
+        answer = requests.get(self.url + path, params=params, timeout=5)
+        answer.raise_for_status()
+        body = answer.json()
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str) -> dict[tuple[tuple[str, str], ...], float]:
+        """An instant query's vector: {sorted labels: value}."""
+        data = self._get("/api/v1/query", query=expr)
+        assert data["resultType"] == "vector", data
+        return {tuple(sorted(item["metric"].items())): float(item["value"][1]) for item in data["result"]}
+
+    def alerts(self) -> list[dict[str, Any]]:
+        return list(self._get("/api/v1/alerts")["alerts"])
+
+    def rule_groups(self) -> list[dict[str, Any]]:
+        return list(self._get("/api/v1/rules")["groups"])
+
+    def targets_up(self) -> list[dict[str, Any]]:
+        return [t for t in self._get("/api/v1/targets")["activeTargets"] if t["health"] == "up"]
