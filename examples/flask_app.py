@@ -38,6 +38,7 @@ Settings, all from the environment:
 from __future__ import annotations
 
 import os
+import sqlite3
 import time
 
 import sqlite_utils
@@ -73,6 +74,21 @@ def orders_db() -> sqlite_utils.Database:
     return sqlite_utils.Database(ORDERS_DB)
 
 
+def _enable_wal(db: sqlite_utils.Database) -> None:
+    # Switching a fresh file to WAL needs it to itself: a worker that finds
+    # another one mid-switch gets "database is locked" at once, whatever the
+    # busy timeout, so it waits a moment and asks again (up to 10 s).
+    for _ in range(100):
+        try:
+            db.enable_wal()
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc):
+                raise
+            time.sleep(0.1)
+    db.enable_wal()
+
+
 def _create_tables() -> None:
     # gunicorn boots its workers at the same moment and each one imports this
     # module. On a fresh file, two first-time creators can each hold a read
@@ -82,7 +98,7 @@ def _create_tables() -> None:
     # reading anything, so the busy timeout applies and the creators queue.
     db = orders_db()
     try:
-        db.enable_wal()
+        _enable_wal(db)
         with db.conn:
             db.execute("BEGIN IMMEDIATE")
             db["orders"].create(
