@@ -113,11 +113,9 @@ class FirstRunWaits(Orders):
         self.first_running = threading.Event()
 
     def answer(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
-        if not self.runs:
-            self.runs.append(body)
+        if not self.first_running.is_set():
             self.first_running.set()
             self.release.wait(10)
-            self.runs.pop()
         return super().answer(body)
 
 
@@ -213,7 +211,7 @@ def test_a_duplicate_that_waited_on_the_claim_is_a_409_in_progress_span_that_say
     finally:
         orders.release.set()
         runner.join(10)
-    assert (duplicate.status, first[0][0].status) == (409, 201)
+    assert (duplicate.status, first[0][0].status, len(orders.runs)) == (409, 201, 1)
     busy, done = otel.decisions()
     assert child_of(busy, parent) and child_of(done, first[0][1])
     assert durations_apart(busy) == attrs("in_progress", 409, waited=True)
@@ -237,7 +235,7 @@ def test_a_fenced_out_completion_is_an_error_span_of_the_old_generation(adapter,
     finally:
         orders.release.set()
         runner.join(10)
-    assert (retry.status, late[0][0].status) == (201, 201)
+    assert (retry.status, late[0][0].status, len(orders.runs)) == (201, 201, 2)  # it ran twice
     taken, fenced = otel.decisions()
     assert child_of(taken, parent) and child_of(fenced, late[0][1])
     assert durations_apart(taken) == attrs("taken_over", 201, generation=2, ran=True)
@@ -336,6 +334,33 @@ def test_an_idempotent_function_records_its_call_replay_refusals_and_fenced_out_
         "fenced_out": 1,
         "replayed": 1,
     }
+
+
+def test_a_function_call_that_waited_on_the_first_one_says_so(tmp_path, otel):
+    started, release = threading.Event(), threading.Event()
+    with Ledger.open(tmp_path / "calls.db", policy=Policy(in_progress_wait_ms=50)) as ledger:
+        ledger.init()
+        otel.instrument(ledger)
+
+        @ledger.idempotent(key="pay_1", principal="billing", name="charge")
+        def charge() -> int:
+            if not started.is_set():
+                started.set()
+                release.wait(10)
+            return 5
+
+        runner = threading.Thread(target=charge)
+        runner.start()
+        try:
+            assert started.wait(10)
+            with pytest.raises(CallInProgressError):
+                otel.request(charge)
+        finally:
+            release.set()
+            runner.join(10)
+    busy, done = otel.decisions()
+    assert durations_apart(busy) == call_attrs("in_progress", 1, waited=True)
+    assert durations_apart(done) == call_attrs("executed", 1, ran=True)
 
 
 def test_a_function_whose_ledger_is_unavailable_raises_and_records_no_decision(tmp_path, otel):
@@ -452,9 +477,9 @@ def test_a_ledger_that_renews_leases_reports_its_renewals(tmp_path, otel):
                 break
             threading.Event().wait(0.02)
         ledger.finish(ticket, 201, {}, b"")
-        ticks = keeper.ticks
+    # Closed: the renewing thread has reported its last tick.
     (renewals,) = otel.points("idemctl.lease.renewal.duration")
-    assert ticks >= 2 and renewals.count == ticks
+    assert keeper.ticks >= 2 and renewals.count == keeper.ticks
 
 
 # -- off costs nothing ---------------------------------------------------------------------------
