@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi import FastAPI, Request, Response
+from fastapi.testclient import TestClient
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader, NumberDataPoint
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -22,13 +24,37 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
 from idemctl import CallInProgressError, KeyReusedError, Ledger, Outcome, Policy, StorageError
+from idemctl.asgi import IdempotencyMiddleware as AsgiMiddleware
 from idemctl.leases import LeaseTick
 from idemctl.otel import APP_BUCKETS, LAPSE_BUCKETS, LEASE_SPAN, LEDGER_BUCKETS, Attr, Telemetry, instrument
-from tests.adapters.test_adapter_contract import CLIENTS, Orders, Reply, post
+from tests.adapters.test_adapter_contract import CLIENTS, FastApiClient, Orders, Reply, post
 from tests.helpers import FakeClock
 
 TTL = 30_000
-ADAPTERS = list(CLIENTS)  # wsgi, asgi, fastapi, django, drf, flask-view
+
+
+class FastApiMiddlewareClient(FastApiClient):
+    """A FastAPI app under the ASGI middleware (the route class is `fastapi`)."""
+
+    def __init__(self, ledger: Ledger, orders: Orders, **options: object) -> None:
+        async def who(scope: dict) -> str | None:
+            found = dict(scope["headers"]).get(b"x-user")
+            return None if found is None else found.decode()
+
+        app = FastAPI()
+
+        @app.api_route("/orders", methods=["GET", "POST"])
+        async def orders_endpoint(request: Request) -> Response:
+            status, headers, body = orders.answer(await request.body())
+            return Response(content=body, status_code=status, headers=dict(headers))
+
+        app.add_middleware(AsgiMiddleware, ledger=ledger, principal=who, **options)
+        self.app = app
+        self.client = TestClient(app, raise_server_exceptions=True)
+
+
+DOORS = {**CLIENTS, "fastapi-middleware": FastApiMiddlewareClient}
+ADAPTERS = list(DOORS)  # wsgi, asgi, fastapi, django, drf, flask-view, fastapi-middleware
 
 
 class Recorder:
@@ -97,7 +123,7 @@ def make(tmp_path: Path, clock: FakeClock, otel: Recorder) -> Iterator[Any]:
         if init:
             ledger.init()
         otel.instrument(ledger)
-        return CLIENTS[adapter](ledger, orders), ledger
+        return DOORS[adapter](ledger, orders), ledger
 
     yield factory
     for ledger in opened:
