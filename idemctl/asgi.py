@@ -22,6 +22,7 @@ is replayed. Needs no framework at run time.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import inspect
 import logging
@@ -234,10 +235,12 @@ class IdempotencyMiddleware(gates.GatedMiddleware[ASGIApp, Scope]):
     def _in_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
         # The executor's own future, awaitable as it is: a coroutine around it
         # would cost a task of its own for every hand-off.
-        loop = asyncio.get_running_loop()
+        # Run in (a copy of) the request's context, as asyncio.to_thread does:
+        # the ledger's event listeners there see its current span.
+        loop, run = asyncio.get_running_loop(), contextvars.copy_context().run
         if kwargs:
-            return loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
-        return loop.run_in_executor(self.executor, fn, *args)
+            return loop.run_in_executor(self.executor, functools.partial(run, fn, *args, **kwargs))
+        return loop.run_in_executor(self.executor, run, fn, *args)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") == "lifespan":

@@ -73,6 +73,7 @@ class Claimed:
     reservation: Reservation
     outcome: Outcome  # EXECUTED or TAKEN_OVER
     now: int
+    waited: bool = False  # decided after waiting on an in-progress duplicate (Policy.in_progress_wait_ms)
 
 
 @quick_init
@@ -82,6 +83,7 @@ class Completed:
 
     row: StoredRow
     now: int
+    waited: bool = False
 
 
 @quick_init
@@ -91,6 +93,7 @@ class Reused:
 
     row: StoredRow
     now: int
+    waited: bool = False
 
 
 @quick_init
@@ -101,6 +104,7 @@ class Busy:
     row: StoredRow
     now: int
     takeover_in_ms: int  # until the reservation is stale and can be taken over
+    waited: bool = False
 
 
 @quick_init
@@ -109,6 +113,7 @@ class Vanished:
     """The row went (swept, released, purged) between the failed claim and the lookup."""
 
     now: int
+    waited: bool = False
 
 
 Decision = Claimed | Completed | Reused | Busy | Vanished
@@ -122,6 +127,7 @@ def decide(
     and decides again once it completes, goes, changes owner or turns stale."""
     token = new_token()
     deadline: float | None = None
+    waited = False  # every decision after a wait on an in-progress duplicate says so
     expired_races = 0
     # The database's clock is a statement (now_steps); any other is a plain call.
     local_clock = clock != store.database_now
@@ -129,13 +135,13 @@ def decide(
         now = int(clock()) if local_clock else (yield from now_steps(store, clock))
         got = yield store.claim_or_read_statement(principal, key, fingerprint, token, now)
         if type(got) is int:
-            return Claimed(Reservation(principal, key, got, fingerprint, token), Outcome.EXECUTED, now)
+            return Claimed(Reservation(principal, key, got, fingerprint, token), Outcome.EXECUTED, now, waited)
         # None: no row came back with the lost claim (the engine does not
         # read it there, or it was committed while the claim waited), so it
         # is read now; still none, it has gone.
         row = got if got is not None else (yield store.lookup_statement(principal, key))
         if row is None:
-            return Vanished(now)
+            return Vanished(now, waited)
         expired_before = now - policy.retention_ms
         if row.updated_at < expired_before:
             # Past retention a row counts as absent: this is a new operation,
@@ -147,28 +153,30 @@ def decide(
                 principal, key, fingerprint, token, now, stale_before, expired_before
             )
             if generation is not None:
-                return Claimed(Reservation(principal, key, generation, fingerprint, token), Outcome.EXECUTED, now)
+                reservation = Reservation(principal, key, generation, fingerprint, token)
+                return Claimed(reservation, Outcome.EXECUTED, now, waited)
             expired_races += 1
             if expired_races < _EXPIRED_RACES:
                 continue
-            return Vanished(now)
+            return Vanished(now, waited)
         if row.fingerprint != fingerprint:
-            return Reused(row, now)
+            return Reused(row, now, waited)
         if row.status is Status.COMPLETED:
-            return Completed(row, now)
+            return Completed(row, now, waited)
         stale_before = now - policy.pending_ttl_ms
         generation = yield store.takeover_statement(
             principal, key, fingerprint, token, now, stale_before, expired_before
         )
         if generation is not None:
             log.warning("took over stale reservation principal=%s key=%s as generation %d", principal, key, generation)
-            return Claimed(Reservation(principal, key, generation, fingerprint, token), Outcome.TAKEN_OVER, now)
+            return Claimed(Reservation(principal, key, generation, fingerprint, token), Outcome.TAKEN_OVER, now, waited)
         if deadline is None:
             deadline = time.monotonic() + policy.in_progress_wait_ms / 1000
+            waited = policy.in_progress_wait_ms > 0  # then it pauses at least once
         changed = yield from _wait_for_change(store, policy, clock, principal, key, row.generation, deadline)
         if not changed:
             # A takeover is possible once the row is older than the TTL (`updated_at < now - ttl`).
-            return Busy(row, now, max(0, row.updated_at + policy.pending_ttl_ms + 1 - now))
+            return Busy(row, now, max(0, row.updated_at + policy.pending_ttl_ms + 1 - now), waited)
 
 
 def _wait_for_change(

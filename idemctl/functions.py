@@ -165,6 +165,7 @@ class IdempotentCall:
         self._entered = False
         self._decide_started = 0.0
         self._ended = False
+        self._waited = False  # the decision waited on an in-progress duplicate first
 
     @property
     def replayed(self) -> bool:
@@ -284,6 +285,7 @@ class IdempotentCall:
 
     def _take(self, made: decision.Decision) -> None:
         started = self._decide_started
+        self._waited = made.waited
         if isinstance(made, decision.Reused):
             self._publish(Outcome.REUSED, None, started, None, at=made.now)
             raise KeyReusedError(self.principal, self.key)
@@ -331,6 +333,7 @@ class IdempotentCall:
                 ledger_ms,
                 None if app_s is None else app_s * 1000,
                 at,
+                self._waited,
             )
         )
 

@@ -169,6 +169,7 @@ class Ticket:
     path: str = ""
     ledger_ms: float = 0.0  # time begin spent in ledger statements
     issued: float = 0.0  # time.perf_counter() when begin returned: the app's time starts here
+    waited: bool = False  # begin waited on an in-progress duplicate first (Policy.in_progress_wait_ms)
 
 
 @quick_init
@@ -178,8 +179,10 @@ class Event:
     `idemctl.events` log and the Prometheus metrics see it.
 
     `ledger_ms` is the time spent in the ledger's own statements for this
-    request (begin and finish together); `app_ms` the time between them,
-    the mutation's, or None when nothing ran.
+    request (begin and finish together, and any in-progress wait); `app_ms`
+    the time between them, the mutation's, or None when nothing ran.
+    `waited` says the request first waited on an in-progress duplicate
+    (`Policy.in_progress_wait_ms`), whatever it was then decided.
     """
 
     outcome: Outcome
@@ -192,6 +195,7 @@ class Event:
     ledger_ms: float
     app_ms: float | None
     at: int  # the decision's `now`, ms since the epoch
+    waited: bool = False
 
 
 @quick_init

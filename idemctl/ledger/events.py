@@ -89,4 +89,5 @@ def event_fields(event: Event) -> dict[str, object]:
         "ledger_ms": round(event.ledger_ms, 3),
         "app_ms": None if event.app_ms is None else round(event.app_ms, 3),
         "at": event.at,
+        "waited": event.waited,
     }

@@ -123,10 +123,12 @@ class RequestFlow(SingleSteps):
             raise
         spent_ms = (time.perf_counter() - mark) * 1000
         if isinstance(made, decision.Claimed):
+            issued = time.perf_counter()  # the app's time starts here
             return Ticket(
-                made.reservation, made.outcome, raw, made.now, method, path_and_query, spent_ms, time.perf_counter()
+                made.reservation, made.outcome, raw, made.now, method, path_and_query, spent_ms, issued, made.waited
             )
-        return self._decided(self._answer_for(made, principal, key), principal, key, method, path_and_query, spent_ms)
+        answer = self._answer_for(made, principal, key)
+        return self._decided(answer, principal, key, method, path_and_query, spent_ms, made.waited)
 
     begin = decision.blocking(begin_steps)
 
@@ -189,12 +191,19 @@ class RequestFlow(SingleSteps):
         return (*headers, (name, formatdate(until, usegmt=True)))
 
     def _decided(
-        self, answer: Answer, principal: str | None, key: str | None, method: str, path: str, ledger_ms: float
+        self,
+        answer: Answer,
+        principal: str | None,
+        key: str | None,
+        method: str,
+        path: str,
+        ledger_ms: float,
+        waited: bool = False,
     ) -> Answer:
         if self._events.heard(answer.outcome):
             at = answer.started_at if answer.started_at is not None else self.now()
             status, generation = answer.status, answer.generation
-            event = Event(answer.outcome, principal, key, generation, method, path, status, ledger_ms, None, at)
+            event = Event(answer.outcome, principal, key, generation, method, path, status, ledger_ms, None, at, waited)
             self._events.emit(event)
         if self.policy.problem_details and answer.outcome in _OWN_ANSWERS:
             shaped = responses.as_problem((answer.status, answer.headers, answer.body))
@@ -328,6 +337,7 @@ class RequestFlow(SingleSteps):
                 ledger_ms,
                 app_ms,
                 ticket.started_at if ticket.started_at is not None else self.now(),
+                ticket.waited,
             )
         )
 

@@ -165,6 +165,37 @@ def test_a_wait_that_runs_out_answers_409_in_progress(make_ledger):
     assert (answer.outcome, answer.status, answer.header("retry-after")) == (Outcome.IN_PROGRESS, 409, "30")
 
 
+def test_an_event_says_whether_its_request_waited_on_an_in_progress_duplicate(make_ledger):
+    ledger = make_ledger(policy=Policy(in_progress_wait_ms=150), clock_fn=None)
+    events: list[Event] = []
+    ledger.subscribe(events.append)
+    ledger.begin("acct", "stuck", "POST", "/o", {}, b"x")  # never finishes
+    ledger.handle("acct", "stuck", "POST", "/o", {}, b"x", ok())  # waits 150 ms, then 409
+    first = ledger.begin("acct", "done", "POST", "/o", {}, b"x")
+    threading.Timer(0.05, lambda: ledger.finish(first, 201, {}, b"made")).start()
+    ledger.handle("acct", "done", "POST", "/o", {}, b"x", ok())  # waits, then replays
+    gone = ledger.begin("acct", "gone", "POST", "/o", {}, b"x")
+    threading.Timer(0.05, lambda: ledger.abandon(gone, release=True)).start()
+    ledger.handle("acct", "gone", "POST", "/o", {}, b"x", ok())  # waits, then claims and runs
+    assert [(e.key, e.outcome, e.waited) for e in events] == [
+        ("stuck", Outcome.IN_PROGRESS, True),
+        ("done", Outcome.EXECUTED, False),
+        ("done", Outcome.REPLAYED, True),
+        ("gone", Outcome.FAILED, False),
+        ("gone", Outcome.EXECUTED, True),
+    ]
+
+
+def test_without_the_wait_no_event_says_it_waited(make_ledger):
+    ledger = make_ledger()
+    events: list[Event] = []
+    ledger.subscribe(events.append)
+    ledger.begin("acct", "k", "POST", "/o", {}, b"x")
+    ledger.handle("acct", "k", "POST", "/o", {}, b"x", ok())
+    ledger.handle("acct", "k2", "POST", "/o", {}, b"x", ok())
+    assert [(e.outcome, e.waited) for e in events] == [(Outcome.IN_PROGRESS, False), (Outcome.EXECUTED, False)]
+
+
 def test_a_policy_that_does_not_keep_5xx_releases_the_key_so_the_retry_runs(make_ledger):
     ledger = make_ledger(policy=Policy(keep_answer=lambda status, headers: status < 500))
     runs: list[int] = []
