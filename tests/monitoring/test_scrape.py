@@ -129,9 +129,15 @@ def test_a_fenced_out_completion_is_scraped_exactly_and_fires_the_shipped_alert(
                 alert["annotations"]["summary"] == f"{JOB}: a completion was fenced out: a mutation may have run twice"
             )
 
-            # The recording rules computed from the same scrapes.
-            rates = prom.query("idemctl:decisions:rate5m")
-            assert {dict(labels)["outcome"] for labels, value in rates.items() if value > 0} == set(driven)
+            # The recording rules computed from the same scrapes (their group
+            # is evaluated on its own tick: it may lag the alert's by one).
+            rates = eventually(
+                "the recorded rates of the decisions as driven",
+                lambda: prom.query("idemctl:decisions:rate5m"),
+                lambda rates: {dict(labels)["outcome"] for labels, value in rates.items() if value > 0} == set(driven),
+                prom,
+                10,
+            )
             assert all(dict(labels)["job"] == JOB for labels in rates)
             (fenced_rate,) = prom.query("idemctl:fenced_out:rate5m").items()
             assert fenced_rate[0] == (("__name__", "idemctl:fenced_out:rate5m"), ("job", JOB)) and fenced_rate[1] > 0
