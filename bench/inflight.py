@@ -205,9 +205,10 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
         await ours.wait_idle()
         # The same with the ledger's statements handed to the default
         # executor, as before the asynchronous store existed.
-        ledger.async_store = lambda: None  # type: ignore[method-assign]
+        own_store = ledger.async_store
+        ledger.async_store = lambda: None
         lag_threads = await _lag_under(50, n, lambda i: via(ours, f"idemctl-lag-threads-{i}"))
-        del ledger.async_store
+        ledger.async_store = own_store
         out: dict[str, Any] = {
             "rounds": reps,
             "requests_per_round": n,

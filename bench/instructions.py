@@ -55,6 +55,8 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
     from idemctl import Ledger, Policy, decision
     from idemctl.fingerprint import fingerprint, parse_key, request_digest
     from idemctl.ledger import check_principal, check_request_line
+    from idemctl.ledger.requests import RequestFlow
+    from idemctl.ledger.steps import SingleSteps
     from idemctl.outcomes import Outcome, Reservation, Ticket
     from idemctl.storage.statements import new_token
 
@@ -153,11 +155,15 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
         for i in range(count):
             held[f"{prefix}{i}"] = ledger.claim(principal, f"{prefix}{i}", fp)
 
+    # The ledger's own parts, built on its core as the ledger builds them.
+    steps = SingleSteps(ledger.core)
+    flow = RequestFlow(ledger.core, steps)
+
     def phase_store(key: str) -> None:
         reservation = held[key]
-        stored = ledger._prepare(reservation, 201, RESPONSE_HEADERS, STORED_1K)
+        stored = steps.prepare(reservation, 201, RESPONSE_HEADERS, STORED_1K)
         # Steps: driven here, as finish drives them.
-        decision.run(ledger._store_answer(reservation, stored, now + 1))
+        decision.run(steps.store_answer(reservation, stored, now + 1))
 
     segment("phase_store", phase_store, what="to_store + the answer + Store.complete")
 
@@ -166,7 +172,7 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
     ticket = Ticket(Reservation(principal, "k", 1, fp, 1), Outcome.EXECUTED, BODY_1K, now, "POST", "/orders", 0.1, 1.0)
     segment(
         "phase_events",
-        lambda k: ledger._finished(ticket, Outcome.EXECUTED, 201, 1.0, 0.1),
+        lambda k: flow._finished(ticket, Outcome.EXECUTED, 201, 1.0, 0.1),
         what="the event step of finish, nobody listening",
     )
 

@@ -50,15 +50,21 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
 from typing import Final
 
 from opentelemetry import context, metrics, trace
 from opentelemetry.util.types import AttributeValue
 
-from . import __version__
 from .leases import LeaseKeeper, LeaseTick
 from .ledger import Ledger
 from .outcomes import Event, Outcome
+
+# The instrumentation scope's version (the package root is a layer above).
+try:
+    _VERSION = version("idemctl")
+except PackageNotFoundError:  # a source tree that was never installed
+    _VERSION = "0.0.0+source"
 
 # The same buckets as idemctl.prometheus's histograms (seconds), offered to
 # the SDK as advice: the API's default buckets are for milliseconds.
@@ -119,8 +125,8 @@ class Telemetry:
         record_key: bool = True,
         record_principal: bool = False,
     ) -> None:
-        self.tracer = trace.get_tracer(SCOPE, __version__, tracer_provider)
-        meter = metrics.get_meter(SCOPE, __version__, meter_provider)
+        self.tracer = trace.get_tracer(SCOPE, _VERSION, tracer_provider)
+        meter = metrics.get_meter(SCOPE, _VERSION, meter_provider)
         self.record_key = record_key
         self.record_principal = record_principal
         self.decisions = meter.create_counter("idemctl.decisions", "{decision}", "Idempotency decisions by outcome")

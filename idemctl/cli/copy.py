@@ -9,9 +9,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from ..copying import DEFAULT_COPY_BATCH, MAX_COPY_BATCH, CopyProgress
 from ..errors import ConnectionFailedError, LedgerNotFoundError, SchemaMissingError
 from ..ledger import Ledger
+from ..operations.copying import DEFAULT_COPY_BATCH, MAX_COPY_BATCH, CopyProgress
 from ..schema import SCHEMA_VERSION
 from .core import EXIT_NO, IdemctlCommand, UserError, app, open_ledger, settings
 from .documents import copy_json

@@ -21,7 +21,7 @@ from ..durations import human_duration
 from ..errors import (
     IdemctlError,
 )
-from ..ledger import Ledger
+from ..ledger import Ledger, Operator
 from ..outcomes import RowView
 from ..policy import Policy
 from .documents import inspect_not_found_json
@@ -441,15 +441,16 @@ def open_ledger(
     ttl: Given | None = None,
     retention: Given | None = None,
     fenced_retention: Given | None = None,
-) -> Iterator[Ledger]:
-    """Open an existing ledger; never creates one (only `init` does)."""
+) -> Iterator[Operator]:
+    """Open an existing ledger for an operator's command (its
+    `Ledger.operator`, closed with it); never creates one (only `init` does)."""
     s = settings(ctx, db=db, ttl=ttl, retention=retention, fenced_retention=fenced_retention)
     policy = command_policy(s)
     with Ledger.open(
         s.db, policy=policy, create=False, readonly=not write, busy_timeout_ms=s.busy_timeout_ms
     ) as ledger:
         ledger.require_schema()
-        yield ledger
+        yield ledger.operator
 
 
 def list_cap(limit: int) -> int | None:
@@ -462,7 +463,7 @@ def not_found(principal: str, key: str) -> NoReturn:
     raise typer.Exit(EXIT_NO)
 
 
-def existing_row(ledger: Ledger, principal: str, key: str, *, json_out: bool = False) -> RowView:
+def existing_row(ledger: Operator, principal: str, key: str, *, json_out: bool = False) -> RowView:
     """The row of `principal`/`key`; without one, exit 1 saying so (with
     `json_out`, after a not-found document on stdout: scripts read an answer)."""
     view = ledger.get(principal, key)

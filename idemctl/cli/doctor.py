@@ -8,7 +8,7 @@ from __future__ import annotations
 import typer
 
 from ..ledger import Ledger
-from ..replication import check_failover
+from ..operations.replication import check_failover
 from ..storage import is_postgres_url
 from .core import EXIT_NO, IdemctlCommand, app, settings
 from .documents import failover_check_json
@@ -25,7 +25,7 @@ def doctor(ctx: typer.Context, json_out: JsonOpt = False, db: DbOpt = None) -> N
     with Ledger.open(
         s.db, create=False, readonly=not is_postgres_url(s.db), busy_timeout_ms=s.busy_timeout_ms
     ) as ledger:
-        check = check_failover(ledger)
+        check = check_failover(ledger.operator)
     if json_out:
         emit_json(failover_check_json(check))
     else:

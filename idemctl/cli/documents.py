@@ -10,11 +10,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..copying import CopyResult
+from ..operations.copying import CopyResult
+from ..operations.replication import FailoverCheck, ReplicationSettings
+from ..operations.replication_mysql import MysqlFacts
 from ..outcomes import Drained, FencedEvent, Prediction, RowView, Stats, Status, StoredRow, Verdict
 from ..policy import Policy
-from ..replication import FailoverCheck, ReplicationSettings
-from ..replication_mysql import MysqlFacts
 from .words import body_kind, state_words
 
 # Documents that show a value's attributes under their own names, in this

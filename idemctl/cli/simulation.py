@@ -257,7 +257,7 @@ class _Runner:
                 expected=step.expect if last else None,
             )
 
-        self.ledger.drain(
+        self.ledger.operator.drain(
             batch=batch,
             max_batches=MAX_SWEEP_BATCHES if step.until_empty else 1,
             retention_ms=step.retention_ms,
@@ -265,18 +265,18 @@ class _Runner:
         )
 
     def _inspect(self, step: Step) -> None:
-        view = self.ledger.get(step.principal, step.key)
+        view = self.ledger.operator.get(step.principal, step.key)
         if view is None:
             detail = "no row: the next request with this key runs the mutation"
             self.emit(step, StepOutcome.NOT_FOUND, detail, row=None)
             return
-        fenced = list(self.ledger.fenced(principal=step.principal, key=step.key))
+        fenced = list(self.ledger.operator.fenced(principal=step.principal, key=step.key))
         extra = f"; {len(fenced)} fenced-out event(s) for this key" if fenced else ""
         detail = state_words(view) + extra
         self.emit(step, StepOutcome.INSPECTED, detail, row=view.row, view=view, generation=view.row.generation)
 
     def _purge(self, step: Step) -> None:
-        result = self.ledger.purge(step.principal, step.key, force=step.force)
+        result = self.ledger.operator.purge(step.principal, step.key, force=step.force)
         outcomes = {"purged": StepOutcome.PURGED, "not_found": StepOutcome.NOT_FOUND}
         outcome = outcomes.get(result.outcome.value, StepOutcome.REFUSED)
         detail = {
@@ -388,7 +388,7 @@ def run_scenario(
         written = scenario.keys()
         reset_keys = []
         for done, pk in enumerate(written, 1):
-            if ledger.purge(*pk, force=True).row is not None:
+            if ledger.operator.purge(*pk, force=True).row is not None:
                 reset_keys.append(pk)
             if (
                 progress is not None

@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..durations import ago, human_duration, iso
-from ..ledger import Ledger
+from ..ledger import Operator
 from ..outcomes import FencedEvent, RowView, State, Stats, Status
 from ..policy import Policy
 from ..responses import header_problem, stored_header_pairs
@@ -290,7 +290,7 @@ def stats_grid(where: str, st: Stats, policy: Policy) -> Table:
     return grid
 
 
-def watch_stats(ledger: Ledger, *, interval_ms: int, count: int | None) -> None:
+def watch_stats(ledger: Operator, *, interval_ms: int, count: int | None) -> None:
     """`stats --watch`: the counts refreshed every interval until Ctrl-C (or
     `count` refreshes). On a terminal a live view that also shows what
     changed since the watch began (new fenced-out events stand out); piped,

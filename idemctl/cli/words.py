@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from ..copying import CopyResult
 from ..durations import ago, human_duration, iso
+from ..operations.copying import CopyResult
 from ..outcomes import Prediction, RowView, State, Status, StoredRow, Verdict
 from ..responses import NULL_BODY_STATUSES, OVERSIZE_STATUS
 from .escaping import visible

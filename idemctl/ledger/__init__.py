@@ -1,23 +1,46 @@
 """The ledger: the Idempotency-Key contract on top of the SQL store.
 
-`Ledger` is the one front door. Its body is split by job, one module each:
-`base` (opening, clock, schema, events, leases), `requests` (begin, finish,
-abandon, handle), `steps` (one statement each), `maintenance` (sweep, drain,
-copy), `reads` (what operators ask), `shortcuts` (idempotent functions),
-`inputs` (what a principal and a request line may hold)."""
+`Ledger` is the front door apps use; ``ledger.operator`` is the one
+operators use. Both are made of parts, one module each, all built on one
+`core` (store, policy, clock, events, leases, opening and the schema):
+`steps` (one statement each), `requests` (begin, finish, abandon, handle),
+`housekeeping` (the post-response sweep, sweep, drain), `operator` (what
+operators read and change), `shortcuts` (idempotent functions), `events`
+(listeners and the event log), `inputs` (what a principal and a request
+line may hold)."""
 
 from __future__ import annotations
 
-from .base import Clock, wall_clock_ms
+import os
+from collections.abc import Callable, Iterator
+from typing import Self
+
+from ..errors import MalformedRowError
+from ..operations import copying
+from ..outcomes import Drained, FencedEvent, Prediction, PurgeResult, RowView, Stats, StoredRow, SweepResult
+from ..policy import Policy
+from ..storage import DEFAULT_FILE_MODE, SqliteOptions, Store
+from .core import Clock, LedgerCore, open_store, wall_clock_ms
+from .housekeeping import Housekeeping
 from .inputs import MAX_PATH_BYTES, MAX_PRINCIPAL_BYTES, check_principal, check_request_line
-from .reads import OperatorReads
-from .requests import Mutation, RunResult
+from .operator import HasStore, Operator
+from .requests import Mutation, RequestFlow, RunResult
 from .shortcuts import FunctionShortcuts
+from .steps import SingleSteps
 
 
-class Ledger(FunctionShortcuts, OperatorReads):
+class Ledger:
     """An idempotency ledger. Safe to share between threads; each thread (and
     each forked process) gets its own database connection.
+
+    What apps call is here: :meth:`open`, ``init``, ``close`` (or ``with``),
+    ``handle``; ``begin``/``finish``/``abandon`` and their ``*_steps`` for
+    adapters; ``after_response`` and ``sweep_due``; ``idempotent`` and
+    ``idempotent_call``; ``subscribe``; the single steps ``claim``,
+    ``lookup``, ``takeover``, ``complete``, ``release``. What operators call
+    (reads, purge, sweep, drain, copy) is on :attr:`operator`; the old
+    names on the ledger itself (``ledger.stats()``, ...) still work and
+    answer the same.
 
     >>> ledger = Ledger.open(":memory:")  # a file path or a postgresql:// URL
     >>> ledger.init().describe()
@@ -25,7 +48,284 @@ class Ledger(FunctionShortcuts, OperatorReads):
     >>> ledger.handle("acct_1", "key-1", "POST", "/orders", {}, b"{}",
     ...               lambda body: (201, {"content-type": "application/json"}, b'{"id":1}')).status
     201
+    >>> ledger.operator.stats().completed
+    1
     """
+
+    def __init__(self, store: Store, *, policy: Policy | None = None, clock: Clock | str | None = None) -> None:
+        #: The state every part shares: store, policy, clock, listeners, leases.
+        self.core = core = LedgerCore(store, policy=policy, clock=clock)
+        steps = SingleSteps(core)
+        flow = RequestFlow(core, steps)
+        chores = Housekeeping(core)
+        calls = FunctionShortcuts(core, steps, flow, chores)
+        #: What operators call: reads, purge, sweep, drain, copy.
+        self.operator = Operator(core, chores)
+        # Fixed at opening: plain attributes, read on every request.
+        self.store, self.policy, self.leases = core.store, core.policy, core.leases
+        # What apps call is each part's own method, bound once here: a
+        # request goes through no layer of the ledger's own.
+        self.subscribe, self.publish, self.now = core.subscribe, core.publish, core.now
+        self.async_store, self.aclose, self.close = core.async_store, core.aclose, core.close
+        self.init, self.describe = core.init, core.describe
+        self.schema_version, self.has_fenced_log, self.require_schema = (
+            core.schema_version,
+            core.has_fenced_log,
+            core.require_schema,
+        )
+        self.begin_steps, self.begin = flow.begin_steps, flow.begin
+        self.finish_steps, self.finish = flow.finish_steps, flow.finish
+        self.abandon_steps, self.abandon = flow.abandon_steps, flow.abandon
+        self.handle, self.decide, self.refuse, self.shape = flow.handle, flow.decide, flow.refuse, flow.shape
+        self.claim, self.lookup, self.takeover = steps.claim, steps.lookup, steps.takeover
+        self.complete_steps, self.complete = steps.complete_steps, steps.complete
+        self.release_steps, self.release = steps.release_steps, steps.release
+        self.sweep_due = chores.sweep_due
+        self.after_response_steps, self.after_response = chores.after_response_steps, chores.after_response
+        self.idempotent, self.idempotent_call = calls.idempotent, calls.idempotent_call
+        self._flow, self._steps, self._chores = flow, steps, chores
+
+    @classmethod
+    def open(
+        cls,
+        target: str | os.PathLike[str],
+        *,
+        policy: Policy | None = None,
+        clock: Clock | str | None = None,
+        create: bool = True,
+        readonly: bool = False,
+        busy_timeout_ms: int = 5000,
+        synchronous: str = "FULL",
+        write_queue: bool = True,
+        file_mode: int = DEFAULT_FILE_MODE,
+        group_commit: bool = False,
+    ) -> Self:
+        """Open a ledger: a SQLite file path, a ``postgresql://`` or a ``mysql://`` URL.
+
+        Opening never creates anything: :meth:`init` creates the schema (and
+        a SQLite file, with permission bits ``file_mode``: owner-only 0o600
+        by default, 0o660 to share it with the group; SQLite gives its -wal
+        and -shm files the same bits). ``create=False`` refuses a missing
+        SQLite file at once (LedgerNotFoundError); ``readonly=True`` never
+        writes. On SQLite, ``synchronous`` is the PRAGMA of that name and
+        ``write_queue=False`` turns off the fair writer queue
+        (docs/performance.md); ``group_commit=True`` lets concurrent
+        threads of this process share one commit, and so one fsync, each
+        returning once the commit holding its own write is durable
+        (docs/library.md).
+
+        >>> Ledger.open(":memory:", policy=Policy(pending_ttl_ms=60_000)).policy.retry_after_seconds
+        60
+        """
+        sqlite = SqliteOptions(
+            create=create,
+            synchronous=synchronous,
+            write_queue=write_queue,
+            file_mode=file_mode,
+            group_commit=group_commit,
+        )
+        store = open_store(target, readonly=readonly, busy_timeout_ms=busy_timeout_ms, sqlite=sqlite)
+        return cls(store, policy=policy, clock=clock)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def clock(self) -> Clock:
+        """Milliseconds now, as the ledger reads them (``clock="database"``:
+        the database's). Setting it moves every part onto the new clock.
+
+        >>> Ledger.open(":memory:", clock=lambda: 42).clock()
+        42
+        """
+        return self.core.clock
+
+    @clock.setter
+    def clock(self, clock: Clock) -> None:
+        self.core.clock = clock
+
+    # -- the operator's side, under its old names ----------------------------------------
+    # Each answers exactly what the same method of `self.operator` answers.
+    def get(self, principal: str, key: str, *, now: int | None = None) -> RowView | None:
+        """:meth:`Operator.get <idemctl.ledger.Operator.get>`, kept on the ledger.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init(); _ = ledger.claim("acct_1", "k1", "fp")
+        >>> ledger.get("acct_1", "k1", now=0) == ledger.operator.get("acct_1", "k1", now=0)
+        True
+        """
+        return self.operator.get(principal, key, now=now)
+
+    def view(self, row: StoredRow, *, now: int | None = None) -> RowView:
+        """:meth:`Operator.view <idemctl.ledger.Operator.view>`, kept on the ledger.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init(); _ = ledger.claim("acct_1", "k1", "fp")
+        >>> ledger.view(ledger.lookup("acct_1", "k1"), now=0).state.value
+        'pending_fresh'
+        """
+        return self.operator.view(row, now=now)
+
+    def pending(
+        self,
+        *,
+        stale_only: bool = False,
+        principal: str | None = None,
+        limit: int | None = None,
+        now: int | None = None,
+        on_malformed: Callable[[MalformedRowError], None] | None = None,
+    ) -> Iterator[RowView]:
+        """:meth:`Operator.pending <idemctl.ledger.Operator.pending>`, kept on the ledger.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init(); _ = ledger.claim("acct_1", "k1", "fp")
+        >>> [v.row.key for v in ledger.pending()]
+        ['k1']
+        """
+        return self.operator.pending(
+            stale_only=stale_only, principal=principal, limit=limit, now=now, on_malformed=on_malformed
+        )
+
+    def fenced(
+        self,
+        *,
+        principal: str | None = None,
+        key: str | None = None,
+        since: int | None = None,
+        limit: int | None = None,
+    ) -> Iterator[FencedEvent]:
+        """:meth:`Operator.fenced <idemctl.ledger.Operator.fenced>`, kept on the ledger.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> list(ledger.fenced())
+        []
+        """
+        return self.operator.fenced(principal=principal, key=key, since=since, limit=limit)
+
+    def predict(self, principal: str, key: str, fingerprint: str, *, now: int | None = None) -> Prediction:
+        """:meth:`Operator.predict <idemctl.ledger.Operator.predict>`, kept on the ledger.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> ledger.predict("acct_1", "k1", "fp").verdict.value
+        'new'
+        """
+        return self.operator.predict(principal, key, fingerprint, now=now)
+
+    def stats(self, *, now: int | None = None) -> Stats:
+        """:meth:`Operator.stats <idemctl.ledger.Operator.stats>`, kept on the ledger.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init(); _ = ledger.claim("acct_1", "k1", "fp")
+        >>> ledger.stats(now=0) == ledger.operator.stats(now=0)
+        True
+        """
+        return self.operator.stats(now=now)
+
+    def purge(self, principal: str, key: str, *, force: bool = False, now: int | None = None) -> PurgeResult:
+        """:meth:`Operator.purge <idemctl.ledger.Operator.purge>`, kept on the ledger.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> ledger.purge("acct_1", "k1").outcome.value
+        'not_found'
+        """
+        return self.operator.purge(principal, key, force=force, now=now)
+
+    def sweep(
+        self,
+        *,
+        now: int | None = None,
+        batch: int | None = None,
+        retention_ms: int | None = None,
+        fenced_retention_ms: int | None = None,
+    ) -> SweepResult:
+        """:meth:`Operator.sweep <idemctl.ledger.Operator.sweep>`, kept on the ledger.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> ledger.sweep().deleted
+        0
+        """
+        return self.operator.sweep(
+            now=now, batch=batch, retention_ms=retention_ms, fenced_retention_ms=fenced_retention_ms
+        )
+
+    def drain(
+        self,
+        *,
+        batch: int | None = None,
+        max_batches: int | None = None,
+        retention_ms: int | None = None,
+        fenced_retention_ms: int | None = None,
+        pause_ms: int = 0,
+        should_stop: Callable[[], bool] = lambda: False,
+        on_batch: Callable[[SweepResult], None] | None = None,
+    ) -> Drained:
+        """:meth:`Operator.drain <idemctl.ledger.Operator.drain>`, kept on the ledger.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> ledger.drain().stopped.value
+        'drained'
+        """
+        return self.operator.drain(
+            batch=batch,
+            max_batches=max_batches,
+            retention_ms=retention_ms,
+            fenced_retention_ms=fenced_retention_ms,
+            pause_ms=pause_ms,
+            should_stop=should_stop,
+            on_batch=on_batch,
+        )
+
+    @property
+    def drain_batch(self) -> int:
+        """:attr:`Operator.drain_batch <idemctl.ledger.Operator.drain_batch>`, kept on the ledger.
+
+        >>> Ledger.open(":memory:").drain_batch
+        250
+        """
+        return self.operator.drain_batch
+
+    def count_expired(self, *, now: int | None = None, retention_ms: int | None = None) -> int:
+        """:meth:`Operator.count_expired <idemctl.ledger.Operator.count_expired>`, kept on the ledger.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> ledger.count_expired()
+        0
+        """
+        return self.operator.count_expired(now=now, retention_ms=retention_ms)
+
+    def count_fenced_expired(self, *, now: int | None = None, fenced_retention_ms: int | None = None) -> int:
+        """:meth:`Operator.count_fenced_expired <idemctl.ledger.Operator.count_fenced_expired>`, kept on the ledger.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> ledger.count_fenced_expired()
+        0
+        """
+        return self.operator.count_fenced_expired(now=now, fenced_retention_ms=fenced_retention_ms)
+
+    def count_rows(self) -> int:
+        """:meth:`Operator.count_rows <idemctl.ledger.Operator.count_rows>`, kept on the ledger.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> ledger.count_rows()
+        0
+        """
+        return self.operator.count_rows()
+
+    def copy_to(
+        self,
+        destination: HasStore,
+        *,
+        batch: int = copying.DEFAULT_COPY_BATCH,
+        dry_run: bool = False,
+        on_progress: Callable[[copying.CopyProgress], object] | None = None,
+    ) -> copying.CopyResult:
+        """:meth:`Operator.copy_to <idemctl.ledger.Operator.copy_to>`, kept on the ledger.
+
+        >>> old, new = Ledger.open(":memory:"), Ledger.open(":memory:")
+        >>> _ = old.init(), new.init()
+        >>> old.copy_to(new).copied
+        0
+        """
+        return self.operator.copy_to(destination, batch=batch, dry_run=dry_run, on_progress=on_progress)
 
 
 __all__ = [
@@ -33,7 +333,9 @@ __all__ = [
     "MAX_PRINCIPAL_BYTES",
     "Clock",
     "Ledger",
+    "LedgerCore",
     "Mutation",
+    "Operator",
     "RunResult",
     "check_principal",
     "check_request_line",

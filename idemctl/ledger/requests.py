@@ -24,7 +24,7 @@ from ..fingerprint import (
     request_digest,
 )
 from ..outcomes import Answer, Event, Outcome, Ticket
-from .base import wall_clock_ms
+from .core import LedgerCore, wall_clock_ms
 from .inputs import check_principal, check_request_line
 from .steps import SingleSteps
 
@@ -47,12 +47,26 @@ _OWN_ANSWERS = frozenset(
 )
 
 
-class RequestFlow(SingleSteps):
+class RequestFlow:
     """Two phases, so that every adapter (WSGI, ASGI, Django, functions) runs
     the app itself between them and the contract lives here alone: `begin`
     decides (one claim, and at most a lookup and a takeover), `finish`
     stores the answer with one fenced statement and returns what was stored.
+    Built on a ledger's core and its single steps; :class:`~idemctl.Ledger`
+    hands its methods to apps as they are.
+
+    >>> from idemctl import Ledger
+    >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+    >>> flow = RequestFlow(ledger.core, SingleSteps(ledger.core))
+    >>> flow.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b"")).status
+    201
     """
+
+    def __init__(self, core: LedgerCore, steps: SingleSteps) -> None:
+        self.core, self.steps = core, steps
+        # Fixed at opening: read straight off this object on the request path.
+        self.store, self.policy, self.events = core.store, core.policy, core.events
+        self._hold, self._drop = core.hold, core.drop
 
     def begin_steps(
         self,
@@ -114,12 +128,12 @@ class RequestFlow(SingleSteps):
         fp = request_digest(method, path_and_query, headers, fp_body, policy.fingerprint_headers)
         mark = time.perf_counter()
         try:
-            made = self._hold((yield from decision.decide(self.store, policy, self.clock, principal, key, fp)))
+            made = self._hold((yield from decision.decide(self.store, policy, self.core.clock, principal, key, fp)))
         except StorageError:
             ms = (time.perf_counter() - mark) * 1000
             at = wall_clock_ms()  # the database clock, if that is the clock, cannot be asked either
             event = Event(Outcome.UNAVAILABLE, principal, key, None, method, path_and_query, 503, ms, None, at)
-            self._events.emit(event)
+            self.events.emit(event)
             raise
         spent_ms = (time.perf_counter() - mark) * 1000
         if isinstance(made, decision.Claimed):
@@ -151,7 +165,7 @@ class RequestFlow(SingleSteps):
         return self._decide_and_hold(principal, key, fingerprint)
 
     def _decide_and_hold(self, principal: str, key: str, fingerprint: str) -> decision.Steps[decision.Decision]:
-        made = yield from decision.decide(self.store, self.policy, self.clock, principal, key, fingerprint)
+        made = yield from decision.decide(self.store, self.policy, self.core.clock, principal, key, fingerprint)
         return self._hold(made)
 
     def _answer_for(
@@ -200,11 +214,11 @@ class RequestFlow(SingleSteps):
         ledger_ms: float,
         waited: bool = False,
     ) -> Answer:
-        if self._events.heard(answer.outcome):
-            at = answer.started_at if answer.started_at is not None else self.now()
+        if self.events.heard(answer.outcome):
+            at = answer.started_at if answer.started_at is not None else self.core.now()
             status, generation = answer.status, answer.generation
             event = Event(answer.outcome, principal, key, generation, method, path, status, ledger_ms, None, at, waited)
-            self._events.emit(event)
+            self.events.emit(event)
         if self.policy.problem_details and answer.outcome in _OWN_ANSWERS:
             shaped = responses.as_problem((answer.status, answer.headers, answer.body))
             return Answer(*shaped, answer.outcome, answer.generation, answer.started_at)
@@ -245,9 +259,9 @@ class RequestFlow(SingleSteps):
         ('unauthenticated', 'k1')
         """
         answer = Answer(*self.shape(refusal), outcome)
-        if self._events.heard(outcome):
+        if self.events.heard(outcome):
             event = Event(outcome, principal, key, None, method, path, answer.status, 0.0, None, wall_clock_ms())
-            self._events.emit(event)
+            self.events.emit(event)
         return answer
 
     def finish_steps(
@@ -282,7 +296,8 @@ class RequestFlow(SingleSteps):
         self._drop(reservation)
         app_ms = (time.perf_counter() - ticket.issued) * 1000 if ticket.issued else None
         mark = time.perf_counter()
-        stored = self._prepare(reservation, status, headers, body)
+        steps = self.steps
+        stored = steps.prepare(reservation, status, headers, body)
         computed = self._shape_stored(stored.answer)
         keep = self.policy.keep_answer
         # keep_answer judges what the app answered (its status and the
@@ -290,7 +305,7 @@ class RequestFlow(SingleSteps):
         # ledger's own, and is stored like any kept answer.
         if keep is not None and not keep(status, stored.wire_headers):
             # Not an answer to keep (say a 503): release, so the retry runs again.
-            yield from self._release_quietly(reservation)
+            yield from steps.release_quietly(reservation)
             answer = Answer(*computed, Outcome.NOT_KEPT, reservation.generation, ticket.started_at)
             self._finished(ticket, answer.outcome, answer.status, mark, app_ms)
             return answer
@@ -298,9 +313,9 @@ class RequestFlow(SingleSteps):
             # Inside the guard: with clock="database", reading the clock is a
             # statement too, and any storage failure after the mutation ran
             # must hand back the answer it computed.
-            clock = self.clock
-            stamp = int(clock()) if clock != self.store.database_now else (yield from self._stamp_steps(reservation))
-            stored_ok, _ = yield from self._store_answer(reservation, stored, stamp)
+            clock = self.core.clock
+            stamp = int(clock()) if clock != self.store.database_now else (yield from steps.stamp_steps(reservation))
+            stored_ok, _ = yield from steps.store_answer(reservation, stored, stamp)
         except StorageError as exc:
             answer = Answer(*computed, ticket.outcome, reservation.generation, ticket.started_at)
             self._finished(ticket, Outcome.NOT_STORED, answer.status, mark, app_ms)
@@ -321,11 +336,11 @@ class RequestFlow(SingleSteps):
     def _finished(
         self, ticket: Ticket, outcome: Outcome, status: int | None, mark: float, app_ms: float | None
     ) -> None:
-        if not self._events.heard(outcome):
+        if not self.events.heard(outcome):
             return
         reservation = ticket.reservation
         ledger_ms = ticket.ledger_ms + (time.perf_counter() - mark) * 1000
-        self._events.emit(
+        self.events.emit(
             Event(
                 outcome,
                 reservation.principal if reservation else None,
@@ -336,7 +351,7 @@ class RequestFlow(SingleSteps):
                 status,
                 ledger_ms,
                 app_ms,
-                ticket.started_at if ticket.started_at is not None else self.now(),
+                ticket.started_at if ticket.started_at is not None else self.core.now(),
                 ticket.waited,
             )
         )
@@ -364,7 +379,7 @@ class RequestFlow(SingleSteps):
         app_ms = (time.perf_counter() - ticket.issued) * 1000 if ticket.issued else None
         mark = time.perf_counter()
         if release:
-            yield from self._release_quietly(reservation)
+            yield from self.steps.release_quietly(reservation)
         self._finished(ticket, Outcome.FAILED, None, mark, app_ms)
 
     abandon = decision.blocking(abandon_steps)

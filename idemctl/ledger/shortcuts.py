@@ -5,13 +5,31 @@ from __future__ import annotations
 
 from .. import functions
 from ..call_values import SerializerLike
-from .maintenance import Maintenance
+from .core import LedgerCore
+from .housekeeping import Housekeeping
 from .requests import RequestFlow
+from .steps import SingleSteps
 
 
-class FunctionShortcuts(RequestFlow, Maintenance):
-    """Idempotent functions made from this ledger's request flow and
-    post-response sweep (see `idemctl.functions`)."""
+class FunctionShortcuts:
+    """Idempotent functions made from one ledger's request flow, single
+    steps and post-response sweep (see `idemctl.functions`): this object is
+    the :class:`~idemctl.functions.CallLedger` its calls run on.
+
+    >>> from idemctl import Ledger
+    >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+    >>> with ledger.idempotent_call(principal="billing", key="pay_1", args=1) as call:
+    ...     call.store("done")
+    >>> call.ledger.policy is ledger.policy
+    True
+    """
+
+    def __init__(self, core: LedgerCore, steps: SingleSteps, flow: RequestFlow, chores: Housekeeping) -> None:
+        self.policy = core.policy
+        self.now, self.publish, self.async_store = core.now, core.publish, core.async_store
+        self.decide, self.abandon, self.abandon_steps = flow.decide, flow.abandon, flow.abandon_steps
+        self.release_steps, self.complete_steps = steps.release_steps, steps.complete_steps
+        self.after_response_steps = chores.after_response_steps
 
     def idempotent(
         self,

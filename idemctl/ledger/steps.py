@@ -1,6 +1,6 @@
 """Single steps of the contract, one statement each: claim, lookup,
 takeover, complete, release. The request flow is built from them; scripts
-and tests may call them directly."""
+and tests may call them directly (`Ledger.claim`, ...)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ..errors import ConnectionFailedError, IdemctlError
 from ..fingerprint import HeadersLike, check_key, parse_key
 from ..outcomes import Completion, FencedEvent, Reservation, StoredRow
 from ..storage.store import new_token
-from .base import LedgerBase
+from .core import LedgerCore
 from .inputs import check_principal
 
 log = logging.getLogger("idemctl")
@@ -31,8 +31,21 @@ STORE_RETRY_PAUSES_S = (0.0, 0.05, 0.25, 0.7)
 STORE_RETRY_WITHIN_S = 2.0
 
 
-class SingleSteps(LedgerBase):
-    """One statement per step."""
+class SingleSteps:
+    """One statement per step, on a ledger's core.
+
+    >>> from idemctl import Ledger
+    >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+    >>> steps = SingleSteps(ledger.core)
+    >>> steps.release(steps.claim("acct_1", "k1", "fp"))
+    True
+    """
+
+    def __init__(self, core: LedgerCore) -> None:
+        self.core = core
+        # Fixed at opening: read straight off this object on the request path.
+        self.store, self.policy = core.store, core.policy
+        self._drop = core.drop
 
     def claim(self, principal: str, key: str, fingerprint: str, *, now: int | None = None) -> Reservation | None:
         """Atomically claim (principal, key) as generation 1; None if it exists.
@@ -46,7 +59,7 @@ class SingleSteps(LedgerBase):
         """
         check_principal(principal)
         key = check_key(key)
-        now = self.now() if now is None else now
+        now = self.core.now() if now is None else now
         token = new_token()
         generation = self.store.claim(principal, key, fingerprint, token, now)
         return None if generation is None else Reservation(principal, key, generation, fingerprint, token)
@@ -78,7 +91,7 @@ class SingleSteps(LedgerBase):
         """
         check_principal(principal)
         key = check_key(key)
-        now = self.now() if now is None else now
+        now = self.core.now() if now is None else now
         token = new_token()
         p = self.policy
         generation = self.store.takeover(
@@ -111,14 +124,14 @@ class SingleSteps(LedgerBase):
         False
         """
         self._drop(reservation)
-        stored = self._prepare(reservation, status, headers, body)
-        stamp = (yield from self._stamp_steps(reservation)) if now is None else now
-        ok, event = yield from self._store_answer(reservation, stored, stamp)
+        stored = self.prepare(reservation, status, headers, body)
+        stamp = (yield from self.stamp_steps(reservation)) if now is None else now
+        ok, event = yield from self.store_answer(reservation, stored, stamp)
         return Completion(ok, *stored.answer, stored.oversize, event)
 
     complete = decision.blocking(complete_steps)
 
-    def _prepare(
+    def prepare(
         self,
         reservation: Reservation,
         status: int,
@@ -139,7 +152,7 @@ class SingleSteps(LedgerBase):
             )
         return stored
 
-    def _store_answer(
+    def store_answer(
         self, reservation: Reservation, stored: responses.ToStore, stamp: int
     ) -> decision.Steps[tuple[bool, FencedEvent | None]]:
         """Whether the answer was stored; when fenced out, the event recorded."""
@@ -176,13 +189,13 @@ class SingleSteps(LedgerBase):
             return True
         return bool((yield store.completed_as_statement(r.principal, r.key, r.generation, *answer)))
 
-    def _stamp_steps(self, reservation: Reservation) -> decision.Steps[int]:
+    def stamp_steps(self, reservation: Reservation) -> decision.Steps[int]:
         """The completion's timestamp; the database's clock is asked again
         on a fresh connection, within the same bound as the completion."""
         try:
-            return (yield from self._now_steps())
+            return (yield from self.core.now_steps())
         except ConnectionFailedError as lost:
-            return (yield from _on_a_fresh_connection(self._now_steps, lost, reservation))
+            return (yield from _on_a_fresh_connection(self.core.now_steps, lost, reservation))
 
     def release_steps(self, reservation: Reservation) -> decision.Steps[bool]:
         """Opt-in: delete a pending reservation whose mutation is known to have
@@ -205,7 +218,7 @@ class SingleSteps(LedgerBase):
 
     release = decision.blocking(release_steps)
 
-    def _release_quietly(self, reservation: Reservation) -> decision.Steps[None]:
+    def release_quietly(self, reservation: Reservation) -> decision.Steps[None]:
         try:
             yield from self.release_steps(reservation)
         except IdemctlError as exc:

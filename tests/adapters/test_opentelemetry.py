@@ -518,7 +518,7 @@ ledger = Ledger.open(":memory:"); ledger.init()
 ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b""))
 print(json.dumps({
     "opentelemetry": sorted(m for m in sys.modules if m.split(".")[0] == "opentelemetry"),
-    "listened": [o.value for o in Outcome if ledger._events.heard(o) and o in (Outcome.EXECUTED, Outcome.REPLAYED)],
+    "listened": [o.value for o in Outcome if ledger.core.events.heard(o) and o in (Outcome.EXECUTED, Outcome.REPLAYED)],
 }))
 """
 
@@ -532,6 +532,6 @@ def test_an_unsubscribed_ledger_goes_back_to_building_no_events(tmp_path, otel):
     with Ledger.open(tmp_path / "l.db") as ledger:
         ledger.init()
         telemetry = otel.instrument(ledger)
-        assert ledger._events.heard(Outcome.EXECUTED) is True
+        assert ledger.core.events.heard(Outcome.EXECUTED) is True
         telemetry.unsubscribe()
-        assert ledger._events.heard(Outcome.EXECUTED) is False
+        assert ledger.core.events.heard(Outcome.EXECUTED) is False

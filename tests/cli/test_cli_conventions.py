@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from idemctl import Ledger, wall_clock_ms
 from idemctl.cli import app
 from idemctl.cli.documents import stats_prometheus
+from idemctl.ledger import Operator
 from tests.helpers import FakeClock
 
 IDEMCTL = Path(sys.executable).with_name("idemctl")
@@ -271,10 +272,10 @@ def test_ctrl_c_inside_a_command_exits_130_without_a_message(tmp_path, monkeypat
     db = tmp_path / "l.db"
     ledger_with(db)
 
-    def interrupted(self: Ledger) -> None:
+    def interrupted(self: Operator) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(Ledger, "stats", interrupted)
+    monkeypatch.setattr(Operator, "stats", interrupted)
     result = cli("--db", str(db), "stats")
     assert (result.exit_code, result.stdout, result.stderr) == (130, "", "")
 

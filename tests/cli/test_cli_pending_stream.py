@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from idemctl import Ledger, wall_clock_ms
 from idemctl.cli import PENDING_TABLE_CHUNK, app
+from idemctl.ledger import Operator
 from tests.helpers import clean_env
 
 ROWS = PENDING_TABLE_CHUNK * 2 + 1
@@ -58,7 +59,8 @@ def test_table_of_every_row_is_printed_in_chunks_with_one_header(many_pending):
 
 
 def test_rows_reach_stdout_before_the_listing_is_finished(many_pending, monkeypatch):
-    real_pending = Ledger.pending
+    # The CLI reads through the ledger's operator.
+    real_pending = Operator.pending
 
     def failing_midway(self, **kw):
         for n, view in enumerate(real_pending(self, **kw)):
@@ -66,7 +68,7 @@ def test_rows_reach_stdout_before_the_listing_is_finished(many_pending, monkeypa
                 raise RuntimeError("the listing was still being read")
             yield view
 
-    monkeypatch.setattr(Ledger, "pending", failing_midway)
+    monkeypatch.setattr(Operator, "pending", failing_midway)
     result = run("pending", "--db", many_pending, "--limit", "0", "--json")
     assert isinstance(result.exception, RuntimeError)
     # The first three rows were already written when the fourth failed.

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from idemctl import Ledger
 from idemctl.cli import app
-from idemctl.replication import ReplicationSettings, Severity, assess, check_failover
-from idemctl.replication_mysql import MysqlFacts, assess_mysql
+from idemctl.operations.replication import ReplicationSettings, Severity, assess, check_failover
+from idemctl.operations.replication_mysql import MysqlFacts, assess_mysql
 
 # --help and tables are wrapped to this terminal width (tests/cli/conftest.py).
 TERMINAL_COLUMNS = "200"

@@ -24,6 +24,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from idemctl import Answer, Ledger, Outcome, Policy, Status, Ticket, decision
+from idemctl.ledger.requests import RequestFlow
+from idemctl.ledger.steps import SingleSteps
 from idemctl.outcomes import FencedEvent, StoredRow, SweepResult
 from idemctl.storage import open_engine
 from idemctl.storage.aio import AsyncStore
@@ -229,9 +231,9 @@ class ThreadlessAsyncStore(AsyncStore):
         return self.store.run(op)
 
 
-class DriverLedger(Ledger):
-    """A Ledger whose begin, finish and abandon drive their steps through
-    one chosen driver ("sync", "async"); ``handle`` goes through them."""
+class DriverFlow(RequestFlow):
+    """A request flow whose begin, finish and abandon drive their steps
+    through one chosen driver ("sync", "async"); ``handle`` goes through them."""
 
     driver = "sync"
 
@@ -252,6 +254,25 @@ class DriverLedger(Ledger):
 
     def abandon(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
         self._drive(self.abandon_steps(*args, **kwargs))
+
+
+class DriverLedger(Ledger):
+    """A Ledger whose request flow is a DriverFlow: its app-facing methods
+    are the flow's, so ``begin``, ``finish``, ``abandon`` and ``handle`` all
+    drive their steps through the chosen driver."""
+
+    def __init__(self, store: Store, **kwargs: Any) -> None:
+        super().__init__(store, **kwargs)
+        self.flow = flow = DriverFlow(self.core, SingleSteps(self.core))
+        self.begin, self.finish, self.abandon, self.handle = flow.begin, flow.finish, flow.abandon, flow.handle
+
+    @property
+    def driver(self) -> str:
+        return self.flow.driver
+
+    @driver.setter
+    def driver(self, driver: str) -> None:
+        self.flow.driver = driver
 
 
 DRIVERS = ("sync", "async", "fake")
@@ -424,7 +445,8 @@ def test_no_code_path_resolves_a_store_operation_by_name():
         "idemctl/storage/store.py",
         "idemctl/storage/store_base.py",
         "idemctl/ledger/steps.py",
-        "idemctl/ledger/maintenance.py",
+        "idemctl/ledger/housekeeping.py",
+        "idemctl/ledger/requests.py",
     ):
         tree = ast.parse((ROOT / module).read_text(encoding="utf-8"))
         by_name = [

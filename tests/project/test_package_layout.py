@@ -1,6 +1,7 @@
 """The package's shape, held as tests: no module over 600 lines, no import
-cycle (imports under TYPE_CHECKING included), the library never imports the
-CLI, and a public API small enough to read in one screen."""
+cycle (imports under TYPE_CHECKING included), layers that import only
+downwards, the library never imports the CLI, and a public API small
+enough to read in one screen."""
 
 from __future__ import annotations
 
@@ -85,6 +86,96 @@ def _cycles() -> list[list[str]]:
         if node not in index:
             visit(node)
     return found
+
+
+# The package's layers, lowest first: a module may import its own layer and
+# the ones below it, never one above. A module or package named here holds
+# everything under it (the package root, "idemctl", only itself).
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "foundation",
+        (
+            "idemctl.outcomes",
+            "idemctl.errors",
+            "idemctl.policy",
+            "idemctl.text",
+            "idemctl.durations",
+            "idemctl.schema",
+            "idemctl.fingerprint",
+            "idemctl.call_values",
+            "idemctl.leases",
+        ),
+    ),
+    ("storage", ("idemctl.storage",)),
+    # The decision loop, the answers it stores, and idempotent calls: built
+    # on the store, never on the ledger.
+    ("contract", ("idemctl.decision", "idemctl.responses", "idemctl.functions")),
+    # The operator's tools over a store: copying, failover checks.
+    ("operations", ("idemctl.operations",)),
+    ("ledger", ("idemctl.ledger",)),
+    ("integrations", ("idemctl.config", "idemctl.prometheus", "idemctl.otel", "idemctl.monitoring")),
+    ("request kit", ("idemctl.gate", "idemctl.capture", "idemctl.wire")),
+    ("adapters", ("idemctl.wsgi", "idemctl.asgi", "idemctl.fastapi", "idemctl.flask", "idemctl.django")),
+    # The package's own names, and the old import paths of moved modules.
+    ("front", ("idemctl", "idemctl.copying", "idemctl.replication")),
+    ("cli", ("idemctl.cli", "idemctl.__main__")),
+]
+
+
+def _layer_of(name: str) -> int | None:
+    """The layer holding `name`: the one naming it or its closest package."""
+    best: tuple[int, int] | None = None  # (length of the name matched, layer)
+    for number, (_, owned) in enumerate(LAYERS):
+        for owner in owned:
+            under = owner != "idemctl" and name.startswith(owner + ".")
+            if (name == owner or under) and (best is None or len(owner) > best[0]):
+                best = (len(owner), number)
+    return None if best is None else best[1]
+
+
+def _upward_imports() -> dict[str, list[str]]:
+    found = {}
+    for name, imported in GRAPH.items():
+        mine = _layer_of(name)
+        assert mine is not None, name
+        up = sorted(other for other in imported if (_layer_of(other) or 0) > mine)
+        if up:
+            found[name] = up
+    return found
+
+
+def test_every_module_belongs_to_one_layer():
+    assert sorted(name for name in MODULES if _layer_of(name) is None) == []
+    assert _layer_of("idemctl.new_module") is None  # a new module is placed on purpose
+
+
+def test_layers_import_only_their_own_and_the_ones_below():
+    assert _upward_imports() == {}
+
+
+def test_the_layer_check_finds_an_import_upwards():
+    # The check above must be able to fail: the ledger importing the request kit.
+    GRAPH["idemctl.ledger.core"].add("idemctl.gate")
+    try:
+        assert _upward_imports() == {"idemctl.ledger.core": ["idemctl.gate"]}
+    finally:
+        GRAPH["idemctl.ledger.core"].discard("idemctl.gate")
+
+
+def test_the_operators_tools_live_in_their_own_package_and_the_old_paths_still_import():
+    import idemctl.copying
+    import idemctl.operations.copying
+    import idemctl.operations.replication
+    import idemctl.replication
+
+    assert idemctl.replication.check_failover is idemctl.operations.replication.check_failover
+    assert idemctl.copying.CopyResult is idemctl.operations.copying.CopyResult
+    assert {n for n in MODULES if n.startswith("idemctl.operations.")} == {
+        "idemctl.operations.copying",
+        "idemctl.operations.findings",
+        "idemctl.operations.replication",
+        "idemctl.operations.replication_mysql",
+    }
 
 
 def test_no_module_is_longer_than_six_hundred_lines():

@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 
 from idemctl import Ledger, Outcome, Policy, fingerprint
 from idemctl.cli import app
-from idemctl.copying import CopyProgress, KeptReason
 from idemctl.errors import ReadOnlyDatabaseError, SchemaMissingError
+from idemctl.operations.copying import CopyProgress, KeptReason
 from idemctl.storage.rows import LedgerRow
 from tests.helpers import FakeClock, RecipeWriter, clean_env, mysql_test_database, postgres_test_schema
 

@@ -1,5 +1,7 @@
 """Keeping the ledger small: the post-response sweep and its throttle, the
-bounded sweep, the drain, retention checks, and copying to another ledger."""
+bounded sweep, the drain and retention checks. Apps run the post-response
+sweep (`Ledger.after_response`); operators the sweep and the drain
+(`Ledger.operator`)."""
 
 from __future__ import annotations
 
@@ -7,10 +9,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from .. import copying, decision
+from .. import decision
 from ..errors import IdemctlError, PolicyError
 from ..outcomes import Answer, Drained, DrainStop, Outcome, SweepResult
-from .base import LedgerBase
+from .core import LedgerCore
 
 log = logging.getLogger("idemctl")
 
@@ -18,8 +20,21 @@ log = logging.getLogger("idemctl")
 _SWEEPS_AFTER = frozenset({Outcome.EXECUTED, Outcome.TAKEN_OVER, Outcome.FENCED_OUT})
 
 
-class Maintenance(LedgerBase):
-    """Sweep, drain and copy."""
+class Housekeeping:
+    """The sweeps of one ledger's core, and the post-response sweep's
+    throttle: until when this process has nothing to sweep.
+
+    >>> from idemctl import Ledger
+    >>> ledger = Ledger.open(":memory:", clock=lambda: 0); _ = ledger.init()
+    >>> Housekeeping(ledger.core).sweep().deleted
+    0
+    """
+
+    def __init__(self, core: LedgerCore) -> None:
+        self.core = core
+        self.store, self.policy = core.store, core.policy
+        # Until when this process's post-response sweep has nothing to do.
+        self._sweep_rests_until = 0
 
     def sweep_due(self, answer: Answer) -> bool:
         """Whether `after_response(answer)` would run a statement: only for
@@ -86,7 +101,7 @@ class Maintenance(LedgerBase):
         >>> ledger.sweep(batch=2).keys_deleted, ledger.sweep(batch=2).keys_deleted
         (2, 1)
         """
-        now = self.now() if now is None else now
+        now = self.core.now() if now is None else now
         return self.store.sweep(*self._sweep_args(now, batch, retention_ms, fenced_retention_ms))
 
     def _sweep_args(
@@ -171,44 +186,10 @@ class Maintenance(LedgerBase):
 
     def count_expired(self, *, now: int | None = None, retention_ms: int | None = None) -> int:
         """How many rows a full sweep would delete now."""
-        now = self.now() if now is None else now
+        now = self.core.now() if now is None else now
         return self.store.count_expired(now - self._retention(retention_ms))
 
     def count_fenced_expired(self, *, now: int | None = None, fenced_retention_ms: int | None = None) -> int:
         """How many fenced-out events a full sweep would delete now."""
-        now = self.now() if now is None else now
+        now = self.core.now() if now is None else now
         return self.store.count_fenced_expired(now - self._fenced_retention(fenced_retention_ms))
-
-    # -- moving to another ledger -----------------------------------------------------
-    def copy_to(
-        self,
-        destination: LedgerBase,
-        *,
-        batch: int = copying.DEFAULT_COPY_BATCH,
-        dry_run: bool = False,
-        on_progress: Callable[[copying.CopyProgress], object] | None = None,
-    ) -> copying.CopyResult:
-        """Copy every row (pending and completed, with its generation, token,
-        timestamps and stored answer) and the fenced-out log into
-        `destination`, on any engine, `batch` rows at a time; this ledger is
-        only read. A destination row that is newer is kept, one that holds
-        another request under the same key is a conflict; neither is
-        overwritten. Running it again writes only what changed since. The
-        destination must be initialised (:meth:`init`). See docs/runbook.md
-        for moving a live ledger without losing a key.
-
-        >>> from idemctl import Ledger
-        >>> old, new = Ledger.open(":memory:"), Ledger.open(":memory:")
-        >>> _ = old.init(), new.init()
-        >>> _ = old.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b"made"))
-        >>> result = old.copy_to(new)
-        >>> result.copied, old.copy_to(new).unchanged
-        (1, 1)
-        >>> new.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (500, {}, b"")).body
-        b'made'
-        """
-        return copying.copy_ledger(self.store, destination.store, batch=batch, dry_run=dry_run, on_progress=on_progress)
-
-    def count_rows(self) -> int:
-        """How many rows the ledger holds (one count: a progress bar's total)."""
-        return self.store.count_rows()

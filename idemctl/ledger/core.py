@@ -1,6 +1,8 @@
-"""The ledger's foundation: opening and closing it, its clock, schema,
-events, leases and asynchronous stores. The request flow, maintenance,
-operator reads and function shortcuts build on it (see `idemctl.ledger`)."""
+"""The ledger's core: the state every job of the ledger shares (its store,
+policy, clock, listeners, live reservations and asynchronous stores), and
+opening, closing and the schema. The request flow, housekeeping, the
+operator's side and the function shortcuts are objects built on one core
+(see `idemctl.ledger`)."""
 
 from __future__ import annotations
 
@@ -10,15 +12,15 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Self
 
 from .. import decision
 from ..errors import PolicyError, SchemaMissingError
 from ..leases import LeaseKeeper
 from ..outcomes import Event, InitResult, Reservation
 from ..policy import Policy
-from ..storage import DEFAULT_FILE_MODE, SqliteOptions, Store, is_server_url, open_engine
+from ..storage import SqliteOptions, Store, is_server_url, open_engine
 from ..storage.aio import AsyncStore
+from ..storage.sqlite import SQLITE_DEFAULTS
 from .events import EventHub
 
 Clock = Callable[[], int]
@@ -33,13 +35,40 @@ def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-class LedgerBase:
-    """What every part of :class:`~idemctl.Ledger` stands on: its store,
-    policy, clock, listeners and live reservations.
+def open_store(
+    target: str | os.PathLike[str],
+    *,
+    readonly: bool = False,
+    busy_timeout_ms: int = 5000,
+    sqlite: SqliteOptions = SQLITE_DEFAULTS,
+) -> Store:
+    """The store of a ledger at `target` (see :meth:`idemctl.Ledger.open`).
 
-    >>> from idemctl import Ledger
-    >>> Ledger.open(":memory:").describe()
+    >>> open_store(":memory:").describe()
     ':memory:'
+    """
+    engine = open_engine(target, readonly=readonly, busy_timeout_ms=busy_timeout_ms, sqlite=sqlite)
+    store = Store(engine)
+    if not is_server_url(target):
+        # A file's schema is checked at open (it costs no connection):
+        # a ledger written by a newer idemctl is refused before any use.
+        try:
+            store.check_not_newer()
+        except BaseException:
+            store.close()
+            raise
+    return store
+
+
+class LedgerCore:
+    """The state one ledger's parts share: its store, policy, clock,
+    listeners, live reservations and asynchronous stores. Every job object
+    of :class:`~idemctl.Ledger` (request flow, housekeeping, operator) is
+    built on one core; `store` and `policy` never change after opening.
+
+    >>> core = LedgerCore(open_store(":memory:"), clock=lambda: 7)
+    >>> core.now(), core.init().describe(), core.describe()
+    (7, 'created (schema version 3)', ':memory:')
     """
 
     def __init__(self, store: Store, *, policy: Policy | None = None, clock: Clock | str | None = None) -> None:
@@ -57,14 +86,13 @@ class LedgerBase:
         self.leases: LeaseKeeper | None = None
         if self.policy.lease_renewal:
             self.leases = LeaseKeeper(
-                self._renew,
+                self.renew,
                 interval_s=self.policy.pending_ttl_ms / 3000,
                 max_s=self.policy.lease_max_ms / 1000,
                 ttl_s=self.policy.pending_ttl_ms / 1000,
             )
-        self._events = EventHub()
-        # Until when this process's post-response sweep has nothing to do.
-        self._sweep_rests_until = 0
+        #: The listeners, and the `idemctl.events` log line of each event.
+        self.events = EventHub()
         # The asynchronous request path, one store per event loop (see async_store).
         self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncStore] = weakref.WeakKeyDictionary()
         self._async_lock = threading.Lock()
@@ -85,71 +113,13 @@ class LedgerBase:
         ['executed', 'replayed']
         >>> stop()
         """
-        return self._events.subscribe(listener)
+        return self.events.subscribe(listener)
 
     def publish(self, event: Event) -> None:
         """Deliver an event to the listeners and the `idemctl.events` log: for
         integrations that decide outside `begin`/`finish` (idempotent
         functions use it). Never raises because of a listener."""
-        self._events.emit(event)
-
-    @classmethod
-    def open(
-        cls,
-        target: str | os.PathLike[str],
-        *,
-        policy: Policy | None = None,
-        clock: Clock | str | None = None,
-        create: bool = True,
-        readonly: bool = False,
-        busy_timeout_ms: int = 5000,
-        synchronous: str = "FULL",
-        write_queue: bool = True,
-        file_mode: int = DEFAULT_FILE_MODE,
-        group_commit: bool = False,
-    ) -> Self:
-        """Open a ledger: a SQLite file path, a ``postgresql://`` or a ``mysql://`` URL.
-
-        Opening never creates anything: :meth:`init` creates the schema (and
-        a SQLite file, with permission bits ``file_mode``: owner-only 0o600
-        by default, 0o660 to share it with the group; SQLite gives its -wal
-        and -shm files the same bits). ``create=False`` refuses a missing
-        SQLite file at once (LedgerNotFoundError); ``readonly=True`` never
-        writes. On SQLite, ``synchronous`` is the PRAGMA of that name and
-        ``write_queue=False`` turns off the fair writer queue
-        (docs/performance.md); ``group_commit=True`` lets concurrent
-        threads of this process share one commit, and so one fsync, each
-        returning once the commit holding its own write is durable
-        (docs/library.md).
-
-        >>> from idemctl import Ledger
-        >>> Ledger.open(":memory:", policy=Policy(pending_ttl_ms=60_000)).policy.retry_after_seconds
-        60
-        """
-        sqlite = SqliteOptions(
-            create=create,
-            synchronous=synchronous,
-            write_queue=write_queue,
-            file_mode=file_mode,
-            group_commit=group_commit,
-        )
-        engine = open_engine(target, readonly=readonly, busy_timeout_ms=busy_timeout_ms, sqlite=sqlite)
-        store = Store(engine)
-        if not is_server_url(target):
-            # A file's schema is checked at open (it costs no connection):
-            # a ledger written by a newer idemctl is refused before any use.
-            try:
-                store.check_not_newer()
-            except BaseException:
-                store.close()
-                raise
-        return cls(store, policy=policy, clock=clock)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.events.emit(event)
 
     def close(self) -> None:
         if self.leases is not None:
@@ -164,15 +134,15 @@ class LedgerBase:
                 asyncio.run_coroutine_threadsafe(store.aclose(), loop)
         self.store.close()
 
-    def _renew(self, held: list[Reservation]) -> int:
+    def renew(self, held: list[Reservation]) -> int:
         return self.store.renew([(r.principal, r.key, r.generation, r.token) for r in held], self.now())
 
-    def _hold(self, made: decision.Decision) -> decision.Decision:
+    def hold(self, made: decision.Decision) -> decision.Decision:
         if self.leases is not None and isinstance(made, decision.Claimed):
             self.leases.hold(made.reservation)
         return made
 
-    def _drop(self, reservation: Reservation | None) -> None:
+    def drop(self, reservation: Reservation | None) -> None:
         if self.leases is not None and reservation is not None:
             self.leases.drop(reservation)
 
@@ -229,7 +199,7 @@ class LedgerBase:
     def now(self) -> int:
         return int(self.clock())
 
-    def _now_steps(self) -> decision.Steps[int]:
+    def now_steps(self) -> decision.Steps[int]:
         return (yield from decision.now_steps(self.store, self.clock))
 
     # -- schema ---------------------------------------------------------------------
