@@ -116,3 +116,40 @@ def test_the_cycle_finder_finds_a_cycle():
         assert ["idemctl.__fake_a", "idemctl.__fake_b"] in _cycles()
     finally:
         del GRAPH["idemctl.__fake_a"], GRAPH["idemctl.__fake_b"]
+
+
+# Who may import whom: a module under the prefix on the left imports none of
+# the modules under the prefixes on the right.
+DOORS = ("idemctl.wsgi", "idemctl.asgi", "idemctl.fastapi", "idemctl.flask", "idemctl.django")
+KIT = ("idemctl.exchange", "idemctl.gate", "idemctl.capture", "idemctl.wire")
+LAYERS = {
+    # The request kit (gate, body rules, capture, wire, the sequence) knows no framework.
+    "idemctl.exchange": DOORS,
+    # The ledger knows nothing of HTTP doors or of the kit around it.
+    "idemctl.ledger": DOORS + KIT,
+}
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+
+
+def _layer_breaches() -> dict[str, list[str]]:
+    return {
+        name: sorted(d for d in deps if _under(d, forbidden))
+        for layer, forbidden in LAYERS.items()
+        for name, deps in GRAPH.items()
+        if _under(name, (layer,)) and any(_under(d, forbidden) for d in deps)
+    }
+
+
+def test_each_layer_imports_only_what_is_below_it():
+    assert _layer_breaches() == {}
+
+
+def test_the_layer_check_finds_a_kit_module_importing_a_door():
+    GRAPH["idemctl.exchange.__fake"] = {"idemctl.wsgi"}
+    try:
+        assert _layer_breaches() == {"idemctl.exchange.__fake": ["idemctl.wsgi"]}
+    finally:
+        del GRAPH["idemctl.exchange.__fake"]
