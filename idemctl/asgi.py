@@ -31,12 +31,14 @@ from concurrent.futures import Executor
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from . import gate as gates
-from .capture import Capture, CaptureError
-from .gate import BodyRefused, Delivery
+from .exchange import body as rules
+from .exchange import gate as gates
+from .exchange.capture import Capture, CaptureError
+from .exchange.drive import drive_async
+from .exchange.gate import Delivery
+from .exchange.sequence import Request, Run, sequence
+from .exchange.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
 from .ledger import Ledger
-from .outcomes import Answer, Ticket
-from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
 
 log = logging.getLogger("idemctl.asgi")
 
@@ -56,10 +58,6 @@ _PATH_SAFE = "/:@!$&'()*+,;="
 # trailers, which no stored answer carries: an app told they are unsupported
 # sends none (one that sends them anyway is answered without them).
 _UNCAPTURABLE_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend", "http.response.trailers")
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its request body was complete."""
 
 
 def request_target(scope: Scope) -> str:
@@ -104,25 +102,43 @@ def header_fields(scope: Scope, name: bytes) -> list[str]:
     return [bytes(v).decode("latin-1") for k, v in scope.get("headers", ()) if bytes(k).lower() == name]
 
 
-async def _read_body(receive: Receive, scope: Scope, limit: int) -> bytes:
-    """The whole request body, refused by the gate's rules when it cannot be read safely."""
-    fields = header_fields(scope, b"content-length")
-    gates.declared_length(fields[0] if fields else None, limit)
+async def read_body(receive: Receive, limit: int) -> bytes:
+    """The whole request body; 413 once more than `limit` bytes arrived,
+    ClientGone when the client leaves before its end."""
     parts: list[bytes] = []
     total = 0
     while True:
         message = await receive()
         kind = message.get("type")
         if kind == "http.disconnect":
-            raise _ClientGone()
+            raise rules.ClientGone()
         if kind != "http.request":
             continue
         chunk = bytes(message.get("body", b"") or b"")
         total += len(chunk)
-        gates.check_read(total, limit)
+        rules.check_read(total, limit)
         parts.append(chunk)
         if not message.get("more_body", False):
             return b"".join(parts)
+
+
+def parse(scope: Scope, fingerprint_headers: Iterable[str], *, exact_length: bool = False) -> Request:
+    """What the sequence needs of an ASGI request (the server delimits every
+    body; `exact_length` refuses one shorter than its Content-Length too).
+
+    >>> parse({"method": "post", "path": "/orders", "headers": [(b"idempotency-key", b"k1")]}, ()).key_fields
+    ['k1']
+    """
+    lengths = header_fields(scope, b"content-length")
+    return Request(
+        str(scope.get("method", "GET")).upper(),
+        request_target(scope),
+        header_fields(scope, b"idempotency-key"),
+        scope_headers(scope, fingerprint_headers),
+        lengths[0] if lengths else None,
+        False,
+        exact_length,
+    )
 
 
 class MessageCapture:
@@ -165,13 +181,6 @@ def capturable_scope(scope: Scope) -> Scope:
         extensions.pop(name, None)
     inner["extensions"] = extensions
     return inner
-
-
-def _log_orphan_failure(future: asyncio.Future[Any]) -> None:
-    # Nobody awaits a shielded mutation whose request was cancelled.
-    if not future.cancelled() and future.exception() is not None:
-        exc = future.exception()
-        log.error("idempotent request failed after its client left: %r", exc, exc_info=exc)
 
 
 class IdempotencyMiddleware(gates.GatedMiddleware[ASGIApp, Scope]):
@@ -249,53 +258,9 @@ class IdempotencyMiddleware(gates.GatedMiddleware[ASGIApp, Scope]):
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
-        method = str(scope.get("method", "GET")).upper()
-        if self.passes(method, scope):
-            await self.app(scope, receive, send)
-            return
         gate = self.gate
-        target = request_target(scope)
-        key = gate.key(header_fields(scope, b"idempotency-key"), method=method, target=target)
-        if isinstance(key, Answer):
-            await self._send(send, gates.replied(key))
-            return
-        if self.passes_keyless(key, scope):
-            await self.app(scope, receive, send)
-            return
-
-        resolved = self.principal(scope)
-        if inspect.isawaitable(resolved):
-            resolved = await resolved
-        who = gate.principal(resolved, key=key, method=method, target=target)
-        if isinstance(who, Answer):
-            await self._send(send, gates.replied(who))
-            return
-        try:
-            body = await _read_body(receive, scope, gate.max_body_bytes)
-        except BodyRefused as refused:
-            answer = gate.refused(refused, principal=who, key=key, method=method, target=target)
-            await self._send(send, gates.replied(answer))
-            return
-        except _ClientGone:
-            log.info("client disconnected before its request body was complete; nothing was claimed")
-            return
-
-        headers = scope_headers(scope, self.policy.fingerprint_headers)
-        decision = await gate.begin_async(who, key, method, target, headers, body, self._in_thread)
-        if isinstance(decision, Answer):
-            await self._send(send, gates.replied(decision))
-            return
-
-        # Run and complete as one task the request cannot cancel: a client
-        # that leaves mid-mutation must find its answer stored when it retries.
-        work = asyncio.ensure_future(self._run_and_finish(scope, receive, decision, who))
-        self._keep(work)
-        try:
-            delivery = await asyncio.shield(work)
-        except asyncio.CancelledError:
-            work.add_done_callback(_log_orphan_failure)
-            raise
-        await self._send(send, delivery)
+        door = _Door(self, scope, receive, send)
+        await drive_async(gate, sequence(gate, parse(scope, self.policy.fingerprint_headers), door), door)
 
     def _closing_on_shutdown(self, send: Send) -> Send:
         # The ledger's connections of this loop (PostgreSQL's asynchronous
@@ -309,30 +274,6 @@ class IdempotencyMiddleware(gates.GatedMiddleware[ASGIApp, Scope]):
             await send(message)
 
         return forward
-
-    async def _run_and_finish(self, scope: Scope, receive: Receive, ticket: Ticket, who: str) -> Delivery:
-        inner = capturable_scope(scope)
-        inner[PRINCIPAL_SCOPE_KEY] = who
-        delivered = False
-
-        async def replay_body() -> Message:
-            # The app reads the body the fingerprint covered, once; after that
-            # it waits on the real channel (where a disconnect shows up).
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": ticket.body, "more_body": False}
-            return await receive()
-
-        capture = self.gate.capture()
-        captured = MessageCapture(capture)
-        try:
-            await self.app(inner, replay_body, captured.send)
-            captured.check_complete()
-        except BaseException:
-            await self.gate.abandon_async(ticket, release=self.release(scope), in_thread=self._in_thread)
-            raise
-        return await self.gate.finish_async(ticket, capture, self._in_thread)
 
     async def wait_idle(self) -> None:
         """Wait until this event loop's background work is done: mutations
@@ -349,23 +290,93 @@ class IdempotencyMiddleware(gates.GatedMiddleware[ASGIApp, Scope]):
     def _forget(self, future: asyncio.Future[Any]) -> None:
         self._background.discard(future)
 
-    async def _send(self, send: Send, delivery: Delivery) -> None:
+
+class _Door:
+    """One request's ASGI side: the scope and channels in, the answer out."""
+
+    __slots__ = ("middleware", "receive", "scope", "send_message")
+
+    def __init__(self, middleware: IdempotencyMiddleware, scope: Scope, receive: Receive, send: Send) -> None:
+        self.middleware = middleware
+        self.scope = scope
+        self.receive = receive
+        self.send_message = send
+
+    @property
+    def in_thread(self) -> Callable[..., Awaitable[Any]]:
+        return self.middleware._in_thread
+
+    @property
+    def keep(self) -> Callable[[asyncio.Future[Any]], None]:
+        return self.middleware._keep
+
+    def exempt(self) -> bool:
+        return self.middleware.exempts(self.scope)
+
+    def key_optional(self) -> bool:
+        return self.middleware.lets_keyless(self.scope)
+
+    def release(self) -> bool:
+        return self.middleware.release(self.scope)
+
+    async def principal(self) -> object:
+        resolved = self.middleware.principal(self.scope)
+        if inspect.isawaitable(resolved):
+            resolved = await resolved
+        return resolved
+
+    async def read_body(self, limit: int, declared: int | None) -> bytes:
+        return await read_body(self.receive, limit)
+
+    async def run(self, need: Run) -> None:
+        inner = capturable_scope(self.scope)
+        inner[PRINCIPAL_SCOPE_KEY] = need.principal
+        receive = self.receive
+        delivered = False
+
+        async def replay_body() -> Message:
+            # The app reads the body the fingerprint covered, once; after that
+            # it waits on the real channel (where a disconnect shows up).
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": need.body, "more_body": False}
+            return await receive()
+
+        captured = MessageCapture(need.capture)
+        await self.middleware.app(inner, replay_body, captured.send)
+        captured.check_complete()
+
+    async def send(self, delivery: Delivery, after: Callable[[], Awaitable[None]] | None) -> None:
         answer = delivery.answer
         headers = [
             (name.lower().encode("latin-1"), value.encode("latin-1"))
-            for name, value in wire_headers(answer, replayed_header=self.gate.replayed_header)
+            for name, value in wire_headers(answer, replayed_header=self.middleware.gate.replayed_header)
         ]
+        send = self.send_message
         try:
             await send({"type": "http.response.start", "status": answer.status, "headers": headers})
             await send({"type": "http.response.body", "body": answer.body, "more_body": False})
         except OSError as exc:  # the client left: its answer is stored for the retry
             log.info("client left before its answer (status %d) was sent: %s", answer.status, exc)
-        sweep = self.gate.sweep_after_async(delivery, self._in_thread)
-        if sweep is not None:
+        if after is not None:
             # After the answer, never awaited by the request (on the loop on
             # PostgreSQL, in a worker thread on SQLite); replays, 409s and a
             # resting sweep cost nothing at all.
-            self._keep(asyncio.ensure_future(sweep()))
+            self.middleware._keep(asyncio.ensure_future(after()))
+
+    async def pass_through(self) -> None:
+        await self.middleware.app(self.scope, self.receive, self.send_message)
 
 
-__all__ = ["PRINCIPAL_SCOPE_KEY", "IdempotencyMiddleware", "header_fields", "request_target", "scope_headers"]
+__all__ = [
+    "PRINCIPAL_SCOPE_KEY",
+    "IdempotencyMiddleware",
+    "MessageCapture",
+    "capturable_scope",
+    "header_fields",
+    "parse",
+    "read_body",
+    "request_target",
+    "scope_headers",
+]

@@ -39,17 +39,19 @@ from starlette.background import BackgroundTask, BackgroundTasks
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from . import gate as gates
-from .asgi import MessageCapture, capturable_scope, header_fields, request_target, scope_headers
-from .capture import Capture
-from .gate import BodyRefused, Delivery, Gate
+from . import asgi
+from .asgi import MessageCapture, capturable_scope
+from .exchange import gate as gates
+from .exchange.capture import Capture
+from .exchange.drive import LATER, Later, drive_async
+from .exchange.gate import Delivery
+from .exchange.sequence import Run, sequence
+from .exchange.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
 from .ledger import Ledger
-from .outcomes import Answer, Ticket
-from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
 
 log = logging.getLogger("idemctl.fastapi")
 
-_TICKET = "idemctl_ticket"
+_PENDING = "idemctl_pending"
 _REQUEST_PARAM = "idemctl_request_"
 _PRINCIPAL_PARAM = "idemctl_caller"
 _ORIGINAL = "__idemctl_endpoint__"
@@ -58,9 +60,67 @@ _ORIGINAL = "__idemctl_endpoint__"
 class _Immediate(Exception):
     """The gate answered without running the endpoint (replay, 400, 401, 409, 413, 503)."""
 
-    def __init__(self, answer: Answer) -> None:
-        super().__init__(answer.status)
-        self.answer = answer
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+class _Door:
+    """One request's FastAPI side: the endpoint FastAPI resolved, and the
+    principal its dependency returned."""
+
+    __slots__ = ("background", "endpoint", "kwargs", "release_on_error", "replayed_header", "request", "sent", "who")
+
+    def __init__(
+        self,
+        endpoint: Callable[..., Any],
+        kwargs: dict[str, Any],
+        request: Request,
+        who: object,
+        release: bool,
+        replayed_header: bool,
+    ) -> None:
+        self.endpoint = endpoint
+        self.kwargs = kwargs
+        self.request = request
+        self.who = who
+        self.release_on_error = release
+        self.replayed_header = replayed_header
+        self.background: BackgroundTask | None = None
+        self.sent = False
+
+    @property
+    def in_thread(self) -> Callable[..., Awaitable[Any]]:
+        return run_in_threadpool
+
+    @property
+    def keep(self) -> None:
+        return None  # FastAPI runs the endpoint: it is not shielded from the request
+
+    def exempt(self) -> bool:
+        return False
+
+    def key_optional(self) -> bool:
+        return False
+
+    def release(self) -> bool:
+        return self.release_on_error
+
+    async def principal(self) -> object:
+        return self.who
+
+    async def read_body(self, limit: int, declared: int | None) -> bytes:
+        return await self.request.body()
+
+    async def run(self, need: Run) -> object:
+        return LATER  # the endpoint runs once the route has returned from the sequence
+
+    async def send(self, delivery: Delivery, after: Callable[[], Awaitable[None]] | None) -> Response:
+        self.sent = True
+        return _response(delivery, self.replayed_header, self.background, after)
+
+    async def pass_through(self) -> Any:
+        return await _call(self.endpoint, self.kwargs)
 
 
 def idempotent_route(
@@ -86,31 +146,17 @@ def idempotent_route(
         ledger, principal, "FastAPI dependency", log, max_body_bytes, replayed_header, unavailable_retry_after_ms
     )
 
-    async def wrap_endpoint(endpoint: Callable[..., Any], request: Request, who: object, kwargs: Any) -> Any:
-        method = request.method.upper()
-        if not ledger.policy.protects(method):
-            return await _call(endpoint, kwargs)
-        scope = request.scope
-        target = request_target(scope)
-        key = gate.key(header_fields(scope, b"idempotency-key"), method=method, target=target)
-        if isinstance(key, Answer):
-            raise _Immediate(key)
-        caller = gate.principal(who, key=key, method=method, target=target)
-        if isinstance(caller, Answer):
-            raise _Immediate(caller)
-        try:
-            body = await _read_body(request, gate.max_body_bytes)
-        except BodyRefused as refused:
-            raise _Immediate(gate.refused(refused, principal=caller, key=key, method=method, target=target)) from None
-        headers = scope_headers(scope, ledger.policy.fingerprint_headers)
-        decision = await gate.begin_async(caller, key, method, target, headers, body, run_in_threadpool)
-        if isinstance(decision, Answer):
-            raise _Immediate(decision)
-        request.state.idemctl_ticket = decision
-        return await _call(endpoint, kwargs)
+    names = ledger.policy.fingerprint_headers
 
-    async def abandon(ticket: Ticket) -> None:
-        await gate.abandon_async(ticket, release=release_on_error, in_thread=run_in_threadpool)
+    async def wrap_endpoint(endpoint: Callable[..., Any], request: Request, who: object, kwargs: Any) -> Any:
+        door = _Door(endpoint, kwargs, request, who, release_on_error, gate.replayed_header)
+        out = await drive_async(gate, sequence(gate, asgi.parse(request.scope, names, exact_length=True), door), door)
+        if isinstance(out, Later):
+            setattr(request.state, _PENDING, (out, door))
+            return await _call(endpoint, kwargs)
+        if door.sent:
+            raise _Immediate(out)
+        return out
 
     class IdempotentRoute(APIRoute):
         def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
@@ -126,10 +172,10 @@ def idempotent_route(
                 try:
                     response = await original(request)
                 except _Immediate as immediate:
-                    return _response(gates.replied(immediate.answer), gate, None)
+                    return immediate.response
                 except HTTPException as exc:
-                    ticket = getattr(request.state, _TICKET, None)
-                    if not isinstance(ticket, Ticket):
+                    pending = getattr(request.state, _PENDING, None)
+                    if pending is None:
                         raise  # before the claim (a dependency's): nothing was claimed
                     # After the claim it is the endpoint's answer, like any other;
                     # its function-scoped dependencies see the exception first,
@@ -137,45 +183,36 @@ def idempotent_route(
                     try:
                         await _end_function_scope(request.scope, exc)
                         response = await _rendered(request, exc)
-                    except BaseException:
-                        await abandon(ticket)
+                    except BaseException as failure:
+                        await drive_async(gate, pending[0].steps, pending[1], failure)
                         raise
-                except BaseException:
-                    ticket = getattr(request.state, _TICKET, None)
-                    if isinstance(ticket, Ticket):
-                        await abandon(ticket)
+                except BaseException as exc:
+                    pending = getattr(request.state, _PENDING, None)
+                    if pending is not None:
+                        await drive_async(gate, pending[0].steps, pending[1], exc)
                     raise
-                ticket = getattr(request.state, _TICKET, None)
-                if not isinstance(ticket, Ticket):
+                pending = getattr(request.state, _PENDING, None)
+                if pending is None:
                     return response  # not protected: FastAPI's own response
+                later, door = pending
                 # The endpoint's background work runs once, after the first
                 # answer is sent; a replay never carries it.
-                background, response.background = response.background, None
-                capture = gate.capture()
+                door.background, response.background = response.background, None
+                failed: BaseException | None = None
                 try:
                     # The commit of a function-scoped dependency is part of the
                     # endpoint: stored only once it succeeded (a failing one is
                     # the endpoint raising, and nothing is stored).
                     await _end_function_scope(request.scope, None)
-                    await _capture(response, request.scope, capture)
-                except BaseException:
-                    await abandon(ticket)
-                    raise
-                delivery = await gate.finish_async(ticket, capture, run_in_threadpool)
-                return _response(delivery, gate, background)
+                    await _capture(response, request.scope, later.run.capture)
+                except BaseException as exc:
+                    failed = exc
+                sent: Response = await drive_async(gate, later.steps, door, failed)
+                return sent
 
             return handler
 
     return IdempotentRoute
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused (400, 413) by the gate's rules."""
-    declared = gates.declared_length(request.headers.get("content-length"), limit)
-    body = await request.body()
-    gates.check_read(len(body), limit)
-    gates.check_complete(len(body), declared)
-    return body
 
 
 async def _call(endpoint: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
@@ -265,14 +302,18 @@ def _with_principal(
     return wrapper
 
 
-def _response(delivery: Delivery, gate: Gate, background: BackgroundTask | None) -> Response:
+def _response(
+    delivery: Delivery,
+    replayed_header: bool,
+    background: BackgroundTask | None,
+    sweep: Callable[[], Awaitable[None]] | None,
+) -> Response:
     answer = delivery.answer
     response = Response(content=answer.body, status_code=answer.status)
     response.raw_headers = [
         (name.lower().encode("latin-1"), value.encode("latin-1"))
-        for name, value in wire_headers(answer, replayed_header=gate.replayed_header)
+        for name, value in wire_headers(answer, replayed_header=replayed_header)
     ]
-    sweep = gate.sweep_after_async(delivery, run_in_threadpool)
     if background is not None or sweep is not None:
         # Starlette runs them after the answer has gone out, in this order.
         tasks = BackgroundTasks()

@@ -36,34 +36,30 @@ from flask import Response, current_app, request
 from werkzeug.datastructures import Headers
 from werkzeug.exceptions import ClientDisconnected
 
-from . import gate as gates
-from .capture import Capture
-from .gate import BodyRefused, Delivery
+from . import wsgi
+from .exchange import body as rules
+from .exchange import gate as gates
+from .exchange.capture import Capture
+from .exchange.drive import drive
+from .exchange.gate import Delivery, Gate
+from .exchange.sequence import Run, sequence
+from .exchange.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
 from .ledger import Ledger
-from .outcomes import Answer, Ticket
-from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
-from .wsgi import PRINCIPAL_ENVIRON_KEY, environ_headers, request_target, status_line
+from .wsgi import PRINCIPAL_ENVIRON_KEY, status_line
 
 log = logging.getLogger("idemctl.flask")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _read_body(limit: int) -> bytes:
-    """The request body, refused (400, 411, 413) by the gate's rules."""
-    environ = request.environ
-    declared = gates.declared_length(environ.get("CONTENT_LENGTH"), limit)
-    if declared is None and environ.get("HTTP_TRANSFER_ENCODING") and not environ.get("wsgi.input_terminated"):
-        raise gates.length_required()
+def _read_body() -> bytes:
+    """The request body (the sequence applies the body rules to it)."""
     try:
         # Cached: the view reads the same bytes (get_data, get_json, form).
-        body = request.get_data(cache=True)
+        return request.get_data(cache=True)
     except ClientDisconnected as exc:
         log.info("client disconnected mid-body: %s", exc)
-        raise gates.incomplete() from None
-    gates.check_read(len(body), limit)
-    gates.check_complete(len(body), declared)
-    return body
+        raise rules.incomplete() from None
 
 
 class _AnswerResponse(Response):
@@ -101,58 +97,77 @@ def idempotent(
     WSGI middleware. Put it under ``@app.route``."""
     gate = gates.adapter_gate(ledger, principal, "()", log, max_body_bytes, replayed_header, unavailable_retry_after_ms)
 
-    def send(delivery: Delivery) -> Response:
-        answer = delivery.answer
-        response = _AnswerResponse(answer.body)
-        response.status = status_line(answer.status)
-        response.headers = Headers(wire_headers(answer, replayed_header=gate.replayed_header))
-        sweep = gate.sweep_after(delivery)
-        if sweep is not None:
-            # Werkzeug calls it when the server closes the response: after the answer.
-            response.call_on_close(sweep)
-        return response
-
-    def run(view: Callable[..., Any], ticket: Ticket, args: Any, kwargs: Any) -> Delivery:
-        capture = gate.capture()
-        try:
-            try:
-                result = view(*args, **kwargs)
-            except Exception as exc:
-                # What Flask makes of it (abort(404), a registered error
-                # handler) is the answer; an unhandled one propagates.
-                result = current_app.handle_user_exception(exc)
-            _capture(current_app.make_response(result), capture)
-        except BaseException:
-            gate.abandon(ticket, release=release_on_error)
-            raise
-        return gate.finish(ticket, capture)
+    names = ledger.policy.fingerprint_headers
 
     def decorate(view: F) -> F:
         @functools.wraps(view)
         def protected(*args: Any, **kwargs: Any) -> Any:
-            method = request.method.upper()
-            if not ledger.policy.protects(method):
-                return view(*args, **kwargs)
-            target = request_target(request.environ)
-            # Werkzeug joins repeated header fields before the view sees them.
-            key = request.environ.get("HTTP_IDEMPOTENCY_KEY")
-            who = gate.principal(principal(), key=key, method=method, target=target)
-            if isinstance(who, Answer):
-                return send(gates.replied(who))
-            try:
-                body = _read_body(gate.max_body_bytes)
-            except BodyRefused as refused:
-                return send(gates.replied(gate.refused(refused, principal=who, key=key, method=method, target=target)))
-            headers = environ_headers(request.environ, ledger.policy.fingerprint_headers)
-            decision = gate.begin(who, key, method, target, headers, body)
-            if isinstance(decision, Answer):
-                return send(gates.replied(decision))
-            request.environ[PRINCIPAL_ENVIRON_KEY] = who
-            return send(run(view, decision, args, kwargs))
+            door = _Door(gate, view, args, kwargs, principal, release_on_error)
+            return drive(gate, sequence(gate, wsgi.parse(request.environ, names), door), door)
 
         return cast(F, protected)
 
     return decorate
+
+
+class _Door:
+    """One call of a protected view: Flask's request context in, a Flask response out."""
+
+    __slots__ = ("args", "gate", "kwargs", "principal_source", "release_on_error", "view")
+
+    def __init__(
+        self,
+        gate: Gate,
+        view: Callable[..., Any],
+        args: Any,
+        kwargs: Any,
+        principal: Callable[[], str | None],
+        release: bool,
+    ) -> None:
+        self.gate = gate
+        self.view = view
+        self.args = args
+        self.kwargs = kwargs
+        self.principal_source = principal
+        self.release_on_error = release
+
+    def exempt(self) -> bool:
+        return False
+
+    def key_optional(self) -> bool:
+        return False
+
+    def release(self) -> bool:
+        return self.release_on_error
+
+    def principal(self) -> object:
+        return self.principal_source()
+
+    def read_body(self, limit: int, declared: int | None) -> bytes:
+        return _read_body()
+
+    def run(self, need: Run) -> None:
+        request.environ[PRINCIPAL_ENVIRON_KEY] = need.principal
+        try:
+            result = self.view(*self.args, **self.kwargs)
+        except Exception as exc:
+            # What Flask makes of it (abort(404), a registered error
+            # handler) is the answer; an unhandled one propagates.
+            result = current_app.handle_user_exception(exc)
+        _capture(current_app.make_response(result), need.capture)
+
+    def send(self, delivery: Delivery, after: Callable[[], None] | None) -> Response:
+        answer = delivery.answer
+        response = _AnswerResponse(answer.body)
+        response.status = status_line(answer.status)
+        response.headers = Headers(wire_headers(answer, replayed_header=self.gate.replayed_header))
+        if after is not None:
+            # Werkzeug calls it when the server closes the response: after the answer.
+            response.call_on_close(after)
+        return response
+
+    def pass_through(self) -> Any:
+        return self.view(*self.args, **self.kwargs)
 
 
 __all__ = ["idempotent"]

@@ -1,34 +1,25 @@
-"""How an Answer goes on the wire: the same bytes from every adapter.
+"""An Answer on the wire, kept importable here: it lives in
+:mod:`idemctl.exchange.wire`.
 
-The WSGI and ASGI middleware (and any other adapter) send an answer through
-`wire_headers`, so a first answer, its replays and the same request through
-another adapter carry the same status, headers and body."""
+>>> from idemctl.wire import wire_headers
+>>> wire_headers.__module__
+'idemctl.exchange.wire'
+"""
 
 from __future__ import annotations
 
-from .outcomes import Answer, Outcome
+from .exchange.wire import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
+    NO_LENGTH_STATUSES,
+    REPLAYED_HEADER,
+    wire_headers,
+)
 
-DEFAULT_MAX_BODY_BYTES = 1024 * 1024
-DEFAULT_UNAVAILABLE_RETRY_AFTER_MS = 1000
-REPLAYED_HEADER = "idempotent-replayed"  # lower-case, like every header idemctl emits
-# Never a body: no Content-Length (RFC 9110 §8.6 forbids it on 204) and no Content-Type.
-NO_LENGTH_STATUSES = frozenset({204, 304})
-
-
-def wire_headers(answer: Answer, *, replayed_header: bool = False) -> list[tuple[str, str]]:
-    """The headers to send with `answer`: its own, then Idempotent-Replayed
-    (opt-in, replays only) and Content-Length.
-
-    >>> wire_headers(Answer(201, (("content-type", "text/plain"),), b"ok", Outcome.REPLAYED), replayed_header=True)
-    [('content-type', 'text/plain'), ('idempotent-replayed', 'true'), ('content-length', '2')]
-    """
-    out = [(str(k), str(v)) for k, v in answer.headers]
-    if answer.status in NO_LENGTH_STATUSES:
-        # No content, so nothing for a Content-Type to describe (frameworks
-        # add one by default; wsgiref.validate rejects it).
-        out = [(k, v) for k, v in out if k.lower() != "content-type"]
-    if answer.outcome is Outcome.REPLAYED and replayed_header:
-        out.append((REPLAYED_HEADER, "true"))
-    if answer.status >= 200 and answer.status not in NO_LENGTH_STATUSES:
-        out.append(("content-length", str(len(answer.body))))
-    return out
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_UNAVAILABLE_RETRY_AFTER_MS",
+    "NO_LENGTH_STATUSES",
+    "REPLAYED_HEADER",
+    "wire_headers",
+]

@@ -25,12 +25,14 @@ from types import TracebackType
 from urllib.parse import quote
 from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
-from . import gate as gates
-from .capture import Capture
-from .gate import BodyRefused, Delivery
+from .exchange import body as rules
+from .exchange import gate as gates
+from .exchange.capture import Capture
+from .exchange.drive import drive
+from .exchange.gate import Delivery
+from .exchange.sequence import Request, Run, sequence
+from .exchange.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, REPLAYED_HEADER, wire_headers
 from .ledger import Ledger
-from .outcomes import Answer, Ticket
-from .wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, REPLAYED_HEADER, wire_headers
 
 log = logging.getLogger("idemctl.wsgi")
 
@@ -99,24 +101,37 @@ def environ_headers(environ: WSGIEnvironment, names: Iterable[str]) -> list[tupl
     return out
 
 
-def _read_body(environ: WSGIEnvironment, limit: int) -> bytes:
-    """Read the request body once, completely, refusing what cannot be read safely.
-
-    Exactly `CONTENT_LENGTH` bytes; to the end of the stream when there is no
-    Content-Length and the server marks the input terminated (chunked
-    uploads); empty when the request announces no body. Raises
-    `BodyRefused` (400, 411 or 413) otherwise, by the gate's rules.
-    """
+def read_body(environ: WSGIEnvironment, limit: int, declared: int | None) -> bytes:
+    """Read the request body once, completely: exactly `declared` bytes (its
+    Content-Length); to the end of the stream when there is none and the
+    server marks the input terminated (chunked uploads); otherwise empty.
+    Raises `BodyRefused` (400 cut short, 413 over `limit`)."""
     stream = environ["wsgi.input"]
-    length = gates.declared_length(environ.get("CONTENT_LENGTH"), limit)
-    if length is not None:
-        return _read_exactly(stream, length)
+    if declared is not None:
+        return _read_exactly(stream, declared)
     if environ.get("wsgi.input_terminated"):
         return _read_to_end(stream, limit)
-    if environ.get("HTTP_TRANSFER_ENCODING"):
-        # A body is coming but the server cannot tell us where it ends.
-        raise gates.length_required()
     return b""
+
+
+def parse(environ: WSGIEnvironment, fingerprint_headers: Iterable[str]) -> Request:
+    """What the sequence needs of a WSGI request.
+
+    >>> parse({"REQUEST_METHOD": "post", "PATH_INFO": "/orders", "HTTP_IDEMPOTENCY_KEY": "k1"}, ()).key_fields
+    ('k1',)
+    """
+    # A WSGI server joins repeated header fields into one value (k1,k2)
+    # before the app sees them: only one field can be seen here.
+    key = environ.get("HTTP_IDEMPOTENCY_KEY")
+    return Request(
+        str(environ.get("REQUEST_METHOD", "GET")).upper(),
+        request_target(environ),
+        () if key is None else (key,),
+        environ_headers(environ, fingerprint_headers),
+        environ.get("CONTENT_LENGTH"),
+        # A body is coming that the server cannot delimit for us.
+        bool(environ.get("HTTP_TRANSFER_ENCODING")) and not environ.get("wsgi.input_terminated"),
+    )
 
 
 def _read_exactly(stream: io.RawIOBase, length: int) -> bytes:
@@ -127,9 +142,9 @@ def _read_exactly(stream: io.RawIOBase, length: int) -> bytes:
             chunk = stream.read(min(remaining, _READ_CHUNK))
         except OSError as exc:  # gunicorn's NoMoreData and socket errors: the client left
             log.info("client disconnected mid-body after %d of %d bytes: %s", length - remaining, length, exc)
-            raise gates.incomplete() from exc
+            raise rules.incomplete() from exc
         if not chunk:
-            raise gates.incomplete()
+            raise rules.incomplete()
         parts.append(chunk)
         remaining -= len(chunk)
     return b"".join(parts)
@@ -142,11 +157,11 @@ def _read_to_end(stream: io.RawIOBase, limit: int) -> bytes:
         try:
             chunk = stream.read(_READ_CHUNK)
         except OSError as exc:
-            raise gates.incomplete() from exc
+            raise rules.incomplete() from exc
         if not chunk:
             return b"".join(parts)
         total += len(chunk)
-        gates.check_read(total, limit)
+        rules.check_read(total, limit)
         parts.append(chunk)
 
 
@@ -300,48 +315,50 @@ class IdempotencyMiddleware(gates.GatedMiddleware[WSGIApplication, WSGIEnvironme
         super().__init__(app, ledger, gate, principal, exempt, key_optional, release_on_error)
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
-        method = str(environ.get("REQUEST_METHOD", "GET")).upper()
-        if self.passes(method, environ):
-            return self.app(environ, start_response)
-        # A WSGI server joins repeated header fields into one value (k1,k2)
-        # before the app sees them: only one field can be seen here.
-        key = environ.get("HTTP_IDEMPOTENCY_KEY")
-        if self.passes_keyless(key, environ):
-            return self.app(environ, start_response)
+        request = parse(environ, self.policy.fingerprint_headers)
+        door = _Door(self, environ, start_response)
+        result: Iterable[bytes] = drive(self.gate, sequence(self.gate, request, door), door)
+        return result
 
-        gate = self.gate
-        target = request_target(environ)
-        who = gate.principal(self.principal(environ), key=key, method=method, target=target)
-        if isinstance(who, Answer):
-            return self._send(start_response, gates.replied(who))
-        try:
-            body = _read_body(environ, gate.max_body_bytes)
-        except BodyRefused as refused:
-            answer = gate.refused(refused, principal=who, key=key, method=method, target=target)
-            return self._send(start_response, gates.replied(answer))
 
-        headers = environ_headers(environ, self.policy.fingerprint_headers)
-        decision = gate.begin(who, key, method, target, headers, body)
-        if isinstance(decision, Answer):
-            return self._send(start_response, gates.replied(decision))
-        return self._send(start_response, self._run(environ, who, decision))
+class _Door:
+    """One request's WSGI side: the environ in, the answer out."""
 
-    def _run(self, environ: WSGIEnvironment, who: str, ticket: Ticket) -> Delivery:
-        inner = dict(environ)  # the app's own copy, changed by _run_app too
-        inner[PRINCIPAL_ENVIRON_KEY] = who
-        capture = self.gate.capture()
-        try:
-            _run_app(self.app, inner, ticket.body, capture)
-        except BaseException:
-            self.gate.abandon(ticket, release=self.release(environ))
-            raise
-        return self.gate.finish(ticket, capture)
+    __slots__ = ("environ", "middleware", "start_response")
 
-    # -- answers --------------------------------------------------------------------
-    def _send(self, start_response: StartResponse, delivery: Delivery) -> _Body:
+    def __init__(self, middleware: IdempotencyMiddleware, environ: WSGIEnvironment, start_response: StartResponse):
+        self.middleware = middleware
+        self.environ = environ
+        self.start_response = start_response
+
+    def exempt(self) -> bool:
+        return self.middleware.exempts(self.environ)
+
+    def key_optional(self) -> bool:
+        return self.middleware.lets_keyless(self.environ)
+
+    def release(self) -> bool:
+        return self.middleware.release(self.environ)
+
+    def principal(self) -> object:
+        return self.middleware.principal(self.environ)
+
+    def read_body(self, limit: int, declared: int | None) -> bytes:
+        return read_body(self.environ, limit, declared)
+
+    def run(self, need: Run) -> None:
+        inner = dict(self.environ)  # the app's own copy, changed by _run_app too
+        inner[PRINCIPAL_ENVIRON_KEY] = need.principal
+        _run_app(self.middleware.app, inner, need.body, need.capture)
+
+    def send(self, delivery: Delivery, after: Callable[[], None] | None) -> _Body:
         answer = delivery.answer
-        start_response(status_line(answer.status), wire_headers(answer, replayed_header=self.gate.replayed_header))
-        return _Body(answer.body, self.gate.sweep_after(delivery))
+        headers = wire_headers(answer, replayed_header=self.middleware.gate.replayed_header)
+        self.start_response(status_line(answer.status), headers)
+        return _Body(answer.body, after)
+
+    def pass_through(self) -> Iterable[bytes]:
+        return self.middleware.app(self.environ, self.start_response)
 
 
 __all__ = [
@@ -350,6 +367,8 @@ __all__ = [
     "REPLAYED_HEADER",
     "IdempotencyMiddleware",
     "environ_headers",
+    "parse",
+    "read_body",
     "request_target",
     "status_line",
 ]

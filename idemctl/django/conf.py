@@ -31,13 +31,13 @@ from django import conf as django_conf
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
-from .. import gate as gates
 from ..config import Settings
-from ..gate import Gate
+from ..exchange import gate as gates
+from ..exchange.gate import Gate
+from ..exchange.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS
 from ..ledger import Ledger
 from ..outcomes import InitResult
 from ..policy import Policy
-from ..wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS
 
 log = logging.getLogger("idemctl.django")
 

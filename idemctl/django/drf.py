@@ -7,12 +7,10 @@ from typing import Any
 
 from django.http import HttpResponse
 
-from .. import gate as gates
-from ..outcomes import Answer
-from ..wsgi import PRINCIPAL_ENVIRON_KEY
+from ..exchange.drive import Later
 from .conf import current_config
-from .exchange import AnswerResponse, State, begin, buffer_multipart, complete, respond
-from .marks import EXEMPT, KEY_OPTIONAL, mode_of
+from .exchange import AnswerResponse, State, buffer_multipart, start
+from .marks import EXEMPT, mode_of
 
 
 class _Answered(Exception):
@@ -53,10 +51,10 @@ class IdempotencyMixin:
         self._idemctl_request = request
         try:
             return parent.dispatch(request, *args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
             state, self._idemctl_state = self._idemctl_state, None
             if state is not None:
-                state.abandon(request)
+                state.fail(exc)
             raise
 
     def _idemctl_django_request(self, request: Any) -> Any:
@@ -78,18 +76,13 @@ class IdempotencyMixin:
         mode = mode_of([getattr(type(self), handler, None), type(self)])
         if mode is None and config.path_is_exempt(django_request):
             mode = EXEMPT
-        if mode == EXEMPT:
-            return
-        if mode == KEY_OPTIONAL and django_request.META.get("HTTP_IDEMPOTENCY_KEY") is None:
-            return
-        who = config.principal(request)
-        decision = begin(config, django_request, who)
-        if isinstance(decision, Answer):
-            raise _Answered(respond(gates.replied(decision), config.replayed_header, config.gate))
-        state = State(config, False)
-        state.ticket = decision
-        self._idemctl_state = state
-        django_request.META[PRINCIPAL_ENVIRON_KEY] = who
+        door, out = start(config, django_request, request, mode)
+        if isinstance(out, AnswerResponse):
+            raise _Answered(out)
+        if isinstance(out, Later):
+            state = State(config, False)
+            state.pending = (out, door)
+            self._idemctl_state = state
 
     def handle_exception(self, exc: Exception) -> Any:
         if isinstance(exc, _Answered):
@@ -102,15 +95,12 @@ class IdempotencyMixin:
             return response  # the ledger's answer, sent as the middleware sends it
         parent: Any = super()
         response = parent.finalize_response(request, response, *args, **kwargs)
-        state = self._idemctl_state
-        if state is None or state.ticket is None:
+        state, self._idemctl_state = self._idemctl_state, None
+        if state is None or state.pending is None:
             return response
         if callable(getattr(response, "render", None)) and not getattr(response, "is_rendered", True):
             response = response.render()
-        ticket, self._idemctl_state = state.ticket, None
-        config = state.config
-        delivery = complete(config, ticket, response, self._idemctl_django_request(request))
-        return respond(delivery, config.replayed_header, config.gate)
+        return state.complete(response)
 
 
 __all__ = ["IdempotencyMixin"]

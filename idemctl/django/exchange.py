@@ -1,6 +1,9 @@
-"""One protected request's exchange with the ledger, for the middleware and
-the DRF mixin alike: its body and target, the decision, the view's response
-captured, and the answer sent as a Django response.
+"""One protected request's Django side, for the middleware and the DRF
+mixin alike: the request parsed for the sequence, its body, the view's
+response captured, and the answer sent as a Django response. Django runs
+the view after the middleware (or DRF's ``initial``) returned, so the
+sequence waits for it (:class:`~idemctl.exchange.drive.Later`) and is
+resumed with the view's response.
 
 Answers are the WSGI middleware's, byte for byte: the view's response
 (streamed or not) is collected whole, stored, and the answer built from
@@ -18,13 +21,17 @@ from django.core.exceptions import ImproperlyConfigured, RequestDataTooBig
 from django.http import HttpResponse, RawPostDataException, UnreadablePostError
 
 from .. import asgi, responses, wsgi
-from .. import gate as gates
-from ..capture import Capture
-from ..gate import BodyRefused, Delivery, Gate
+from ..exchange import body as rules
+from ..exchange.body import BodyRefused
+from ..exchange.capture import Capture
+from ..exchange.drive import LATER, Later, drive
+from ..exchange.gate import Delivery, Gate
+from ..exchange.sequence import Request, Run, sequence
+from ..exchange.wire import wire_headers
 from ..ledger import Ledger
-from ..outcomes import Answer, Ticket
-from ..wire import wire_headers
+from ..outcomes import Answer
 from .conf import Config, log
+from .marks import EXEMPT, KEY_OPTIONAL
 
 
 def _is_asgi(request: Any) -> bool:
@@ -43,21 +50,32 @@ def request_target(request: Any) -> str:
     return asgi.request_target(scope)
 
 
-def read_body(request: Any, limit: int) -> bytes:
-    """The request body, refused (400, 411, 413) by the gate's rules."""
+def parse(request: Any, fingerprint_headers: Any) -> Request:
+    """What the sequence needs of a Django request."""
     meta = request.META
-    declared = gates.declared_length(meta.get("CONTENT_LENGTH"), limit)
-    if declared is None and meta.get("HTTP_TRANSFER_ENCODING") and not _is_asgi(request):
+    # Django's handlers join repeated header fields before the view sees them.
+    key = meta.get("HTTP_IDEMPOTENCY_KEY")
+    return Request(
+        str(request.method).upper(),
+        request_target(request),
+        () if key is None else (key,),
+        wsgi.environ_headers(meta, fingerprint_headers),
+        meta.get("CONTENT_LENGTH"),
         # Django reads a WSGI body by its Content-Length alone: a chunked one
         # would reach the view (and the fingerprint) empty.
-        raise gates.length_required()
+        bool(meta.get("HTTP_TRANSFER_ENCODING")) and not _is_asgi(request),
+    )
+
+
+def _body(request: Any) -> bytes:
+    """`request.body`, or the refusal when it cannot be read."""
     try:
         body = request.body
     except RequestDataTooBig:
         raise BodyRefused(responses.body_too_large(int(django_conf.settings.DATA_UPLOAD_MAX_MEMORY_SIZE))) from None
     except UnreadablePostError as exc:
         log.info("client disconnected mid-body: %s", exc)
-        raise gates.incomplete() from None
+        raise rules.incomplete() from None
     except RawPostDataException:
         raise ImproperlyConfigured(
             "the request body was parsed as a stream (request.POST of a multipart body) before idemctl could "
@@ -65,8 +83,18 @@ def read_body(request: Any, limit: int) -> bytes:
         ) from None
     if not isinstance(body, bytes):
         raise TypeError(f"request.body must be bytes, got {type(body).__name__}")
-    gates.check_read(len(body), limit)
-    gates.check_complete(len(body), declared)
+    return body
+
+
+def read_body(request: Any, limit: int) -> bytes:
+    """The request body, refused (400, 411, 413) by the body rules."""
+    meta = request.META
+    declared = rules.declared_length(meta.get("CONTENT_LENGTH"), limit)
+    if declared is None and meta.get("HTTP_TRANSFER_ENCODING") and not _is_asgi(request):
+        raise rules.length_required()
+    body = _body(request)
+    rules.check_read(len(body), limit)
+    rules.check_complete(len(body), declared)
     return body
 
 
@@ -79,24 +107,6 @@ def buffer_multipart(request: Any, limit: int) -> None:
         return
     with contextlib.suppress(BodyRefused):  # answered when the request is decided, if its view is protected
         read_body(request, limit)
-
-
-def begin(config: Config, request: Any, who: object) -> Answer | Ticket:
-    """The gate's decision for a protected request (Django's HttpRequest)."""
-    gate = config.gate
-    method = str(request.method).upper()
-    target = request_target(request)
-    # Django's handlers join repeated header fields before the view sees them.
-    key = request.META.get("HTTP_IDEMPOTENCY_KEY")
-    principal = gate.principal(who, key=key, method=method, target=target)
-    if isinstance(principal, Answer):
-        return principal
-    try:
-        body = read_body(request, config.max_body_bytes)
-    except BodyRefused as refused:
-        return gate.refused(refused, principal=principal, key=key, method=method, target=target)
-    headers = wsgi.environ_headers(request.META, config.policy.fingerprint_headers)
-    return gate.begin(principal, key, method, target, headers, body)
 
 
 def capture_response(response: Any, capture: Capture) -> None:
@@ -125,18 +135,6 @@ def capture_response(response: Any, capture: Capture) -> None:
                 streamed.close()
             except Exception:
                 log.exception("closing the file the view's response streamed failed")
-
-
-def complete(config: Config, ticket: Ticket, response: Any, request: Any) -> Delivery:
-    """Store the view's answer: what to send, and whether to sweep after it."""
-    captured = config.gate.capture()
-    try:
-        capture_response(response, captured)
-    except BaseException:
-        # A stream that fails after the view returned: the view's failure.
-        config.gate.abandon(ticket, release=config.release(request))
-        raise
-    return config.gate.finish(ticket, captured)
 
 
 class AnswerResponse(HttpResponse):  # type: ignore[misc]  # Django ships no type information
@@ -185,34 +183,108 @@ def respond(delivery: Delivery, replayed_header: bool, gate: Gate | None) -> Ans
     return AnswerResponse(delivery.answer, replayed_header=replayed_header, after=after)
 
 
-class State:
-    """One request's passage through the middleware or the mixin."""
+class Door:
+    """One protected request's Django side. `request` is Django's
+    HttpRequest (its META, body and path); `caller` is what the principal
+    source is given (DRF's Request for the mixin); `mode` the view's mark."""
 
-    __slots__ = ("answer", "config", "decided", "path_exempt", "raised", "ticket")
+    __slots__ = ("caller", "config", "delivery", "mode", "request")
+
+    def __init__(self, config: Config, request: Any, caller: Any, mode: str | None) -> None:
+        self.config = config
+        self.request = request
+        self.caller = caller
+        self.mode = mode
+        self.delivery: Delivery | None = None
+
+    def exempt(self) -> bool:
+        return self.mode == EXEMPT
+
+    def key_optional(self) -> bool:
+        return self.mode == KEY_OPTIONAL
+
+    def release(self) -> bool:
+        return self.config.release(self.request)
+
+    def principal(self) -> object:
+        return self.config.principal(self.caller)
+
+    def read_body(self, limit: int, declared: int | None) -> bytes:
+        return _body(self.request)
+
+    def run(self, need: Run) -> object:
+        self.request.META[wsgi.PRINCIPAL_ENVIRON_KEY] = need.principal  # as the WSGI middleware puts it
+        return LATER  # Django runs the view once the door has returned
+
+    def send(self, delivery: Delivery, after: Callable[[], None] | None) -> AnswerResponse:
+        self.delivery = delivery
+        return AnswerResponse(delivery.answer, replayed_header=self.config.replayed_header, after=after)
+
+    def pass_through(self) -> None:
+        return None
+
+
+def start(config: Config, request: Any, caller: Any, mode: str | None) -> tuple[Door, AnswerResponse | Later | None]:
+    """The sequence up to the view: what the door sent (an answer without
+    running the view), the sequence waiting for the view, or None (pass through)."""
+    door = Door(config, request, caller, mode)
+    gate = config.gate
+    out: AnswerResponse | Later | None = drive(
+        gate, sequence(gate, parse(request, config.policy.fingerprint_headers), door), door
+    )
+    return door, out
+
+
+class State:
+    """One request's passage through the middleware or the mixin: the answer
+    to send instead of the view's, or the sequence waiting for the view."""
+
+    __slots__ = ("config", "decided", "path_exempt", "pending", "raised", "reply")
 
     def __init__(self, config: Config, path_exempt: bool) -> None:
         self.config = config
         self.path_exempt = path_exempt
         self.decided = False
-        self.answer: Answer | None = None
-        self.ticket: Ticket | None = None
+        self.reply: AnswerResponse | None = None
+        self.pending: tuple[Later, Door] | None = None
         self.raised = False
 
-    def abandon(self, request: Any) -> None:
-        ticket, self.ticket = self.ticket, None
-        if ticket is not None:
-            self.config.gate.abandon(ticket, release=self.config.release(request))
+    def fail(self, exc: BaseException) -> None:
+        """The view failed: the sequence abandons (or releases) its reservation."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            drive(self.config.gate, pending[0].steps, pending[1], exc)
+        except BaseException as again:
+            if again is not exc:
+                raise
+
+    def complete(self, response: Any) -> AnswerResponse:
+        """The view's response stored: the answer to send, with the sweep after it."""
+        pending, self.pending = self.pending, None
+        assert pending is not None
+        later, door = pending
+        failed: BaseException | None = None
+        try:
+            capture_response(response, later.run.capture)
+        except BaseException as exc:
+            # A stream that fails after the view returned: the view's failure.
+            failed = exc
+        sent: AnswerResponse = drive(self.config.gate, later.steps, door, failed)
+        return sent
 
 
 __all__ = [
     "AnswerResponse",
+    "Door",
     "State",
     "answer_response",
-    "begin",
     "buffer_multipart",
     "capture_response",
-    "complete",
+    "parse",
     "read_body",
     "request_target",
     "respond",
+    "start",
 ]

@@ -10,13 +10,12 @@ from typing import Any
 from django.core.signals import got_request_exception
 from django.http import HttpResponse
 
-from .. import gate as gates
-from ..outcomes import Answer, Outcome
-from ..wsgi import PRINCIPAL_ENVIRON_KEY
+from ..exchange.drive import Later
+from ..outcomes import Outcome
 from .conf import current_config, log
 from .drf import IdempotencyMixin
-from .exchange import State, begin, buffer_multipart, complete, respond
-from .marks import EXEMPT, KEY_OPTIONAL, view_mode
+from .exchange import AnswerResponse, State, buffer_multipart, start
+from .marks import EXEMPT, view_mode
 
 _STATE_ATTR = "_idemctl_state"
 
@@ -25,7 +24,7 @@ def _note_exception(sender: object, request: Any = None, **kwargs: Any) -> None:
     # Django turns an exception of the view into a 500 before the middleware
     # sees the response; this signal is how we learn that the view raised.
     state = getattr(request, _STATE_ATTR, None)
-    if isinstance(state, State) and state.ticket is not None:
+    if isinstance(state, State) and state.pending is not None:
         state.raised = True
 
 
@@ -59,6 +58,10 @@ def _uses_mixin(view_func: Any) -> bool:
     return isinstance(cls, type) and issubclass(cls, IdempotencyMixin)
 
 
+class _ViewRaised(Exception):
+    """The view raised and Django made its 500 of it: the view failed."""
+
+
 class IdempotencyMiddleware:
     """Every view under the Idempotency-Key contract. Put it after
     ``django.contrib.auth.middleware.AuthenticationMiddleware`` in
@@ -90,18 +93,17 @@ class IdempotencyMiddleware:
             buffer_multipart(request, config.max_body_bytes)
         try:
             response = self.get_response(request)
-        except BaseException:  # DEBUG_PROPAGATE_EXCEPTIONS lets the view's exception through
-            state.abandon(request)
+        except BaseException as exc:  # DEBUG_PROPAGATE_EXCEPTIONS lets the view's exception through
+            state.fail(exc)
             raise
-        if state.answer is not None:
-            return respond(gates.replied(state.answer), config.replayed_header, config.gate)
-        if state.ticket is None:
+        if state.reply is not None:
+            return state.reply
+        if state.pending is None:
             return response
         if state.raised:
-            state.abandon(request)
+            state.fail(_ViewRaised())
             return response
-        ticket, state.ticket = state.ticket, None
-        return respond(complete(config, ticket, response, request), config.replayed_header, config.gate)
+        return state.complete(response)
 
     def process_view(self, request: Any, view_func: Any, view_args: Any, view_kwargs: Any) -> Any:
         state = getattr(request, _STATE_ATTR, None)
@@ -113,22 +115,17 @@ class IdempotencyMiddleware:
         mode = view_mode(view_func, str(request.method))
         if mode is None and state.path_exempt:
             mode = EXEMPT
-        if mode == EXEMPT:
+        door, out = start(state.config, request, request, mode)
+        if isinstance(out, Later):
+            state.pending = (out, door)
             return None
-        if mode == KEY_OPTIONAL and request.META.get("HTTP_IDEMPOTENCY_KEY") is None:
-            return None
-        config = state.config
-        who = config.principal(request)
-        decision = begin(config, request, who)
-        if isinstance(decision, Answer):
-            if decision.outcome is Outcome.UNAUTHENTICATED:
+        if isinstance(out, AnswerResponse):
+            if door.delivery is not None and door.delivery.answer.outcome is Outcome.UNAUTHENTICATED:
                 _hint_drf(view_func, request)
-            state.answer = decision
+            state.reply = out
             # A stand-in that skips the view; __call__ sends the answer itself,
             # so inner middleware cannot make it differ from a first answer.
-            return HttpResponse(status=decision.status)
-        state.ticket = decision
-        request.META[PRINCIPAL_ENVIRON_KEY] = who  # as the WSGI middleware puts it in the environ
+            return HttpResponse(status=out.status_code)
         return None
 
 
