@@ -242,14 +242,19 @@ class IdempotencyMiddleware(gates.GatedMiddleware[ASGIApp, Scope]):
         self._background: set[asyncio.Future[Any]] = set()
 
     def _in_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
-        # The executor's own future, awaitable as it is: a coroutine around it
-        # would cost a task of its own for every hand-off.
         # Run in (a copy of) the request's context, as asyncio.to_thread does:
         # the ledger's event listeners there see its current span.
         loop, run = asyncio.get_running_loop(), contextvars.copy_context().run
-        if kwargs:
-            return loop.run_in_executor(self.executor, functools.partial(run, fn, *args, **kwargs))
-        return loop.run_in_executor(self.executor, run, fn, *args)
+        executor = self.executor if self.executor is not None else getattr(loop, "_default_executor", None)
+        if executor is None:  # the loop makes its default executor on first use
+            return loop.run_in_executor(None, functools.partial(run, fn, *args, **kwargs))
+        # The worker hands the result straight back to the loop: no
+        # concurrent future chained to an asyncio one (run_in_executor's
+        # wrap_future), a third of a hand-off's cost. The work runs even if
+        # its awaiter is cancelled, as a shielded one does.
+        future: asyncio.Future[T] = loop.create_future()
+        executor.submit(_hand_back, loop, future, run, fn, args, kwargs)
+        return future
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") == "lifespan":
@@ -289,6 +294,33 @@ class IdempotencyMiddleware(gates.GatedMiddleware[ASGIApp, Scope]):
 
     def _forget(self, future: asyncio.Future[Any]) -> None:
         self._background.discard(future)
+
+
+def _hand_back(
+    loop: asyncio.AbstractEventLoop,
+    future: asyncio.Future[Any],
+    run: Callable[..., Any],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    """In the worker thread: `fn`, its result or exception then set on
+    `future` by the loop."""
+    try:
+        result = run(fn, *args, **kwargs)
+    except BaseException as exc:  # the awaiter raises it, as run_in_executor's would
+        loop.call_soon_threadsafe(_settle, future, None, exc)
+    else:
+        loop.call_soon_threadsafe(_settle, future, result, None)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class _Door:
