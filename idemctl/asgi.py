@@ -242,19 +242,7 @@ class IdempotencyMiddleware(gates.GatedMiddleware[ASGIApp, Scope]):
         self._background: set[asyncio.Future[Any]] = set()
 
     def _in_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
-        # Run in (a copy of) the request's context, as asyncio.to_thread does:
-        # the ledger's event listeners there see its current span.
-        loop, run = asyncio.get_running_loop(), contextvars.copy_context().run
-        executor = self.executor if self.executor is not None else getattr(loop, "_default_executor", None)
-        if executor is None:  # the loop makes its default executor on first use
-            return loop.run_in_executor(None, functools.partial(run, fn, *args, **kwargs))
-        # The worker hands the result straight back to the loop: no
-        # concurrent future chained to an asyncio one (run_in_executor's
-        # wrap_future), a third of a hand-off's cost. The work runs even if
-        # its awaiter is cancelled, as a shielded one does.
-        future: asyncio.Future[T] = loop.create_future()
-        executor.submit(_hand_back, loop, future, run, fn, args, kwargs)
-        return future
+        return hand_off(self.executor, fn, *args, **kwargs)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") == "lifespan":
@@ -294,6 +282,32 @@ class IdempotencyMiddleware(gates.GatedMiddleware[ASGIApp, Scope]):
 
     def _forget(self, future: asyncio.Future[Any]) -> None:
         self._background.discard(future)
+
+
+def hand_off(executor: Executor | None, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
+    """`fn(*args, **kwargs)` in a thread of `executor` (None: the running
+    loop's default executor), awaitable on the loop; it runs in a copy of the
+    caller's context, as with asyncio.to_thread (the ledger's event listeners
+    there see the request's current span), and runs to its end even if its
+    awaiter is cancelled.
+
+    >>> import asyncio
+    >>> async def main():
+    ...     return await hand_off(None, sum, [1, 2, 3])
+    >>> asyncio.run(main())
+    6
+    """
+    loop, run = asyncio.get_running_loop(), contextvars.copy_context().run
+    if executor is None:
+        executor = getattr(loop, "_default_executor", None)
+        if executor is None:  # the loop makes its default executor on first use
+            return loop.run_in_executor(None, functools.partial(run, fn, *args, **kwargs))
+    # The worker hands the result straight back to the loop: no concurrent
+    # future chained to an asyncio one (run_in_executor's wrap_future), a
+    # third of a hand-off's cost.
+    future: asyncio.Future[T] = loop.create_future()
+    executor.submit(_hand_back, loop, future, run, fn, args, kwargs)
+    return future
 
 
 def _hand_back(
@@ -406,6 +420,7 @@ __all__ = [
     "IdempotencyMiddleware",
     "MessageCapture",
     "capturable_scope",
+    "hand_off",
     "header_fields",
     "parse",
     "read_body",
