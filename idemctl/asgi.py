@@ -129,15 +129,21 @@ def parse(scope: Scope, fingerprint_headers: Iterable[str], *, exact_length: boo
     >>> parse({"method": "post", "path": "/orders", "headers": [(b"idempotency-key", b"k1")]}, ()).key_fields
     ['k1']
     """
-    lengths = header_fields(scope, b"content-length")
+    # One pass over the headers (the key fields, Content-Length, the fingerprint's).
+    wanted = {n.lower() for n in fingerprint_headers}
+    keys: list[str] = []
+    length: str | None = None
+    fingerprinted: list[tuple[str, str]] = []
+    for name, value in scope.get("headers", ()):
+        lname = bytes(name).decode("latin-1").lower()
+        if lname == "idempotency-key":
+            keys.append(bytes(value).decode("latin-1"))
+        elif lname == "content-length" and length is None:
+            length = bytes(value).decode("latin-1")
+        if lname in wanted:
+            fingerprinted.append((lname, bytes(value).decode("latin-1")))
     return Request(
-        str(scope.get("method", "GET")).upper(),
-        request_target(scope),
-        header_fields(scope, b"idempotency-key"),
-        scope_headers(scope, fingerprint_headers),
-        lengths[0] if lengths else None,
-        False,
-        exact_length,
+        str(scope.get("method", "GET")).upper(), request_target(scope), keys, fingerprinted, length, False, exact_length
     )
 
 
