@@ -244,17 +244,27 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
         lambda k: loop.run_until_complete(through(bare_app, k)),
     )
     if not quick:
-        _frameworks(ledger, principal, adapter, wsgi_call, loop, through, STORED_1K, io)
+        _frameworks(ledger, principal, adapter, segment, wsgi_call, loop, through, STORED_1K, io)
     loop.close()
     with open(manifest, "w", encoding="utf-8") as f:
         json.dump({"segments": segments, "dumps": dumps}, f)
 
 
 RESPONSE_HEADERS = {"content-type": "application/json"}
+# Rows whose requests never run the app (a middleware's replay).
+_REPLAYS_WITHOUT_APP = frozenset({"fastapi_middleware_replay"})
 
 
 def _frameworks(
-    ledger: Any, principal: str, adapter: Any, wsgi_call: Any, loop: Any, through: Any, stored: bytes, io: Any
+    ledger: Any,
+    principal: str,
+    adapter: Any,
+    segment: Any,
+    wsgi_call: Any,
+    loop: Any,
+    through: Any,
+    stored: bytes,
+    io: Any,
 ) -> None:
     """Flask, Django and FastAPI, each where it is installed."""
     try:
@@ -321,6 +331,22 @@ def _frameworks(
             "fastapi",
             lambda k: loop.run_until_complete(through(routed, k)),
             lambda k: loop.run_until_complete(through(plain_api, k)),
+        )
+        # The same plain app under the ASGI middleware: its own share is set
+        # against the same app alone (fastapi_bare).
+        from idemctl.asgi import IdempotencyMiddleware
+
+        around = IdempotencyMiddleware(plain_api, ledger, principal=lambda scope: principal)
+
+        def middleware(key: str) -> bytes:
+            return loop.run_until_complete(through(around, key, around.wait_idle))  # type: ignore[no-any-return]
+
+        assert middleware("fastapi_middleware-check") == stored
+        segment("fastapi_middleware_first", middleware, what="fastapi_middleware: new key")
+        segment(
+            "fastapi_middleware_replay",
+            lambda k: middleware("fastapi_middleware-check"),
+            what="fastapi_middleware: replay (the app does not run)",
         )
 
 
@@ -424,7 +450,9 @@ def _summarise(
         if f"{adapter}_bare" in per and name.endswith(("_first", "_replay")):
             ledger_part = per["handle_after_response"] if name.endswith("_first") else per["handle_replay"]
             row["app_alone"] = round(per[f"{adapter}_bare"])
-            row["adapter_own"] = round(per[name] - per[f"{adapter}_bare"] - ledger_part)
+            # A middleware's replay never reaches the FastAPI app: nothing of it to set aside.
+            app_part = 0 if name in _REPLAYS_WITHOUT_APP else per[f"{adapter}_bare"]
+            row["adapter_own"] = round(per[name] - app_part - ledger_part)
         rows.append(row)
     phases = {
         "fingerprint": per["phase_fingerprint"],
@@ -452,12 +480,13 @@ def _summarise(
         },
         {"phase": "total: Ledger.handle, new key", "instructions": round(per["handle_first"]), "raw": round(raw_first)},
     ]
-    for name in ("wsgi", "asgi", "flask", "django", "fastapi"):
+    for name in ("wsgi", "asgi", "flask", "django", "fastapi", "fastapi_middleware"):
         if f"{name}_first" in per:
+            bare = per[f"{name.split('_')[0]}_bare"]
             breakdown.append(
                 {
                     "phase": f"adapter: {name} (its own, beyond handle + after_response and the app alone)",
-                    "instructions": round(per[f"{name}_first"] - per[f"{name}_bare"] - per["handle_after_response"]),
+                    "instructions": round(per[f"{name}_first"] - bare - per["handle_after_response"]),
                 }
             )
     return {

@@ -57,6 +57,11 @@ _PRINCIPAL_PARAM = "idemctl_caller"
 _ORIGINAL = "__idemctl_endpoint__"
 
 
+# SQLite's statements go to the loop's default executor, handed back to the
+# loop by the worker (anyio's thread pool costs three times as much a hand-off).
+_in_thread = functools.partial(asgi.hand_off, None)
+
+
 class _Immediate(Exception):
     """The gate answered without running the endpoint (replay, 400, 401, 409, 413, 503)."""
 
@@ -91,7 +96,7 @@ class _Door:
 
     @property
     def in_thread(self) -> Callable[..., Awaitable[Any]]:
-        return run_in_threadpool
+        return _in_thread
 
     @property
     def keep(self) -> None:

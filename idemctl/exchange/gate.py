@@ -328,7 +328,12 @@ class Gate:
         ledger = self.ledger
         store = ledger.async_store()
         if store is None:
-            return functools.partial(in_thread, sweep)
+            # A coroutine function, whatever `in_thread` is (it may return a
+            # plain future): Starlette's background tasks await only those.
+            async def sweep_in_thread() -> None:
+                await in_thread(sweep)
+
+            return sweep_in_thread
         answer = delivery.answer
 
         async def sweep_on_loop() -> None:

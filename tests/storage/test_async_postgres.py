@@ -264,6 +264,7 @@ def test_fastapi_route_class_runs_its_ledger_statements_on_the_loop(make_ledger,
         raise AssertionError(f"handed to the thread pool: {fn!r}")
 
     monkeypatch.setattr(idemctl.fastapi, "run_in_threadpool", no_threadpool)
+    monkeypatch.setattr(idemctl.fastapi, "_in_thread", no_threadpool)
 
     def account(request: Request) -> str | None:
         return request.headers.get("x-user")
