@@ -71,14 +71,26 @@ _NOT_ACKNOWLEDGED = (
 )
 
 
-@dataclass(frozen=True)
 class Delivery:
     """What an adapter sends after the app ran: the answer, and whether the
     post-response sweep may follow it (not after an answer that could not
     be stored: the ledger just failed)."""
 
-    answer: Answer
-    sweep: bool
+    __slots__ = ("answer", "sweep")  # one a request: a plain class is cheaper than a frozen dataclass
+
+    def __init__(self, answer: Answer, sweep: bool) -> None:
+        self.answer = answer
+        self.sweep = sweep
+
+    def __repr__(self) -> str:
+        return f"Delivery(answer={self.answer!r}, sweep={self.sweep!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Delivery):
+            return NotImplemented
+        return self.answer == other.answer and self.sweep == other.sweep
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def check_options(max_body_bytes: object, unavailable_retry_after_ms: object) -> None:
@@ -138,15 +150,23 @@ class Gate:
     ) -> None:
         check_options(max_body_bytes, unavailable_retry_after_ms)
         self._ledger = ledger
+        if isinstance(ledger, Ledger):
+            # A plain attribute: read several times a request, a property would be a call each time.
+            self.ledger = ledger
         self.max_body_bytes = max_body_bytes
         self.replayed_header = bool(replayed_header)
         self.unavailable_retry_after_ms = unavailable_retry_after_ms
         self.log = logger if logger is not None else log
 
-    @property
-    def ledger(self) -> Ledger:
-        source = self._ledger
-        return source if isinstance(source, Ledger) else source()
+    ledger: Ledger  # set once for a Ledger; a ledger opened lazily is asked each time (__getattr__)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when `ledger` is not an attribute: the lazy source.
+        if name == "ledger":
+            source = self.__dict__.get("_ledger")
+            if source is not None and not isinstance(source, Ledger):
+                return source()
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- before the ledger --------------------------------------------------------------
     def principal(self, who: object, *, key: str | None, method: str, target: str) -> str | Answer:
