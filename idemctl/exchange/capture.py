@@ -112,9 +112,12 @@ class Capture:
         return b"".join(self._chunks)
 
     def answer(self) -> tuple[int, list[tuple[str, str]], bytes | OversizeBody]:
-        if self.status is None:
+        status = self.status
+        if status is None:
             raise CaptureError("the app returned without starting its answer")
-        return self.status, self.headers, self.body()
+        # `body()` inlined: one call less on every first request.
+        size = self.size
+        return status, self.headers, OversizeBody(size) if size > self.cap else b"".join(self._chunks)
 
 
 __all__ = ["Capture", "CaptureError"]
