@@ -101,7 +101,8 @@ def idempotent(
     WSGI middleware. Put it under ``@app.route``."""
     gate = gates.adapter_gate(ledger, principal, "()", log, max_body_bytes, replayed_header, unavailable_retry_after_ms)
 
-    names = ledger.policy.fingerprint_headers
+    # The fingerprint headers' environ names, mapped once.
+    pairs = wsgi._environ_names(tuple(ledger.policy.fingerprint_headers))
 
     def decorate(view: F) -> F:
         @functools.wraps(view)
@@ -109,7 +110,7 @@ def idempotent(
             # The request proxy resolved once: each use of it is three Python calls.
             req = request._get_current_object()  # type: ignore[attr-defined]
             door = _Door(gate, view, args, kwargs, principal, release_on_error, req)
-            return drive(gate, sequence(gate, wsgi.parse(req.environ, names), door), door)
+            return drive(gate, sequence(gate, wsgi._parse(req.environ, pairs), door), door)
 
         return cast(F, protected)
 

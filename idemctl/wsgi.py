@@ -90,8 +90,12 @@ def environ_headers(environ: WSGIEnvironment, names: Iterable[str]) -> list[tupl
     >>> environ_headers(environ, ["content-type", "x-api-version"])
     [('content-type', 'application/json'), ('x-api-version', '2')]
     """
+    return _picked(environ, _environ_names(tuple(names)))
+
+
+def _picked(environ: WSGIEnvironment, pairs: tuple[tuple[str, str], ...]) -> list[tuple[str, str]]:
     out = []
-    for lname, var in _environ_names(tuple(names)):
+    for lname, var in pairs:
         value = environ.get(var)
         if value is not None:
             out.append((lname, str(value)))
@@ -136,6 +140,10 @@ def parse(environ: WSGIEnvironment, fingerprint_headers: Iterable[str]) -> Reque
     >>> parse({"REQUEST_METHOD": "post", "PATH_INFO": "/orders", "HTTP_IDEMPOTENCY_KEY": "k1"}, ()).key_fields
     ('k1',)
     """
+    return _parse(environ, _environ_names(tuple(fingerprint_headers)))
+
+
+def _parse(environ: WSGIEnvironment, pairs: tuple[tuple[str, str], ...]) -> Request:
     # A WSGI server joins repeated header fields into one value (k1,k2)
     # before the app sees them: only one field can be seen here.
     key = environ.get("HTTP_IDEMPOTENCY_KEY")
@@ -143,7 +151,7 @@ def parse(environ: WSGIEnvironment, fingerprint_headers: Iterable[str]) -> Reque
         str(environ.get("REQUEST_METHOD", "GET")).upper(),
         request_target(environ),
         () if key is None else (key,),
-        environ_headers(environ, fingerprint_headers),
+        _picked(environ, pairs),
         environ.get("CONTENT_LENGTH"),
         # A body is coming that the server cannot delimit for us.
         bool(environ.get("HTTP_TRANSFER_ENCODING")) and not environ.get("wsgi.input_terminated"),
@@ -346,9 +354,11 @@ class IdempotencyMiddleware(gates.GatedMiddleware[WSGIApplication, WSGIEnvironme
         super().__init__(app, ledger, gate, principal, exempt, key_optional, release_on_error)
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
-        request = parse(environ, self.policy.fingerprint_headers)
+        gate = self.gate
+        # The fingerprint headers' environ names, mapped once for this ledger's policy.
+        request = _parse(environ, _environ_names(self.ledger.policy.fingerprint_headers))
         door = _Door(self, environ, start_response)
-        result: Iterable[bytes] = drive(self.gate, sequence(self.gate, request, door), door)
+        result: Iterable[bytes] = drive(gate, sequence(gate, request, door), door)
         return result
 
 
