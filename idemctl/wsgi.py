@@ -46,7 +46,6 @@ _STATUS_LINE = re.compile(r"([0-9]{3}) ")
 # RFC 3986 pchar minus the unreserved set (which quote() never escapes): a
 # rebuilt path keeps the characters a client may send unescaped in a path.
 _PATH_SAFE = "/:@!$&'()*+,;="
-_UNQUOTED_PATH = re.compile(r"[A-Za-z0-9_.\-~/:@!$&'()*+,;=]+\Z")
 # RFC 9110 §15 status classes: the reason phrase of a code HTTPStatus does not know.
 _CLASS_PHRASES = {1: "Informational", 2: "Success", 3: "Redirection", 4: "Client Error", 5: "Server Error"}
 
@@ -68,10 +67,14 @@ def request_target(environ: WSGIEnvironment) -> str:
         return _origin_form(str(raw))
     # PEP 3333 strings carry the raw bytes as latin-1: recover them before quoting.
     path = (environ.get("SCRIPT_NAME", "") or "") + (environ.get("PATH_INFO", "") or "")
-    # A path quote() would leave as it is (the usual one) skips it: two Python calls less.
-    target = path if _UNQUOTED_PATH.match(path) else quote(path.encode("latin-1", "replace"), safe=_PATH_SAFE) or "/"
+    target = _quoted_path(path)
     query = environ.get("QUERY_STRING", "") or ""
     return f"{target}?{query}" if query else target
+
+
+@functools.lru_cache(maxsize=1024)  # an app has few paths: each quoted once, not on every request
+def _quoted_path(path: str) -> str:
+    return quote(path.encode("latin-1", "replace"), safe=_PATH_SAFE) or "/"
 
 
 def _origin_form(target: str) -> str:

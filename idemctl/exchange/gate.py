@@ -153,20 +153,14 @@ class Gate:
         if isinstance(ledger, Ledger):
             # A plain attribute: read several times a request, a property would be a call each time.
             self.ledger = ledger
+        else:
+            self.__class__ = _LazyGate  # the ledger asked of its source each time
         self.max_body_bytes = max_body_bytes
         self.replayed_header = bool(replayed_header)
         self.unavailable_retry_after_ms = unavailable_retry_after_ms
         self.log = logger if logger is not None else log
 
-    ledger: Ledger  # set once for a Ledger; a ledger opened lazily is asked each time (__getattr__)
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached when `ledger` is not an attribute: the lazy source.
-        if name == "ledger":
-            source = self.__dict__.get("_ledger")
-            if source is not None and not isinstance(source, Ledger):
-                return source()
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    ledger: Ledger  # set once for a Ledger; a ledger opened lazily is asked each time (_LazyGate)
 
     # -- before the ledger --------------------------------------------------------------
     def principal(self, who: object, *, key: str | None, method: str, target: str) -> str | Answer:
@@ -358,6 +352,16 @@ class Gate:
                 self.log.exception("post-response housekeeping failed")
 
         return sweep_on_loop
+
+
+class _LazyGate(Gate):
+    """A gate whose ledger is opened lazily: asked of its source each time.
+    (A subclass, so a gate holding its Ledger pays for no property.)"""
+
+    @property
+    def ledger(self) -> Ledger:  # type: ignore[override]
+        source = self._ledger
+        return source if isinstance(source, Ledger) else source()
 
 
 def adapter_gate(
