@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 from wsgiref.types import WSGIEnvironment
 
-from flask import Response, current_app, request
+from flask import Request, Response, current_app, request
 from werkzeug.datastructures import Headers
 from werkzeug.exceptions import ClientDisconnected
 
@@ -52,11 +52,11 @@ log = logging.getLogger("idemctl.flask")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _read_body() -> bytes:
+def _read_body(req: Request) -> bytes:
     """The request body (the sequence applies the body rules to it)."""
     try:
         # Cached: the view reads the same bytes (get_data, get_json, form).
-        return request.get_data(cache=True)
+        return req.get_data(cache=True)
     except ClientDisconnected as exc:
         log.info("client disconnected mid-body: %s", exc)
         raise rules.incomplete() from None
@@ -66,15 +66,19 @@ class _AnswerResponse(Response):
     """Sent with exactly the headers it holds, as the WSGI middleware sends
     them: Werkzeug would rename `location` to `Location` on the way out."""
 
+    # Built with the answer's own headers: no default Content-Type added.
+    default_mimetype = None
+
     def get_wsgi_headers(self, environ: WSGIEnvironment) -> Headers:
-        return Headers(self.headers)
+        # Werkzeug only reads what this returns (to_wsgi_list): no copy needed.
+        return self.headers
 
 
-def _capture(response: Response, capture: Capture) -> None:
+def _capture(response: Response, environ: WSGIEnvironment, capture: Capture) -> None:
     """The view's response as a WSGI server would receive it, fed into the
     bounded capture (a streamed one is consumed, then closed)."""
     try:
-        capture.start(response.status_code, response.get_wsgi_headers(request.environ).items())
+        capture.start(response.status_code, response.get_wsgi_headers(environ).items())
         capture.drain(response.iter_encoded())
     finally:
         response.close()
@@ -97,13 +101,16 @@ def idempotent(
     WSGI middleware. Put it under ``@app.route``."""
     gate = gates.adapter_gate(ledger, principal, "()", log, max_body_bytes, replayed_header, unavailable_retry_after_ms)
 
-    names = ledger.policy.fingerprint_headers
+    # The fingerprint headers' environ names, mapped once.
+    pairs = wsgi._environ_names(tuple(ledger.policy.fingerprint_headers))
 
     def decorate(view: F) -> F:
         @functools.wraps(view)
         def protected(*args: Any, **kwargs: Any) -> Any:
-            door = _Door(gate, view, args, kwargs, principal, release_on_error)
-            return drive(gate, sequence(gate, wsgi.parse(request.environ, names), door), door)
+            # The request proxy resolved once: each use of it is three Python calls.
+            req = request._get_current_object()  # type: ignore[attr-defined]
+            door = _Door(gate, view, args, kwargs, principal, release_on_error, req)
+            return drive(gate, sequence(gate, wsgi._parse(req.environ, pairs), door), door)
 
         return cast(F, protected)
 
@@ -113,7 +120,7 @@ def idempotent(
 class _Door:
     """One call of a protected view: Flask's request context in, a Flask response out."""
 
-    __slots__ = ("args", "gate", "kwargs", "principal_source", "release_on_error", "view")
+    __slots__ = ("args", "gate", "kwargs", "principal_source", "release_on_error", "request", "view")
 
     def __init__(
         self,
@@ -123,7 +130,9 @@ class _Door:
         kwargs: Any,
         principal: Callable[[], str | None],
         release: bool,
+        req: Request,
     ) -> None:
+        self.request = req
         self.gate = gate
         self.view = view
         self.args = args
@@ -144,23 +153,25 @@ class _Door:
         return self.principal_source()
 
     def read_body(self, limit: int, declared: int | None) -> bytes:
-        return _read_body()
+        return _read_body(self.request)
 
     def run(self, need: Run) -> None:
-        request.environ[PRINCIPAL_ENVIRON_KEY] = need.principal
+        environ = self.request.environ
+        environ[PRINCIPAL_ENVIRON_KEY] = need.principal
+        app = current_app._get_current_object()  # type: ignore[attr-defined]
         try:
             result = self.view(*self.args, **self.kwargs)
         except Exception as exc:
             # What Flask makes of it (abort(404), a registered error
             # handler) is the answer; an unhandled one propagates.
-            result = current_app.handle_user_exception(exc)
-        _capture(current_app.make_response(result), need.capture)
+            result = app.handle_user_exception(exc)
+        _capture(app.make_response(result), environ, need.capture)
 
     def send(self, delivery: Delivery, after: Callable[[], None] | None) -> Response:
         answer = delivery.answer
-        response = _AnswerResponse(answer.body)
-        response.status = status_line(answer.status)
-        response.headers = Headers(wire_headers(answer, replayed_header=self.gate.replayed_header))
+        headers = Headers(wire_headers(answer, replayed_header=self.gate.replayed_header))
+        # The body as a list: set_data would add a Content-Length of its own.
+        response = _AnswerResponse([answer.body], status_line(answer.status), headers)
         if after is not None:
             # Werkzeug calls it when the server closes the response: after the answer.
             response.call_on_close(after)

@@ -43,6 +43,7 @@ from .errors import (
     ResultNotSerializableError,
     ResultNotStoredError,
     ResultTooLargeError,
+    StorageError,
     UnsupportedFunctionError,
 )
 from .fingerprint import check_key
@@ -68,6 +69,7 @@ class CallLedger(Protocol):
     def now(self) -> int: ...
     def decide(self, principal: str, key: str, fingerprint: str) -> decision.Steps[decision.Decision]: ...
     def publish(self, event: Event) -> None: ...
+    def heard(self, outcome: Outcome) -> bool: ...
     def async_store(self) -> AsyncStore | None: ...
     def abandon(self, ticket: Ticket, *, release: bool = False) -> None: ...
     def abandon_steps(self, ticket: Ticket, *, release: bool = False) -> decision.Steps[None]: ...
@@ -241,7 +243,12 @@ class IdempotentCall:
     # -- the context manager, sync and async --------------------------------------------
     def __enter__(self) -> IdempotentCall:
         self._enter()
-        self._take(decision.run(self._steps()))
+        try:
+            made = decision.run(self._steps())
+        except StorageError:
+            self._unavailable()
+            raise
+        self._take(made)
         return self
 
     def __exit__(
@@ -254,8 +261,14 @@ class IdempotentCall:
         # Statements on the ledger's asynchronous store (PostgreSQL) or in a
         # worker thread (SQLite), waits on the loop; a task cancelled while
         # its claim is under way releases that claim.
-        store = self.ledger.async_store()
-        made = await decision.run_async(self._steps(), asyncio.to_thread, orphaned=self._release_orphan, store=store)
+        try:
+            store = self.ledger.async_store()
+            made = await decision.run_async(
+                self._steps(), asyncio.to_thread, orphaned=self._release_orphan, store=store
+            )
+        except StorageError:
+            self._unavailable()
+            raise
         self._take(made)
         return self
 
@@ -315,9 +328,24 @@ class IdempotentCall:
                     exc,
                 )
 
+    def _unavailable(self) -> None:
+        """The decision could not be asked: counted like an HTTP door's 503
+        (the caller gets the StorageError)."""
+        if self.ledger.heard(Outcome.UNAVAILABLE):
+            ledger_ms = (time.perf_counter() - self._decide_started) * 1000
+            # The database clock, if that is the clock, cannot be asked either.
+            at = time.time_ns() // 1_000_000
+            event = Event(
+                Outcome.UNAVAILABLE, self.principal, self.key, None, "CALL", self._name, None, ledger_ms, None, at
+            )
+            self.ledger.publish(event)
+
     def _publish(
         self, outcome: Outcome, generation: int | None, started: float, app_s: float | None, *, at: int | None = None
     ) -> None:
+        # Nobody listening (no listener, the events log off): no Event built.
+        if not self.ledger.heard(outcome):
+            return
         ledger_ms = (self._ledger_s + time.perf_counter() - started) * 1000
         # The decision's own time: with the database's clock, asking again would be a statement.
         at = at if at is not None else self._started_at if self._started_at is not None else self.ledger.now()

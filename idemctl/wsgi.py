@@ -19,7 +19,7 @@ import functools
 import io
 import logging
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from types import TracebackType
 from urllib.parse import quote
@@ -67,9 +67,14 @@ def request_target(environ: WSGIEnvironment) -> str:
         return _origin_form(str(raw))
     # PEP 3333 strings carry the raw bytes as latin-1: recover them before quoting.
     path = (environ.get("SCRIPT_NAME", "") or "") + (environ.get("PATH_INFO", "") or "")
-    target = quote(path.encode("latin-1", "replace"), safe=_PATH_SAFE) or "/"
+    target = _quoted_path(path)
     query = environ.get("QUERY_STRING", "") or ""
     return f"{target}?{query}" if query else target
+
+
+@functools.lru_cache(maxsize=1024)  # an app has few paths: each quoted once, not on every request
+def _quoted_path(path: str) -> str:
+    return quote(path.encode("latin-1", "replace"), safe=_PATH_SAFE) or "/"
 
 
 def _origin_form(target: str) -> str:
@@ -88,6 +93,20 @@ def environ_headers(environ: WSGIEnvironment, names: Iterable[str]) -> list[tupl
     >>> environ_headers(environ, ["content-type", "x-api-version"])
     [('content-type', 'application/json'), ('x-api-version', '2')]
     """
+    return _picked(environ, _environ_names(tuple(names)))
+
+
+def _picked(environ: WSGIEnvironment, pairs: tuple[tuple[str, str], ...]) -> list[tuple[str, str]]:
+    out = []
+    for lname, var in pairs:
+        value = environ.get(var)
+        if value is not None:
+            out.append((lname, str(value)))
+    return out
+
+
+@functools.lru_cache(maxsize=32)  # one policy's names, mapped once rather than each request
+def _environ_names(names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     out = []
     for name in names:
         lname = name.lower()
@@ -95,10 +114,8 @@ def environ_headers(environ: WSGIEnvironment, names: Iterable[str]) -> list[tupl
             var = lname.upper().replace("-", "_")
         else:
             var = "HTTP_" + lname.upper().replace("-", "_")
-        value = environ.get(var)
-        if value is not None:
-            out.append((lname, str(value)))
-    return out
+        out.append((lname, var))
+    return tuple(out)
 
 
 def read_body(environ: WSGIEnvironment, limit: int, declared: int | None) -> bytes:
@@ -108,7 +125,13 @@ def read_body(environ: WSGIEnvironment, limit: int, declared: int | None) -> byt
     Raises `BodyRefused` (400 cut short, 413 over `limit`)."""
     stream = environ["wsgi.input"]
     if declared is not None:
-        return _read_exactly(stream, declared)
+        if 0 < declared <= _READ_CHUNK:
+            # The usual body: one read, unless the stream hands it over in pieces.
+            chunk = _read_chunk(stream, declared, declared, declared)
+            if len(chunk) == declared:
+                return chunk if chunk.__class__ is bytes else bytes(chunk)
+            return b"".join((chunk, _read_exactly(stream, declared - len(chunk), declared)))
+        return _read_exactly(stream, declared, declared)
     if environ.get("wsgi.input_terminated"):
         return _read_to_end(stream, limit)
     return b""
@@ -120,34 +143,49 @@ def parse(environ: WSGIEnvironment, fingerprint_headers: Iterable[str]) -> Reque
     >>> parse({"REQUEST_METHOD": "post", "PATH_INFO": "/orders", "HTTP_IDEMPOTENCY_KEY": "k1"}, ()).key_fields
     ('k1',)
     """
+    return _parse(environ, _environ_names(tuple(fingerprint_headers)))
+
+
+def _parse(environ: WSGIEnvironment, pairs: tuple[tuple[str, str], ...]) -> Request:
     # A WSGI server joins repeated header fields into one value (k1,k2)
     # before the app sees them: only one field can be seen here.
     key = environ.get("HTTP_IDEMPOTENCY_KEY")
+    headers = []
+    for lname, var in pairs:  # _picked, inlined: one call less a request
+        value = environ.get(var)
+        if value is not None:
+            headers.append((lname, str(value)))
     return Request(
         str(environ.get("REQUEST_METHOD", "GET")).upper(),
         request_target(environ),
         () if key is None else (key,),
-        environ_headers(environ, fingerprint_headers),
+        headers,
         environ.get("CONTENT_LENGTH"),
         # A body is coming that the server cannot delimit for us.
         bool(environ.get("HTTP_TRANSFER_ENCODING")) and not environ.get("wsgi.input_terminated"),
     )
 
 
-def _read_exactly(stream: io.RawIOBase, length: int) -> bytes:
+def _read_exactly(stream: io.RawIOBase, length: int, declared: int) -> bytes:
     parts: list[bytes] = []
     remaining = length
     while remaining > 0:
-        try:
-            chunk = stream.read(min(remaining, _READ_CHUNK))
-        except OSError as exc:  # gunicorn's NoMoreData and socket errors: the client left
-            log.info("client disconnected mid-body after %d of %d bytes: %s", length - remaining, length, exc)
-            raise rules.incomplete() from exc
-        if not chunk:
-            raise rules.incomplete()
+        chunk = _read_chunk(stream, min(remaining, _READ_CHUNK), remaining, declared)
         parts.append(chunk)
         remaining -= len(chunk)
     return b"".join(parts)
+
+
+def _read_chunk(stream: io.RawIOBase, size: int, remaining: int, declared: int) -> bytes:
+    """At most `size` bytes, at least one; the client left when there are none (400)."""
+    try:
+        chunk = stream.read(size)
+    except OSError as exc:  # gunicorn's NoMoreData and socket errors: the client left
+        log.info("client disconnected mid-body after %d of %d bytes: %s", declared - remaining, declared, exc)
+        raise rules.incomplete() from exc
+    if not chunk:
+        raise rules.incomplete()
+    return chunk
 
 
 def _read_to_end(stream: io.RawIOBase, limit: int) -> bytes:
@@ -222,11 +260,16 @@ class _Captured:
             self.capture.add(data)
 
     def consume(self, result: Iterable[bytes]) -> None:
+        capture = self.capture
         try:
             for chunk in result:
                 if self.status is None:
                     raise AssertionError("the application produced a body before calling start_response()")
-                self._append(chunk)
+                if chunk.__class__ is bytes and chunk:  # the usual chunk, without _append's call
+                    self.headers_sent = True
+                    capture.add(chunk)
+                else:
+                    self._append(chunk)
         finally:
             close = getattr(result, "close", None)
             if close is not None:
@@ -250,17 +293,15 @@ def _run_app(app: WSGIApplication, environ: WSGIEnvironment, body: bytes, captur
     captured.consume(app(environ, captured.start_response))
 
 
-class _Body:
-    """The iterable handed to the server. Its close() runs the post-response
-    housekeeping, so the sweep never delays the answer (PEP 3333: the server
-    calls close() once the response has been sent)."""
+class _Body(list[bytes]):
+    """The iterable handed to the server (a list: iterating it costs no
+    Python call). Its close() runs the post-response housekeeping, so the
+    sweep never delays the answer (PEP 3333: the server calls close() once
+    the response has been sent)."""
 
-    def __init__(self, body: bytes, after: Callable[[], object] | None) -> None:
-        self._chunks = [body] if body else []
-        self._after = after
+    __slots__ = ("_after",)
 
-    def __iter__(self) -> Iterator[bytes]:
-        return iter(self._chunks)
+    _after: Callable[[], object] | None
 
     def close(self) -> None:
         after, self._after = self._after, None
@@ -315,9 +356,11 @@ class IdempotencyMiddleware(gates.GatedMiddleware[WSGIApplication, WSGIEnvironme
         super().__init__(app, ledger, gate, principal, exempt, key_optional, release_on_error)
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
-        request = parse(environ, self.policy.fingerprint_headers)
+        gate = self.gate
+        # The fingerprint headers' environ names, mapped once for this ledger's policy.
+        request = _parse(environ, _environ_names(self.ledger.policy.fingerprint_headers))
         door = _Door(self, environ, start_response)
-        result: Iterable[bytes] = drive(self.gate, sequence(self.gate, request, door), door)
+        result: Iterable[bytes] = drive(gate, sequence(gate, request, door), door)
         return result
 
 
@@ -331,11 +374,14 @@ class _Door:
         self.environ = environ
         self.start_response = start_response
 
+    # Each is asked once a request: the options read directly, not through the middleware's methods.
     def exempt(self) -> bool:
-        return self.middleware.exempts(self.environ)
+        exempt = self.middleware.exempt
+        return exempt is not None and bool(exempt(self.environ))
 
     def key_optional(self) -> bool:
-        return self.middleware.lets_keyless(self.environ)
+        key_optional = self.middleware.key_optional
+        return key_optional is not None and bool(key_optional(self.environ))
 
     def release(self) -> bool:
         return self.middleware.release(self.environ)
@@ -344,6 +390,20 @@ class _Door:
         return self.middleware.principal(self.environ)
 
     def read_body(self, limit: int, declared: int | None) -> bytes:
+        if declared is not None and 0 < declared <= _READ_CHUNK:
+            # The usual body, read here in one call; anything else (a short
+            # read, a client gone) goes the long way, which reads on from here.
+            stream = self.environ["wsgi.input"]
+            try:
+                chunk = stream.read(declared)
+            except OSError as exc:  # as _read_chunk: the client left
+                log.info("client disconnected mid-body after %d of %d bytes: %s", 0, declared, exc)
+                raise rules.incomplete() from exc
+            if not chunk:
+                raise rules.incomplete()
+            if chunk.__class__ is bytes and len(chunk) == declared:
+                return chunk
+            return b"".join((chunk, _read_exactly(stream, declared - len(chunk), declared)))
         return read_body(self.environ, limit, declared)
 
     def run(self, need: Run) -> None:
@@ -355,7 +415,10 @@ class _Door:
         answer = delivery.answer
         headers = wire_headers(answer, replayed_header=self.middleware.gate.replayed_header)
         self.start_response(status_line(answer.status), headers)
-        return _Body(answer.body, after)
+        body = answer.body
+        out = _Body((body,) if body else ())
+        out._after = after
+        return out
 
     def pass_through(self) -> Iterable[bytes]:
         return self.middleware.app(self.environ, self.start_response)

@@ -142,8 +142,10 @@ class Config:
     @functools.cached_property
     def gate(self) -> Gate:
         """The gate every protected request of this configuration goes through."""
+        # A Ledger given in the settings is held as it is: the gate then reads
+        # an attribute each time, not this configuration's `ledger()` method.
         return Gate(
-            self.ledger,
+            self.ledger_instance if self.ledger_instance is not None else self.ledger,
             max_body_bytes=self.max_body_bytes,
             replayed_header=self.replayed_header,
             unavailable_retry_after_ms=self.unavailable_retry_after_ms,

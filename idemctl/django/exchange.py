@@ -38,10 +38,10 @@ def _is_asgi(request: Any) -> bool:
     return isinstance(getattr(request, "scope", None), dict)
 
 
-def request_target(request: Any) -> str:
+def request_target(request: Any, under_asgi: bool | None = None) -> str:
     """What the fingerprint covers: the target the WSGI middleware (or, under
     ASGI, the ASGI middleware) would see for this request."""
-    if not _is_asgi(request):
+    if not (_is_asgi(request) if under_asgi is None else under_asgi):
         return wsgi.request_target(request.META)
     scope = dict(request.scope)
     query = scope.get("query_string")
@@ -53,17 +53,18 @@ def request_target(request: Any) -> str:
 def parse(request: Any, fingerprint_headers: Any) -> Request:
     """What the sequence needs of a Django request."""
     meta = request.META
+    under_asgi = _is_asgi(request)
     # Django's handlers join repeated header fields before the view sees them.
     key = meta.get("HTTP_IDEMPOTENCY_KEY")
     return Request(
         str(request.method).upper(),
-        request_target(request),
+        request_target(request, under_asgi),
         () if key is None else (key,),
         wsgi.environ_headers(meta, fingerprint_headers),
         meta.get("CONTENT_LENGTH"),
         # Django reads a WSGI body by its Content-Length alone: a chunked one
         # would reach the view (and the fingerprint) empty.
-        bool(meta.get("HTTP_TRANSFER_ENCODING")) and not _is_asgi(request),
+        bool(meta.get("HTTP_TRANSFER_ENCODING")) and not under_asgi,
     )
 
 
@@ -143,22 +144,33 @@ class AnswerResponse(HttpResponse):  # type: ignore[misc]  # Django ships no typ
     sweep) runs when the server closes the response, once the answer is out."""
 
     def __init__(self, answer: Answer, *, replayed_header: bool, after: Callable[[], None] | None = None) -> None:
-        super().__init__(answer.body, status=answer.status)
-        self.after = after
-        self.reason_phrase = wsgi.status_line(answer.status)[4:]
-        del self["Content-Type"]  # HttpResponse's default; the answer says what it has
-        seen: dict[str, str] = {}
+        # The headers are given to HttpResponse at once: no default
+        # Content-Type set, then deleted, for an answer that carries its own.
+        fields: dict[str, tuple[str, str]] = {}
+        cookies: list[str] = []
         for name, value in wire_headers(answer, replayed_header=replayed_header):
             lname = name.lower()
             if lname == "set-cookie":
                 # Django sends cookies from response.cookies, one field each: never folded.
-                self.cookies.load(value)
-            elif lname in seen:
+                cookies.append(value)
+            elif lname in fields:
                 # Django holds one value per name: a repeated field is joined, as
                 # RFC 9110 §5.3 allows for every field but Set-Cookie.
-                seen[lname] = self[name] = f"{seen[lname]}, {value}"
+                fields[lname] = (name, f"{fields[lname][1]}, {value}")
             else:
-                seen[lname] = self[name] = value
+                fields[lname] = (name, value)
+        status = answer.status
+        super().__init__(
+            answer.body,
+            status=status,
+            reason=wsgi.status_line(status)[4:],
+            headers=dict(fields.values()),
+        )
+        self.after = after
+        if "content-type" not in fields:
+            del self["Content-Type"]  # HttpResponse's default; the answer says what it has
+        for value in cookies:
+            self.cookies.load(value)
 
     def close(self) -> None:
         after, self.after = self.after, None

@@ -85,9 +85,9 @@ class IdempotencyMiddleware:
 
     def __call__(self, request: Any) -> Any:
         config = current_config()
-        if not config.policy.protects(str(request.method or "GET")):
+        if str(request.method or "GET").upper() not in config.policy.protected_methods:
             return self.get_response(request)
-        state = State(config, config.path_is_exempt(request))
+        state = State(config, bool(config.exempt_paths) and config.path_is_exempt(request))
         setattr(request, _STATE_ATTR, state)
         if not state.path_exempt:
             buffer_multipart(request, config.max_body_bytes)

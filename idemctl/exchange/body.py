@@ -7,11 +7,7 @@ the limit, 411 for a body of unknown length, 400 for one cut short.
 
 from __future__ import annotations
 
-import re
-
 from .. import responses
-
-_CONTENT_LENGTH = re.compile(r"[0-9]+\Z")
 
 
 class BodyRefused(Exception):
@@ -43,7 +39,8 @@ def declared_length(value: str | None, limit: int) -> int | None:
     text = str(value).strip(" \t")
     if not text:
         return None
-    if not _CONTENT_LENGTH.match(text):
+    # [0-9]+ without a regular expression: isdigit alone takes other scripts' digits.
+    if not (text.isascii() and text.isdigit()):
         raise BodyRefused(responses.content_length_invalid())
     length = int(text)
     if length > limit:

@@ -91,28 +91,32 @@ def drive(gate: Gate, steps: Exchange, door: SyncDoor, error: BaseException | No
     thrown into a resumed sequence: the app failed."""
     value: Any = None
     result: Any = None
+    send = steps.send
     while True:
         try:
-            need: Need = steps.send(value) if error is None else steps.throw(error)
+            need: Need = send(value) if error is None else steps.throw(error)
         except StopIteration:
             return result
         value = error = None
+        # Dispatch on the exact class (no subclasses), most frequent first: no isinstance calls.
+        kind = need.__class__
         try:
-            if isinstance(need, Begin):
-                value = gate.begin(need.principal, need.key, need.method, need.target, need.headers, need.body)
-            elif isinstance(need, Finish):
-                value = gate.finish(need.ticket, need.capture)
-            elif isinstance(need, Send):
-                result = door.send(need.delivery, gate.sweep_after(need.delivery))
-            elif isinstance(need, ResolvePrincipal):
+            if kind is ResolvePrincipal:
                 value = door.principal()
-            elif isinstance(need, ReadBody):
-                value = door.read_body(need.limit, need.declared)
-            elif isinstance(need, Run):
-                if door.run(need) is LATER:
-                    return Later(steps, need)
-            elif isinstance(need, Abandon):
-                gate.abandon(need.ticket, release=need.release)
+            elif kind is ReadBody:
+                value = door.read_body(need.limit, need.declared)  # type: ignore[union-attr]
+            elif kind is Begin:
+                value = gate.begin(need.principal, need.key, need.method, need.target, need.headers, need.body)  # type: ignore[union-attr]
+            elif kind is Send:
+                delivery = need.delivery  # type: ignore[union-attr]
+                result = door.send(delivery, gate.sweep_after(delivery))
+            elif kind is Run:
+                if door.run(need) is LATER:  # type: ignore[arg-type]
+                    return Later(steps, need)  # type: ignore[arg-type]
+            elif kind is Finish:
+                value = gate.finish(need.ticket, need.capture)  # type: ignore[union-attr]
+            elif kind is Abandon:
+                gate.abandon(need.ticket, release=need.release)  # type: ignore[union-attr]
             else:
                 result = door.pass_through()
         except BaseException as exc:  # the sequence decides what a failure means

@@ -71,14 +71,26 @@ _NOT_ACKNOWLEDGED = (
 )
 
 
-@dataclass(frozen=True)
 class Delivery:
     """What an adapter sends after the app ran: the answer, and whether the
     post-response sweep may follow it (not after an answer that could not
     be stored: the ledger just failed)."""
 
-    answer: Answer
-    sweep: bool
+    __slots__ = ("answer", "sweep")  # one a request: a plain class is cheaper than a frozen dataclass
+
+    def __init__(self, answer: Answer, sweep: bool) -> None:
+        self.answer = answer
+        self.sweep = sweep
+
+    def __repr__(self) -> str:
+        return f"Delivery(answer={self.answer!r}, sweep={self.sweep!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Delivery):
+            return NotImplemented
+        return self.answer == other.answer and self.sweep == other.sweep
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def check_options(max_body_bytes: object, unavailable_retry_after_ms: object) -> None:
@@ -138,15 +150,17 @@ class Gate:
     ) -> None:
         check_options(max_body_bytes, unavailable_retry_after_ms)
         self._ledger = ledger
+        if isinstance(ledger, Ledger):
+            # A plain attribute: read several times a request, a property would be a call each time.
+            self.ledger = ledger
+        else:
+            self.__class__ = _LazyGate  # the ledger asked of its source each time
         self.max_body_bytes = max_body_bytes
         self.replayed_header = bool(replayed_header)
         self.unavailable_retry_after_ms = unavailable_retry_after_ms
         self.log = logger if logger is not None else log
 
-    @property
-    def ledger(self) -> Ledger:
-        source = self._ledger
-        return source if isinstance(source, Ledger) else source()
+    ledger: Ledger  # set once for a Ledger; a ledger opened lazily is asked each time (_LazyGate)
 
     # -- before the ledger --------------------------------------------------------------
     def principal(self, who: object, *, key: str | None, method: str, target: str) -> str | Answer:
@@ -343,6 +357,16 @@ class Gate:
                 self.log.exception("post-response housekeeping failed")
 
         return sweep_on_loop
+
+
+class _LazyGate(Gate):
+    """A gate whose ledger is opened lazily: asked of its source each time.
+    (A subclass, so a gate holding its Ledger pays for no property.)"""
+
+    @property
+    def ledger(self) -> Ledger:  # type: ignore[override]
+        source = self._ledger
+        return source if isinstance(source, Ledger) else source()
 
 
 def adapter_gate(

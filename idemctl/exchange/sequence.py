@@ -9,7 +9,7 @@ the key fields (400 for several), the principal (401), the body rules
 own answer sent with an ERROR line), the reservation abandoned or released
 when the app fails, and the answer sent with the sweep that may follow it.
 
-It is a generator: it yields what it needs (the frozen dataclasses below)
+It is a generator: it yields what it needs (the small classes below)
 and is sent what each one produced. A driver (:mod:`idemctl.exchange.drive`,
 one for threads, one for an event loop) fulfils the ledger's needs through
 the :class:`~idemctl.exchange.gate.Gate` and hands the others to the door:
@@ -36,7 +36,6 @@ ResolvePrincipal()
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..outcomes import Answer, Ticket
@@ -45,7 +44,6 @@ from .capture import Capture
 from .gate import Delivery, Gate, replied
 
 
-@dataclass(frozen=True, slots=True)
 class Request:
     """What the sequence needs to know of a request, as the door parsed it:
     the method (upper case), the target the fingerprint covers, every
@@ -54,13 +52,25 @@ class Request:
     (None without one), and whether a body is coming that nothing
     delimits (a Transfer-Encoding the server does not de-chunk: 411)."""
 
-    method: str
-    target: str
-    key_fields: Sequence[str]
-    headers: Sequence[tuple[str, str]]
-    content_length: str | None
-    unbounded: bool
-    exact_length: bool = True
+    __slots__ = ("content_length", "exact_length", "headers", "key_fields", "method", "target", "unbounded")
+
+    def __init__(
+        self,
+        method: str,
+        target: str,
+        key_fields: Sequence[str],
+        headers: Sequence[tuple[str, str]],
+        content_length: str | None,
+        unbounded: bool,
+        exact_length: bool = True,
+    ) -> None:
+        self.method = method
+        self.target = target
+        self.key_fields = key_fields
+        self.headers = headers
+        self.content_length = content_length
+        self.unbounded = unbounded
+        self.exact_length = exact_length
 
 
 class Door(Protocol):
@@ -73,68 +83,95 @@ class Door(Protocol):
 
 
 # -- what the sequence needs ------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class PassThrough:
+# Plain classes with slots, not frozen dataclasses: a frozen dataclass pays an
+# object.__setattr__ per field, and every request makes several of these.
+class _Need:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        names: tuple[str, ...] = self.__slots__
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in names)
+        return f"{type(self).__name__}({fields})"
+
+
+class PassThrough(_Need):
     """Run the app as if idemctl were not there; nothing more follows."""
 
+    __slots__ = ()
 
-@dataclass(frozen=True, slots=True)
-class ResolvePrincipal:
+
+class ResolvePrincipal(_Need):
     """The principal the app's auth layer resolves (a str, or None)."""
 
+    __slots__ = ()
 
-@dataclass(frozen=True, slots=True)
-class ReadBody:
+
+class ReadBody(_Need):
     """The whole request body, at most `limit` bytes; `declared` is its
     Content-Length (None when unknown). May raise BodyRefused or ClientGone."""
 
-    limit: int
-    declared: int | None
+    __slots__ = ("declared", "limit")
+
+    def __init__(self, limit: int, declared: int | None) -> None:
+        self.limit = limit
+        self.declared = declared
 
 
-@dataclass(frozen=True, slots=True)
-class Begin:
+class Begin(_Need):
     """The ledger's decision (a Ticket to run, or an Answer)."""
 
-    principal: str
-    key: str | None
-    method: str
-    target: str
-    headers: Sequence[tuple[str, str]]
-    body: bytes
+    __slots__ = ("body", "headers", "key", "method", "principal", "target")
+
+    def __init__(
+        self, principal: str, key: str | None, method: str, target: str, headers: Sequence[tuple[str, str]], body: bytes
+    ) -> None:
+        self.principal = principal
+        self.key = key
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.body = body
 
 
-@dataclass(frozen=True, slots=True)
-class Run:
+class Run(_Need):
     """Run the app once on `body` with `principal`, its answer into `capture`.
     Raising means the app failed."""
 
-    principal: str
-    body: bytes
-    capture: Capture
+    __slots__ = ("body", "capture", "principal")
+
+    def __init__(self, principal: str, body: bytes, capture: Capture) -> None:
+        self.principal = principal
+        self.body = body
+        self.capture = capture
 
 
-@dataclass(frozen=True, slots=True)
-class Abandon:
+class Abandon(_Need):
     """The app failed: leave the reservation for a takeover, or release it."""
 
-    ticket: Ticket
-    release: bool
+    __slots__ = ("release", "ticket")
+
+    def __init__(self, ticket: Ticket, release: bool) -> None:
+        self.ticket = ticket
+        self.release = release
 
 
-@dataclass(frozen=True, slots=True)
-class Finish:
+class Finish(_Need):
     """Store the captured answer: the Delivery to send."""
 
-    ticket: Ticket
-    capture: Capture
+    __slots__ = ("capture", "ticket")
+
+    def __init__(self, ticket: Ticket, capture: Capture) -> None:
+        self.ticket = ticket
+        self.capture = capture
 
 
-@dataclass(frozen=True, slots=True)
-class Send:
+class Send(_Need):
     """Send this answer, with the post-response sweep the gate allows after it."""
 
-    delivery: Delivery
+    __slots__ = ("delivery",)
+
+    def __init__(self, delivery: Delivery) -> None:
+        self.delivery = delivery
 
 
 Need = PassThrough | ResolvePrincipal | ReadBody | Begin | Run | Abandon | Finish | Send
@@ -147,51 +184,66 @@ _GONE = "client disconnected before its request body was complete; nothing was c
 
 def sequence(gate: Gate, request: Request, door: Door) -> Exchange:
     """One request, from its method to the answer sent (see the module)."""
+    # Each request pays for every call made here: the common path inlines
+    # the gate's checks and leaves the gate only the refusals.
     method = request.method
-    if not gate.ledger.policy.protects(method) or door.exempt():
+    ledger = gate.ledger
+    if method not in ledger.policy.protected_methods or door.exempt():
         yield PASS_THROUGH
         return
     target = request.target
-    key = gate.key(request.key_fields, method=method, target=target)
-    if isinstance(key, Answer):
-        yield Send(replied(key))
+    fields = request.key_fields
+    if len(fields) > 1:
+        yield Send(replied(gate.key(fields, method=method, target=target)))  # type: ignore[arg-type]
         return
+    key = fields[0] if fields else None
     if key is None and door.key_optional():
         yield PASS_THROUGH
         return
 
-    who = gate.principal((yield RESOLVE_PRINCIPAL), key=key, method=method, target=target)
-    if isinstance(who, Answer):
-        yield Send(replied(who))
-        return
+    who = yield RESOLVE_PRINCIPAL
+    if who.__class__ is not str or not who:
+        refused = gate.principal(who, key=key, method=method, target=target)
+        if isinstance(refused, Answer):
+            yield Send(replied(refused))
+            return
+        who = refused
     limit = gate.max_body_bytes
     try:
-        declared = declared_length(request.content_length, limit)
+        length = request.content_length
+        if length is None:
+            declared = None
+        elif length.__class__ is str and length.isdigit() and length.isascii() and int(length) <= limit:
+            declared = int(length)  # the usual field: declared_length's answer without its call
+        else:
+            declared = declared_length(length, limit)
         if declared is None and request.unbounded:
             # A body is coming but nothing says where it ends.
             raise length_required()
         body: bytes = yield ReadBody(limit, declared)
-        check_read(len(body), limit)
-        if request.exact_length:
-            check_complete(len(body), declared)
-    except BodyRefused as refused:
-        yield Send(replied(gate.refused(refused, principal=who, key=key, method=method, target=target)))
+        received = len(body)
+        if received > limit:
+            check_read(received, limit)
+        if declared is not None and received != declared and request.exact_length:
+            check_complete(received, declared)
+    except BodyRefused as refused_body:
+        yield Send(replied(gate.refused(refused_body, principal=who, key=key, method=method, target=target)))
         return
     except ClientGone:
         gate.log.info(_GONE)
         return
 
     decided: Answer | Ticket = yield Begin(who, key, method, target, request.headers, body)
-    if isinstance(decided, Answer):
-        yield Send(replied(decided))
+    if decided.__class__ is Answer:
+        yield Send(Delivery(decided, True))
         return
-    capture = gate.capture()
+    capture = Capture(ledger.policy.body_cap_bytes)
     try:
         yield Run(who, decided.body, capture)
     except BaseException:
-        yield Abandon(decided, door.release())
+        yield Abandon(decided, door.release())  # type: ignore[arg-type]
         raise
-    delivery: Delivery = yield Finish(decided, capture)
+    delivery: Delivery = yield Finish(decided, capture)  # type: ignore[arg-type]
     yield Send(delivery)
 
 

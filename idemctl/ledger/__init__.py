@@ -66,6 +66,7 @@ class Ledger:
         # What apps call is each part's own method, bound once here: a
         # request goes through no layer of the ledger's own.
         self.subscribe, self.publish, self.now = core.subscribe, core.publish, core.now
+        self.heard = core.events.heard
         self.async_store, self.aclose, self.close = core.async_store, core.aclose, core.close
         self.init, self.describe = core.init, core.describe
         self.schema_version, self.has_fenced_log, self.require_schema = (

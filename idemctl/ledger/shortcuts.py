@@ -27,6 +27,7 @@ class FunctionShortcuts:
     def __init__(self, core: LedgerCore, steps: SingleSteps, flow: RequestFlow, chores: Housekeeping) -> None:
         self.policy = core.policy
         self.now, self.publish, self.async_store = core.now, core.publish, core.async_store
+        self.heard = core.events.heard  # whether an event would reach anyone: none is built otherwise
         self.decide, self.abandon, self.abandon_steps = flow.decide, flow.abandon, flow.abandon_steps
         self.release_steps, self.complete_steps = steps.release_steps, steps.complete_steps
         self.after_response_steps = chores.after_response_steps

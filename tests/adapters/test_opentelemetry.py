@@ -389,7 +389,7 @@ def test_a_function_call_that_waited_on_the_first_one_says_so(tmp_path, otel):
     assert durations_apart(done) == call_attrs("executed", 1, ran=True)
 
 
-def test_a_function_whose_ledger_is_unavailable_raises_and_records_no_decision(tmp_path, otel):
+def test_a_function_whose_ledger_is_unavailable_raises_and_records_one_unavailable_error_span(tmp_path, otel):
     with Ledger.open(tmp_path / "never-initialised.db") as missing:
         otel.instrument(missing)
 
@@ -399,9 +399,16 @@ def test_a_function_whose_ledger_is_unavailable_raises_and_records_no_decision(t
 
         with pytest.raises(StorageError):
             otel.request(charge)
-    # Only the caller's own span: a call that could not be decided is its exception to report.
-    assert otel.decisions() == []
-    assert otel.counts("idemctl.decisions") == {}
+    # Counted like an HTTP door's 503: the ledger could not be asked, nothing ran.
+    (span,) = otel.decisions()
+    expected = attrs("unavailable", 0, generation=None, key="pay_1")
+    del expected[Attr.METHOD], expected[Attr.STATUS]
+    assert durations_apart(span) == {**expected, Attr.FUNCTION: "charge"}
+    assert (span.status.status_code, span.status.description) == (
+        StatusCode.ERROR,
+        "the ledger could not be asked; nothing ran",
+    )
+    assert otel.counts("idemctl.decisions") == {"unavailable": 1}
 
 
 # -- options, metrics and leases -----------------------------------------------------------------

@@ -813,6 +813,73 @@ def test_function_calls_emit_events_like_requests(ledger):
     assert seen[0].app_ms is not None and seen[1].app_ms is None
 
 
+def test_a_function_whose_ledger_cannot_be_reached_publishes_one_unavailable_event_and_raises(tmp_path):
+    from idemctl import Ledger
+    from idemctl.errors import StorageError
+
+    with Ledger.open(tmp_path / "never-initialised.db") as missing:
+        seen = []
+        missing.subscribe(seen.append)
+
+        @missing.idempotent(key="pay_1", principal="billing", name="charge")
+        def charge() -> int:
+            raise AssertionError("a call whose decision could not be asked must not run")
+
+        before = time.time_ns() // 1_000_000
+        with pytest.raises(StorageError):
+            charge()
+        after = time.time_ns() // 1_000_000
+    assert len(seen) == 1
+    event = seen[0]
+    assert (event.outcome, event.principal, event.key, event.generation) == (
+        Outcome.UNAVAILABLE,
+        "billing",
+        "pay_1",
+        None,
+    )
+    assert (event.method, event.path, event.status, event.app_ms, event.waited) == ("CALL", "charge", None, None, False)
+    assert before <= event.at <= after
+    assert 0.0 <= event.ledger_ms < 10_000
+
+
+def test_an_async_function_whose_ledger_cannot_be_reached_publishes_one_unavailable_event(tmp_path):
+    from idemctl import Ledger
+    from idemctl.errors import StorageError
+
+    with Ledger.open(tmp_path / "never-initialised.db") as missing:
+        seen = []
+        missing.subscribe(seen.append)
+
+        @missing.idempotent(key="pay_1", principal="billing", name="charge")
+        async def charge() -> int:
+            raise AssertionError("a call whose decision could not be asked must not run")
+
+        with pytest.raises(StorageError):
+            asyncio.run(charge())
+    assert [(e.outcome, e.principal, e.key, e.method, e.path, e.status) for e in seen] == [
+        (Outcome.UNAVAILABLE, "billing", "pay_1", "CALL", "charge", None)
+    ]
+
+
+def test_function_calls_build_no_event_when_nobody_listens(ledger, monkeypatch):
+    import idemctl.functions as functions
+
+    built = []
+    real = functions.Event
+    monkeypatch.setattr(functions, "Event", lambda *a, **kw: built.append(a) or real(*a, **kw))
+    logging.getLogger("idemctl.events").setLevel(logging.WARNING)
+    try:
+
+        @ledger.idempotent(key="o-1", principal="billing", name="capture")
+        def capture() -> int:
+            return 5
+
+        assert (capture(), capture()) == (5, 5)
+    finally:
+        logging.getLogger("idemctl.events").setLevel(logging.NOTSET)
+    assert built == []
+
+
 def test_the_async_twin_of_discard_releases_the_claim_without_blocking_the_event_loop(make_ledger):
     ledger = make_ledger()
     blocking_calls: list[str] = []
