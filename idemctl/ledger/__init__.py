@@ -12,18 +12,14 @@ line may hold)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
 from typing import Self
 
-from ..errors import MalformedRowError
-from ..operations import copying
-from ..outcomes import Drained, FencedEvent, Prediction, PurgeResult, RowView, Stats, StoredRow, SweepResult
 from ..policy import Policy
 from ..storage import DEFAULT_FILE_MODE, SqliteOptions, Store
 from .core import Clock, LedgerCore, open_store, wall_clock_ms
 from .housekeeping import Housekeeping
 from .inputs import MAX_PATH_BYTES, MAX_PRINCIPAL_BYTES, check_principal, check_request_line
-from .operator import HasStore, Operator
+from .operator import Operator
 from .requests import Mutation, RequestFlow, RunResult
 from .shortcuts import FunctionShortcuts
 from .steps import SingleSteps
@@ -60,7 +56,14 @@ class Ledger:
         chores = Housekeeping(core)
         calls = FunctionShortcuts(core, steps, flow, chores)
         #: What operators call: reads, purge, sweep, drain, copy.
-        self.operator = Operator(core, chores)
+        self.operator = operator = Operator(core, chores)
+        # The operator's calls under their old names on the ledger: the
+        # operator's own methods, so they answer the same.
+        self.get, self.view, self.pending, self.fenced = operator.get, operator.view, operator.pending, operator.fenced
+        self.predict, self.stats, self.purge = operator.predict, operator.stats, operator.purge
+        self.sweep, self.drain, self.copy_to = operator.sweep, operator.drain, operator.copy_to
+        self.count_expired, self.count_fenced_expired = operator.count_expired, operator.count_fenced_expired
+        self.count_rows = operator.count_rows
         # Fixed at opening: plain attributes, read on every request.
         self.store, self.policy, self.leases = core.store, core.policy, core.leases
         # What apps call is each part's own method, bound once here: a
@@ -148,133 +151,8 @@ class Ledger:
     def clock(self, clock: Clock) -> None:
         self.core.clock = clock
 
-    # -- the operator's side, under its old names ----------------------------------------
-    # Each answers exactly what the same method of `self.operator` answers.
-    def get(self, principal: str, key: str, *, now: int | None = None) -> RowView | None:
-        """:meth:`Operator.get <idemctl.ledger.Operator.get>`, kept on the ledger.
-
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init(); _ = ledger.claim("acct_1", "k1", "fp")
-        >>> ledger.get("acct_1", "k1", now=0) == ledger.operator.get("acct_1", "k1", now=0)
-        True
-        """
-        return self.operator.get(principal, key, now=now)
-
-    def view(self, row: StoredRow, *, now: int | None = None) -> RowView:
-        """:meth:`Operator.view <idemctl.ledger.Operator.view>`, kept on the ledger.
-
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init(); _ = ledger.claim("acct_1", "k1", "fp")
-        >>> ledger.view(ledger.lookup("acct_1", "k1"), now=0).state.value
-        'pending_fresh'
-        """
-        return self.operator.view(row, now=now)
-
-    def pending(
-        self,
-        *,
-        stale_only: bool = False,
-        principal: str | None = None,
-        limit: int | None = None,
-        now: int | None = None,
-        on_malformed: Callable[[MalformedRowError], None] | None = None,
-    ) -> Iterator[RowView]:
-        """:meth:`Operator.pending <idemctl.ledger.Operator.pending>`, kept on the ledger.
-
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init(); _ = ledger.claim("acct_1", "k1", "fp")
-        >>> [v.row.key for v in ledger.pending()]
-        ['k1']
-        """
-        return self.operator.pending(
-            stale_only=stale_only, principal=principal, limit=limit, now=now, on_malformed=on_malformed
-        )
-
-    def fenced(
-        self,
-        *,
-        principal: str | None = None,
-        key: str | None = None,
-        since: int | None = None,
-        limit: int | None = None,
-    ) -> Iterator[FencedEvent]:
-        """:meth:`Operator.fenced <idemctl.ledger.Operator.fenced>`, kept on the ledger.
-
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> list(ledger.fenced())
-        []
-        """
-        return self.operator.fenced(principal=principal, key=key, since=since, limit=limit)
-
-    def predict(self, principal: str, key: str, fingerprint: str, *, now: int | None = None) -> Prediction:
-        """:meth:`Operator.predict <idemctl.ledger.Operator.predict>`, kept on the ledger.
-
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> ledger.predict("acct_1", "k1", "fp").verdict.value
-        'new'
-        """
-        return self.operator.predict(principal, key, fingerprint, now=now)
-
-    def stats(self, *, now: int | None = None) -> Stats:
-        """:meth:`Operator.stats <idemctl.ledger.Operator.stats>`, kept on the ledger.
-
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init(); _ = ledger.claim("acct_1", "k1", "fp")
-        >>> ledger.stats(now=0) == ledger.operator.stats(now=0)
-        True
-        """
-        return self.operator.stats(now=now)
-
-    def purge(self, principal: str, key: str, *, force: bool = False, now: int | None = None) -> PurgeResult:
-        """:meth:`Operator.purge <idemctl.ledger.Operator.purge>`, kept on the ledger.
-
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> ledger.purge("acct_1", "k1").outcome.value
-        'not_found'
-        """
-        return self.operator.purge(principal, key, force=force, now=now)
-
-    def sweep(
-        self,
-        *,
-        now: int | None = None,
-        batch: int | None = None,
-        retention_ms: int | None = None,
-        fenced_retention_ms: int | None = None,
-    ) -> SweepResult:
-        """:meth:`Operator.sweep <idemctl.ledger.Operator.sweep>`, kept on the ledger.
-
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> ledger.sweep().deleted
-        0
-        """
-        return self.operator.sweep(
-            now=now, batch=batch, retention_ms=retention_ms, fenced_retention_ms=fenced_retention_ms
-        )
-
-    def drain(
-        self,
-        *,
-        batch: int | None = None,
-        max_batches: int | None = None,
-        retention_ms: int | None = None,
-        fenced_retention_ms: int | None = None,
-        pause_ms: int = 0,
-        should_stop: Callable[[], bool] = lambda: False,
-        on_batch: Callable[[SweepResult], None] | None = None,
-    ) -> Drained:
-        """:meth:`Operator.drain <idemctl.ledger.Operator.drain>`, kept on the ledger.
-
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> ledger.drain().stopped.value
-        'drained'
-        """
-        return self.operator.drain(
-            batch=batch,
-            max_batches=max_batches,
-            retention_ms=retention_ms,
-            fenced_retention_ms=fenced_retention_ms,
-            pause_ms=pause_ms,
-            should_stop=should_stop,
-            on_batch=on_batch,
-        )
-
+    # The operator's methods under their old names are bound in __init__;
+    # a property cannot be, so this one reads the operator's.
     @property
     def drain_batch(self) -> int:
         """:attr:`Operator.drain_batch <idemctl.ledger.Operator.drain_batch>`, kept on the ledger.
@@ -283,50 +161,6 @@ class Ledger:
         250
         """
         return self.operator.drain_batch
-
-    def count_expired(self, *, now: int | None = None, retention_ms: int | None = None) -> int:
-        """:meth:`Operator.count_expired <idemctl.ledger.Operator.count_expired>`, kept on the ledger.
-
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> ledger.count_expired()
-        0
-        """
-        return self.operator.count_expired(now=now, retention_ms=retention_ms)
-
-    def count_fenced_expired(self, *, now: int | None = None, fenced_retention_ms: int | None = None) -> int:
-        """:meth:`Operator.count_fenced_expired <idemctl.ledger.Operator.count_fenced_expired>`, kept on the ledger.
-
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> ledger.count_fenced_expired()
-        0
-        """
-        return self.operator.count_fenced_expired(now=now, fenced_retention_ms=fenced_retention_ms)
-
-    def count_rows(self) -> int:
-        """:meth:`Operator.count_rows <idemctl.ledger.Operator.count_rows>`, kept on the ledger.
-
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> ledger.count_rows()
-        0
-        """
-        return self.operator.count_rows()
-
-    def copy_to(
-        self,
-        destination: HasStore,
-        *,
-        batch: int = copying.DEFAULT_COPY_BATCH,
-        dry_run: bool = False,
-        on_progress: Callable[[copying.CopyProgress], object] | None = None,
-    ) -> copying.CopyResult:
-        """:meth:`Operator.copy_to <idemctl.ledger.Operator.copy_to>`, kept on the ledger.
-
-        >>> old, new = Ledger.open(":memory:"), Ledger.open(":memory:")
-        >>> _ = old.init(), new.init()
-        >>> old.copy_to(new).copied
-        0
-        """
-        return self.operator.copy_to(destination, batch=batch, dry_run=dry_run, on_progress=on_progress)
 
 
 __all__ = [

@@ -124,9 +124,9 @@ def test_the_operator_carries_the_reads_and_the_chores_and_none_of_the_request_p
 
 @pytest.mark.parametrize("name", [n for n in OLD_OPERATOR_NAMES if n != "drain_batch"])
 def test_each_old_name_on_the_ledger_takes_what_the_operators_method_takes(name):
-    operator = Ledger.open(":memory:").operator
-    assert inspect.signature(getattr(Ledger, name)).parameters.keys() - {"self"} == set(
-        inspect.signature(getattr(operator, name)).parameters
+    ledger = Ledger.open(":memory:")
+    assert inspect.signature(getattr(ledger, name)).parameters.keys() - {"self"} == set(
+        inspect.signature(getattr(ledger.operator, name)).parameters
     )
 
 
