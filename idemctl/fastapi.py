@@ -45,7 +45,7 @@ from .exchange import gate as gates
 from .exchange.capture import Capture
 from .exchange.drive import LATER, Later, drive_async
 from .exchange.gate import Delivery
-from .exchange.sequence import Run, sequence
+from .exchange.sequence import EveryRequestProtected, Run, sequence
 from .exchange.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
 from .ledger import Ledger
 
@@ -70,7 +70,7 @@ class _Immediate(Exception):
         self.response = response
 
 
-class _Door:
+class _Door(EveryRequestProtected):
     """One request's FastAPI side: the endpoint FastAPI resolved, and the
     principal its dependency returned."""
 
@@ -101,15 +101,6 @@ class _Door:
     @property
     def keep(self) -> None:
         return None  # FastAPI runs the endpoint: it is not shielded from the request
-
-    def exempt(self) -> bool:
-        return False
-
-    def key_optional(self) -> bool:
-        return False
-
-    def release(self) -> bool:
-        return self.release_on_error
 
     async def principal(self) -> object:
         return self.who

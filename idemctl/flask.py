@@ -42,7 +42,7 @@ from .exchange import gate as gates
 from .exchange.capture import Capture
 from .exchange.drive import drive
 from .exchange.gate import Delivery, Gate
-from .exchange.sequence import Run, sequence
+from .exchange.sequence import EveryRequestProtected, Run, sequence
 from .exchange.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
 from .ledger import Ledger
 from .wsgi import PRINCIPAL_ENVIRON_KEY, status_line
@@ -117,7 +117,7 @@ def idempotent(
     return decorate
 
 
-class _Door:
+class _Door(EveryRequestProtected):
     """One call of a protected view: Flask's request context in, a Flask response out."""
 
     __slots__ = ("args", "gate", "kwargs", "principal_source", "release_on_error", "request", "view")
@@ -139,15 +139,6 @@ class _Door:
         self.kwargs = kwargs
         self.principal_source = principal
         self.release_on_error = release
-
-    def exempt(self) -> bool:
-        return False
-
-    def key_optional(self) -> bool:
-        return False
-
-    def release(self) -> bool:
-        return self.release_on_error
 
     def principal(self) -> object:
         return self.principal_source()

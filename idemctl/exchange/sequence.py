@@ -82,6 +82,24 @@ class Door(Protocol):
     def release(self) -> bool: ...
 
 
+class EveryRequestProtected:
+    """The :class:`Door` answers of a door wrapped around chosen views
+    (Flask's decorator, FastAPI's route): nothing is exempt, a key is never
+    optional, and `release_on_error` is one flag for the whole door."""
+
+    __slots__ = ()
+    release_on_error: bool
+
+    def exempt(self) -> bool:
+        return False
+
+    def key_optional(self) -> bool:
+        return False
+
+    def release(self) -> bool:
+        return self.release_on_error
+
+
 # -- what the sequence needs ------------------------------------------------------------
 # Plain classes with slots, not frozen dataclasses: a frozen dataclass pays an
 # object.__setattr__ per field, and every request makes several of these.
@@ -253,6 +271,7 @@ __all__ = [
     "Abandon",
     "Begin",
     "Door",
+    "EveryRequestProtected",
     "Exchange",
     "Finish",
     "Need",
