@@ -228,7 +228,11 @@ class IdempotentCall:
         if reservation is None or self._ended or self._result is not None:
             raise RuntimeError("discard() needs a call that this block runs and has not stored")
         self._ended = True
-        ticket = Ticket(
+        return self.ledger.abandon_steps(self._ticket(reservation), release=True)
+
+    def _ticket(self, reservation: Reservation) -> Ticket:
+        """The call's reservation as the ledger's abandon takes it."""
+        return Ticket(
             reservation,
             self.outcome or Outcome.EXECUTED,
             b"",
@@ -238,7 +242,6 @@ class IdempotentCall:
             self._ledger_s * 1000,
             self._owned_at,
         )
-        return self.ledger.abandon_steps(ticket, release=True)
 
     # -- the context manager, sync and async --------------------------------------------
     def __enter__(self) -> IdempotentCall:
@@ -376,17 +379,7 @@ class IdempotentCall:
         if self._result is None and exc is not None:
             policy = self.release_on_error
             release = bool(policy(exc) if callable(policy) else policy)
-            ticket = Ticket(
-                reservation,
-                self.outcome or Outcome.EXECUTED,
-                b"",
-                self._started_at,
-                "CALL",
-                self._name,
-                self._ledger_s * 1000,
-                self._owned_at,
-            )
-            yield from self.ledger.abandon_steps(ticket, release=release)
+            yield from self.ledger.abandon_steps(self._ticket(reservation), release=release)
             return
         yield from self._store_value(reservation, None if self._result is None else self._result[0])
 
