@@ -4,18 +4,11 @@ CI, which installs it (.ci/run)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
+
+from tests.monitoring.prometheus_server import debian_prometheus_tool
 
 
 @pytest.fixture(scope="session")
 def promtool() -> str:
-    found = shutil.which("promtool")
-    if found is None:
-        reason = "promtool is not installed (Debian: apt-get install --no-install-recommends prometheus)"
-        if os.environ.get("CI"):
-            pytest.fail(f"CI checks the Prometheus rules with promtool: {reason}", pytrace=False)
-        pytest.skip(reason)
-    return found
+    return debian_prometheus_tool("promtool", "CI checks the Prometheus rules with promtool")

@@ -17,18 +17,22 @@ import requests
 
 from tests.galera import free_ports
 
-PROMETHEUS = "/usr/bin/prometheus"
+
+def debian_prometheus_tool(name: str, needed_for: str) -> str:
+    """A binary of Debian's `prometheus` package (`prometheus`, `promtool`):
+    skips where it is missing, fails under CI (which installs it)."""
+    found = f"/usr/bin/{name}" if os.path.exists(f"/usr/bin/{name}") else shutil.which(name)
+    if found is None:
+        reason = f"{name} is not installed (Debian: apt-get install --no-install-recommends prometheus)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{needed_for}: {reason}", pytrace=False)
+        pytest.skip(reason)
+    return found
 
 
 def prometheus_or_skip() -> str:
     """The server's binary; skips where it is missing, fails under CI (which installs it)."""
-    found = PROMETHEUS if os.path.exists(PROMETHEUS) else shutil.which("prometheus")
-    if found is None:
-        reason = "prometheus is not installed (Debian: apt-get install --no-install-recommends prometheus)"
-        if os.environ.get("CI"):
-            pytest.fail(f"CI scrapes a real application with Prometheus: {reason}", pytrace=False)
-        pytest.skip(reason)
-    return found
+    return debian_prometheus_tool("prometheus", "CI scrapes a real application with Prometheus")
 
 
 class PrometheusServer:
