@@ -390,20 +390,6 @@ class _Door:
         return self.middleware.principal(self.environ)
 
     def read_body(self, limit: int, declared: int | None) -> bytes:
-        if declared is not None and 0 < declared <= _READ_CHUNK:
-            # The usual body, read here in one call; anything else (a short
-            # read, a client gone) goes the long way, which reads on from here.
-            stream = self.environ["wsgi.input"]
-            try:
-                chunk = stream.read(declared)
-            except OSError as exc:  # as _read_chunk: the client left
-                log.info("client disconnected mid-body after %d of %d bytes: %s", 0, declared, exc)
-                raise rules.incomplete() from exc
-            if not chunk:
-                raise rules.incomplete()
-            if chunk.__class__ is bytes and len(chunk) == declared:
-                return chunk
-            return b"".join((chunk, _read_exactly(stream, declared - len(chunk), declared)))
         return read_body(self.environ, limit, declared)
 
     def run(self, need: Run) -> None:
