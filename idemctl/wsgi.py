@@ -374,14 +374,11 @@ class _Door:
         self.environ = environ
         self.start_response = start_response
 
-    # Each is asked once a request: the options read directly, not through the middleware's methods.
     def exempt(self) -> bool:
-        exempt = self.middleware.exempt
-        return exempt is not None and bool(exempt(self.environ))
+        return self.middleware.exempts(self.environ)
 
     def key_optional(self) -> bool:
-        key_optional = self.middleware.key_optional
-        return key_optional is not None and bool(key_optional(self.environ))
+        return self.middleware.lets_keyless(self.environ)
 
     def release(self) -> bool:
         return self.middleware.release(self.environ)
