@@ -18,9 +18,8 @@ from ..errors import PolicyError, SchemaMissingError
 from ..leases import LeaseKeeper
 from ..outcomes import Event, InitResult, Reservation
 from ..policy import Policy
-from ..storage import SqliteOptions, Store
+from ..storage import SQLITE_DEFAULTS, SqliteOptions, Store
 from ..storage.aio import AsyncStore
-from ..storage.sqlite import SQLITE_DEFAULTS
 from .events import EventHub
 
 Clock = Callable[[], int]
