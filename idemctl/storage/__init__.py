@@ -18,6 +18,7 @@ from .engine import Engine
 from .locations import keyword_dsn
 from .registry import (
     EngineKind,
+    accepted_urls,
     async_opener,
     create_database,
     database_missing,
@@ -82,6 +83,7 @@ __all__ = [
     "EngineKind",
     "SqliteOptions",
     "Store",
+    "accepted_urls",
     "async_opener",
     "create_database",
     "database_missing",

@@ -55,6 +55,7 @@ Capabilities, each a promise about the engine class:
 
 The functions: :func:`register`, :func:`kinds`, :func:`kind_of`,
 :func:`kind_named`, :func:`engine_kind`, :func:`is_file_location`,
+:func:`accepted_urls` (for messages),
 :func:`open_engine`, :func:`open_store`, and the capability queries
 :func:`create_database`, :func:`database_missing`, :func:`failover_facts`,
 :func:`async_opener` and :func:`reads_where_it_writes`.
@@ -220,6 +221,17 @@ def _or_join(words: list[str]) -> str:
 
 def _plain_join(words: list[str]) -> str:
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + f" or {words[-1]}"
+
+
+def accepted_urls() -> str:
+    """The URLs of the server kinds, as a message lists them (each kind's
+    first scheme, in registration order).
+
+    >>> accepted_urls()
+    'a postgresql:// or a mysql:// URL'
+    """
+    shown = [f"a {k.schemes[0]}://" for k in kinds() if k.server and k.schemes]
+    return f"{_plain_join(shown)} URL" if shown else "no URL"
 
 
 def is_file_location(target: str | os.PathLike[str]) -> bool:

@@ -20,6 +20,7 @@ from idemctl.operations.replication import check_failover
 from idemctl.storage import (
     EngineKind,
     Store,
+    accepted_urls,
     create_database,
     engine_kind,
     is_file_location,
@@ -146,6 +147,12 @@ def test_a_missing_driver_names_the_extra_that_brings_it(scratch_registry: None)
         StorageError, match=r"^unsupported ledger URL x://…: use a file path, postgresql://, mysql:// or nodb://$"
     ):
         kind_of("x://y")
+    assert accepted_urls() == "a postgresql://, a mysql:// or a nodb:// URL"
+    empty = CliRunner().invoke(app, ["--db", "", "stats"])
+    assert (empty.exit_code, empty.stderr) == (
+        2,
+        "error: --db is empty: give a ledger file path, a postgresql://, a mysql:// or a nodb:// URL\n",
+    )
 
 
 # -- an engine registered from outside --------------------------------------------------------
