@@ -9,7 +9,9 @@ module: SQLite, PostgreSQL, MariaDB/MySQL). Its fields:
 
 - ``name``: the kind's name, equal to its engine's ``dialect.name``
   (``"sqlite"``, ``"postgres"``, ``"mysql"``); :func:`engine_kind` finds a
-  kind from an open engine by it.
+  kind from an open engine by it, so a non-SQL engine too has a
+  ``dialect`` whose ``name`` is its kind's. Its modules under storage/ are
+  named for it (the boundary test knows an engine's modules by that).
 - ``title``: how messages name it (``"PostgreSQL"``, ``"MariaDB/MySQL"``).
 - ``schemes``: its URL schemes, without ``://`` (``("postgresql", "postgres")``);
   the first is the one messages show. Matched case-sensitively at the start
@@ -53,12 +55,26 @@ Capabilities, each a promise about the engine class:
   request path writes to (False for PostgreSQL, where a multi-host URL
   opened read-only may land on a standby).
 
-The functions: :func:`register`, :func:`kinds`, :func:`kind_of`,
-:func:`kind_named`, :func:`engine_kind`, :func:`is_file_location`,
-:func:`accepted_urls` (for messages),
-:func:`open_engine`, :func:`open_store`, and the capability queries
-:func:`create_database`, :func:`database_missing`, :func:`failover_facts`,
-:func:`async_opener` and :func:`reads_where_it_writes`.
+The functions (all re-exported by :mod:`idemctl.storage`):
+
+- ``register(kind) -> EngineKind``: add a kind, or replace the one of the
+  same name in its place; a scheme another kind has, or a second fallback,
+  is a StorageError. Kinds are tried in registration order, the fallback last.
+- ``kinds() -> tuple[EngineKind, ...]``, in that order;
+  ``kind_named(name)``; ``engine_kind(engine)``, by ``engine.dialect.name``.
+- ``kind_of(target) -> EngineKind``: the kind of a location (a ``str`` or
+  ``os.PathLike``); a URL no kind knows, or no location at all, is a
+  StorageError whose message lists what is accepted.
+- ``is_file_location(target) -> bool`` (never raises) and
+  ``accepted_urls() -> str``, for messages and hints.
+- ``open_engine(target, *, readonly=False, busy_timeout_ms=5000,
+  sqlite=SQLITE_DEFAULTS) -> Engine`` and ``open_store(...)`` with the same
+  arguments, the kind's store over it.
+- The capability queries, which callers use instead of looking for a method:
+  ``create_database(target, *, busy_timeout_ms=5000) -> DatabaseCreated |
+  None`` (None: the kind creates none), ``database_missing(target, exc)``,
+  ``failover_facts(engine) -> FailoverFacts``, ``async_opener(engine)`` (the
+  engine's ``open_async`` or None) and ``reads_where_it_writes(target)``.
 
 >>> kind_of("postgresql://app@db/payments").title, kind_of("ledger.db").name
 ('PostgreSQL', 'sqlite')
