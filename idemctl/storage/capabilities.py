@@ -11,8 +11,10 @@ administrator runs instead: the caller (the CLI) only renders them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ..errors import StorageError
+from .failover import FailoverFacts
 
 
 @dataclass(frozen=True)
@@ -50,3 +52,26 @@ class DatabaseNotCreatedError(StorageError):
     def __init__(self, message: str, *, database: str, command: str, who: str) -> None:
         super().__init__(message)
         self.database, self.command, self.who = database, command, who
+
+
+# What an engine class has when its kind promises the capability
+# (registry.py asks through these; `test_engine_registry.py` checks every
+# registered kind's class against its promises).
+class CreatesDatabase(Protocol):
+    def create_database(self) -> DatabaseCreated: ...
+
+
+class ReadsFailoverFacts(Protocol):
+    def failover_facts(self) -> FailoverFacts: ...
+
+
+class OpensAsync(Protocol):
+    def open_async(self) -> Any:
+        """An asynchronous engine for this loop (storage/aio.py's AsyncStore runs on it)."""
+
+
+CAPABILITY_METHODS = {
+    "creates_database": "create_database",
+    "replicates": "failover_facts",
+    "native_async": "open_async",
+}

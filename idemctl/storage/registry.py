@@ -88,10 +88,10 @@ import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import ConnectionFailedError, LedgerNotFoundError, StorageError
-from .capabilities import DatabaseCreated
+from .capabilities import CreatesDatabase, DatabaseCreated, OpensAsync, ReadsFailoverFacts
 from .failover import FailoverFacts, SingleHost
 from .locations import dsn_url, keyword_dsn
 from .sqlite.options import SQLITE_DEFAULTS, SqliteOptions
@@ -331,7 +331,7 @@ def create_database(target: str, *, busy_timeout_ms: int = 5000) -> DatabaseCrea
         return None
     engine = open_engine(target, busy_timeout_ms=busy_timeout_ms)
     try:
-        result: DatabaseCreated = engine.create_database()  # type: ignore[attr-defined]
+        result = cast(CreatesDatabase, engine).create_database()
     finally:
         engine.close()
     return result
@@ -360,8 +360,7 @@ def failover_facts(engine: object) -> FailoverFacts:
     """
     kind = engine_kind(engine)
     if kind.replicates:
-        facts: FailoverFacts = engine.failover_facts()  # type: ignore[attr-defined]
-        return facts
+        return cast(ReadsFailoverFacts, engine).failover_facts()
     return SingleHost(kind.title, file=not kind.server)
 
 
@@ -374,8 +373,7 @@ def async_opener(engine: object) -> Callable[[], Any] | None:
     """
     if not engine_kind(engine).native_async:
         return None
-    opener: Callable[[], Any] = engine.open_async  # type: ignore[attr-defined]
-    return opener
+    return cast(OpensAsync, engine).open_async
 
 
 def reads_where_it_writes(target: str | os.PathLike[str]) -> bool:

@@ -35,6 +35,7 @@ from idemctl.storage import (
     register,
     registry,
 )
+from idemctl.storage.capabilities import CAPABILITY_METHODS
 from idemctl.storage.dialect import SQLITE
 from idemctl.storage.failover import Severity
 from idemctl.storage.sqlite import SqliteEngine
@@ -85,6 +86,29 @@ def test_the_built_in_kinds_their_order_and_capabilities():
         "mysql": (True, False, True, True, True),
         "sqlite": (False, False, False, False, True),
     }
+
+
+def _promises(kind: EngineKind) -> tuple[dict[str, bool], dict[str, bool]]:
+    """What the kind's engine class has, and what the kind promises it has."""
+    engine_class = kind.engine_class()
+    has = {capability: hasattr(engine_class, method) for capability, method in CAPABILITY_METHODS.items()}
+    return has, {capability: getattr(kind, capability) for capability in CAPABILITY_METHODS}
+
+
+@pytest.mark.parametrize("kind", kinds(), ids=lambda k: k.name)
+def test_each_kind_s_engine_class_has_what_its_capabilities_promise(kind: EngineKind):
+    try:
+        has, promised = _promises(kind)
+    except StorageError as exc:  # its driver is not installed here
+        pytest.skip(str(exc))
+    assert has == promised
+    assert kind.engine_class().dialect.name == kind.name  # type: ignore[attr-defined]
+
+
+def test_the_promise_check_finds_a_kind_that_promises_too_much():
+    lying = dataclasses.replace(kinds()[-1], replicates=True)  # SQLite has no failover facts
+    has, promised = _promises(lying)
+    assert {k for k in has if has[k] != promised[k]} == {"replicates"}
 
 
 def test_a_url_of_no_kind_is_refused_naming_what_is_accepted():
