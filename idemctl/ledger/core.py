@@ -82,7 +82,9 @@ class LedgerCore:
             )
         #: The listeners, and the `idemctl.events` log line of each event.
         self.events = EventHub()
-        # The asynchronous request path, one store per event loop (see async_store).
+        # The asynchronous request path, one store per event loop (see async_store),
+        # opened by the engine's own asynchronous engine where its kind has one.
+        self._open_async = storage.async_opener(store.engine)
         self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncStore] = weakref.WeakKeyDictionary()
         self._async_lock = threading.Lock()
 
@@ -149,7 +151,7 @@ class LedgerCore:
         >>> asyncio.run(Ledger.open(":memory:").aclose()) is None
         True
         """
-        open_async = storage.async_opener(self.store.engine)
+        open_async = self._open_async
         if open_async is None:
             return None
         loop = asyncio.get_running_loop()
