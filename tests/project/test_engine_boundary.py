@@ -1,8 +1,8 @@
 """The engine boundary, held as tests: every engine-specific import and
 branch lives under `idemctl/storage/`. Outside it no module imports a
 database driver, imports an engine's own module, or tells engines apart by
-comparing a URL scheme or an engine's name: it asks the registry
-(`idemctl.storage.registry`). docs/engines.md says how an engine is added."""
+comparing a URL scheme or an engine's name or by probing an engine for a
+capability's method: it asks the registry (`idemctl.storage.registry`). docs/engines.md says how an engine is added."""
 
 from __future__ import annotations
 
