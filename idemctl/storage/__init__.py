@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import cast
 
 from ..errors import StorageError
+from ..policy import DEFAULT_BUSY_TIMEOUT_MS
 from .engine import Engine
 from .locations import dsn_url, keyword_dsn
 from .sqlite import DEFAULT_FILE_MODE, SQLITE_DEFAULTS, SqliteEngine, SqliteOptions
@@ -50,7 +51,7 @@ def open_engine(
     target: str | os.PathLike[str],
     *,
     readonly: bool = False,
-    busy_timeout_ms: int = 5000,
+    busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
     sqlite: SqliteOptions = SQLITE_DEFAULTS,
 ) -> Engine:
     """The engine for a SQLite file path, a postgresql:// or a mysql:// URL;
