@@ -527,7 +527,7 @@ def test_purge_refuses_a_fresh_pending_row_unless_forced(make_ledger, ledger_tar
     forced = cli("purge", "running", "-p", "acct_A", "--yes", "--force", "--db", ledger_target)
     assert forced.exit_code == 0
     assert ledger.lookup("acct_A", "running") is None
-    assert ledger.purge("acct_A", "running").outcome is PurgeOutcome.NOT_FOUND
+    assert ledger.operator.purge("acct_A", "running").outcome is PurgeOutcome.NOT_FOUND
 
 
 def test_purge_of_a_missing_row_exits_1(make_ledger, ledger_target):
@@ -646,7 +646,7 @@ def test_env_vars_choose_the_ledger_and_policy_and_command_options_override_them
     elsewhere = cli("--db", str(tmp_path / "other.db"), "inspect", "k", "-p", "acct_A", "--db", ledger_target, "--json")
     assert json.loads(elsewhere.stdout)["key"] == "k"
     assert not (tmp_path / "other.db").exists()
-    view = ledger.get("acct_A", "k")
+    view = ledger.operator.get("acct_A", "k")
     assert view.state is State.PENDING_FRESH and view.row.status is Status.PENDING
 
 

@@ -92,7 +92,7 @@ def test_prometheus_writes_integers_exactly_and_a_zero_age_when_nothing_is_pendi
     db = tmp_path / "l.db"
     ledger_with(db, expired=40)
     with Ledger.open(db, create=False) as ledger:
-        st, policy = ledger.stats(), ledger.policy
+        st, policy = ledger.operator.stats(), ledger.policy
     lines = cli("--db", str(db), "stats", "--format", "prometheus").stdout.splitlines()
     assert f'idemctl_ledger_storage_bytes{{ledger="{db}"}} {st.storage_bytes}' in lines
     assert f'idemctl_ledger_oldest_pending_age_seconds{{ledger="{db}"}} 0' in lines

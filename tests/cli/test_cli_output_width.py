@@ -104,7 +104,7 @@ def wide_rows_db(tmp_path: Path) -> str:
 
 def fenced_times(wide_rows_db: str) -> list[str]:
     with Ledger.open(wide_rows_db, create=False) as ledger:
-        return [iso(e.fenced_at, millis=False) for e in ledger.fenced()]
+        return [iso(e.fenced_at, millis=False) for e in ledger.operator.fenced()]
 
 
 # -- piped --------------------------------------------------------------------------------------
@@ -172,7 +172,7 @@ def test_piped_stats_lines_are_not_wrapped_or_padded(wide_rows_db, tmp_path):
     ledger_path = deep / "ledger.db"
     os.rename(wide_rows_db, ledger_path)
     with Ledger.open(ledger_path, create=False) as ledger:
-        st = ledger.stats()
+        st = ledger.operator.stats()
     out = piped("stats", "--db", str(ledger_path))
     assert out.splitlines() == [
         f"ledger             {ledger_path} (schema version 3)",

@@ -104,7 +104,7 @@ def test_a_completion_that_committed_before_its_reply_was_lost_is_a_success_not_
     answer = ledger.finish(ticket, 201, HEADERS, ANSWER)
     assert calls == ["complete", "complete", "completed_as"]
     assert answer.outcome is Outcome.EXECUTED
-    assert list(ledger.fenced(principal="acct")) == []
+    assert list(ledger.operator.fenced(principal="acct")) == []
     assert replay_after_the_ttl(ledger, clock) == answer.wire
 
 
@@ -124,7 +124,7 @@ def test_an_oversize_answer_whose_reply_was_lost_is_stored_as_its_sentinel_not_f
     assert (answer.outcome, answer.status) == (Outcome.EXECUTED, 500)
     row = ledger.lookup("acct", "k1")
     assert row is not None and (row.status, row.response_status, row.response_body) == (Status.COMPLETED, 500, None)
-    assert list(ledger.fenced(principal="acct")) == []
+    assert list(ledger.operator.fenced(principal="acct")) == []
 
 
 def test_a_completion_lost_while_a_takeover_moved_the_row_on_is_fenced_out(make_ledger, clock) -> None:
@@ -146,7 +146,7 @@ def test_a_completion_lost_while_a_takeover_moved_the_row_on_is_fenced_out(make_
     (new_owner,) = taken
     assert new_owner.outcome is Outcome.TAKEN_OVER
     assert other.finish(new_owner, 201, HEADERS, ANSWER).outcome is Outcome.TAKEN_OVER
-    assert [e.superseded_generation for e in ledger.fenced(principal="acct")] == [1]
+    assert [e.superseded_generation for e in ledger.operator.fenced(principal="acct")] == [1]
     assert replay_after_the_ttl(ledger, clock)[2] == ANSWER
 
 

@@ -88,7 +88,7 @@ def test_the_library_answers_a_key_list_as_it_answers_several_fields(ledger):
         400,
         "Send exactly one Idempotency-Key: several fields, or a comma outside a quoted key, are a list.",
     )
-    assert runs == [] and ledger.stats().total == 0
+    assert runs == [] and ledger.operator.stats().total == 0
 
 
 def test_the_library_takes_the_quoted_key_as_the_bare_one(ledger):
@@ -96,7 +96,7 @@ def test_the_library_takes_the_quoted_key_as_the_bare_one(ledger):
     first = ledger.handle("acct_1", '"abc"', "POST", "/orders", {}, b"", run)
     again = ledger.handle("acct_1", "abc", "POST", "/orders", {}, b"", run)
     assert (first.outcome.value, again.outcome.value) == ("executed", "replayed")
-    assert ledger.get("acct_1", '"abc"').row.key == "abc"
+    assert ledger.operator.get("acct_1", '"abc"').row.key == "abc"
 
 
 def test_inspect_finds_the_row_by_the_quoted_and_by_the_bare_key(ledger_target, make_ledger, monkeypatch, tmp_path):
