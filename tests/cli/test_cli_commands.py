@@ -17,6 +17,7 @@ from idemctl import Ledger, Policy, State, Status, fingerprint, wall_clock_ms
 from idemctl.cli import app
 from idemctl.outcomes import PurgeOutcome
 from idemctl.schema import schema_files
+from tests.helpers import fingerprint_post_orders
 
 SECOND = 1000
 MINUTE = 60 * SECOND
@@ -553,17 +554,7 @@ def test_fingerprint_prints_the_recipe_hash():
 def test_fingerprint_reads_headers_and_the_body_from_a_file_or_stdin(tmp_path):
     body = tmp_path / "body.json"
     body.write_bytes(b'{"sku":"book"}')
-    args = [
-        "fingerprint",
-        "-X",
-        "POST",
-        "--path",
-        "/orders",
-        "-H",
-        "Content-Type:  application/json ",
-        "-H",
-        "User-Agent: x",
-    ]
+    args = fingerprint_post_orders("Content-Type:  application/json ", "User-Agent: x")
     from_file = cli(*args, "--body-file", str(body))
     from_stdin = cli(*args, "--body-file", "-", input=b'{"sku":"book"}')
     from_text = cli(*args, "--body", '{"sku":"book"}')
@@ -585,17 +576,7 @@ def test_fingerprint_reads_headers_and_the_body_from_a_file_or_stdin(tmp_path):
 def test_fingerprint_with_a_key_says_replay_reused_or_new(make_ledger, ledger_target, at):
     ledger = make_ledger()
     taken_over_row(ledger, at)
-    same = [
-        "fingerprint",
-        "-X",
-        "POST",
-        "--path",
-        "/orders",
-        "-H",
-        "Content-Type: application/json",
-        "--body",
-        '{"sku":"book"}',
-    ]
+    same = fingerprint_post_orders("Content-Type: application/json", body='{"sku":"book"}')
     match = cli(*same, "--key", "order-42", "--principal", "acct_A", "--db", ledger_target)
     assert match.exit_code == 0
     assert match.stdout == f"{FP}\nmatches the stored fingerprint: this request is replayed (201, generation 2)\n"

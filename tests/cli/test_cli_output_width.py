@@ -18,6 +18,7 @@ import pytest
 
 from idemctl import Ledger, wall_clock_ms
 from idemctl.durations import iso
+from tests.helpers import read_terminal
 
 IDEMCTL = Path(sys.executable).with_name("idemctl")
 DAY = 86_400_000
@@ -61,15 +62,7 @@ def on_terminal(*args: str, columns: int) -> str:
             [str(IDEMCTL), *args], stdout=slave, stderr=subprocess.PIPE, env=env(columns, TERM="xterm")
         )
         os.close(slave)
-        seen = b""
-        while True:  # read while it writes: a full terminal buffer would block it
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # EIO: the terminal's other end is closed
-                break
-            if not chunk:
-                break
-            seen += chunk
+        seen = read_terminal(master)
         proc.wait(timeout=60)
     finally:
         os.close(master)

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from idemctl import Ledger, fingerprint, wall_clock_ms
 from idemctl.cli import app
-from tests.helpers import FakeClock
+from tests.helpers import FakeClock, read_terminal
 
 HOUR = 3_600_000
 FP = fingerprint("POST", "/orders", [], b"{}")
@@ -154,6 +154,15 @@ def test_sweep_without_batch_size_drains_in_250s_on_sqlite_and_5000s_on_server_e
     assert ledger.operator.stats().total == 1
 
 
+def file_with_a_backlog(db: Path, *, expired: int) -> Path:
+    """A new SQLite ledger at `db` holding `expired` rows past retention and nothing else."""
+    clock = FakeClock()
+    with Ledger.open(db, clock=clock) as ledger:
+        ledger.init()
+        backlog(ledger, clock, expired=expired, fresh=0)
+    return db
+
+
 def test_sweep_batch_size_is_bounded():
     result = CliRunner().invoke(app, ["sweep", "--batch-size", "1000000"])
     assert result.exit_code == 2 and "--batch-size" in result.stderr and result.stdout == ""
@@ -161,11 +170,7 @@ def test_sweep_batch_size_is_bounded():
 
 @pytest.mark.slow
 def test_ctrl_c_stops_the_sweep_between_batches_and_reports_what_was_deleted(tmp_path):
-    db = tmp_path / "big.db"
-    clock = FakeClock()
-    with Ledger.open(db, clock=clock) as ledger:
-        ledger.init()
-        backlog(ledger, clock, expired=50, fresh=0)
+    db = file_with_a_backlog(tmp_path / "big.db", expired=50)
     proc = subprocess.Popen(
         [str(IDEMCTL), "--db", str(db), "sweep", "--batch-size", "10", "--pause", "5s"],
         stdout=subprocess.PIPE,
@@ -197,11 +202,7 @@ def test_ctrl_c_stops_the_sweep_between_batches_and_reports_what_was_deleted(tmp
 
 @pytest.mark.slow
 def test_the_progress_bar_goes_to_stderr_only_when_it_is_a_terminal(tmp_path):
-    db = tmp_path / "tty.db"
-    clock = FakeClock()
-    with Ledger.open(db, clock=clock) as ledger:
-        ledger.init()
-        backlog(ledger, clock, expired=30, fresh=0)
+    db = file_with_a_backlog(tmp_path / "tty.db", expired=30)
     master, slave = pty.openpty()
     try:
         proc = subprocess.run(
@@ -213,15 +214,7 @@ def test_the_progress_bar_goes_to_stderr_only_when_it_is_a_terminal(tmp_path):
             env={**os.environ, "TERM": "xterm", "COLUMNS": "100"},
         )
         os.close(slave)
-        seen = b""
-        while True:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # EIO: the terminal's other end is closed
-                break
-            if not chunk:
-                break
-            seen += chunk
+        seen = read_terminal(master)
     finally:
         os.close(master)
     assert proc.returncode == 0

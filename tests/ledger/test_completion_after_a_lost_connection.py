@@ -56,6 +56,13 @@ def nothing(n: int) -> None:
     pass
 
 
+def lose_the_first(n: int) -> None:
+    """The connection is lost at the first COMPLETE (before it reaches the
+    server, or after it committed, by where it is passed to wrap_complete)."""
+    if n == 1:
+        raise lost()
+
+
 def begin(ledger: Ledger, key: str = "k1") -> Ticket:
     ticket = ledger.begin("acct", key, "POST", "/orders", {}, BODY)
     assert isinstance(ticket, Ticket)
@@ -76,11 +83,7 @@ def test_a_completion_lost_before_it_reached_the_server_is_stored_on_a_fresh_con
     ledger = make_ledger()
     ticket = begin(ledger)
 
-    def fail_first(n: int) -> None:
-        if n == 1:
-            raise lost()
-
-    calls = wrap_complete(ledger, fail_first, nothing)
+    calls = wrap_complete(ledger, lose_the_first, nothing)
     answer = ledger.finish(ticket, 201, HEADERS, ANSWER)
     assert calls == ["complete", "complete"]
     assert (answer.outcome, answer.status, answer.body) == (Outcome.EXECUTED, 201, ANSWER)
@@ -96,11 +99,7 @@ def test_a_completion_that_committed_before_its_reply_was_lost_is_a_success_not_
     ledger = make_ledger()
     ticket = begin(ledger)
 
-    def lose_the_reply(n: int) -> None:
-        if n == 1:
-            raise lost()
-
-    calls = wrap_complete(ledger, nothing, lose_the_reply)
+    calls = wrap_complete(ledger, nothing, lose_the_first)
     answer = ledger.finish(ticket, 201, HEADERS, ANSWER)
     assert calls == ["complete", "complete", "completed_as"]
     assert answer.outcome is Outcome.EXECUTED
@@ -114,11 +113,7 @@ def test_an_oversize_answer_whose_reply_was_lost_is_stored_as_its_sentinel_not_f
     ledger = make_ledger(policy=Policy(body_cap_bytes=16))
     ticket = begin(ledger)
 
-    def lose_the_reply(n: int) -> None:
-        if n == 1:
-            raise lost()
-
-    calls = wrap_complete(ledger, nothing, lose_the_reply)
+    calls = wrap_complete(ledger, nothing, lose_the_first)
     answer = ledger.finish(ticket, 201, HEADERS, b"x" * 64)
     assert calls == ["complete", "complete", "completed_as"]
     assert (answer.outcome, answer.status) == (Outcome.EXECUTED, 500)
@@ -156,11 +151,7 @@ def test_a_second_completion_with_another_answer_is_not_taken_for_the_stored_one
     assert reservation is not None
     assert ledger.complete(reservation, 201, {}, b"first").stored
 
-    def fail_first(n: int) -> None:
-        if n == 1:
-            raise lost()
-
-    wrap_complete(ledger, fail_first, nothing)
+    wrap_complete(ledger, lose_the_first, nothing)
     assert ledger.complete(reservation, 201, {}, b"second").stored is False
     row = ledger.lookup("acct", "k1")
     assert row is not None and row.response_body == "first"

@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -182,15 +183,23 @@ class Declined(Exception):
     pass
 
 
-def test_an_exception_leaves_the_reservation_pending_and_a_repeat_after_the_ttl_takes_it_over(ledger, clock):
-    runs: list[int] = []
+def failing_once(runs: list[int], error: Exception) -> Callable[[int], dict[str, int]]:
+    """A charge that raises `error` on its first run, then charges; each run's amount goes to `runs`."""
 
-    @ledger.idempotent(key="pay_1", principal="billing")
-    def charge(amount):
+    def charge(amount: int) -> dict[str, int]:
         runs.append(amount)
         if len(runs) == 1:
-            raise ConnectionError("provider timed out")
+            raise error
         return {"amount": amount}
+
+    return charge
+
+
+def test_an_exception_leaves_the_reservation_pending_and_a_repeat_after_the_ttl_takes_it_over(ledger, clock):
+    runs: list[int] = []
+    charge = ledger.idempotent(key="pay_1", principal="billing")(
+        failing_once(runs, ConnectionError("provider timed out"))
+    )
 
     with pytest.raises(ConnectionError):
         charge(500)
@@ -209,13 +218,9 @@ def test_an_exception_leaves_the_reservation_pending_and_a_repeat_after_the_ttl_
 
 def test_release_on_error_deletes_the_reservation_so_a_repeat_runs_at_once(ledger):
     runs: list[int] = []
-
-    @ledger.idempotent(key="pay_1", principal="billing", release_on_error=True)
-    def charge(amount):
-        runs.append(amount)
-        if len(runs) == 1:
-            raise Declined("card declined")
-        return {"amount": amount}
+    charge = ledger.idempotent(key="pay_1", principal="billing", release_on_error=True)(
+        failing_once(runs, Declined("card declined"))
+    )
 
     with pytest.raises(Declined):
         charge(500)
