@@ -7,7 +7,8 @@ operators use. Both are made of parts, one module each, all built on one
 `housekeeping` (the post-response sweep, sweep, drain), `operator` (what
 operators read and change), `shortcuts` (idempotent functions), `events`
 (listeners and the event log), `inputs` (what a principal and a request
-line may hold)."""
+line may hold). `face` declares the request path's methods of `Ledger`
+(signatures and documentation), `deprecated` the operator's old names on it."""
 
 from __future__ import annotations
 
