@@ -38,11 +38,7 @@ from . import (
     report,
     sweep,
 )
-from .common import Context, filesystem_of, machine_info
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-LATEST = os.path.join(HERE, "results", "latest.json")
-PAGE = os.path.join(os.path.dirname(HERE), "docs", "performance.md")
+from .common import LATEST, PAGE, Context, filesystem_of, machine_info
 
 # Order matters: sweep drains the 10^6-row file that growth built.
 BENCHMARKS: dict[str, Callable[[Context], dict[str, Any]]] = {

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import idemctl
+from idemctl.policy import DEFAULT_BUSY_TIMEOUT_MS
 from idemctl.schema import schema_files
 from idemctl.storage.statements import CLAIM, COMPLETE, LOOKUP
 
@@ -112,7 +113,12 @@ async def call_asgi_scope(app: Any, scope: dict[str, Any]) -> tuple[int, bytes]:
 
 # The statements of the raw floor, exactly as idemctl's store writes them.
 RAW_CLAIM, RAW_COMPLETE, RAW_LOOKUP = CLAIM, COMPLETE, LOOKUP
-BUSY_TIMEOUT_MS = 5000
+# Where every entry point (python -m bench, bench.renewal, bench.move)
+# merges its results and renders the page.
+HERE = os.path.dirname(os.path.abspath(__file__))
+LATEST = os.path.join(HERE, "results", "latest.json")
+PAGE = os.path.join(os.path.dirname(HERE), "docs", "performance.md")
+BUSY_TIMEOUT_MS = DEFAULT_BUSY_TIMEOUT_MS  # the ledger's own, for the raw statements too
 
 
 @dataclass

@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from .backlog import DAY_MS, PRINCIPALS, add_rows, init_ledger
-from .common import Context, git_commit, now_ms
+from .common import LATEST, PAGE, Context, git_commit, now_ms
 from .proc import cli, run_measured
 
 COLUMNS = (
@@ -172,7 +172,6 @@ def run(ctx: Context) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     from . import report
-    from .__main__ import LATEST, PAGE
     from .common import machine_info
 
     p = argparse.ArgumentParser(prog="python -m bench.move", description=__doc__.split("\n\n")[0])

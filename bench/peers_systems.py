@@ -301,7 +301,7 @@ class IdemctlWsgi(System):
         return Reply("refused", status, body, body[:200].decode("utf-8", "replace"))
 
     def stored(self, key: str) -> bytes | None:
-        view = self.ledger.get(PRINCIPAL, key)
+        view = self.ledger.operator.get(PRINCIPAL, key)
         if view is None or view.row.status != "completed":
             return None
         return view.row.body_bytes

@@ -38,7 +38,7 @@ from typing import Any
 
 from idemctl import Ledger, Policy
 
-from .common import Context, git_commit, now_ms
+from .common import LATEST, PAGE, Context, git_commit, now_ms
 
 HELD = 300
 PG_URL = os.environ.get("IDEMCTL_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -274,7 +274,6 @@ def run(ctx: Context) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     from . import report
-    from .__main__ import LATEST, PAGE
 
     p = argparse.ArgumentParser(prog="python -m bench.renewal", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks that the harness works, nothing else")

@@ -235,7 +235,7 @@ def _sweep(res: dict[str, Any]) -> list[str]:
         "",
         "| (5) per-request sweep batch (20 rows), FULL | at 10⁶ rows | at 10³ rows | ratio median (min–max) |",
         "|---|---|---|---|",
-        f"| `Ledger.sweep(batch=20)` | {_sp(pr['big_ms'])} ms at {_n(res['expired_rows'])} rows "
+        f"| `ledger.operator.sweep(batch=20)` | {_sp(pr['big_ms'])} ms at {_n(res['expired_rows'])} rows "
         f"| {_sp(pr['small_ms'])} ms at {_n(pr['rows_small'])} → {_n(pr['rows_small_after'])} rows "
         f"| {_sp(pr['ratio_big_to_small'])} |",
     ]

@@ -7,7 +7,7 @@ connection (WAL, FULL), then the checkpoint that its WAL needs. Ours:
 exactly as an operator would. Both run on identical copies of one file, each
 while a separate process keeps claiming new keys (one request every 5 ms);
 its errors and latency are part of the result. The longest single sweep
-transaction is measured on a third copy with the same `Ledger.sweep` batches
+transaction is measured on a third copy with the same `ledger.operator.sweep` batches
 timed one by one. The per-request sweep batch (20 rows) is timed on a ledger
 of 10^3 rows and on the 10^6 backlog.
 
@@ -71,7 +71,7 @@ def per_request_batch(ctx: Context, big: str, reps: int, calls: int) -> dict[str
         for name in ("small", "big") if rep % 2 == 0 else ("big", "small"):
             ledger = ledgers[name]
             t0 = time.perf_counter()
-            deleted = sum(ledger.sweep(batch=20).keys_deleted for _ in range(calls))
+            deleted = sum(ledger.operator.sweep(batch=20).keys_deleted for _ in range(calls))
             lat[name].append((time.perf_counter() - t0) / calls * 1000)
             assert deleted == 20 * calls, (name, deleted)
     for ledger in ledgers.values():
@@ -132,12 +132,12 @@ def cli_sweep(path: str, batch: int | None = None) -> dict[str, Any]:
 
 
 def timed_batches(ledger: Ledger, path: str, batch: int, max_batches: int) -> dict[str, Any]:
-    """The CLI's statements, one `Ledger.sweep` batch at a time, each timed."""
+    """The CLI's statements, one `ledger.operator.sweep` batch at a time, each timed."""
     times: list[float] = []
     with WalSampler(path) as wal:
         for _ in range(max_batches):
             t0 = time.perf_counter()
-            n = ledger.sweep(batch=batch).keys_deleted
+            n = ledger.operator.sweep(batch=batch).keys_deleted
             times.append(time.perf_counter() - t0)
             if n == 0:
                 break

@@ -23,10 +23,9 @@ from typing import Any
 from .durations import human_duration, parse_duration
 from .errors import ConfigError
 from .ledger import Ledger
-from .policy import Policy
+from .policy import DEFAULT_BUSY_TIMEOUT_MS, Policy
 
 DEFAULT_DB = "idempotency.db"
-DEFAULT_BUSY_TIMEOUT_MS = 5000
 ENV_DB = "IDEMCTL_DB"
 ENV_PENDING_TTL = "IDEMCTL_PENDING_TTL"
 ENV_RETENTION = "IDEMCTL_RETENTION"

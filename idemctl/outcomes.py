@@ -240,7 +240,7 @@ class RowView:
     >>> from idemctl import Ledger
     >>> t = [0]; ledger = Ledger.open(":memory:", clock=lambda: t[0]); _ = ledger.init()
     >>> _ = ledger.claim("acct_1", "k1", "fp"); t[0] += 10_000
-    >>> view = ledger.get("acct_1", "k1")
+    >>> view = ledger.operator.get("acct_1", "k1")
     >>> view.state, view.age_ms, view.takeover_in_ms
     (<State.PENDING_FRESH: 'pending_fresh'>, 10000, 20001)
     """

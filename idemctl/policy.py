@@ -11,6 +11,10 @@ from .errors import PolicyError
 DEFAULT_FINGERPRINT_HEADERS: tuple[str, ...] = ("content-type", "x-api-version")
 DEFAULT_REPLAYABLE_HEADERS: tuple[str, ...] = ("content-type", "location")
 DEFAULT_PROTECTED_METHODS: frozenset[str] = frozenset({"POST", "PATCH", "DELETE"})
+# How long a statement waits for a lock held by another writer before it
+# fails (SQLite's busy timeout, the servers' lock timeout): every engine's
+# default, the CLI's and the configuration's.
+DEFAULT_BUSY_TIMEOUT_MS = 5000
 
 
 def _lower_names(names: Iterable[str], what: str) -> tuple[str, ...]:

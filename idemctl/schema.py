@@ -30,7 +30,13 @@ def schema_root() -> Traversable:
 
 
 def schema_files(dialect: str) -> list[SchemaFile]:
-    """The DDL files for one dialect ("sqlite" or "postgres"), in apply order."""
+    """The DDL files of one engine's dialect, in apply order: the folder
+    under ``schema/`` named for it (its ``Dialect.name``), one folder per
+    storage engine.
+
+    >>> [(f.name, f.version) for f in schema_files("sqlite")][-1]
+    ('0004_idemctl_v3.sql', 3)
+    """
     folder = schema_root().joinpath(dialect)
     files = sorted((f for f in folder.iterdir() if f.name.endswith(".sql")), key=lambda f: f.name)
     out = []

@@ -14,7 +14,7 @@ import pytest
 from idemctl import Ledger, Policy
 from tests import galera
 from tests.galera import GaleraCluster
-from tests.helpers import FakeClock, mysql_test_database, postgres_test_schema
+from tests.helpers import FakeClock, missing_driver, mysql_test_database, postgres_test_schema, skip_or_fail
 from tests.pgbouncer import PgBouncer, start_or_skip
 
 # The suite runs with --doctest-modules (for the library's examples); these
@@ -79,15 +79,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def postgres_server() -> str:
     """The test server's base URL; skips (fails under CI) when it is unusable."""
     url = os.environ.get(POSTGRES_URL_ENV, DEFAULT_POSTGRES_URL)
-    reason = None
-    try:
-        from idemctl.storage import Store
-        from idemctl.storage.postgres import PostgresEngine
-    except ImportError as exc:
-        reason = f"PostgreSQL tests need the driver: pip install -e '.[postgres]' ({exc.name} is missing)"
-    else:
+    reason = missing_driver("idemctl.storage.postgres", "PostgreSQL", "postgres")
+    if reason is None:
         from idemctl import StorageError
         from idemctl.errors import SchemaTooNewError
+        from idemctl.storage import Store
+        from idemctl.storage.postgres import PostgresEngine
 
         try:
             probe = Store(PostgresEngine(url, busy_timeout_ms=3000))
@@ -99,10 +96,7 @@ def postgres_server() -> str:
             pass  # someone's ledger outside the per-test schemas: the server itself is fine
         except StorageError as exc:
             reason = f"{exc} (set {POSTGRES_URL_ENV} to use another server)"
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI runs the PostgreSQL half of the suite: {reason}", pytrace=False)
-        pytest.skip(reason)
+    skip_or_fail(reason, "CI runs the PostgreSQL half of the suite")
     return url
 
 
@@ -143,10 +137,7 @@ def redis_server() -> str:
             redis.Redis.from_url(url, socket_connect_timeout=3).ping()
         except redis.RedisError as exc:
             reason = f"no Redis answers at {url}: {exc} (set {REDIS_URL_ENV} to use another server)"
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI runs the Redis tests: {reason}", pytrace=False)
-        pytest.skip(reason)
+    skip_or_fail(reason, "CI runs the Redis tests")
     return url
 
 
@@ -155,13 +146,10 @@ def mysql_server() -> str:
     """The MariaDB/MySQL test server's URL (its database is only used to
     connect); skips (fails under CI) when it is unusable."""
     url = os.environ.get(MYSQL_URL_ENV, DEFAULT_MYSQL_URL)
-    reason = None
-    try:
-        from idemctl.storage.mysql import MysqlEngine
-    except ImportError as exc:
-        reason = f"MariaDB/MySQL tests need the driver: pip install -e '.[mysql]' ({exc.name} is missing)"
-    else:
+    reason = missing_driver("idemctl.storage.mysql", "MariaDB/MySQL", "mysql")
+    if reason is None:
         from idemctl import StorageError
+        from idemctl.storage.mysql import MysqlEngine
 
         probe = MysqlEngine(url, busy_timeout_ms=3000)
         try:
@@ -170,10 +158,7 @@ def mysql_server() -> str:
             reason = f"{exc} (set {MYSQL_URL_ENV} to use another server)"
         finally:
             probe.close()
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI runs the MariaDB half of the suite: {reason}", pytrace=False)
-        pytest.skip(reason)
+    skip_or_fail(reason, "CI runs the MariaDB half of the suite")
     return url
 
 
@@ -224,11 +209,7 @@ def galera_cluster() -> Iterator[GaleraCluster]:
     """A three-node MariaDB Galera cluster on free ports in a temporary
     directory (tests/galera.py), started once for the session and gone
     after it; skips (fails under CI) where galera-4 or rsync is missing."""
-    reason = galera.missing()
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI runs the Galera tests: {reason}", pytrace=False)
-        pytest.skip(reason)
+    skip_or_fail(galera.missing(), "CI runs the Galera tests")
     cluster = GaleraCluster()
     try:
         yield cluster.start()

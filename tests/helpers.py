@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
+import json
 import os
 import re
 import secrets
+import sqlite3
 import subprocess
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import pytest
 
+from idemctl import Ledger
 from idemctl.cli.simulation import VirtualClock
 from idemctl.storage.engine import Params, Rows
 from idemctl.storage.sqlite import SqliteEngine
@@ -34,6 +39,75 @@ IDEMCTL_ENV = (
     "IDEMCTL_PENDING_TTL_MS",
     "IDEMCTL_RETENTION_MS",
 )
+
+
+def read_terminal(master: int, on_output: Callable[[bytes], object] | None = None) -> bytes:
+    """What the other end of a pseudo-terminal wrote, read as it writes (a
+    full terminal buffer would block it) until it closes its end;
+    `on_output(seen so far)` after each read. The caller closes `master`."""
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the terminal's other end is closed
+            break
+        if not chunk:
+            break
+        seen += chunk
+        if on_output is not None:
+            on_output(seen)
+    return seen
+
+
+def quick_bench(module: str, workdir: Path) -> Any:
+    """What ``python -m bench.<module> --quick`` prints (its JSON), run
+    from the checkout with its files under `workdir`; it must exit 0."""
+    proc = subprocess.run(
+        [sys.executable, "-m", f"bench.{module}", "--quick", "--dir", str(workdir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def missing_driver(module: str, tests: str, extra: str) -> str | None:
+    """Why `tests` cannot run here when `module` (an engine of idemctl's)
+    cannot import its driver: the extra that brings it; None when it can."""
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        return f"{tests} tests need the driver: pip install -e '.[{extra}]' ({exc.name} is missing)"
+    return None
+
+
+def fingerprint_post_orders(*headers: str, body: str | None = None) -> list[str]:
+    """The CLI's `fingerprint` of a POST /orders with these headers (and body)."""
+    args = ["fingerprint", "-X", "POST", "--path", "/orders"]
+    for header in headers:
+        args += ["-H", header]
+    return args if body is None else [*args, "--body", body]
+
+
+def sqlite_ledger_of_version(path: str | os.PathLike[str], version: int) -> None:
+    """A SQLite ledger at `path` whose schema says `version` (one a newer
+    idemctl would write), on top of this idemctl's own."""
+    with Ledger.open(path) as ledger:
+        ledger.init()
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("INSERT INTO idemctl_schema_version (version, applied_at) VALUES (?, 0)", (version,))
+
+
+def skip_or_fail(reason: str | None, under_ci: str) -> None:
+    """Skip the test with `reason`, or, under CI (env ``CI`` set), which
+    must run it, fail with ``under_ci: reason``; nothing when `reason` is None."""
+    if reason is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{under_ci}: {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 class FakeClock(VirtualClock):
@@ -69,6 +143,29 @@ def read_only_file(path: str | os.PathLike[str]) -> Iterator[None]:
         subprocess.run(["chattr", "-i", path], check=False)
 
 
+def for_one_test(
+    url: str, engine_class: type[Any], monkeypatch: pytest.MonkeyPatch, drop: Callable[[], None]
+) -> Iterator[str]:
+    """`url` for one test; afterwards every engine of `engine_class` the test
+    opened is closed (pools a test forgot to close would hold server
+    connections for the rest of the run), then `drop()` removes what the
+    test's database held and ends whatever is still connected."""
+    opened: list[Any] = []
+    real_init = engine_class.__init__
+
+    def tracking_init(self: Any, *args: object, **kwargs: object) -> None:
+        real_init(self, *args, **kwargs)
+        opened.append(self)
+
+    monkeypatch.setattr(engine_class, "__init__", tracking_init)
+    try:
+        yield url
+    finally:
+        for engine in opened:
+            engine.close()
+        drop()
+
+
 def postgres_test_schema(base: str, monkeypatch: pytest.MonkeyPatch, *, via: str | None = None) -> Iterator[str]:
     """A private schema on the test server for one test, as a URL whose
     search_path holds only that schema, so processes started by the test reach
@@ -85,21 +182,8 @@ def postgres_test_schema(base: str, monkeypatch: pytest.MonkeyPatch, *, via: str
     url = f"{via or base}{sep}options=-csearch_path%3D{schema}&application_name={app}"
     with psycopg.connect(base, autocommit=True) as admin:
         admin.execute(f"CREATE SCHEMA {schema}")
-    opened: list[postgres.PostgresEngine] = []
-    real_init = postgres.PostgresEngine.__init__
 
-    def tracking_init(self: postgres.PostgresEngine, *args: object, **kwargs: object) -> None:
-        real_init(self, *args, **kwargs)  # type: ignore[arg-type]
-        opened.append(self)
-
-    monkeypatch.setattr(postgres.PostgresEngine, "__init__", tracking_init)
-    try:
-        yield url
-    finally:
-        # Pools a test forgot to close would hold server connections for the
-        # rest of the run; close them, then end whatever is still connected.
-        for engine in opened:
-            engine.close()
+    def drop() -> None:
         with psycopg.connect(base, autocommit=True) as admin:
             # A pooler keeps its idle server connections (the last client's
             # application_name on them) for the next test: only a busy one,
@@ -110,6 +194,8 @@ def postgres_test_schema(base: str, monkeypatch: pytest.MonkeyPatch, *, via: str
                 (app,),
             )
             admin.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+    yield from for_one_test(url, postgres.PostgresEngine, monkeypatch, drop)
 
 
 def mysql_test_database(base: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
@@ -128,19 +214,8 @@ def mysql_test_database(base: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 
     with contextlib.closing(admin()) as conn, conn.cursor() as cur:
         cur.execute(f"CREATE DATABASE {name} CHARACTER SET utf8mb4 COLLATE utf8mb4_bin")
-    opened: list[mysql.MysqlEngine] = []
-    real_init = mysql.MysqlEngine.__init__
 
-    def tracking_init(self: mysql.MysqlEngine, *args: object, **kwargs: object) -> None:
-        real_init(self, *args, **kwargs)  # type: ignore[arg-type]
-        opened.append(self)
-
-    monkeypatch.setattr(mysql.MysqlEngine, "__init__", tracking_init)
-    try:
-        yield url
-    finally:
-        for engine in opened:
-            engine.close()
+    def drop() -> None:
         with contextlib.closing(admin()) as conn, conn.cursor() as cur:
             cur.execute(
                 "SELECT id FROM information_schema.processlist WHERE db = %s AND id <> CONNECTION_ID()", (name,)
@@ -149,6 +224,8 @@ def mysql_test_database(base: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[
                 with contextlib.suppress(pymysql.MySQLError):
                     cur.execute(f"KILL {int(thread_id)}")
             cur.execute(f"DROP DATABASE IF EXISTS {name}")
+
+    yield from for_one_test(url, mysql.MysqlEngine, monkeypatch, drop)
 
 
 def descriptors_of(path: str | os.PathLike[str]) -> list[int]:
@@ -231,6 +308,12 @@ class RecipeWriter:
 
     def close(self) -> None:
         self.conn.close()
+
+    def __enter__(self) -> RecipeWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _run(self, sql: str, params: tuple[Any, ...]) -> tuple[int, list[tuple[Any, ...]]]:
         if self.postgres or self.mysql:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
+from tests.helpers import skip_or_fail
 
 POOL_MODES = ("session", "transaction", "statement")
 # The user PgBouncer runs as when the tests run as root.
@@ -125,9 +125,5 @@ def start_or_skip(
     mode: str, server_url: str, *, ignore_options: bool = False
 ) -> contextlib.AbstractContextManager[PgBouncer]:
     """`running_pgbouncer`, or skip (fail under CI) with the reason it cannot run."""
-    reason = missing_reason()
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI runs the PgBouncer tests: {reason}", pytrace=False)
-        pytest.skip(reason)
+    skip_or_fail(missing_reason(), "CI runs the PgBouncer tests")
     return running_pgbouncer(mode, server_url, ignore_options=ignore_options)

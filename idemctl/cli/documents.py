@@ -91,7 +91,7 @@ def view_json(view: RowView) -> dict[str, Any]:
     >>> from idemctl import Ledger
     >>> ledger = Ledger.open(":memory:", clock=lambda: 0); _ = ledger.init()
     >>> _ = ledger.complete(ledger.claim("acct_A", "order-42", "fp"), 201, {}, b"{}")
-    >>> doc = view_json(ledger.get("acct_A", "order-42"))
+    >>> doc = view_json(ledger.operator.get("acct_A", "order-42"))
     >>> doc["state"], doc["generation"], doc["replay_until"]
     ('completed', 1, 86400000)
     """
@@ -122,7 +122,7 @@ def event_json(event: FencedEvent) -> dict[str, Any]:
     >>> late = ledger.claim("acct_A", "k1", "fp"); t[0] = 31_000
     >>> _ = ledger.takeover("acct_A", "k1", "fp")
     >>> _ = ledger.complete(late, 201, {}, b"{}")
-    >>> doc = event_json(next(ledger.fenced()))
+    >>> doc = event_json(next(ledger.operator.fenced()))
     >>> doc["superseded_generation"], doc["current_generation"], doc["fenced_at"]
     (1, 2, 31000)
     """
@@ -134,7 +134,7 @@ def stats_json(stats: Stats) -> dict[str, Any]:
 
     >>> from idemctl import Ledger
     >>> ledger = Ledger.open(":memory:", clock=lambda: 0); _ = ledger.init()
-    >>> doc = stats_json(ledger.stats())
+    >>> doc = stats_json(ledger.operator.stats())
     >>> doc["total"], doc["expired"], doc["fenced_out_events"]
     (0, 0, 0)
     """
@@ -148,7 +148,7 @@ def inspect_json(view: RowView, events: Iterable[FencedEvent]) -> dict[str, Any]
     >>> from idemctl import Ledger
     >>> ledger = Ledger.open(":memory:", clock=lambda: 0); _ = ledger.init()
     >>> _ = ledger.claim("acct_A", "k1", "fp")
-    >>> doc = inspect_json(ledger.get("acct_A", "k1"), [])
+    >>> doc = inspect_json(ledger.operator.get("acct_A", "k1"), [])
     >>> doc["found"], doc["state"], doc["fenced_out"]
     (True, 'pending_fresh', [])
     """
@@ -227,7 +227,7 @@ def stats_report_json(database: str, policy: Policy, stats: Stats, check_failed:
 
     >>> from idemctl import Ledger
     >>> ledger = Ledger.open(":memory:", clock=lambda: 0); _ = ledger.init()
-    >>> doc = stats_report_json(ledger.describe(), ledger.policy, ledger.stats(), [])
+    >>> doc = stats_report_json(ledger.describe(), ledger.policy, ledger.operator.stats(), [])
     >>> doc["database"], doc["total"], doc["check_failed"]
     (':memory:', 0, [])
     """
@@ -263,7 +263,7 @@ def sweep_json(drained: Drained, policy: Policy, *, batch_size: int, elapsed_ms:
 
     >>> from idemctl import Ledger
     >>> ledger = Ledger.open(":memory:", clock=lambda: 0); _ = ledger.init()
-    >>> doc = sweep_json(ledger.drain(batch=250), ledger.policy, batch_size=250, elapsed_ms=3, remaining=0)
+    >>> doc = sweep_json(ledger.operator.drain(batch=250), ledger.policy, batch_size=250, elapsed_ms=3, remaining=0)
     >>> doc["deleted"], doc["batches"], doc["stopped"]
     (0, 1, 'drained')
     """
@@ -320,7 +320,7 @@ def stats_prometheus(database: str, stats: Stats, policy: Policy) -> str:
     >>> from idemctl import Ledger
     >>> ledger = Ledger.open(":memory:", clock=lambda: 60_000); _ = ledger.init()
     >>> _ = ledger.claim("acct", "k", "fp", now=0)
-    >>> print(stats_prometheus(":memory:", ledger.stats(), ledger.policy).splitlines()[2])
+    >>> print(stats_prometheus(":memory:", ledger.operator.stats(), ledger.policy).splitlines()[2])
     idemctl_ledger_rows{ledger=":memory:",state="pending_fresh"} 0
     """
     label = 'ledger="' + database.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
@@ -370,7 +370,7 @@ def copy_json(result: CopyResult) -> dict[str, Any]:
     >>> from idemctl import Ledger
     >>> source, destination = Ledger.open(":memory:"), Ledger.open(":memory:")
     >>> _ = source.init(), destination.init()
-    >>> doc = copy_json(source.copy_to(destination))
+    >>> doc = copy_json(source.operator.copy_to(destination))
     >>> doc["copied"], doc["conflicts"]
     (0, [])
     """

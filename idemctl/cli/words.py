@@ -19,13 +19,13 @@ def state_words(view: RowView) -> str:
     >>> from idemctl import Ledger
     >>> t = [0]; ledger = Ledger.open(":memory:", clock=lambda: t[0]); _ = ledger.init()
     >>> reservation = ledger.claim("acct_A", "k1", "fp"); t[0] = 12_000
-    >>> state_words(ledger.get("acct_A", "k1"))
+    >>> state_words(ledger.operator.get("acct_A", "k1"))
     'pending, 12 s old: retries get 409 for 18 s more, then the next retry takes over as generation 2'
     >>> _ = ledger.store.renew([(reservation.principal, "k1", 1, reservation.token)], 14_000); t[0] = 15_000
-    >>> state_words(ledger.get("acct_A", "k1")).split(":")[0]
+    >>> state_words(ledger.operator.get("acct_A", "k1")).split(":")[0]
     'pending, claimed 15 s ago, lease last renewed 1 s ago'
     >>> _ = ledger.complete(reservation, 201, {}, b"{}"); t[0] += 3 * 3_600_000
-    >>> state_words(ledger.get("acct_A", "k1"))
+    >>> state_words(ledger.operator.get("acct_A", "k1"))
     'completed 3 h ago: replayed until 1970-01-02T00:00:15Z (in 21 h); the sweep may delete it after that'
     """
     row, now = view.row, view.now
@@ -123,10 +123,10 @@ def verdict_words(prediction: Prediction) -> str:
 
     >>> from idemctl import Ledger
     >>> ledger = Ledger.open(":memory:", clock=lambda: 0); _ = ledger.init()
-    >>> verdict_words(ledger.predict("acct_A", "k1", "fp"))
+    >>> verdict_words(ledger.operator.predict("acct_A", "k1", "fp"))
     'no row for this key: this request would be claimed and run'
     >>> _ = ledger.claim("acct_A", "k1", "fp")
-    >>> verdict_words(ledger.predict("acct_A", "k1", "fp"))
+    >>> verdict_words(ledger.operator.predict("acct_A", "k1", "fp"))
     'matches the stored fingerprint: this request gets 409 in progress for 30 s more, then takes over as generation 2'
     """
     view = prediction.view
@@ -158,7 +158,7 @@ def copy_words(result: CopyResult) -> str:
     >>> from idemctl import Ledger
     >>> source, destination = Ledger.open(":memory:"), Ledger.open(":memory:")
     >>> _ = source.init(), destination.init()
-    >>> print(copy_words(source.copy_to(destination)))
+    >>> print(copy_words(source.operator.copy_to(destination)))
     copied 0 of 0 row(s) from :memory: to :memory: (0 new, 0 updated), 0 already there, 0 kept newer in the destination, 0 conflict(s); fenced-out log: 0 of 0 event(s) copied
     """  # noqa: E501
     verb = "would copy" if result.dry_run else "copied"

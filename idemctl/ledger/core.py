@@ -17,7 +17,7 @@ from .. import decision, storage
 from ..errors import PolicyError, SchemaMissingError
 from ..leases import LeaseKeeper
 from ..outcomes import Event, InitResult, Reservation
-from ..policy import Policy
+from ..policy import DEFAULT_BUSY_TIMEOUT_MS, Policy
 from ..storage import SQLITE_DEFAULTS, SqliteOptions, Store
 from ..storage.aio import AsyncStore
 from .events import EventHub
@@ -38,7 +38,7 @@ def open_store(
     target: str | os.PathLike[str],
     *,
     readonly: bool = False,
-    busy_timeout_ms: int = 5000,
+    busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
     sqlite: SqliteOptions = SQLITE_DEFAULTS,
 ) -> Store:
     """The store of a ledger at `target` (see :meth:`idemctl.Ledger.open`).
@@ -90,26 +90,11 @@ class LedgerCore:
 
     # -- events -------------------------------------------------------------------------
     def subscribe(self, listener: Callable[[Event], object]) -> Callable[[], None]:
-        """Call `listener(event)` for every decision; returns the function that
-        unsubscribes it. A listener that raises is logged and never fails a
-        request. Listeners run in the request's thread: keep them quick.
-
-        >>> from idemctl import Ledger
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> seen = []
-        >>> stop = ledger.subscribe(seen.append)
-        >>> _ = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b""))
-        >>> _ = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b""))
-        >>> [e.outcome.value for e in seen]
-        ['executed', 'replayed']
-        >>> stop()
-        """
+        """Call `listener(event)` for every decision: see :meth:`idemctl.Ledger.subscribe`."""
         return self.events.subscribe(listener)
 
     def publish(self, event: Event) -> None:
-        """Deliver an event to the listeners and the `idemctl.events` log: for
-        integrations that decide outside `begin`/`finish` (idempotent
-        functions use it). Never raises because of a listener."""
+        """Deliver an event to the listeners and the `idemctl.events` log: see :meth:`idemctl.Ledger.publish`."""
         self.events.emit(event)
 
     def close(self) -> None:
@@ -138,19 +123,7 @@ class LedgerCore:
             self.leases.drop(reservation)
 
     def async_store(self) -> AsyncStore | None:
-        """The asynchronous request path for the running event loop, opened
-        on first use: on PostgreSQL, psycopg's asynchronous connections in
-        a pool of this loop's own, running the same statements as the
-        synchronous path (the ASGI middleware, the FastAPI route class and
-        async idempotent functions use it). None on SQLite, whose driver
-        has no asynchronous I/O: there they run in worker threads. Close it
-        with :meth:`aclose` (say in the app's lifespan shutdown).
-
-        >>> from idemctl import Ledger
-        >>> import asyncio
-        >>> asyncio.run(Ledger.open(":memory:").aclose()) is None
-        True
-        """
+        """The asynchronous request path for the running event loop: see :meth:`idemctl.Ledger.async_store`."""
         open_async = self._open_async
         if open_async is None:
             return None
@@ -168,10 +141,7 @@ class LedgerCore:
             return store
 
     async def aclose(self) -> None:
-        """Close the running event loop's asynchronous connections (see
-        :meth:`async_store`), once the releases that cancelled requests left
-        running on this loop have finished (up to 5 s); the next request on
-        this loop opens them again."""
+        """Close the running event loop's asynchronous connections: see :meth:`idemctl.Ledger.aclose`."""
         await decision.settle_orphans()
         with self._async_lock:
             store = self._async.pop(asyncio.get_running_loop(), None)
@@ -179,12 +149,7 @@ class LedgerCore:
             await store.aclose()
 
     def describe(self) -> str:
-        """Where the ledger lives, safe to print (a URL without its password).
-
-        >>> from idemctl import Ledger
-        >>> Ledger.open(":memory:").describe()
-        ':memory:'
-        """
+        """Where the ledger lives, safe to print: see :meth:`idemctl.Ledger.describe`."""
         return self.store.describe()
 
     def now(self) -> int:
@@ -195,33 +160,19 @@ class LedgerCore:
 
     # -- schema ---------------------------------------------------------------------
     def init(self, *, dry_run: bool = False) -> InitResult:
-        """Create or upgrade the schema; safe to run any number of times.
-
-        >>> from idemctl import Ledger
-        >>> ledger = Ledger.open(":memory:")
-        >>> ledger.init().describe(), ledger.init().describe()
-        ('created (schema version 3)', 'already up to date (schema version 3)')
-        """
+        """Create or upgrade the schema: see :meth:`idemctl.Ledger.init`."""
         return self.store.init(self.now(), dry_run)
 
     def schema_version(self) -> int | None:
-        """None: no ledger; 0: the recipe's table only; N: idemctl schema N."""
+        """None: no ledger; 0: the recipe's table only; N: idemctl schema N:
+        see :meth:`idemctl.Ledger.schema_version`."""
         return self.store.schema_version()
 
     def has_fenced_log(self) -> bool:
-        """Whether the ledger records fenced-out events (a ledger with only
-        the recipe's table does not, until :meth:`init` upgrades it)."""
+        """Whether the ledger records fenced-out events: see :meth:`idemctl.Ledger.has_fenced_log`."""
         return self.store.has_fenced_log()
 
     def require_schema(self) -> None:
-        """Raise SchemaMissingError unless the ledger's tables exist (they
-        may be the recipe's alone): for tools that must never create one.
-
-        >>> from idemctl import Ledger
-        >>> Ledger.open(":memory:").require_schema()
-        Traceback (most recent call last):
-        ...
-        idemctl.errors.SchemaMissingError: :memory: has no idempotency ledger
-        """
+        """Raise SchemaMissingError unless the ledger's tables exist: see :meth:`idemctl.Ledger.require_schema`."""
         if self.schema_version() is None:
             raise SchemaMissingError(self.describe())

@@ -37,34 +37,12 @@ class Housekeeping:
         self._sweep_rests_until = 0
 
     def sweep_due(self, answer: Answer) -> bool:
-        """Whether `after_response(answer)` would run a statement: only for
-        answers that ran the mutation, and not while the last probe showed
-        nothing can expire yet. No I/O, so an async adapter can skip the
-        hand-off to a thread.
-
-        >>> from idemctl import Ledger
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> first = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b""))
-        >>> ledger.sweep_due(first), ledger.after_response(first).quiet_for_ms > 0, ledger.sweep_due(first)
-        (True, True, False)
-        """
+        """Whether `after_response(answer)` would run a statement: see :meth:`idemctl.Ledger.sweep_due`."""
         now = answer.started_at
         return now is not None and answer.outcome in _SWEEPS_AFTER and now >= self._sweep_rests_until
 
     def after_response_steps(self, answer: Answer) -> decision.Steps[SweepResult | None]:
-        """The post-response housekeeping of SPEC §4.9: one bounded sweep batch
-        at the request's own `now`. Call it after the answer has been sent.
-        It never raises: a failed sweep is logged and retried by the next request.
-
-        As steps, for a driver that does its I/O its own way (see
-        :meth:`begin_steps`); :meth:`after_response` runs them in this thread.
-
-        >>> from idemctl import Ledger
-        >>> ledger = Ledger.open(":memory:", clock=lambda: 1_700_000_000_000); _ = ledger.init()
-        >>> answer = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b""))
-        >>> ledger.after_response(answer).deleted
-        0
-        """
+        """The post-response sweep, as steps: see :meth:`idemctl.Ledger.after_response_steps`."""
         now = answer.started_at
         if now is None or answer.outcome not in _SWEEPS_AFTER:
             return None
@@ -98,7 +76,7 @@ class Housekeeping:
         >>> t = [0]; ledger = Ledger.open(":memory:", clock=lambda: t[0]); _ = ledger.init()
         >>> for i in range(3): _ = ledger.claim("acct_1", f"k{i}", "fp")
         >>> t[0] += ledger.policy.retention_ms + 1
-        >>> ledger.sweep(batch=2).keys_deleted, ledger.sweep(batch=2).keys_deleted
+        >>> ledger.operator.sweep(batch=2).keys_deleted, ledger.operator.sweep(batch=2).keys_deleted
         (2, 1)
         """
         now = self.core.now() if now is None else now
@@ -132,7 +110,7 @@ class Housekeeping:
 
         >>> from idemctl import Ledger
         >>> ledger = Ledger.open(":memory:", clock=lambda: 0); _ = ledger.init()
-        >>> ledger.drain(retention_ms=60_000)
+        >>> ledger.operator.drain(retention_ms=60_000)
         Drained(keys_deleted=0, fenced_deleted=0, batches=1, stopped=<DrainStop.DRAINED: 'drained'>)
         """
         size = self.drain_batch if batch is None else batch

@@ -77,29 +77,7 @@ class RequestFlow:
         headers: HeadersLike | None,
         body: bytes | bytearray | memoryview,
     ) -> decision.Steps[Answer | Ticket]:
-        """Decide one request (SPEC §1 and §4): an :class:`Answer` to send as it
-        is (a replay, 400, 401, 409), or a :class:`Ticket` that says: run the
-        mutation once with ``ticket.body``, then call :meth:`finish` (or
-        :meth:`abandon` if it raised).
-
-        >>> from idemctl import Ledger
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> ticket = ledger.begin("acct_1", "k1", "POST", "/orders", {}, b'{"sku":"x"}')
-        >>> ticket.outcome, ticket.reservation.generation
-        (<Outcome.EXECUTED: 'executed'>, 1)
-        >>> ledger.finish(ticket, 201, {"content-type": "application/json"}, b'{"id":7}').status
-        201
-        >>> ledger.begin("acct_1", "k1", "POST", "/orders", {}, b'{"sku":"x"}').outcome
-        <Outcome.REPLAYED: 'replayed'>
-
-        As steps, for a driver that does its I/O its own way: they yield the
-        store operations they need and the pauses between the polls of an
-        in-progress wait. :meth:`begin` runs them in the calling thread
-        (`idemctl.decision.run`); `idemctl.decision.run_async` from an event loop.
-
-        >>> decision.run(ledger.begin_steps("acct_1", "k9", "POST", "/orders", {}, b"")).outcome
-        <Outcome.EXECUTED: 'executed'>
-        """
+        """Decide one request, as steps: see :meth:`idemctl.Ledger.begin_steps`."""
         policy = self.policy
         raw = as_body_bytes(body, "request body")
         if not policy.protects(method):
@@ -147,19 +125,7 @@ class RequestFlow:
     begin = decision.blocking(begin_steps)
 
     def decide(self, principal: str, key: str, fingerprint: str) -> decision.Steps[decision.Decision]:
-        """The decision loop itself, for integrations with their own request
-        shape (idempotent functions): claim, or look up and branch, with the
-        policy's in-progress wait. Drive it with `idemctl.decision.run` (or
-        `run_async`); a :class:`~idemctl.decision.Claimed` result owns the
-        reservation.
-
-        >>> from idemctl import Ledger
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> decision.run(ledger.decide("billing", "pay_1", "fp")).outcome
-        <Outcome.EXECUTED: 'executed'>
-        >>> type(decision.run(ledger.decide("billing", "pay_1", "other"))).__name__
-        'Reused'
-        """
+        """The decision loop itself, as steps: see :meth:`idemctl.Ledger.decide`."""
         check_principal(principal)
         key = check_key(key)
         return self._decide_and_hold(principal, key, fingerprint)
@@ -225,14 +191,7 @@ class RequestFlow:
         return answer
 
     def shape(self, answer: tuple[int, responses.Headers, bytes]) -> tuple[int, responses.Headers, bytes]:
-        """One of idemctl's own error answers as the policy wants it: the
-        recipe's ``{"error": ...}`` JSON, or RFC 9457 problem details with
-        ``Policy(problem_details=True)``.
-
-        >>> from idemctl import Ledger, Policy
-        >>> Ledger.open(":memory:", policy=Policy(problem_details=True)).shape(responses.key_required())[1]
-        (('content-type', 'application/problem+json'),)
-        """
+        """One of idemctl's own error answers as the policy wants it: see :meth:`idemctl.Ledger.shape`."""
         return responses.as_problem(answer) if self.policy.problem_details else answer
 
     def refuse(
@@ -245,19 +204,8 @@ class RequestFlow:
         method: str,
         path: str,
     ) -> Answer:
-        """An answer an adapter makes before the ledger is asked (401, a body
-        it cannot read, a repeated key field), published as an event like
-        every decision of the ledger's own.
-
-        >>> from idemctl import Ledger
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> seen = []; _ = ledger.subscribe(seen.append)
-        >>> ledger.refuse(responses.unauthenticated(), Outcome.UNAUTHENTICATED,
-        ...               principal=None, key="k1", method="POST", path="/orders").status
-        401
-        >>> seen[0].outcome.value, seen[0].key
-        ('unauthenticated', 'k1')
-        """
+        """An answer an adapter makes before the ledger is asked, published as an event:
+        see :meth:`idemctl.Ledger.refuse`."""
         answer = Answer(*self.shape(refusal), outcome)
         if self.events.heard(outcome):
             event = Event(outcome, principal, key, None, method, path, answer.status, 0.0, None, wall_clock_ms())
@@ -271,22 +219,7 @@ class RequestFlow:
         headers: HeadersLike | None,
         body: bytes | bytearray | memoryview | str | responses.OversizeBody,
     ) -> decision.Steps[Answer]:
-        """Store the mutation's answer with one fenced statement and return the
-        answer built from what was stored (equal to every later replay). A
-        late owner is fenced out: it still gets the answer it computed, and
-        the event is recorded. If the store fails, AnswerNotStoredError
-        carries the answer the app computed, shaped as a stored one.
-
-        As steps, for a driver that does its I/O its own way (see
-        :meth:`begin_steps`); :meth:`finish` runs them in this thread.
-
-        >>> from idemctl import Ledger
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> ticket = ledger.begin("acct_1", "k2", "POST", "/orders", {}, b"{}")
-        >>> answer = ledger.finish(ticket, 201, {"location": "/orders/8"}, b"ok")
-        >>> answer.outcome, answer.header("location"), answer.body
-        (<Outcome.EXECUTED: 'executed'>, '/orders/8', b'ok')
-        """
+        """Store the mutation's answer with one fenced statement, as steps: see :meth:`idemctl.Ledger.finish_steps`."""
         reservation = ticket.reservation
         if reservation is None:
             if isinstance(body, responses.OversizeBody):
@@ -357,21 +290,7 @@ class RequestFlow:
         )
 
     def abandon_steps(self, ticket: Ticket, *, release: bool = False) -> decision.Steps[None]:
-        """The mutation raised. By default the reservation stays pending and a
-        retry takes it over after the TTL; ``release=True`` (for mutations
-        known to have rolled back) deletes it so a retry runs at once. Never
-        raises: a failed release is logged.
-
-        As steps, for a driver that does its I/O its own way (see
-        :meth:`begin_steps`); :meth:`abandon` runs them in this thread.
-
-        >>> from idemctl import Ledger
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> ticket = ledger.begin("acct_1", "k3", "POST", "/orders", {}, b"{}")
-        >>> ledger.abandon(ticket, release=True)
-        >>> ledger.lookup("acct_1", "k3") is None
-        True
-        """
+        """Give up a reservation whose mutation raised, as steps: see :meth:`idemctl.Ledger.abandon_steps`."""
         reservation = ticket.reservation
         if reservation is None:
             return
@@ -396,20 +315,7 @@ class RequestFlow:
         *,
         release_on_error: bool = False,
     ) -> Answer:
-        """Run one request under the Idempotency-Key contract: :meth:`begin`,
-        then `run(body)` at most once when this caller owns the reservation,
-        then :meth:`finish`. `run` returns ``(status, headers, body)``. Call
-        :meth:`after_response` once the answer has been sent.
-
-        >>> from idemctl import Ledger
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> order = lambda body: (201, {"content-type": "application/json"}, b'{"id":7}')
-        >>> answer = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b'{"sku":"x"}', order)
-        >>> answer.status, answer.outcome
-        (201, <Outcome.EXECUTED: 'executed'>)
-        >>> ledger.handle("acct_1", "k1", "POST", "/orders", {}, b'{"sku":"x"}', order).outcome
-        <Outcome.REPLAYED: 'replayed'>
-        """
+        """Run one request under the Idempotency-Key contract: see :meth:`idemctl.Ledger.handle`."""
         decided = self.begin(principal, key, method, path_and_query, headers, body)
         if isinstance(decided, Answer):
             return decided

@@ -42,48 +42,7 @@ class FunctionShortcuts:
         serializer: SerializerLike | None = None,
         release_on_error: functions.ReleasePolicy = False,
     ) -> functions.IdempotentDecorator:
-        """Decorator: run a function (plain or ``async def``) once per
-        (principal, key) and store its return value (JSON by default). A
-        repeat with the same arguments gets the stored value without running;
-        other arguments raise KeyReusedError; a duplicate while the first
-        runs raises CallInProgressError (``retry_after``). `key` and
-        `principal` are strings or callables of the function's arguments;
-        `args` chooses the arguments the fingerprint covers (all by default).
-        `serializer` stores a value JSON cannot hold: a ``(dump, load)``
-        pair of functions to and from JSON values (or a Powertools output
-        serializer), or an object with ``dumps``/``loads`` of bytes; the
-        first caller and every repeat get ``load``'s value. See
-        docs/workers.md.
-
-        >>> from idemctl import Ledger
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> runs = []
-        >>> @ledger.idempotent(key=lambda payment: payment["id"], principal="billing")
-        ... def charge(payment):
-        ...     runs.append(payment["id"])
-        ...     return {"charged": payment["amount"]}
-        >>> charge({"id": "pay_1", "amount": 500}), charge({"id": "pay_1", "amount": 500}), runs
-        ({'charged': 500}, {'charged': 500}, ['pay_1'])
-        >>> charge({"id": "pay_1", "amount": 900})  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        idemctl.errors.KeyReusedError: key 'pay_1' of principal 'billing' was used for a call with other arguments; ...
-
-        A dataclass comes back as the dataclass through the pair it already has:
-
-        >>> from dataclasses import asdict, dataclass
-        >>> from decimal import Decimal
-        >>> @dataclass
-        ... class Receipt:
-        ...     payment_id: str
-        ...     amount: str
-        >>> @ledger.idempotent(key=lambda payment_id, amount: payment_id, principal="billing",
-        ...                    serializer=(asdict, lambda d: Receipt(**d)))
-        ... def settle(payment_id, amount):
-        ...     return Receipt(payment_id, str(Decimal(amount)))
-        >>> settle("pay_2", "12.50"), settle("pay_2", "12.50")
-        (Receipt(payment_id='pay_2', amount='12.50'), Receipt(payment_id='pay_2', amount='12.50'))
-        """
+        """Decorator: run a function once per (principal, key): see :meth:`idemctl.Ledger.idempotent`."""
         settings = functions.CallSettings(name, serializer, release_on_error)
         return functions.IdempotentDecorator(self, key=key, principal=principal, args=args, settings=settings)
 
@@ -97,21 +56,6 @@ class FunctionShortcuts:
         serializer: SerializerLike | None = None,
         release_on_error: functions.ReleasePolicy = False,
     ) -> functions.IdempotentCall:
-        """One idempotent call as a context manager (``with`` or ``async
-        with``), for code that is not one function: `args` is the JSON value
-        the fingerprint covers. Skip the work when ``call.replayed``; hand the
-        result to ``call.store()``; after the block ``call.value`` is what
-        every repeat returns.
-
-        >>> from idemctl import Ledger
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> for attempt in (1, 2):
-        ...     with ledger.idempotent_call(principal="billing", key="pay_1", args={"amount": 500}) as call:
-        ...         if not call.replayed:
-        ...             call.store({"charged": 500})
-        ...     print(attempt, call.outcome.value, call.value)
-        1 executed {'charged': 500}
-        2 replayed {'charged': 500}
-        """
+        """One idempotent call as a context manager: see :meth:`idemctl.Ledger.idempotent_call`."""
         settings = functions.CallSettings(name, serializer, release_on_error)
         return functions.IdempotentCall(self, principal=principal, key=key, args=args, settings=settings)

@@ -48,15 +48,7 @@ class SingleSteps:
         self._drop = core.drop
 
     def claim(self, principal: str, key: str, fingerprint: str, *, now: int | None = None) -> Reservation | None:
-        """Atomically claim (principal, key) as generation 1; None if it exists.
-
-        >>> from idemctl import Ledger, fingerprint
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> ledger.claim("acct_1", "k1", fingerprint("POST", "/orders", [], b"")).generation
-        1
-        >>> ledger.claim("acct_1", "k1", fingerprint("POST", "/orders", [], b"")) is None
-        True
-        """
+        """Atomically claim (principal, key) as generation 1; None if it exists: see :meth:`idemctl.Ledger.claim`."""
         check_principal(principal)
         key = check_key(key)
         now = self.core.now() if now is None else now
@@ -65,30 +57,12 @@ class SingleSteps:
         return None if generation is None else Reservation(principal, key, generation, fingerprint, token)
 
     def lookup(self, principal: str, key: str) -> StoredRow | None:
-        """The stored row, or None.
-
-        >>> from idemctl import Ledger
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> _ = ledger.claim("acct_1", "k1", "fp")
-        >>> ledger.lookup("acct_1", "k1").status
-        <Status.PENDING: 'pending'>
-        """
+        """The stored row, or None: see :meth:`idemctl.Ledger.lookup`."""
         return self.store.lookup(principal, parse_key(key) or key)
 
     def takeover(self, principal: str, key: str, fingerprint: str, *, now: int | None = None) -> Reservation | None:
-        """Take over a pending row older than the TTL, or any row past
-        retention (which counts as absent), as the next generation; None if
-        it is fresh, completed within retention, gone or for another request.
-
-        >>> from idemctl import Ledger
-        >>> t = [0]; ledger = Ledger.open(":memory:", clock=lambda: t[0]); _ = ledger.init()
-        >>> _ = ledger.claim("acct_1", "k1", "fp")
-        >>> ledger.takeover("acct_1", "k1", "fp") is None  # still fresh
-        True
-        >>> t[0] += ledger.policy.pending_ttl_ms + 1
-        >>> ledger.takeover("acct_1", "k1", "fp").generation
-        2
-        """
+        """Take over a stale pending row, or one past retention, as the next generation:
+        see :meth:`idemctl.Ledger.takeover`."""
         check_principal(principal)
         key = check_key(key)
         now = self.core.now() if now is None else now
@@ -108,21 +82,8 @@ class SingleSteps:
         *,
         now: int | None = None,
     ) -> decision.Steps[Completion]:
-        """Store the answer if `reservation` still holds the current generation.
-        When fenced out, the event is recorded and logged at ERROR, and the
-        caller still gets the answer it computed.
-
-        As steps, for a driver that does its I/O its own way (see
-        :meth:`begin_steps`); :meth:`complete` runs them in this thread.
-
-        >>> from idemctl import Ledger
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> reservation = ledger.claim("acct_1", "k1", "fp")
-        >>> ledger.complete(reservation, 201, {"content-type": "text/plain"}, b"ok").stored
-        True
-        >>> ledger.complete(reservation, 201, {}, b"again").stored  # already completed
-        False
-        """
+        """Store the answer if `reservation` still holds the current generation, as steps:
+        see :meth:`idemctl.Ledger.complete_steps`."""
         self._drop(reservation)
         stored = self.prepare(reservation, status, headers, body)
         stamp = (yield from self.stamp_steps(reservation)) if now is None else now
@@ -198,20 +159,8 @@ class SingleSteps:
             return (yield from _on_a_fresh_connection(self.core.now_steps, lost, reservation))
 
     def release_steps(self, reservation: Reservation) -> decision.Steps[bool]:
-        """Opt-in: delete a pending reservation whose mutation is known to have
-        rolled back, so the client's retry runs again at once. Fenced like a
-        completion: it deletes the row only while it is still this
-        reservation's (generation and token), never a newer owner's.
-
-        As steps, for a driver that does its I/O its own way (see
-        :meth:`begin_steps`); :meth:`release` runs them in this thread.
-
-        >>> from idemctl import Ledger
-        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-        >>> reservation = ledger.claim("acct_1", "k1", "fp")
-        >>> ledger.release(reservation), ledger.release(reservation)
-        (True, False)
-        """
+        """Delete a pending reservation while it is still this one's, as steps:
+        see :meth:`idemctl.Ledger.release_steps`."""
         self._drop(reservation)
         r = reservation
         return bool((yield self.store.release_statement(r.principal, r.key, r.generation, r.token)))

@@ -56,6 +56,7 @@ from ..errors import (
     SchemaOutdatedError,
     StorageError,
 )
+from ..policy import DEFAULT_BUSY_TIMEOUT_MS
 from ..text import single_line
 from . import server
 from .capabilities import DatabaseCreated
@@ -179,7 +180,7 @@ class MysqlEngine:
 
     dialect = MYSQL
 
-    def __init__(self, url: str, *, readonly: bool = False, busy_timeout_ms: int = 5000) -> None:
+    def __init__(self, url: str, *, readonly: bool = False, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS) -> None:
         self.readonly = readonly
         self.busy_timeout_ms = checked_busy_timeout(busy_timeout_ms)
         self._scheme = url.split("://", 1)[0]

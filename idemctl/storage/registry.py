@@ -91,6 +91,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import ConnectionFailedError, LedgerNotFoundError, StorageError
+from ..policy import DEFAULT_BUSY_TIMEOUT_MS
 from .capabilities import CreatesDatabase, DatabaseCreated, OpensAsync, ReadsFailoverFacts
 from .failover import FailoverFacts, SingleHost
 from .locations import dsn_url, keyword_dsn
@@ -268,7 +269,7 @@ def open_engine(
     target: str | os.PathLike[str],
     *,
     readonly: bool = False,
-    busy_timeout_ms: int = 5000,
+    busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
     sqlite: SqliteOptions = SQLITE_DEFAULTS,
 ) -> Engine:
     """The engine of the ledger at `target`, built by its kind; `sqlite`
@@ -293,7 +294,7 @@ def open_store(
     target: str | os.PathLike[str],
     *,
     readonly: bool = False,
-    busy_timeout_ms: int = 5000,
+    busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
     sqlite: SqliteOptions = SQLITE_DEFAULTS,
 ) -> Store:
     """The store of the ledger at `target`: its kind's store class over its
@@ -318,7 +319,7 @@ def open_store(
 # -- capabilities ------------------------------------------------------------------------
 
 
-def create_database(target: str, *, busy_timeout_ms: int = 5000) -> DatabaseCreated | None:
+def create_database(target: str, *, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS) -> DatabaseCreated | None:
     """Create the server database `target` names, as its role; None for a
     kind that cannot (a file). Raises DatabaseNotCreatedError, carrying the
     command an administrator runs instead, when the role may not.

@@ -423,7 +423,7 @@ def test_refusals_are_json_and_nothing_runs(client_for, kwargs, status, body):
     reply = post(client, **kwargs)
     assert (reply.status, reply.body) == (status, body)
     assert reply.lowered == [("content-type", "application/json"), ("content-length", str(len(body)))]
-    assert orders.runs == [] and ledger.stats().total == 0
+    assert orders.runs == [] and ledger.operator.stats().total == 0
 
 
 def test_same_key_with_another_body_is_409_reused_and_nothing_is_replayed(client_for):
@@ -502,7 +502,7 @@ def test_safe_methods_and_exempt_paths_pass_through_untouched(mw_client_for):
     got = client.request("GET", "/orders", b"", {}, None)
     assert (got.status, got.header("Location")) == (201, "/orders/1")
     login = post(client, key=None, path="/login")
-    assert login.status == 201 and ledger.stats().total == 0
+    assert login.status == 201 and ledger.operator.stats().total == 0
 
 
 def test_key_optional_lets_keyless_requests_through(mw_client_for):
@@ -510,7 +510,7 @@ def test_key_optional_lets_keyless_requests_through(mw_client_for):
     client, ledger = mw_client_for(orders, key_optional=lambda request: True)
     assert post(client, key=None).status == 201
     assert post(client, key=None).status == 201
-    assert len(orders.runs) == 2 and ledger.stats().total == 0
+    assert len(orders.runs) == 2 and ledger.operator.stats().total == 0
 
 
 def test_a_body_over_the_limit_is_413_before_any_claim(client_for):
@@ -522,7 +522,7 @@ def test_a_body_over_the_limit_is_413_before_any_claim(client_for):
         "request_body_too_large",
         4,
     )
-    assert orders.runs == [] and ledger.stats().total == 0
+    assert orders.runs == [] and ledger.operator.stats().total == 0
 
 
 def test_an_unavailable_ledger_fails_closed_with_503(adapter, tmp_path):
@@ -727,7 +727,7 @@ def test_an_invalid_sf_string_is_400_and_nothing_runs_through_every_adapter(clie
     client, ledger = client_for(orders)
     reply = post(client, key=value)
     assert (reply.status, reply.body) == (400, INVALID_KEY)
-    assert orders.runs == [] and ledger.stats().total == 0
+    assert orders.runs == [] and ledger.operator.stats().total == 0
 
 
 KEY_LIST = (
@@ -774,7 +774,7 @@ def test_a_key_that_is_no_single_sf_item_is_400_and_nothing_runs_through_every_a
         [("content-type", "application/json"), ("content-length", str(len(body)))],
         body,
     )
-    assert orders.runs == [] and ledger.stats().total == 0
+    assert orders.runs == [] and ledger.operator.stats().total == 0
 
 
 @pytest.mark.parametrize(
@@ -792,7 +792,7 @@ def test_a_single_item_with_parameters_is_its_key_through_every_adapter(client_f
     client, ledger = client_for(orders)
     first = post(client, key=value)
     assert (first.status, first.body) == (201, b'{"id":1}')
-    assert ledger.lookup("acct_A", key).generation == 1 and ledger.stats().total == 1
+    assert ledger.lookup("acct_A", key).generation == 1 and ledger.operator.stats().total == 1
 
 
 def test_a_255_character_key_in_quotes_is_accepted_through_every_adapter(client_for):
@@ -884,7 +884,7 @@ def test_a_request_target_over_64_kib_is_414_and_nothing_is_claimed(client_for):
     reply = post(client, path=LONG_TARGET)
     assert (reply.status, reply.body) == (414, TARGET_TOO_LONG)
     assert reply.lowered == [("content-type", "application/json"), ("content-length", str(len(TARGET_TOO_LONG)))]
-    assert orders.runs == [] and ledger.stats().total == 0
+    assert orders.runs == [] and ledger.operator.stats().total == 0
     assert [(e.outcome.value, e.status, e.principal, e.key) for e in seen] == [
         ("request_refused", 414, "acct_A", "k-1")
     ]
@@ -899,7 +899,7 @@ def test_a_principal_over_512_bytes_is_401_and_nothing_is_claimed(client_for, ca
     ledger.subscribe(seen.append)
     reply = post(client, user="u" * 513)
     assert (reply.status, reply.body) == (401, PRINCIPAL_UNUSABLE)
-    assert orders.runs == [] and ledger.stats().total == 0
+    assert orders.runs == [] and ledger.operator.stats().total == 0
     assert [(e.outcome.value, e.status, e.principal) for e in seen] == [("unauthenticated", 401, None)]
     # The operator learns that the auth layer resolved a principal the ledger cannot hold.
     assert any("cannot be used as a ledger principal" in r.getMessage() for r in caplog.records)

@@ -54,7 +54,7 @@ def test_lifespan_and_websocket_scopes_pass_through_untouched(tmp_path):
     assert reached == [("lifespan", "lifespan.startup"), ("websocket", "websocket.connect")]
     assert lifespan == [{"type": "lifespan.startup.complete"}]
     assert websocket == [{"type": "websocket.accept"}]
-    assert seen == [] and ledger.stats().total == 0
+    assert seen == [] and ledger.operator.stats().total == 0
     ledger.close()
 
 

@@ -94,7 +94,7 @@ def test_an_anonymous_post_gets_the_contracts_401_and_claims_nothing(ledger):
     site = Site([path("orders", orders.view)], {"LEDGER": ledger})
     reply = site.post("/orders", ORDER)
     assert (reply.status_code, reply["Content-Type"], reply.content) == (401, "application/json", UNAUTHENTICATED)
-    assert orders.runs == [] and ledger.stats().total == 0
+    assert orders.runs == [] and ledger.operator.stats().total == 0
 
 
 def test_two_users_with_the_same_key_never_meet(ledger):
@@ -119,7 +119,7 @@ def test_safe_methods_pass_through_without_a_key_or_a_user(ledger):
     site = Site([path("orders", orders.view)], {"LEDGER": ledger})
     assert site.request("GET", "/orders").status_code == 201
     assert site.request("GET", "/orders").status_code == 201
-    assert len(orders.runs) == 2 and ledger.stats().total == 0
+    assert len(orders.runs) == 2 and ledger.operator.stats().total == 0
 
 
 def test_a_principal_named_by_dotted_path_replaces_request_user(ledger):
@@ -230,7 +230,7 @@ def test_drf_refusing_a_request_claims_nothing(ledger):
         {"detail": "Authentication credentials were not provided."},
     )
     assert (wrong_token.status_code, json.loads(wrong_token.content)) == (401, {"detail": "Invalid token."})
-    assert orders.attempts == 0 and ledger.stats().total == 0
+    assert orders.attempts == 0 and ledger.operator.stats().total == 0
 
 
 def test_drf_view_open_to_anonymous_users_answers_the_contracts_401(ledger):
@@ -242,7 +242,7 @@ def test_drf_view_open_to_anonymous_users_answers_the_contracts_401(ledger):
         [("content-type", "application/json"), ("content-length", str(len(UNAUTHENTICATED)))],
         UNAUTHENTICATED,
     )
-    assert orders.attempts == 0 and ledger.stats().total == 0
+    assert orders.attempts == 0 and ledger.operator.stats().total == 0
 
 
 def test_a_drf_validation_error_is_the_stored_answer_and_is_replayed(ledger):
@@ -369,7 +369,7 @@ def test_marks_on_viewset_actions_and_on_drf_function_views(ledger):
     assert site.post("/things", key="t-1", X_User="acct_A").status_code == 201
     assert site.post("/things", key="t-1", X_User="acct_A").status_code == 201
     assert runs == ["update", "update", "hook", "create"]
-    assert ledger.stats().total == 1
+    assert ledger.operator.stats().total == 1
 
 
 # -- per-view marks and exempt paths -------------------------------------------------------
@@ -427,11 +427,11 @@ def test_marked_views_and_exempt_paths(ledger):
         KEY_REQUIRED,
     ) * 3
     assert runs == ["login", "session", "ping", "ping", "free", "callback", "order"]
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
     # A key-optional view with a key is protected as usual.
     assert site.post("/ping", key="p-1", X_User="acct_A").content == b"pong"
     assert site.post("/ping", key="p-1", X_User="acct_A").content == b"pong"
-    assert runs.count("ping") == 3 and ledger.stats().total == 1
+    assert runs.count("ping") == 3 and ledger.operator.stats().total == 1
 
 
 # -- bodies --------------------------------------------------------------------------------
@@ -538,7 +538,7 @@ def test_a_chunked_body_django_cannot_read_is_411_before_any_claim(ledger):
     )
     status, _, body = responses.length_required()
     assert (reply.status_code, reply.content) == (status, body) == (411, body)
-    assert orders.runs == [] and ledger.stats().total == 0
+    assert orders.runs == [] and ledger.operator.stats().total == 0
 
 
 def test_a_body_over_max_body_bytes_is_413_before_any_claim(ledger):
@@ -546,7 +546,7 @@ def test_a_body_over_max_body_bytes_is_413_before_any_claim(ledger):
     site = Site([path("orders", orders.view)], {"LEDGER": ledger, "PRINCIPAL": header_principal, "MAX_BODY_BYTES": 4})
     reply = site.post("/orders", b"12345", X_User="acct_A")
     assert (reply.status_code, json.loads(reply.content)["limit_bytes"]) == (413, 4)
-    assert orders.runs == [] and ledger.stats().total == 0
+    assert orders.runs == [] and ledger.operator.stats().total == 0
 
 
 # -- settings ------------------------------------------------------------------------------
@@ -638,7 +638,7 @@ def test_the_ledger_opens_at_the_first_protected_request_once_per_process(tmp_pa
     assert (exit_status, child) == (0, [201, False, [target, target]])
     assert site.post("/orders", ORDER, key="k-3", X_User="acct_A").status_code == 201
     assert idemctl_django.current_config().ledger() is parent_ledger and opened == [target]
-    assert [ledger_row.row.key for ledger_row in [parent_ledger.get("acct_A", "k-child")]] == ["k-child"]
+    assert [ledger_row.row.key for ledger_row in [parent_ledger.operator.get("acct_A", "k-child")]] == ["k-child"]
 
 
 def test_init_ledger_creates_the_ledger_named_in_settings_and_serves_as_a_post_migrate_receiver(tmp_path):

@@ -93,7 +93,7 @@ def test_an_anonymous_caller_gets_the_contracts_401_and_the_view_never_runs(ledg
         "application/json",
         UNAUTHENTICATED,
     )
-    assert runs == [] and ledger.stats().total == 0
+    assert runs == [] and ledger.operator.stats().total == 0
 
 
 def test_safe_methods_reach_the_view_untouched(ledger):
@@ -101,7 +101,7 @@ def test_safe_methods_reach_the_view_untouched(ledger):
     client = Client(login_app(ledger, runs))
     assert client.get("/orders").get_json() == {"orders": 1}
     assert client.get("/orders").get_json() == {"orders": 2}
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 def test_what_flask_makes_of_an_abort_is_the_stored_answer(ledger):

@@ -187,7 +187,7 @@ def test_two_idempotency_key_fields_are_400_and_nothing_runs_under_asgi(make_led
         b'{"error":"idempotency_key_invalid","message":"Send exactly one Idempotency-Key: several fields, or a comma '
         b'outside a quoted key, are a list."}',
     )
-    assert runs == [] and ledger.stats().total == 0
+    assert runs == [] and ledger.operator.stats().total == 0
     assert [e.outcome for e in seen] == [Outcome.KEY_INVALID]
 
 
@@ -456,4 +456,4 @@ def test_the_gate_refuses_a_request_line_the_ledger_cannot_take_sync_and_async(
             Outcome.REQUEST_REFUSED,
         )
     assert seen == [Outcome.REQUEST_REFUSED] * 2
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0

@@ -55,7 +55,7 @@ def test_a_row_the_recipe_stored_with_the_quotes_is_replayed_and_nothing_runs(
     assert reply.header("location") == "/orders/7"
     assert orders.runs == []
     # Still the one row, under the key the recipe stored.
-    view = ledger.get("alice", header)
+    view = ledger.operator.get("alice", header)
     assert view is not None and (view.row.key, view.row.generation) == ('"legacy-1"', 1)
 
 
@@ -167,7 +167,7 @@ def test_a_stale_reservation_an_old_writer_left_under_the_quoted_key_is_taken_ov
         writer.close()
     assert (first.status, first.body, len(orders.runs)) == (201, b'{"id":1}', 1)
     assert (again.status, again.body, len(orders.runs)) == (201, b'{"id":1}', 1)
-    view = ledger.get("alice", "legacy-1")
+    view = ledger.operator.get("alice", "legacy-1")
     assert view is not None and (view.row.key, view.row.generation, view.row.response_body) == (
         '"legacy-1"',
         2,

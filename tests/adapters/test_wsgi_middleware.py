@@ -212,7 +212,7 @@ def test_first_post_runs_once_and_the_retry_gets_the_byte_identical_stored_answe
     # headers only (X-Request-Id is not replayable, so the first caller does not get it either).
     assert first == Reply("201 Created", expected_headers, b'{"id":1}')
     assert retry == first
-    row = ledger.get("acct_A", "key-1")
+    row = ledger.operator.get("acct_A", "key-1")
     assert row.state is State.COMPLETED and row.row.generation == 1
     assert row.row.response_status == 201 and row.row.body_bytes == b'{"id":1}'
 
@@ -253,14 +253,14 @@ def test_unprotected_methods_pass_through_untouched(ledger, orders, method):
     reply = call(IdempotencyMiddleware(app, ledger, principal=lambda e: None), env)
     assert reply == Reply("200 Fine Thanks", [("Content-Type", "text/plain")], b"listing")
     assert seen["environ"] is env and env["wsgi.input"] is stream and stream.tell() == 0
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 def test_missing_key_is_400_key_required_and_the_app_never_runs(ledger, orders):
     reply = call(wrap(orders, ledger), environ(key=None))
     body = b'{"error":"idempotency_key_required"}'
     assert reply == Reply("400 Bad Request", [("content-type", JSON), ("content-length", str(len(body)))], body)
-    assert orders.calls == [] and ledger.stats().total == 0
+    assert orders.calls == [] and ledger.operator.stats().total == 0
 
 
 def test_empty_key_is_400_key_required(ledger, orders):
@@ -275,7 +275,7 @@ def test_invalid_key_is_400_key_invalid_and_the_app_never_runs(ledger, orders):
     assert reply.body == (
         b'{"error":"idempotency_key_invalid","message":"Idempotency-Key must be 1-255 printable ASCII characters."}'
     )
-    assert orders.calls == [] and ledger.stats().total == 0
+    assert orders.calls == [] and ledger.operator.stats().total == 0
 
 
 def test_no_principal_is_401_without_reading_the_body_or_running_the_app(ledger, orders):
@@ -284,7 +284,7 @@ def test_no_principal_is_401_without_reading_the_body_or_running_the_app(ledger,
     assert reply.status == "401 Unauthorized"
     assert reply.json() == {"error": "unauthenticated", "message": "No authenticated principal for this request."}
     assert reply.header("Content-Type") == JSON
-    assert orders.calls == [] and ledger.stats().total == 0
+    assert orders.calls == [] and ledger.operator.stats().total == 0
 
 
 def test_principal_must_be_a_string(ledger, orders):
@@ -341,14 +341,14 @@ def test_exempt_routes_pass_through_without_a_key(ledger, orders):
     app = wrap(orders, ledger, exempt=lambda env: env["PATH_INFO"] == "/echo")
     reply = call(app, environ(path="/echo", key=None, body=b"ping"))
     assert (reply.status, reply.body) == ("201 Created", b"ping")
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 def test_optional_key_route_without_a_key_runs_unprotected_and_with_a_key_is_protected(ledger, orders):
     app = wrap(orders, ledger, key_optional=lambda env: env["PATH_INFO"] == "/orders")
     assert call(app, environ(key=None)).status == "201 Made It"  # passthrough keeps the app's own status line
     assert call(app, environ(key=None)).status == "201 Made It"
-    assert len(orders.calls) == 2 and ledger.stats().total == 0
+    assert len(orders.calls) == 2 and ledger.operator.stats().total == 0
     protected = [call(app, environ(key="k-opt")) for _ in range(2)]
     assert len(orders.calls) == 3 and protected[0] == protected[1]
     assert protected[0].status == "201 Created"
@@ -579,7 +579,7 @@ def test_a_body_over_the_limit_is_413_before_anything_is_claimed_or_read(ledger,
         "limit_bytes": 100,
     }
     assert stream.tell() == 0
-    assert orders.calls == [] and ledger.stats().total == 0
+    assert orders.calls == [] and ledger.operator.stats().total == 0
 
 
 def test_a_body_exactly_at_the_limit_is_accepted(ledger, orders):
@@ -591,7 +591,7 @@ def test_a_chunked_body_over_the_limit_is_413_and_nothing_is_claimed(ledger, ord
     env["wsgi.input_terminated"] = True
     reply = call(wrap(orders, ledger, max_body_bytes=4096), env)
     assert reply.code == 413 and reply.json()["limit_bytes"] == 4096
-    assert orders.calls == [] and ledger.stats().total == 0
+    assert orders.calls == [] and ledger.operator.stats().total == 0
 
 
 def test_a_chunked_body_the_server_cannot_terminate_is_411_length_required(ledger, orders):
@@ -602,7 +602,7 @@ def test_a_chunked_body_the_server_cannot_terminate_is_411_length_required(ledge
         "error": "content_length_required",
         "message": "A request body needs a Content-Length header.",
     }
-    assert orders.calls == [] and ledger.stats().total == 0
+    assert orders.calls == [] and ledger.operator.stats().total == 0
 
 
 @pytest.mark.parametrize("bad", ["abc", "-1", "+5", "1_0", "0x10", "5 5", "1e3"])
@@ -615,7 +615,7 @@ def test_a_malformed_content_length_is_400_and_nothing_is_claimed(ledger, orders
         "error": "content_length_invalid",
         "message": "Content-Length must be a non-negative decimal integer.",
     }
-    assert orders.calls == [] and ledger.stats().total == 0
+    assert orders.calls == [] and ledger.operator.stats().total == 0
 
 
 def test_a_client_that_sends_less_than_content_length_gets_400_and_nothing_is_claimed(ledger, orders):
@@ -623,14 +623,14 @@ def test_a_client_that_sends_less_than_content_length_gets_400_and_nothing_is_cl
     reply = call(wrap(orders, ledger), env)
     assert reply.status == "400 Bad Request"
     assert reply.json()["error"] == "request_body_incomplete"
-    assert orders.calls == [] and ledger.stats().total == 0
+    assert orders.calls == [] and ledger.operator.stats().total == 0
 
 
 def test_a_client_that_disconnects_mid_body_leaves_nothing_claimed(ledger, orders):
     env = environ(body=b"z" * 100_000, stream=Input(b"z" * 100_000, fail_after=70_000))
     reply = call(wrap(orders, ledger), env)
     assert reply.json()["error"] == "request_body_incomplete"
-    assert orders.calls == [] and ledger.stats().total == 0
+    assert orders.calls == [] and ledger.operator.stats().total == 0
 
 
 # -- failing closed ---------------------------------------------------------------------------

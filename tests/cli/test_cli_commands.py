@@ -17,6 +17,7 @@ from idemctl import Ledger, Policy, State, Status, fingerprint, wall_clock_ms
 from idemctl.cli import app
 from idemctl.outcomes import PurgeOutcome
 from idemctl.schema import schema_files
+from tests.helpers import fingerprint_post_orders
 
 SECOND = 1000
 MINUTE = 60 * SECOND
@@ -527,7 +528,7 @@ def test_purge_refuses_a_fresh_pending_row_unless_forced(make_ledger, ledger_tar
     forced = cli("purge", "running", "-p", "acct_A", "--yes", "--force", "--db", ledger_target)
     assert forced.exit_code == 0
     assert ledger.lookup("acct_A", "running") is None
-    assert ledger.purge("acct_A", "running").outcome is PurgeOutcome.NOT_FOUND
+    assert ledger.operator.purge("acct_A", "running").outcome is PurgeOutcome.NOT_FOUND
 
 
 def test_purge_of_a_missing_row_exits_1(make_ledger, ledger_target):
@@ -553,17 +554,7 @@ def test_fingerprint_prints_the_recipe_hash():
 def test_fingerprint_reads_headers_and_the_body_from_a_file_or_stdin(tmp_path):
     body = tmp_path / "body.json"
     body.write_bytes(b'{"sku":"book"}')
-    args = [
-        "fingerprint",
-        "-X",
-        "POST",
-        "--path",
-        "/orders",
-        "-H",
-        "Content-Type:  application/json ",
-        "-H",
-        "User-Agent: x",
-    ]
+    args = fingerprint_post_orders("Content-Type:  application/json ", "User-Agent: x")
     from_file = cli(*args, "--body-file", str(body))
     from_stdin = cli(*args, "--body-file", "-", input=b'{"sku":"book"}')
     from_text = cli(*args, "--body", '{"sku":"book"}')
@@ -585,17 +576,7 @@ def test_fingerprint_reads_headers_and_the_body_from_a_file_or_stdin(tmp_path):
 def test_fingerprint_with_a_key_says_replay_reused_or_new(make_ledger, ledger_target, at):
     ledger = make_ledger()
     taken_over_row(ledger, at)
-    same = [
-        "fingerprint",
-        "-X",
-        "POST",
-        "--path",
-        "/orders",
-        "-H",
-        "Content-Type: application/json",
-        "--body",
-        '{"sku":"book"}',
-    ]
+    same = fingerprint_post_orders("Content-Type: application/json", body='{"sku":"book"}')
     match = cli(*same, "--key", "order-42", "--principal", "acct_A", "--db", ledger_target)
     assert match.exit_code == 0
     assert match.stdout == f"{FP}\nmatches the stored fingerprint: this request is replayed (201, generation 2)\n"
@@ -646,7 +627,7 @@ def test_env_vars_choose_the_ledger_and_policy_and_command_options_override_them
     elsewhere = cli("--db", str(tmp_path / "other.db"), "inspect", "k", "-p", "acct_A", "--db", ledger_target, "--json")
     assert json.loads(elsewhere.stdout)["key"] == "k"
     assert not (tmp_path / "other.db").exists()
-    view = ledger.get("acct_A", "k")
+    view = ledger.operator.get("acct_A", "k")
     assert view.state is State.PENDING_FRESH and view.row.status is Status.PENDING
 
 

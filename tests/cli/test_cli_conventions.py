@@ -21,7 +21,7 @@ from idemctl import Ledger, wall_clock_ms
 from idemctl.cli import app
 from idemctl.cli.documents import stats_prometheus
 from idemctl.ledger import Operator
-from tests.helpers import FakeClock
+from tests.helpers import FakeClock, read_terminal
 
 IDEMCTL = Path(sys.executable).with_name("idemctl")
 HOUR = 3_600_000
@@ -92,7 +92,7 @@ def test_prometheus_writes_integers_exactly_and_a_zero_age_when_nothing_is_pendi
     db = tmp_path / "l.db"
     ledger_with(db, expired=40)
     with Ledger.open(db, create=False) as ledger:
-        st, policy = ledger.stats(), ledger.policy
+        st, policy = ledger.operator.stats(), ledger.policy
     lines = cli("--db", str(db), "stats", "--format", "prometheus").stdout.splitlines()
     assert f'idemctl_ledger_storage_bytes{{ledger="{db}"}} {st.storage_bytes}' in lines
     assert f'idemctl_ledger_oldest_pending_age_seconds{{ledger="{db}"}} 0' in lines
@@ -190,33 +190,32 @@ def test_json_and_nl_together_are_refused(tmp_path, command):
 
 
 # -- a closed pipe and Ctrl-C -------------------------------------------------------------------
+def into_head(idemctl_args: str, head: str, *, timeout: float) -> subprocess.CompletedProcess[str]:
+    """The installed idemctl piped into `head` (which closes the pipe
+    early); its stderr is the idemctl's and then ``status <its exit status>``."""
+    return subprocess.run(
+        f"'{IDEMCTL}' {idemctl_args} | {head}; echo \"status ${{PIPESTATUS[0]}}\" >&2",
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("form", [[], ["--json"], ["--nl"]], ids=["table", "json", "nl"])
 def test_a_closed_pipe_ends_quietly_with_141(tmp_path, form):
     db = tmp_path / "l.db"
     ledger_with(db, pending=3000)
-    done = subprocess.run(
-        f"'{IDEMCTL}' --db '{db}' pending --limit 0 {' '.join(form)} | head -1; echo \"status ${{PIPESTATUS[0]}}\" >&2",
-        shell=True,
-        executable="/bin/bash",
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = into_head(f"--db '{db}' pending --limit 0 {' '.join(form)}", "head -1", timeout=120)
     assert done.stderr == "status 141\n"  # nothing else: no traceback, no "Exception ignored"
     assert len(done.stdout.splitlines()) == 1
 
 
 @pytest.mark.slow
 def test_help_into_a_closed_pipe_ends_quietly_with_141():
-    done = subprocess.run(
-        f"'{IDEMCTL}' --help | head -1 >/dev/null; echo \"status ${{PIPESTATUS[0]}}\" >&2",
-        shell=True,
-        executable="/bin/bash",
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = into_head("--help", "head -1 >/dev/null", timeout=60)
     assert done.stderr == "status 141\n"
 
 
@@ -320,15 +319,7 @@ def test_no_color_removes_bold_too_on_a_terminal(tmp_path):
             env={**os.environ, "TERM": "xterm", "COLUMNS": "120", **env},
         )
         os.close(slave)
-        seen = b""
-        while True:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            seen += chunk
+        seen = read_terminal(master)
         os.close(master)
         proc.wait(30)
         return seen
@@ -435,15 +426,7 @@ def test_a_long_fill_shows_its_progress_on_a_terminal_and_nothing_piped(tmp_path
         env={**os.environ, "TERM": "xterm", "COLUMNS": "100"},
     )
     os.close(slave)
-    seen = b""
-    while True:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        seen += chunk
+    seen = read_terminal(master)
     os.close(master)
     assert proc.wait(120) == 0
     assert b"step 1: fill" in seen and b"/1500" in seen

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from idemctl import Ledger, fingerprint, wall_clock_ms
 from idemctl.cli import EXIT_USAGE, app
-from tests.helpers import read_only_file
+from tests.helpers import read_only_file, sqlite_ledger_of_version
 
 READ_COMMANDS = [
     ["inspect", "order-42", "--principal", "acct_A"],
@@ -83,11 +83,7 @@ def test_a_database_without_the_ledger_table_says_run_init(args, tmp_path):
 
 def test_a_schema_newer_than_this_idemctl_is_refused(tmp_path):
     db = tmp_path / "future.db"
-    Ledger.open(db).init()
-    conn = sqlite3.connect(db)
-    conn.execute("INSERT INTO idemctl_schema_version (version, applied_at) VALUES (7, 0)")
-    conn.commit()
-    conn.close()
+    sqlite_ledger_of_version(db, 7)
     for args in (["stats"], ["init"], ["sweep"]):
         line = fails(["--db", str(db), *args])
         assert line.startswith(f"error: {db} has ledger schema version 7; this idemctl knows up to 3"), line

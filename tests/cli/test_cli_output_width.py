@@ -18,6 +18,7 @@ import pytest
 
 from idemctl import Ledger, wall_clock_ms
 from idemctl.durations import iso
+from tests.helpers import read_terminal
 
 IDEMCTL = Path(sys.executable).with_name("idemctl")
 DAY = 86_400_000
@@ -61,15 +62,7 @@ def on_terminal(*args: str, columns: int) -> str:
             [str(IDEMCTL), *args], stdout=slave, stderr=subprocess.PIPE, env=env(columns, TERM="xterm")
         )
         os.close(slave)
-        seen = b""
-        while True:  # read while it writes: a full terminal buffer would block it
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # EIO: the terminal's other end is closed
-                break
-            if not chunk:
-                break
-            seen += chunk
+        seen = read_terminal(master)
         proc.wait(timeout=60)
     finally:
         os.close(master)
@@ -104,7 +97,7 @@ def wide_rows_db(tmp_path: Path) -> str:
 
 def fenced_times(wide_rows_db: str) -> list[str]:
     with Ledger.open(wide_rows_db, create=False) as ledger:
-        return [iso(e.fenced_at, millis=False) for e in ledger.fenced()]
+        return [iso(e.fenced_at, millis=False) for e in ledger.operator.fenced()]
 
 
 # -- piped --------------------------------------------------------------------------------------
@@ -172,7 +165,7 @@ def test_piped_stats_lines_are_not_wrapped_or_padded(wide_rows_db, tmp_path):
     ledger_path = deep / "ledger.db"
     os.rename(wide_rows_db, ledger_path)
     with Ledger.open(ledger_path, create=False) as ledger:
-        st = ledger.stats()
+        st = ledger.operator.stats()
     out = piped("stats", "--db", str(ledger_path))
     assert out.splitlines() == [
         f"ledger             {ledger_path} (schema version 3)",

@@ -162,7 +162,7 @@ def test_takeover_into_a_named_ledger_leaves_the_row_and_runs_again_the_next_tim
     ledger = make_ledger(init=False, clock_fn=None)
     row = ledger.lookup("acct_A", "order-42")
     assert (row.status, row.generation, row.body_bytes) == (Status.COMPLETED, 2, b'{"order":"order-42","by":"B"}')
-    events = list(ledger.fenced(principal="acct_A", key="order-42"))
+    events = list(ledger.operator.fenced(principal="acct_A", key="order-42"))
     assert [(e.superseded_generation, e.current_generation, e.computed_status) for e in events] == [(1, 2, 201)] * 2
 
 

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from idemctl import Ledger, wall_clock_ms
 from idemctl.cli import app
+from tests.helpers import fingerprint_post_orders, read_terminal
 
 IDEMCTL = Path(sys.executable).with_name("idemctl")
 
@@ -100,22 +101,17 @@ def test_watch_on_a_terminal_is_a_live_view_that_calls_out_new_fenced_out_events
         env={**os.environ, "TERM": "xterm", "COLUMNS": "120"},
     )
     os.close(slave)
-    seen = b""
-    added = False
-    while True:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        seen += chunk
+    added = []
+
+    def fence_one_while_watched(seen: bytes) -> None:
         if not added and b"refreshed" in seen:
             with Ledger.open(db) as ledger:  # a takeover and a late completion while the operator watches
                 late = ledger.claim("acct", "new", "fp", now=wall_clock_ms() - 40_000)
                 ledger.complete(ledger.takeover("acct", "new", "fp"), 201, {}, b"")  # type: ignore[arg-type]
                 ledger.complete(late, 201, {}, b"")  # type: ignore[arg-type]
-            added = True
+            added.append(True)
+
+    seen = read_terminal(master, fence_one_while_watched)
     os.close(master)
     assert proc.wait(30) == 0
     text = seen.decode(errors="replace")
@@ -144,15 +140,7 @@ def test_fingerprint_explains_the_json_form_and_matches_the_ledger_that_uses_it(
     args = [
         "--db",
         str(db),
-        "fingerprint",
-        "-X",
-        "POST",
-        "--path",
-        "/orders",
-        "-H",
-        "Content-Type: application/json",
-        "--body",
-        '{ "sent_at": 2, "sku": "x" }',
+        *fingerprint_post_orders("Content-Type: application/json", body='{ "sent_at": 2, "sku": "x" }'),
         "--key",
         "k",
         "-p",

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from idemctl import Ledger, fingerprint, wall_clock_ms
 from idemctl.cli import app
-from tests.helpers import FakeClock
+from tests.helpers import FakeClock, read_terminal
 
 HOUR = 3_600_000
 FP = fingerprint("POST", "/orders", [], b"{}")
@@ -58,8 +58,8 @@ def test_sweep_drains_the_backlog_in_bounded_batches_and_keeps_fresh_rows(make_l
         r"fenced-out log: 0 event\(s\) older than 30 d deleted\n",
         result.stdout,
     )
-    assert ledger.count_expired() == 0
-    assert ledger.stats().total == 3
+    assert ledger.operator.count_expired() == 0
+    assert ledger.operator.stats().total == 3
 
 
 def test_sweep_json_reports_rows_fenced_events_batches_and_why_it_stopped(make_ledger, ledger_target, clock):
@@ -82,7 +82,7 @@ def test_sweep_json_reports_rows_fenced_events_batches_and_why_it_stopped(make_l
         "retention_ms": 86_400_000,
         "fenced_retention_ms": 30 * 86_400_000,
     }
-    assert len(list(ledger.fenced())) == 2
+    assert len(list(ledger.operator.fenced())) == 2
 
 
 def test_sweep_deletes_fenced_out_events_only_past_their_own_retention_and_says_so(make_ledger, ledger_target, clock):
@@ -102,7 +102,7 @@ def test_sweep_deletes_fenced_out_events_only_past_their_own_retention_and_says_
         r"fenced-out log: 2 event\(s\) older than 1 d deleted\n",
         result.stdout,
     )
-    assert list(ledger.fenced()) == []
+    assert list(ledger.operator.fenced()) == []
 
 
 def test_sweep_dry_run_counts_and_deletes_nothing(make_ledger, ledger_target, clock):
@@ -117,7 +117,7 @@ def test_sweep_dry_run_counts_and_deletes_nothing(make_ledger, ledger_target, cl
     )
     doc = json.loads(sweep("--dry-run", "--json", "--db", ledger_target).stdout)
     assert (doc["dry_run"], doc["would_delete"], doc["retention_ms"]) == (True, 12, 86_400_000)
-    assert ledger.count_expired() == 12 and ledger.stats().total == 14
+    assert ledger.operator.count_expired() == 12 and ledger.operator.stats().total == 14
 
 
 def test_sweep_stops_at_max_batches_and_says_how_many_are_left(make_ledger, ledger_target, clock):
@@ -130,7 +130,7 @@ def test_sweep_stops_at_max_batches_and_says_how_many_are_left(make_ledger, ledg
         r"stopped at --max-batches with 5 expired row\(s\) left; fenced-out log: 0 event\(s\) older than 30 d deleted\n",
         result.stdout,
     )
-    assert ledger.count_expired() == 5
+    assert ledger.operator.count_expired() == 5
 
 
 def test_sweep_retention_override_deletes_younger_rows(make_ledger, ledger_target, clock):
@@ -138,7 +138,7 @@ def test_sweep_retention_override_deletes_younger_rows(make_ledger, ledger_targe
     backlog(ledger, clock, expired=3, fresh=4)  # the fresh ones are a minute old
     doc = json.loads(sweep("--retention", "45s", "--json", "--db", ledger_target).stdout)
     assert (doc["deleted"], doc["retention_ms"]) == (7, 45_000)
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 def test_sweep_without_batch_size_drains_in_250s_on_sqlite_and_5000s_on_server_engines(
@@ -150,8 +150,17 @@ def test_sweep_without_batch_size_drains_in_250s_on_sqlite_and_5000s_on_server_e
     # SQLite: 250 + 10, then the empty batch that proves it drained; PostgreSQL, MariaDB: 260, then the empty one.
     expected = {"sqlite": (250, 3), "postgres": (5000, 2), "mysql": (5000, 2)}[ledger.store.dialect.name]
     assert (doc["batch_size"], doc["batches"], doc["deleted"], doc["stopped"]) == (*expected, 260, "drained")
-    assert ledger.drain_batch == expected[0]
-    assert ledger.stats().total == 1
+    assert ledger.operator.drain_batch == expected[0]
+    assert ledger.operator.stats().total == 1
+
+
+def file_with_a_backlog(db: Path, *, expired: int) -> Path:
+    """A new SQLite ledger at `db` holding `expired` rows past retention and nothing else."""
+    clock = FakeClock()
+    with Ledger.open(db, clock=clock) as ledger:
+        ledger.init()
+        backlog(ledger, clock, expired=expired, fresh=0)
+    return db
 
 
 def test_sweep_batch_size_is_bounded():
@@ -161,11 +170,7 @@ def test_sweep_batch_size_is_bounded():
 
 @pytest.mark.slow
 def test_ctrl_c_stops_the_sweep_between_batches_and_reports_what_was_deleted(tmp_path):
-    db = tmp_path / "big.db"
-    clock = FakeClock()
-    with Ledger.open(db, clock=clock) as ledger:
-        ledger.init()
-        backlog(ledger, clock, expired=50, fresh=0)
+    db = file_with_a_backlog(tmp_path / "big.db", expired=50)
     proc = subprocess.Popen(
         [str(IDEMCTL), "--db", str(db), "sweep", "--batch-size", "10", "--pause", "5s"],
         stdout=subprocess.PIPE,
@@ -175,9 +180,9 @@ def test_ctrl_c_stops_the_sweep_between_batches_and_reports_what_was_deleted(tmp
     try:
         with Ledger.open(db, create=False, readonly=True) as watcher:
             deadline = time.monotonic() + 20
-            while watcher.count_expired() > 40 and time.monotonic() < deadline:
+            while watcher.operator.count_expired() > 40 and time.monotonic() < deadline:
                 time.sleep(0.02)
-            assert watcher.count_expired() == 40  # first batch done, now pausing
+            assert watcher.operator.count_expired() == 40  # first batch done, now pausing
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=20)
     finally:
@@ -191,17 +196,13 @@ def test_ctrl_c_stops_the_sweep_between_batches_and_reports_what_was_deleted(tmp
         out,
     )
     with Ledger.open(db, create=False) as ledger:
-        assert ledger.count_expired() == 40
+        assert ledger.operator.count_expired() == 40
     assert os.path.exists(db)
 
 
 @pytest.mark.slow
 def test_the_progress_bar_goes_to_stderr_only_when_it_is_a_terminal(tmp_path):
-    db = tmp_path / "tty.db"
-    clock = FakeClock()
-    with Ledger.open(db, clock=clock) as ledger:
-        ledger.init()
-        backlog(ledger, clock, expired=30, fresh=0)
+    db = file_with_a_backlog(tmp_path / "tty.db", expired=30)
     master, slave = pty.openpty()
     try:
         proc = subprocess.run(
@@ -213,15 +214,7 @@ def test_the_progress_bar_goes_to_stderr_only_when_it_is_a_terminal(tmp_path):
             env={**os.environ, "TERM": "xterm", "COLUMNS": "100"},
         )
         os.close(slave)
-        seen = b""
-        while True:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # EIO: the terminal's other end is closed
-                break
-            if not chunk:
-                break
-            seen += chunk
+        seen = read_terminal(master)
     finally:
         os.close(master)
     assert proc.returncode == 0

@@ -9,17 +9,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import requests
 
 from idemctl import Ledger
 
-from .server import ServerProcess
+from .server import ServerProcess, gunicorn_command, listening
 
 PROJECT = Path(__file__).resolve().parents[2] / "examples" / "django_project"
-_LISTENING = re.compile(r"Listening at: http://127\.0\.0\.1:(\d+)")
 _BOOTED = re.compile(r"Booting worker with pid: (\d+)")
 
 USERS = {"alice": "a" * 40, "bob": "b" * 40}  # username -> DRF token
@@ -34,17 +30,12 @@ for name, key in {USERS!r}.items():
 
 class DjangoGunicornServer(ServerProcess):
     orders_table = "orders_order"
+    name = "gunicorn"
     """Everything it writes (Django's database, the ledger, the log) lives under `workdir`."""
 
     def __init__(self, workdir: Path, *, workers: int = 4, preload: bool = False) -> None:
-        self.workdir = workdir
-        self.workers = workers
+        self.place(workdir, workers=workers, log_name="gunicorn.log")
         self.preload = preload
-        self.orders_path = workdir / "orders.db"
-        self.ledger_path = workdir / "idempotency.db"
-        self.log_path = workdir / "gunicorn.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.port: int | None = None
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEMCTL_", "DJANGO_"))}
@@ -61,48 +52,10 @@ class DjangoGunicornServer(ServerProcess):
     def start(self, timeout: float = 40.0) -> DjangoGunicornServer:
         self._manage("migrate", "--no-input")
         self._manage("shell", "-c", _ADD_USERS)
-        cmd = [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "--workers",
-            str(self.workers),
-            "--bind",
-            "127.0.0.1:0",
-            "--chdir",
-            str(PROJECT),
-            "--timeout",
-            "60",
-            "--graceful-timeout",
-            "3",
-            "--log-level",
-            "info",
-        ]
-        if self.preload:
-            cmd.append("--preload")
-        cmd.append("orders_site.wsgi")
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(), cwd=self.workdir)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = self.log()
-            match = _LISTENING.search(text)
-            if match and len(_BOOTED.findall(text)) >= self.workers:
-                self.port = int(match.group(1))
-                if self._healthy():
-                    return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gunicorn exited with {self.proc.returncode}:\n{self.log()}")
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"gunicorn did not come up within {timeout} s:\n{self.log()}")
-
-    def _healthy(self) -> bool:
-        try:
-            return requests.get(self.url + "/healthz", timeout=2).status_code == 200
-        except requests.RequestException:
-            return False
+        cmd = [*gunicorn_command(self.workers, PROJECT, preload=self.preload), "orders_site.wsgi"]
+        ready = listening(self, _BOOTED, self.workers)
+        self.launch(cmd, env=self._env(), cwd=self.workdir, timeout=timeout, ready=ready)
+        return self
 
     # -- what the tests look at ------------------------------------------------------
     def ledger(self) -> Ledger:

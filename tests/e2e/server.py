@@ -9,22 +9,26 @@ import re
 import signal
 import sqlite3
 import subprocess
+import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import requests
 
-class ServerProcess:
-    """A server the test started; subclasses set `workdir`, `log_path`,
-    `orders_path`, `port` and start it (`start()`), and may use `hold_dir`."""
+
+class StartedProcess:
+    """A server process a test started on 127.0.0.1, its output in
+    `log_path`: started by `launch`, which waits until it is up, and
+    stopped with `stop_signal` (then killed) by `stop()` or ``with``."""
 
     stop_signal = signal.SIGQUIT  # gunicorn's quick shutdown: the master takes its workers down
-    orders_table = "orders"
+    name = "the server"
+    health_path = "/healthz"
 
     workdir: Path
     log_path: Path
-    orders_path: Path
-    hold_dir: Path
     port: int | None
     proc: subprocess.Popen[bytes] | None
 
@@ -34,6 +38,37 @@ class ServerProcess:
 
     def start(self, timeout: float = 40.0) -> Any:
         raise NotImplementedError
+
+    def launch(
+        self,
+        cmd: Sequence[str],
+        *,
+        cwd: Path,
+        timeout: float,
+        env: dict[str, str] | None = None,
+        ready: Callable[[str], bool] = lambda log: True,
+    ) -> None:
+        """Run `cmd` and return once `ready(log)` holds and the server
+        answers its health check; raise with the log if it exits first
+        or is not up within `timeout` seconds."""
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ready(self.log()) and self._healthy():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"{self.name} did not come up within {timeout} s:\n{self.log()}")
+
+    def _healthy(self) -> bool:
+        try:
+            return requests.get(self.url + self.health_path, timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
 
     def log(self) -> str:
         try:
@@ -57,6 +92,62 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def gunicorn_command(workers: int, chdir: Path, *, preload: bool) -> list[str]:
+    """gunicorn on 127.0.0.1 and a port it picks, `workers` processes,
+    quick to stop: what each gunicorn the tests start runs with."""
+    cmd = [sys.executable, "-m", "gunicorn", "--workers", str(workers), "--bind", "127.0.0.1:0"]
+    cmd += ["--chdir", str(chdir), "--timeout", "60", "--graceful-timeout", "3", "--log-level", "info"]
+    return [*cmd, "--preload"] if preload else cmd
+
+
+# gunicorn's master names the port it bound (the tests bind port 0).
+_LISTENING = re.compile(r"Listening at: http://127\.0\.0\.1:(\d+)")
+
+
+def listening(server: StartedProcess, worker_line: re.Pattern[str], workers: int) -> Callable[[str], bool]:
+    """gunicorn's readiness, for `launch`: its master has bound a port (now
+    the server's) and `workers` lines of `worker_line` are in its log."""
+
+    def ready(log: str) -> bool:
+        match = _LISTENING.search(log)
+        if match is None or len(worker_line.findall(log)) < workers:
+            return False
+        server.port = int(match.group(1))
+        return True
+
+    return ready
+
+
+class ServerProcess(StartedProcess):
+    """An app server the test started: subclasses `place()` its files, start
+    it (`start()`, through `launch`) and may use `hold_dir`."""
+
+    orders_table = "orders"
+
+    orders_path: Path
+    hold_dir: Path
+    ledger_path: Path
+    workers: int
+
+    def place(self, workdir: Path, *, workers: int, log_name: str) -> None:
+        """Everything the server writes (ledger, orders database, hold
+        files, log) under `workdir`; not started yet."""
+        self.workdir, self.workers = workdir, workers
+        self.ledger_path = workdir / "idempotency.db"
+        self.orders_path = workdir / "orders.db"
+        self.hold_dir = workdir / "hold"
+        self.log_path = workdir / log_name
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port: int | None = None
+
+    def app_env(self, **more: str) -> dict[str, str]:
+        """This environment, pointing the served app at its files."""
+        self.hold_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.update(IDEMCTL_DB=str(self.ledger_path), ORDERS_DB=str(self.orders_path), TEST_HOLD_DIR=str(self.hold_dir))
+        return {**env, "PYTHONUNBUFFERED": "1", **more}
 
     # -- what the tests look at ------------------------------------------------------
     def query(self, sql: str, *args: object) -> int:

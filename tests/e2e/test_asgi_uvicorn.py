@@ -82,7 +82,7 @@ def test_the_contract_statuses_over_http(server):
     invalid = post(server.url, "statuses-2", b'{"sku":"","qty":0}')
     assert invalid.status_code == 422
     with server.ledger() as ledger:
-        assert ledger.get("acct_A", "statuses-2") is None
+        assert ledger.operator.get("acct_A", "statuses-2") is None
     assert post(server.url, "statuses-2").status_code == 201
 
 
@@ -123,7 +123,7 @@ def test_a_client_that_leaves_mid_mutation_gets_the_replay_when_it_retries(serve
     assert retry.status_code == 201
     assert post(server.url, key).content == retry.content
     with server.ledger() as ledger:
-        row = ledger.get("acct_A", key).row
+        row = ledger.operator.get("acct_A", key).row
     assert (row.status.value, row.generation) == ("completed", 1)
 
 
@@ -143,7 +143,7 @@ def test_a_killed_worker_leaves_409_until_the_ttl_then_one_takeover(tmp_path):
         assert post(srv.url, key, body).content == taken.content
         assert srv.count_orders(sku) == 1
         with srv.ledger() as ledger:
-            assert ledger.get("acct_A", key).row.generation == 2
+            assert ledger.operator.get("acct_A", key).row.generation == 2
 
 
 def test_the_event_loop_answers_while_another_process_holds_the_ledger_lock(tmp_path):

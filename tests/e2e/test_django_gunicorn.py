@@ -91,7 +91,7 @@ def test_drf_token_auth_resolves_the_principal_and_two_users_with_the_same_key_n
 def test_anonymous_requests_are_401_and_claim_nothing(server):
     # DRF refuses before anything is claimed; the plain view gets the contract's 401.
     with server.ledger() as ledger:
-        rows_before = ledger.stats().total
+        rows_before = ledger.operator.stats().total
     api = post(server.url, "anon-1", {"sku": "anon"}, {})
     session = requests.Session()
     csrf = session.get(server.url + "/session", timeout=10).json()["csrf"]
@@ -105,7 +105,7 @@ def test_anonymous_requests_are_401_and_claim_nothing(server):
     assert (browser.status_code, browser.json()) == (401, UNAUTHENTICATED)
     assert server.count_orders("anon") == 0
     with server.ledger() as ledger:
-        assert ledger.stats().total == rows_before
+        assert ledger.operator.stats().total == rows_before
 
 
 def test_a_signed_in_browser_creates_one_order_per_key_through_the_plain_view(server):

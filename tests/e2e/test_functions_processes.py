@@ -133,7 +133,7 @@ def test_eight_processes_racing_over_200_keys_run_each_call_exactly_once(ledger_
     for report in reports:
         assert report["by"] == ran_by
     assert len({pid for _, pid in lines}) > 1  # the runs really were spread over the processes
-    stats = ledger.stats()
+    stats = ledger.operator.stats()
     assert (stats.total, stats.completed, stats.taken_over, stats.fenced_out_events) == (KEYS, KEYS, 0, 0)
 
 
@@ -164,7 +164,7 @@ def test_a_worker_killed_inside_the_function_is_taken_over_by_another_after_the_
         stalled.send_signal(signal.SIGKILL)
         stalled.wait(30)
     assert stalled.returncode == -signal.SIGKILL
-    (pending,) = list(ledger.pending())
+    (pending,) = list(ledger.operator.pending())
     assert (pending.row.key, pending.row.generation) == ("o-killed", 1)
 
     done = run_helper("call", ledger_target, str(effects), order, **ttl)
@@ -174,6 +174,6 @@ def test_a_worker_killed_inside_the_function_is_taken_over_by_another_after_the_
     assert [key for key, _ in effect_lines(effects)] == ["o-killed"]  # the killed worker never reached the effect
     row = ledger.lookup("fulfilment", "o-killed")
     assert (row.status, row.generation) == (Status.COMPLETED, 2)
-    assert list(ledger.pending()) == []
-    assert list(ledger.fenced()) == []  # the killed worker never came back to complete late
+    assert list(ledger.operator.pending()) == []
+    assert list(ledger.operator.fenced()) == []  # the killed worker never came back to complete late
     assert mark.read_text() == str(stalled.pid)

@@ -10,7 +10,6 @@ the settings these tests run."""
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 
@@ -25,6 +24,7 @@ from idemctl.cli import app
 from idemctl.errors import ConnectionFailedError, ReadOnlyDatabaseError
 from idemctl.outcomes import Outcome, Status
 from idemctl.wsgi import IdempotencyMiddleware
+from tests.helpers import skip_or_fail
 
 postgres = pytest.importorskip("idemctl.storage.postgres", reason="the failover tests need the postgres extra")
 import psycopg  # noqa: E402  (after the skip: the postgres extra brings it)
@@ -35,12 +35,7 @@ MEASURED: list[FailoverRun] = []
 
 
 def _require_pair() -> None:
-    reason = ReplicaPair.unavailable()
-    if reason is None:
-        return
-    if os.environ.get("CI"):
-        pytest.fail(f"CI runs the failover tests: {reason}", pytrace=False)
-    pytest.skip(reason)
+    skip_or_fail(ReplicaPair.unavailable(), "CI runs the failover tests")
 
 
 @contextlib.contextmanager

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,7 +28,7 @@ from idemctl import Answer, AnswerNotStoredError, Ledger, Outcome, Policy, Ticke
 from idemctl.asgi import IdempotencyMiddleware as AsgiMiddleware
 from idemctl.errors import CommitTimeoutError
 from idemctl.wsgi import IdempotencyMiddleware as WsgiMiddleware
-from tests.helpers import FakeClock
+from tests.helpers import FakeClock, skip_or_fail
 
 pytest.importorskip("idemctl.storage.postgres", reason="these tests need the postgres extra")
 
@@ -46,12 +45,7 @@ JSON = {"content-type": "application/json"}
 
 
 def _require_pair() -> None:
-    reason = ReplicaPair.unavailable()
-    if reason is None:
-        return
-    if os.environ.get("CI"):
-        pytest.fail(f"CI runs the synchronous standby tests: {reason}", pytrace=False)
-    pytest.skip(reason)
+    skip_or_fail(ReplicaPair.unavailable(), "CI runs the synchronous standby tests")
 
 
 @pytest.fixture(scope="module")

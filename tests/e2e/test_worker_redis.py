@@ -121,7 +121,9 @@ def test_a_consumer_killed_mid_charge_is_claimed_by_another_and_every_payment_is
     wait_for(mark.exists, "consumer-a to stall", a)
     assert [p for p, _ in charges(charges_db)] == ids[:7]
     # The ledger's view at this moment: one reservation in progress, of the stalled charge.
-    assert [(v.row.key, v.row.generation, v.row.status) for v in ledger.pending()] == [(STALLED, 1, Status.PENDING)]
+    assert [(v.row.key, v.row.generation, v.row.status) for v in ledger.operator.pending()] == [
+        (STALLED, 1, Status.PENDING)
+    ]
     assert a.stop(signal.SIGKILL) == -signal.SIGKILL
 
     # Two more consumers: they read the rest, and claim what A had read but never acknowledged.
@@ -146,10 +148,10 @@ def test_a_consumer_killed_mid_charge_is_claimed_by_another_and_every_payment_is
     assert {pid: (row.status, row.generation) for pid, row in rows.items()} == {
         pid: (Status.COMPLETED, 2 if pid == STALLED else 1) for pid in ids
     }
-    assert ledger.get("billing", STALLED).takeovers == 1
-    assert list(ledger.pending()) == []
-    assert list(ledger.fenced()) == []
-    stats = ledger.stats()
+    assert ledger.operator.get("billing", STALLED).takeovers == 1
+    assert list(ledger.operator.pending()) == []
+    assert list(ledger.operator.fenced()) == []
+    stats = ledger.operator.stats()
     assert (stats.total, stats.completed, stats.taken_over, stats.fenced_out_events) == (PAYMENTS, PAYMENTS, 1, 0)
     # Redis agrees: nothing pending for anyone, nothing dead-lettered.
     assert {x["name"]: x["pending"] for x in r.xinfo_consumers(name, "billing")}.get("consumer-a") == 0

@@ -73,11 +73,11 @@ def wire(response: requests.Response) -> tuple:
 
 def wait_until_stale(srv: GunicornServer, principal: str, key: str) -> None:
     with srv.ledger() as ledger:
-        view = ledger.get(principal, key)
+        view = ledger.operator.get(principal, key)
         assert view is not None and view.row.status is Status.PENDING
         assert view.takeover_in_ms is not None
         time.sleep(view.takeover_in_ms / 1000 + 0.05)
-        assert ledger.get(principal, key).state is State.PENDING_STALE
+        assert ledger.operator.get(principal, key).state is State.PENDING_STALE
 
 
 def idemctl_inspect(srv: GunicornServer, key: str, principal: str) -> dict:
@@ -180,7 +180,7 @@ def test_a_worker_killed_mid_mutation_is_taken_over_as_generation_2_after_the_tt
     assert srv.count_orders(sku) == 1
 
     with srv.ledger() as ledger:
-        view = ledger.get("acct_A", key)
+        view = ledger.operator.get("acct_A", key)
     assert (view.row.status, view.row.generation) == (Status.COMPLETED, 2)
     assert view.row.body_bytes == taken_over.content
 
@@ -217,8 +217,8 @@ def test_a_stalled_worker_that_finishes_after_a_takeover_is_fenced_out_and_repla
     replay = post_order(srv, key, sku)
     assert wire(replay) == wire(new_owner)
     with srv.ledger() as ledger:
-        view = ledger.get("acct_A", key)
-        events = list(ledger.fenced(principal="acct_A", key=key))
+        view = ledger.operator.get("acct_A", key)
+        events = list(ledger.operator.fenced(principal="acct_A", key=key))
     assert (view.row.status, view.row.generation) == (Status.COMPLETED, 2)
     assert view.row.body_bytes == new_owner.content
     assert [(e.superseded_generation, e.current_generation, e.computed_status) for e in events] == [(1, 2, 201)]
@@ -294,7 +294,7 @@ def test_a_body_over_the_limit_is_413_and_nothing_is_claimed(server):
     assert response.status_code == 413
     assert response.json()["limit_bytes"] == MAX_BODY
     with server.ledger() as ledger:
-        assert ledger.get("acct_A", "too-big") is None
+        assert ledger.operator.get("acct_A", "too-big") is None
 
 
 def test_an_unknown_api_key_is_401_and_a_missing_idempotency_key_is_400(server):

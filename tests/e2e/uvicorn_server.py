@@ -3,13 +3,10 @@ FastAPI orders example) on 127.0.0.1, started and stopped by the tests."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -30,33 +27,18 @@ def free_port() -> int:
 
 class UvicornServer(ServerProcess):
     stop_signal = signal.SIGINT
+    name = "uvicorn"
 
     def __init__(
         self, workdir: Path, *, workers: int = 4, pending_ttl: str = "30s", env: dict[str, str] | None = None
     ) -> None:
-        self.workdir = workdir
-        self.workers = workers
+        self.place(workdir, workers=workers, log_name="uvicorn.log")
         self.pending_ttl = pending_ttl
-        self.ledger_path = workdir / "idempotency.db"
-        self.orders_path = workdir / "orders.db"
-        self.hold_dir = workdir / "hold"
-        self.log_path = workdir / "uvicorn.log"
         self.extra_env = env or {}
-        self.proc: subprocess.Popen[bytes] | None = None
         self.port = free_port()
 
     def start(self, timeout: float = 40.0) -> UvicornServer:
-        self.hold_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
-        env.update(
-            IDEMCTL_DB=str(self.ledger_path),
-            IDEMCTL_PENDING_TTL=self.pending_ttl,
-            ORDERS_DB=str(self.orders_path),
-            TEST_HOLD_DIR=str(self.hold_dir),
-            PYTHONUNBUFFERED="1",
-            PYTHONPATH=str(REPO),
-        )
-        env.update(self.extra_env)
+        env = self.app_env(IDEMCTL_PENDING_TTL=self.pending_ttl, PYTHONPATH=str(REPO), **self.extra_env)
         cmd = [
             sys.executable,
             "-m",
@@ -73,18 +55,9 @@ class UvicornServer(ServerProcess):
             "--log-level",
             "info",
         ]
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if len(_STARTED.findall(self.log())) >= self.workers and self._healthy():
-                return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"uvicorn exited with {self.proc.returncode}:\n{self.log()}")
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"uvicorn did not come up within {timeout} s:\n{self.log()}")
+        ready = lambda log: len(_STARTED.findall(log)) >= self.workers  # noqa: E731
+        self.launch(cmd, env=env, cwd=REPO, timeout=timeout, ready=ready)
+        return self
 
     def _healthy(self) -> bool:
         try:

@@ -56,6 +56,13 @@ def nothing(n: int) -> None:
     pass
 
 
+def lose_the_first(n: int) -> None:
+    """The connection is lost at the first COMPLETE (before it reaches the
+    server, or after it committed, by where it is passed to wrap_complete)."""
+    if n == 1:
+        raise lost()
+
+
 def begin(ledger: Ledger, key: str = "k1") -> Ticket:
     ticket = ledger.begin("acct", key, "POST", "/orders", {}, BODY)
     assert isinstance(ticket, Ticket)
@@ -76,11 +83,7 @@ def test_a_completion_lost_before_it_reached_the_server_is_stored_on_a_fresh_con
     ledger = make_ledger()
     ticket = begin(ledger)
 
-    def fail_first(n: int) -> None:
-        if n == 1:
-            raise lost()
-
-    calls = wrap_complete(ledger, fail_first, nothing)
+    calls = wrap_complete(ledger, lose_the_first, nothing)
     answer = ledger.finish(ticket, 201, HEADERS, ANSWER)
     assert calls == ["complete", "complete"]
     assert (answer.outcome, answer.status, answer.body) == (Outcome.EXECUTED, 201, ANSWER)
@@ -96,15 +99,11 @@ def test_a_completion_that_committed_before_its_reply_was_lost_is_a_success_not_
     ledger = make_ledger()
     ticket = begin(ledger)
 
-    def lose_the_reply(n: int) -> None:
-        if n == 1:
-            raise lost()
-
-    calls = wrap_complete(ledger, nothing, lose_the_reply)
+    calls = wrap_complete(ledger, nothing, lose_the_first)
     answer = ledger.finish(ticket, 201, HEADERS, ANSWER)
     assert calls == ["complete", "complete", "completed_as"]
     assert answer.outcome is Outcome.EXECUTED
-    assert list(ledger.fenced(principal="acct")) == []
+    assert list(ledger.operator.fenced(principal="acct")) == []
     assert replay_after_the_ttl(ledger, clock) == answer.wire
 
 
@@ -114,17 +113,13 @@ def test_an_oversize_answer_whose_reply_was_lost_is_stored_as_its_sentinel_not_f
     ledger = make_ledger(policy=Policy(body_cap_bytes=16))
     ticket = begin(ledger)
 
-    def lose_the_reply(n: int) -> None:
-        if n == 1:
-            raise lost()
-
-    calls = wrap_complete(ledger, nothing, lose_the_reply)
+    calls = wrap_complete(ledger, nothing, lose_the_first)
     answer = ledger.finish(ticket, 201, HEADERS, b"x" * 64)
     assert calls == ["complete", "complete", "completed_as"]
     assert (answer.outcome, answer.status) == (Outcome.EXECUTED, 500)
     row = ledger.lookup("acct", "k1")
     assert row is not None and (row.status, row.response_status, row.response_body) == (Status.COMPLETED, 500, None)
-    assert list(ledger.fenced(principal="acct")) == []
+    assert list(ledger.operator.fenced(principal="acct")) == []
 
 
 def test_a_completion_lost_while_a_takeover_moved_the_row_on_is_fenced_out(make_ledger, clock) -> None:
@@ -146,7 +141,7 @@ def test_a_completion_lost_while_a_takeover_moved_the_row_on_is_fenced_out(make_
     (new_owner,) = taken
     assert new_owner.outcome is Outcome.TAKEN_OVER
     assert other.finish(new_owner, 201, HEADERS, ANSWER).outcome is Outcome.TAKEN_OVER
-    assert [e.superseded_generation for e in ledger.fenced(principal="acct")] == [1]
+    assert [e.superseded_generation for e in ledger.operator.fenced(principal="acct")] == [1]
     assert replay_after_the_ttl(ledger, clock)[2] == ANSWER
 
 
@@ -156,11 +151,7 @@ def test_a_second_completion_with_another_answer_is_not_taken_for_the_stored_one
     assert reservation is not None
     assert ledger.complete(reservation, 201, {}, b"first").stored
 
-    def fail_first(n: int) -> None:
-        if n == 1:
-            raise lost()
-
-    wrap_complete(ledger, fail_first, nothing)
+    wrap_complete(ledger, lose_the_first, nothing)
     assert ledger.complete(reservation, 201, {}, b"second").stored is False
     row = ledger.lookup("acct", "k1")
     assert row is not None and row.response_body == "first"

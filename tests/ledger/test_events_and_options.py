@@ -268,7 +268,7 @@ def test_hosts_with_skewed_clocks_agree_when_the_database_clock_decides(make_led
     try:
         fresh = behind.handle("acct", "k2", "POST", "/o", {}, b"x", ok())
         assert fresh.outcome is Outcome.EXECUTED
-        behind_view = behind.get("acct", "k2")
+        behind_view = behind.operator.get("acct", "k2")
         assert abs(behind_view.row.updated_at - wall_clock_ms()) < 60_000  # the database's now, not a skewed one
         stalled = behind.begin("acct", "k3", "POST", "/o", {}, b"x")
         assert stalled.outcome is Outcome.EXECUTED

@@ -55,7 +55,7 @@ def test_superseded_owner_cannot_release_a_newer_reservation(short, clock):
 def test_a_late_owner_of_a_purged_key_cannot_answer_a_different_request(short, clock):
     a = short.claim("acct", "k", fingerprint("POST", "/a", [], b"A"))
     clock.advance(TTL + 1)
-    assert short.purge("acct", "k").row.generation == 1  # stale: purge allowed
+    assert short.operator.purge("acct", "k").row.generation == 1  # stale: purge allowed
     body_b = b"B"
     b = short.handle("acct", "k", "POST", "/b", {}, body_b, lambda body: (201, {}, b"answer to B"))
     assert (b.outcome, b.body) == (Outcome.EXECUTED, b"answer to B")
@@ -99,13 +99,13 @@ def test_release_on_error_chain_never_lets_two_owners_run_at_once(short, clock):
 def test_a_stalled_owner_whose_row_was_swept_cannot_complete_the_next_claim(short, clock):
     a = short.claim("acct", "k", "fp")
     clock.advance(DAY + 1)
-    assert short.sweep().keys_deleted == 1
+    assert short.operator.sweep().keys_deleted == 1
     c = short.claim("acct", "k", "fp")
     late = short.complete(a, 500, {}, b"A")
     assert late.stored is False
     assert short.lookup("acct", "k").status is Status.PENDING
     assert short.complete(c, 201, {}, b"C").stored is True
-    assert [e.superseded_generation for e in short.fenced(principal="acct", key="k")] == [1]
+    assert [e.superseded_generation for e in short.operator.fenced(principal="acct", key="k")] == [1]
 
 
 def test_each_claim_and_takeover_draws_a_new_token(short, clock):
@@ -146,8 +146,8 @@ def test_a_ledger_of_idemctl_0_1_is_read_then_upgraded_without_losing_a_row(tmp_
     rows = _ledger_of_idemctl_0_1(path)
     ledger = Ledger.open(path, clock=clock)
     assert ledger.schema_version() == 1
-    assert ledger.get("acct", "done").row.body_bytes == b"ok"
-    assert [e.superseded_generation for e in ledger.fenced()] == [2]
+    assert ledger.operator.get("acct", "done").row.body_bytes == b"ok"
+    assert [e.superseded_generation for e in ledger.operator.fenced()] == [2]
     with pytest.raises(SchemaOutdatedError):
         ledger.handle("acct", "new", "POST", "/", {}, b"", lambda b: pytest.fail("ran on an old schema"))
     result = ledger.init()

@@ -133,7 +133,7 @@ def test_a_malformed_row_on_postgres_is_named_too(make_ledger, ledger_target):
             " VALUES ('acct', 'k', 'fp', 'done', 1, 1, 1)"
         )
     with pytest.raises(MalformedRowError, match=r"key='k': status 'done' is neither pending nor completed$"):
-        ledger.get("acct", "k")
+        ledger.operator.get("acct", "k")
 
 
 # -- inputs -----------------------------------------------------------------------------------
@@ -145,7 +145,7 @@ def test_a_principal_that_is_not_a_str_is_a_type_error_and_writes_nothing(ledger
         ledger.handle(principal, "k", "POST", "/", {}, b"", lambda body: pytest.fail("ran"))
     with pytest.raises(TypeError):
         ledger.claim(principal, "k", "fp")
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 @pytest.mark.parametrize(
@@ -160,14 +160,14 @@ def test_a_principal_that_cannot_be_stored_exactly_is_refused_before_any_write(l
         ledger.handle(principal, "k", "POST", "/", {}, b"", lambda body: pytest.fail("ran"))
     with pytest.raises(InvalidPrincipalError):
         ledger.takeover(principal, "k", "fp")
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 def test_five_and_the_string_five_are_different_principals_never_one_row(ledger):
     ledger.handle("5", "k", "POST", "/", {}, b"", ok)
     with pytest.raises(TypeError):
         ledger.handle(5, "k", "POST", "/", {}, b"", ok)
-    assert ledger.stats().total == 1
+    assert ledger.operator.stats().total == 1
 
 
 def test_a_path_with_a_newline_cannot_forge_another_requests_fingerprint(ledger):
@@ -188,7 +188,7 @@ def test_a_protected_method_that_is_not_an_http_token_is_refused(ledger, method)
     strict = Ledger(ledger.store, policy=Policy(protected_methods=frozenset({method})), clock=ledger.clock)
     with pytest.raises(InvalidRequestError, match=r"is not an HTTP method token$"):
         strict.handle("acct", "k", method, "/", {}, b"", lambda body: pytest.fail("ran"))
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 # -- one definition of a row's state ------------------------------------------------------------
@@ -207,8 +207,8 @@ def test_a_stale_reservation_past_the_retention_is_listed_and_counted_as_stale(m
     ledger.claim("acct", "stale-2", "fp")
     clock.advance(31_000)
     ledger.claim("acct", "fresh", "fp")
-    stats = ledger.stats()
-    stale = [(v.row.key, v.state, v.takes_over_now) for v in ledger.pending(stale_only=True)]
+    stats = ledger.operator.stats()
+    stale = [(v.row.key, v.state, v.takes_over_now) for v in ledger.operator.pending(stale_only=True)]
     assert stale == [
         ("ancient", State.EXPIRED, True),
         ("stale-1", State.PENDING_STALE, True),
@@ -216,13 +216,13 @@ def test_a_stale_reservation_past_the_retention_is_listed_and_counted_as_stale(m
     ]
     assert (stats.total, stats.pending_fresh, stats.pending_stale, stats.completed) == (5, 1, 3, 0)
     assert (stats.expired, stats.expired_pending) == (2, 1)  # "ancient" is in both counts
-    assert ledger.get("acct", "ancient").state is State.EXPIRED
-    assert [(v.row.key, v.state, v.takes_over_now) for v in ledger.pending()] == [
+    assert ledger.operator.get("acct", "ancient").state is State.EXPIRED
+    assert [(v.row.key, v.state, v.takes_over_now) for v in ledger.operator.pending()] == [
         *stale,
         ("fresh", State.PENDING_FRESH, False),
     ]
     # And it is what the request path does: the next retry takes it over.
-    assert ledger.predict("acct", "ancient", "fp").view.takes_over_now
+    assert ledger.operator.predict("acct", "ancient", "fp").view.takes_over_now
     assert ledger.takeover("acct", "ancient", "fp").generation == 2
 
 
@@ -254,9 +254,9 @@ def test_cli_pending_stale_and_max_stale_see_a_reservation_days_past_the_retenti
     assert doc["check_failed"] == ["3 stale pending rows (max 2)"]
     assert run(app, [*where, "stats", "--json", "--max-stale", "3"]).exit_code == 0
     # Only the dead worker's row: before, --max-stale 0 never fired for it.
-    ledger.purge("acct", "stale-1")
-    ledger.purge("acct", "stale-2")
-    ledger.purge("acct", "fresh", force=True)
+    ledger.operator.purge("acct", "stale-1")
+    ledger.operator.purge("acct", "stale-2")
+    ledger.operator.purge("acct", "fresh", force=True)
     lone = run(app, [*where, "stats", "--max-stale", "0"])
     assert lone.exit_code == 1, lone.output
     assert "1 of them pending, also counted as stale" in lone.stdout
@@ -278,10 +278,10 @@ def test_stats_and_get_agree_on_every_row_of_a_random_ledger(make_ledger, clock)
         clock.advance(rnd.randrange(0, 60))
     counts = {state: 0 for state in State}
     for i in range(200):
-        counts[ledger.get("acct", f"k{i}").state] += 1
-    stats = ledger.stats()
+        counts[ledger.operator.get("acct", f"k{i}").state] += 1
+    stats = ledger.operator.stats()
     expired_pending = sum(
-        1 for i in range(200) if (v := ledger.get("acct", f"k{i}")).state is State.EXPIRED and v.takes_over_now
+        1 for i in range(200) if (v := ledger.operator.get("acct", f"k{i}")).state is State.EXPIRED and v.takes_over_now
     )
     assert counts == {
         State.PENDING_FRESH: stats.pending_fresh,
@@ -290,7 +290,7 @@ def test_stats_and_get_agree_on_every_row_of_a_random_ledger(make_ledger, clock)
         State.EXPIRED: stats.expired,
     }
     assert stats.expired_pending == expired_pending > 0
-    assert stats.pending_stale == len(list(ledger.pending(stale_only=True)))
+    assert stats.pending_stale == len(list(ledger.operator.pending(stale_only=True)))
     assert stats.pending_fresh + stats.pending_stale + stats.completed + stats.expired == 200 + stats.expired_pending
     assert all(counts.values())  # the walk visited every state
 

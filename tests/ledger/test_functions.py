@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -182,19 +183,27 @@ class Declined(Exception):
     pass
 
 
-def test_an_exception_leaves_the_reservation_pending_and_a_repeat_after_the_ttl_takes_it_over(ledger, clock):
-    runs: list[int] = []
+def failing_once(runs: list[int], error: Exception) -> Callable[[int], dict[str, int]]:
+    """A charge that raises `error` on its first run, then charges; each run's amount goes to `runs`."""
 
-    @ledger.idempotent(key="pay_1", principal="billing")
-    def charge(amount):
+    def charge(amount: int) -> dict[str, int]:
         runs.append(amount)
         if len(runs) == 1:
-            raise ConnectionError("provider timed out")
+            raise error
         return {"amount": amount}
+
+    return charge
+
+
+def test_an_exception_leaves_the_reservation_pending_and_a_repeat_after_the_ttl_takes_it_over(ledger, clock):
+    runs: list[int] = []
+    charge = ledger.idempotent(key="pay_1", principal="billing")(
+        failing_once(runs, ConnectionError("provider timed out"))
+    )
 
     with pytest.raises(ConnectionError):
         charge(500)
-    view = ledger.get("billing", "pay_1")
+    view = ledger.operator.get("billing", "pay_1")
     assert (view.row.status, view.row.generation, view.state) == (Status.PENDING, 1, State.PENDING_FRESH)
     with pytest.raises(CallInProgressError):
         charge(500)
@@ -204,18 +213,14 @@ def test_an_exception_leaves_the_reservation_pending_and_a_repeat_after_the_ttl_
     assert runs == [500, 500]
     row = ledger.lookup("billing", "pay_1")
     assert (row.status, row.generation, row.response_body) == (Status.COMPLETED, 2, '{"amount":500}')
-    assert ledger.stats().taken_over == 1
+    assert ledger.operator.stats().taken_over == 1
 
 
 def test_release_on_error_deletes_the_reservation_so_a_repeat_runs_at_once(ledger):
     runs: list[int] = []
-
-    @ledger.idempotent(key="pay_1", principal="billing", release_on_error=True)
-    def charge(amount):
-        runs.append(amount)
-        if len(runs) == 1:
-            raise Declined("card declined")
-        return {"amount": amount}
+    charge = ledger.idempotent(key="pay_1", principal="billing", release_on_error=True)(
+        failing_once(runs, Declined("card declined"))
+    )
 
     with pytest.raises(Declined):
         charge(500)
@@ -268,7 +273,7 @@ def test_a_late_completion_after_a_takeover_is_fenced_out_recorded_and_shown_by_
     assert charge("anyone") == {"by": "fast worker"}  # repeats get the stored value, the taker's
     assert any("fenced out" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
 
-    (event,) = ledger.fenced(principal="billing", key="pay_1")
+    (event,) = ledger.operator.fenced(principal="billing", key="pay_1")
     assert (event.superseded_generation, event.current_generation, event.computed_status) == (1, 2, 200)
     doc = _fenced_json(ledger_target, monkeypatch, tmp_path)
     assert [
@@ -467,7 +472,7 @@ def test_a_serializer_that_is_none_of_the_accepted_shapes_is_refused_before_any_
         ledger.idempotent(key="k", principal="p", serializer=serializer)
     with pytest.raises(TypeError, match=r"serializer must be a \(dump, load\) pair"):
         ledger.idempotent_call(principal="p", key="k", args={}, serializer=serializer)
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 def test_a_value_stored_through_a_load_that_fails_is_read_back_once_the_load_is_fixed(ledger):
@@ -526,7 +531,7 @@ def test_arguments_that_are_not_json_are_refused_before_anything_is_claimed(ledg
     assert (caught.value.path, caught.value.problem) == (path, problem)
     assert isinstance(caught.value, IdemctlError) and isinstance(caught.value, TypeError)
     assert runs == []
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 def test_a_container_that_holds_itself_is_refused():
@@ -669,7 +674,7 @@ def test_a_call_without_a_principal_is_refused_and_nothing_runs(ledger, principa
     with pytest.raises(error):
         charge(500)
     assert runs == []
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 def test_a_key_that_is_not_a_valid_idempotency_key_is_refused_and_nothing_runs(ledger):

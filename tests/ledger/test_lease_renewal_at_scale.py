@@ -137,7 +137,7 @@ def test_renewal_uses_the_primary_key_and_never_lets_a_live_owner_be_taken_over_
 ):
     owner = make_ledger(policy=Policy(pending_ttl_ms=TTL, lease_renewal=True), clock_fn=wall_clock_ms)
     fill(backend_name, ledger_target, ROWS)
-    assert owner.count_rows() == ROWS
+    assert owner.operator.count_rows() == ROWS
     tickets = [owner.begin("acct_live", f"held-{i:03d}", "POST", "/orders", {}, b"{}") for i in range(HELD)]
     held = [t.reservation for t in tickets]
     assert all(r is not None for r in held) and owner.leases is not None and owner.leases.held() == HELD

@@ -30,7 +30,7 @@ def post(ledger, run, key="k-1"):
 def test_pending_row_exactly_ttl_old_is_still_in_progress(ledger, clock):
     ledger.claim("acct_A", "k-1", FP)
     clock.advance(30_000)
-    assert ledger.get("acct_A", "k-1").state is State.PENDING_FRESH
+    assert ledger.operator.get("acct_A", "k-1").state is State.PENDING_FRESH
     assert post(ledger, answer_with(b"x")).outcome is Outcome.IN_PROGRESS
     assert ledger.lookup("acct_A", "k-1").generation == 1
 
@@ -38,7 +38,7 @@ def test_pending_row_exactly_ttl_old_is_still_in_progress(ledger, clock):
 def test_pending_row_one_millisecond_past_ttl_is_taken_over(ledger, clock):
     ledger.claim("acct_A", "k-1", FP)
     clock.advance(30_001)
-    assert ledger.get("acct_A", "k-1").state is State.PENDING_STALE
+    assert ledger.operator.get("acct_A", "k-1").state is State.PENDING_STALE
     answer = post(ledger, answer_with(b"x"))
     assert (answer.outcome, answer.generation) == (Outcome.TAKEN_OVER, 2)
 
@@ -64,11 +64,11 @@ def test_row_exactly_retention_old_is_kept_one_ms_older_is_swept(ledger, clock):
     post(ledger, answer_with(b"done"))
     created = clock.now
     clock.advance(86_400_000)
-    assert ledger.sweep().keys_deleted == 0
-    assert ledger.get("acct_A", "k-1").state is State.COMPLETED
+    assert ledger.operator.sweep().keys_deleted == 0
+    assert ledger.operator.get("acct_A", "k-1").state is State.COMPLETED
     clock.advance(1)
-    assert ledger.get("acct_A", "k-1").state is State.EXPIRED
-    result = ledger.sweep()
+    assert ledger.operator.get("acct_A", "k-1").state is State.EXPIRED
+    result = ledger.operator.sweep()
     assert (result.keys_deleted, result.cutoff) == (1, created + 1)
     assert ledger.lookup("acct_A", "k-1") is None
 
@@ -79,9 +79,9 @@ def test_completion_time_not_claim_time_starts_the_retention(ledger, clock):
     clock.advance(20_000)
     ledger.complete(res, 201, {}, b"ok")
     clock.advance(86_400_000 - 20_000 + 1)
-    assert ledger.sweep().keys_deleted == 0
+    assert ledger.operator.sweep().keys_deleted == 0
     clock.advance(20_000)
-    assert ledger.sweep().keys_deleted == 1
+    assert ledger.operator.sweep().keys_deleted == 1
 
 
 def test_body_of_exactly_the_cap_is_stored(ledger):

@@ -156,7 +156,7 @@ def test_a_completed_key_past_retention_runs_again_as_a_new_operation(make_ledge
     first_app, second_app = App(201, [], b"first"), App(201, [], b"second")
     first = post(ledger, first_app)
     clock.advance(ledger.policy.retention_ms + 1)
-    assert ledger.get("acct_A", "k1").state is State.EXPIRED
+    assert ledger.operator.get("acct_A", "k1").state is State.EXPIRED
     again = post(ledger, second_app)
     assert (first_app.runs, second_app.runs) == (1, 1)
     assert (again.outcome, again.generation, again.body) == (Outcome.EXECUTED, 2, b"second")
@@ -187,7 +187,9 @@ def test_a_pending_row_past_retention_is_taken_over_and_its_owner_is_fenced_out(
     fenced = ledger.finish(late, 201, [], b"old")
     assert fenced.outcome is Outcome.FENCED_OUT
     assert ledger.lookup("acct_A", "k1").body_bytes == b"new"
-    assert [(e.superseded_generation, e.current_generation) for e in ledger.fenced(principal="acct_A")] == [(1, 2)]
+    assert [(e.superseded_generation, e.current_generation) for e in ledger.operator.fenced(principal="acct_A")] == [
+        (1, 2)
+    ]
 
 
 def test_a_row_exactly_at_retention_is_replayed_with_an_expiry_that_is_now_not_past(make_ledger, clock):
@@ -210,7 +212,7 @@ def test_predict_says_new_for_a_key_past_retention(make_ledger, clock):
     ledger = make_ledger()
     post(ledger, App())
     clock.advance(ledger.policy.retention_ms + 1)
-    prediction = ledger.predict("acct_A", "k1", "another fingerprint")
+    prediction = ledger.operator.predict("acct_A", "k1", "another fingerprint")
     assert prediction.verdict.value == "new" and prediction.view is not None
 
 
@@ -244,7 +246,7 @@ def test_a_sweep_and_a_takeover_past_retention_never_both_win(make_ledger, clock
     post(ledger, App())
     clock.advance(ledger.policy.retention_ms + 1)
     app = App(201, [], b"after")
-    sweeper = threading.Thread(target=lambda: ledger.sweep(batch=100))
+    sweeper = threading.Thread(target=lambda: ledger.operator.sweep(batch=100))
     sweeper.start()
     answer = post(ledger, app)
     sweeper.join()
@@ -311,7 +313,7 @@ def test_a_long_incompressible_principal_is_refused_before_any_statement_on_ever
     with pytest.raises(InvalidPrincipalError):
         ledger.claim(principal, "k1", "fp")
     assert app.runs == 0
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 def test_a_principal_of_exactly_512_utf8_bytes_is_stored_and_one_more_byte_is_refused(ledger):

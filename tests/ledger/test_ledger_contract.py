@@ -88,7 +88,7 @@ def test_missing_key_is_400_required_and_nothing_runs(ledger):
         assert answer.body == b'{"error":"idempotency_key_required"}'
         assert answer.outcome is Outcome.KEY_REQUIRED
     assert run.calls == []
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 @pytest.mark.parametrize("key", ["abc\n", "abc\r\n", "\tabc", "café", "\x7f", "a\x00b", "a" * 256])
@@ -101,7 +101,7 @@ def test_invalid_key_is_400_invalid_and_nothing_is_written(ledger, key):
         b'{"error":"idempotency_key_invalid","message":"Idempotency-Key must be 1-255 printable ASCII characters."}'
     )
     assert run.calls == []
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 def test_key_of_255_characters_is_accepted(ledger):
@@ -121,7 +121,7 @@ def test_no_principal_is_401_and_never_a_shared_namespace(ledger, principal):
         "message": "No authenticated principal for this request.",
     }
     assert run.calls == []
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 def test_same_key_different_body_is_409_reused_and_nothing_replayed(ledger):
@@ -236,7 +236,7 @@ def test_unprotected_methods_pass_through_untouched(ledger, method):
     assert len(run.calls) == 1
     answer = ledger.handle("acct_A", None, method, "/orders", {}, b"", run)
     assert len(run.calls) == 2
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 def test_protected_methods_come_from_policy(make_ledger):
@@ -253,7 +253,7 @@ def test_principals_are_isolated_same_key_same_request_two_executions(ledger):
     assert len(run.calls) == 2
     assert ledger.lookup("acct_A", "k-1").generation == 1
     assert ledger.lookup("acct_B", "k-1").generation == 1
-    assert ledger.stats().total == 2
+    assert ledger.operator.stats().total == 2
 
 
 def test_principals_are_isolated_pending_of_one_never_blocks_the_other(ledger):
@@ -263,7 +263,7 @@ def test_principals_are_isolated_pending_of_one_never_blocks_the_other(ledger):
     # A different request from B with the same key is B's own business, not A's.
     assert post(ledger, run, principal="acct_B", body=b"{}").outcome is Outcome.REUSED
     assert post(ledger, run, principal="acct_A").outcome is Outcome.IN_PROGRESS
-    assert ledger.get("acct_A", "k-1").state is State.PENDING_FRESH
+    assert ledger.operator.get("acct_A", "k-1").state is State.PENDING_FRESH
     assert len(run.calls) == 1
 
 
@@ -309,7 +309,7 @@ def test_non_bytes_request_body_is_a_typed_error_and_nothing_is_written(ledger):
     with pytest.raises(InvalidBodyError, match="request body must be bytes, got str"):
         ledger.handle("acct_A", "k-1", "POST", "/orders", HEADERS, "text", run)  # type: ignore[arg-type]
     assert run.calls == []
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 def test_bytearray_and_memoryview_bodies_are_accepted_as_bytes(ledger):

@@ -35,7 +35,7 @@ def test_late_generation_1_completion_is_rejected_logged_and_recorded(ledger, cl
     assert len(records) == 1
     assert "fenced out: principal=acct_A key=k-1 generation=1 was superseded by generation 2" in records[0].getMessage()
     # Recorded durably.
-    events = list(ledger.fenced())
+    events = list(ledger.operator.fenced())
     assert len(events) == 1
     e = events[0]
     assert (e.principal, e.key, e.superseded_generation, e.current_generation, e.computed_status, e.fenced_at) == (
@@ -94,9 +94,9 @@ def test_through_handle_the_replay_returns_the_new_owners_answer(ledger, clock):
     assert (a.outcome, a.generation, a.body) == (Outcome.FENCED_OUT, 1, b'{"by":"A"}')
     replay = ledger.handle("acct_A", "k-1", "POST", "/charges", HEADERS, BODY, lambda body: (500, {}, b"never"))
     assert (replay.outcome, replay.body) == (Outcome.REPLAYED, b'{"by":"B"}')
-    assert [(e.superseded_generation, e.current_generation) for e in ledger.fenced(principal="acct_A", key="k-1")] == [
-        (1, 2)
-    ]
+    assert [
+        (e.superseded_generation, e.current_generation) for e in ledger.operator.fenced(principal="acct_A", key="k-1")
+    ] == [(1, 2)]
 
 
 def test_completion_of_a_released_row_is_fenced_with_no_current_generation(ledger):

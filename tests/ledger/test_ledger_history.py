@@ -337,7 +337,7 @@ def test_history_of_killed_and_stalling_workers_keeps_one_stored_answer_per_key_
                 assert history[Outcome.REPLAYED.value] == [], f"{key}: replayed, but the row is {row}"
 
             fenced_answers = [ran_results[r["run"]] for r in history[Outcome.FENCED_OUT.value]]
-            events = list(ledger.fenced(principal=PRINCIPAL, key=key))
+            events = list(ledger.operator.fenced(principal=PRINCIPAL, key=key))
             assert len(fenced_answers) <= len(events) <= len(fenced_answers) + len(history["unfinished"]), (
                 f"{key}: {len(events)} fenced-out events for {len(fenced_answers)} fenced-out answers"
                 f" and {len(history['unfinished'])} runs killed before answering"

@@ -1,11 +1,13 @@
 """The ledger is made of parts, not of base classes: what apps call is on
 `Ledger` (each the part's own method, with no layer between), what
 operators call is on `ledger.operator` (the CLI's side), and the old
-operator names on the ledger answer exactly what the operator answers."""
+operator names on the ledger, deprecated, warn once and answer exactly
+what the operator answers."""
 
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,8 @@ from typer.testing import CliRunner
 
 from idemctl import Ledger, Policy
 from idemctl.cli import app
-from idemctl.ledger import LedgerCore, Operator
+from idemctl.ledger import LedgerCore, Operator, deprecated
+from idemctl.ledger.face import RequestFace
 from idemctl.ledger.housekeeping import Housekeeping
 from idemctl.ledger.requests import RequestFlow
 from idemctl.ledger.steps import SingleSteps
@@ -85,8 +88,12 @@ def a_ledger_with_every_state(clock: list[int]) -> Ledger:
     return ledger
 
 
-def test_the_ledger_has_no_base_class_but_object():
-    assert Ledger.__mro__ == (Ledger, object)
+def test_the_ledger_has_no_base_class_but_its_documented_request_methods():
+    # RequestFace declares the request path's methods (their signatures and
+    # documentation) and holds no state: the work is the parts'.
+    assert Ledger.__mro__ == (Ledger, RequestFace, object)
+    assert [n for n, v in vars(RequestFace).items() if not n.startswith("__") and not inspect.isfunction(v)] == []
+    assert "__init__" not in vars(RequestFace)
 
 
 def test_what_the_gate_calls_is_on_the_ledger_as_each_parts_own_method():
@@ -150,29 +157,57 @@ CALLS: dict[str, Callable[[Any, Ledger], Any]] = {
 }
 
 
+@pytest.fixture
+def no_old_name_warned_yet(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each old name warns once per process: start each test from none.
+    monkeypatch.setattr(deprecated, "_warned", set())
+
+
 @pytest.mark.parametrize("name", sorted(CALLS))
-def test_each_old_name_on_the_ledger_answers_what_the_operator_answers(name):
+def test_each_old_name_on_the_ledger_warns_once_and_answers_what_the_operator_answers(name, no_old_name_warned_yet):
     old, new = a_ledger_with_every_state([T0]), a_ledger_with_every_state([T0])
     call = CALLS[name]
-    assert call(old, old) == call(new.operator, new)
+    called = name.removesuffix("_stale")
+    with pytest.warns(DeprecationWarning) as warned:
+        answered = call(old, old)
+    assert [str(w.message) for w in warned] == [
+        f"Ledger.{called} is deprecated: call ledger.operator.{called}, which answers the same"
+    ]
+    assert warned[0].filename == __file__  # it points at the caller's line
+    assert answered == call(new.operator, new)
     # And the two ledgers are still equal: the old name changed what the operator's method did.
     assert old.operator.stats() == new.operator.stats()
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        call(old, old)
+    assert again == []  # once per name per process
 
 
-def test_copy_to_under_its_old_name_copies_what_the_operator_copies():
+def test_copy_to_under_its_old_name_warns_and_copies_what_the_operator_copies(no_old_name_warned_yet):
     old, new = a_ledger_with_every_state([T0]), a_ledger_with_every_state([T0])
     into_old, into_new = Ledger.open(":memory:"), Ledger.open(":memory:")
     into_old.init(), into_new.init()
-    by_old, by_operator = old.copy_to(into_old), new.operator.copy_to(into_new.operator)
+    with pytest.warns(DeprecationWarning, match=r"^Ledger\.copy_to is deprecated"):
+        by_old = old.copy_to(into_old)
+    by_operator = new.operator.copy_to(into_new.operator)
     assert by_old == by_operator
     assert [v.row for v in into_old.operator.pending(now=T0)] == [v.row for v in into_new.operator.pending(now=T0)]
     assert into_old.operator.count_rows() == into_new.operator.count_rows() == 5
 
 
+def test_each_old_name_warns_on_its_own(no_old_name_warned_yet):
+    ledger = a_ledger_with_every_state([T0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ledger.stats(), ledger.stats(), ledger.count_rows(), ledger.drain_batch, ledger.drain_batch
+    assert [str(w.message).split()[0] for w in caught] == ["Ledger.stats", "Ledger.count_rows", "Ledger.drain_batch"]
+    assert {w.category for w in caught} == {DeprecationWarning}
+
+
 def test_the_old_names_answer_about_the_rows_they_are_asked_about():
     # The comparison above must compare something: the answers are real ones.
     clock = [T0]
-    ledger = a_ledger_with_every_state(clock)
+    ledger = a_ledger_with_every_state(clock).operator
     assert [(v.row.key, v.state) for v in ledger.pending()] == [
         ("stale", State.PENDING_STALE),
         ("fresh", State.PENDING_FRESH),

@@ -113,7 +113,7 @@ def test_eight_processes_racing_on_200_keys_run_each_mutation_exactly_once(ledge
     assert set(totals) <= {"executed:201", "replayed:201", "in_progress:409"}, totals
     assert totals["executed:201"] == KEYS
     assert sum(totals.values()) == KEYS * PROCESSES
-    stats = ledger.stats()
+    stats = ledger.operator.stats()
     assert (stats.total, stats.completed, stats.taken_over) == (KEYS, KEYS, 0)
 
 

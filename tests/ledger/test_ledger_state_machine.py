@@ -138,7 +138,7 @@ def machine_for(ledger: Ledger, clock: FakeClock, tally: Counter[str] | None = N
         def start_on_an_empty_ledger(self) -> None:
             clock.now = CLOCK_START + next(instances) * INSTANCE_SPACING_MS
             # Everything earlier instances left is past the retention now.
-            while ledger.sweep(batch=100_000).keys_deleted:
+            while ledger.operator.sweep(batch=100_000).keys_deleted:
                 pass
             self.started = True
 
@@ -177,7 +177,7 @@ def machine_for(ledger: Ledger, clock: FakeClock, tally: Counter[str] | None = N
             return len(list(self.ledger_fenced(key)))
 
         def ledger_fenced(self, key: str):
-            return ledger.fenced(principal=self.principal, key=key)
+            return ledger.operator.fenced(principal=self.principal, key=key)
 
         def hold(self, n: int, reservation: Reservation) -> Held:
             held = Held(n, reservation)
@@ -358,7 +358,7 @@ def machine_for(ledger: Ledger, clock: FakeClock, tally: Counter[str] | None = N
         @rule(key=st.sampled_from(KEYS), force=st.booleans())
         def purge(self, key: str, force: bool) -> None:
             row = self.rows.get(key)
-            result = ledger.purge(self.principal, key, force=force)
+            result = ledger.operator.purge(self.principal, key, force=force)
             if row is None:
                 assert (result.outcome, result.row) == (PurgeOutcome.NOT_FOUND, None)
                 return
@@ -375,7 +375,7 @@ def machine_for(ledger: Ledger, clock: FakeClock, tally: Counter[str] | None = N
         def sweep(self) -> None:
             cutoff = clock.now - RETENTION
             expired = [k for k, r in self.rows.items() if r.updated_at < cutoff]
-            result = ledger.sweep()
+            result = ledger.operator.sweep()
             assert (result.keys_deleted, result.cutoff) == (len(expired), cutoff)
             self.seen("sweep: deleted rows" if expired else "sweep: nothing expired")
             for k in expired:
@@ -517,7 +517,7 @@ def machine_for(ledger: Ledger, clock: FakeClock, tally: Counter[str] | None = N
                     state = State.PENDING_STALE
                 else:
                     state = State.PENDING_FRESH
-                view = ledger.get(self.principal, key)
+                view = ledger.operator.get(self.principal, key)
                 assert view is not None and view.state is state, f"row {key} shows as {view}, the model says {state}"
 
     return LedgerAgainstModel

@@ -26,16 +26,16 @@ def fill(ledger, clock, n, *, prefix="k", step=1):
 def test_sweep_deletes_at_most_the_batch_per_call_oldest_first(ledger, clock):
     fill(ledger, clock, 50)
     clock.advance(DAY + 100)
-    first = ledger.sweep(batch=20)
+    first = ledger.operator.sweep(batch=20)
     assert first.keys_deleted == 20
-    remaining = sorted(v.row.key for v in ledger.pending()) + [
+    remaining = sorted(v.row.key for v in ledger.operator.pending()) + [
         k for k in (f"k{i:04d}" for i in range(50)) if ledger.lookup("acct", k) is not None
     ]
     assert remaining == [f"k{i:04d}" for i in range(20, 50)]
-    assert ledger.sweep(batch=20).keys_deleted == 20
-    assert ledger.sweep(batch=20).keys_deleted == 10
-    assert ledger.sweep(batch=20).keys_deleted == 0
-    assert ledger.stats().total == 0
+    assert ledger.operator.sweep(batch=20).keys_deleted == 20
+    assert ledger.operator.sweep(batch=20).keys_deleted == 10
+    assert ledger.operator.sweep(batch=20).keys_deleted == 0
+    assert ledger.operator.stats().total == 0
 
 
 def test_sweep_never_deletes_a_row_inside_retention(ledger, clock):
@@ -43,11 +43,11 @@ def test_sweep_never_deletes_a_row_inside_retention(ledger, clock):
     clock.advance(DAY)
     fill(ledger, clock, 5, prefix="new")
     # old rows are now between 1 day - 10ms and 1 day + 5 ms old.
-    result = ledger.sweep(batch=1000)
+    result = ledger.operator.sweep(batch=1000)
     kept_old = [k for k in (f"old{i:04d}" for i in range(10)) if ledger.lookup("acct", k)]
     assert result.keys_deleted == 10 - len(kept_old)
     for key in kept_old:
-        assert ledger.get("acct", key).age_ms <= DAY
+        assert ledger.operator.get("acct", key).age_ms <= DAY
     assert all(ledger.lookup("acct", f"new{i:04d}") for i in range(5))
 
 
@@ -58,36 +58,36 @@ def test_a_row_written_below_a_draining_sweeps_starting_point_is_still_swept(mak
     ledger = make_ledger()
     fill(ledger, clock, 30)
     clock.advance(DAY + 100)
-    assert ledger.sweep(batch=10).keys_deleted == 10
+    assert ledger.operator.sweep(batch=10).keys_deleted == 10
     lagging = make_ledger(clock_fn=lambda: clock() - DAY - 50, init=False)
     lagging.complete(lagging.claim("acct", "from-the-past", "fp"), 200, {}, b"ok")
-    drained = ledger.drain(batch=10)
+    drained = ledger.operator.drain(batch=10)
     assert (drained.keys_deleted, drained.stopped.value) == (21, "drained")
     assert ledger.lookup("acct", "from-the-past") is None
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 def test_once_a_sweep_finds_nothing_due_it_walks_from_the_start_again(make_ledger, clock):
     ledger = make_ledger()
     fill(ledger, clock, 5)
     clock.advance(DAY + 100)
-    assert ledger.drain(batch=2).keys_deleted == 5
+    assert ledger.operator.drain(batch=2).keys_deleted == 5
     lagging = make_ledger(clock_fn=lambda: clock() - 2 * DAY, init=False)
     lagging.complete(lagging.claim("acct", "late", "fp"), 200, {}, b"ok")
-    assert ledger.sweep(batch=10).keys_deleted == 1
+    assert ledger.operator.sweep(batch=10).keys_deleted == 1
 
 
 def test_sweep_also_removes_abandoned_pending_rows(ledger, clock):
     ledger.claim("acct", "abandoned", "fp")
     clock.advance(DAY + 1)
-    assert ledger.sweep().keys_deleted == 1
+    assert ledger.operator.sweep().keys_deleted == 1
 
 
 def test_default_batch_is_the_policy_batch(make_ledger, clock):
     ledger = make_ledger(policy=Policy(sweep_batch=7))
     fill(ledger, clock, 10)
     clock.advance(DAY + 100)
-    assert ledger.sweep().keys_deleted == 7
+    assert ledger.operator.sweep().keys_deleted == 7
 
 
 def test_the_fenced_out_log_outlives_the_rows_it_is_about_for_its_own_retention(ledger, clock):
@@ -97,20 +97,20 @@ def test_the_fenced_out_log_outlives_the_rows_it_is_about_for_its_own_retention(
         b = ledger.takeover("acct", f"f{i}", "fp")
         ledger.complete(b, 200, {}, b"B")
         assert ledger.complete(a, 200, {}, b"A").stored is False
-    assert len(list(ledger.fenced())) == 3
+    assert len(list(ledger.operator.fenced())) == 3
     clock.advance(DAY + 1)
-    rows = ledger.sweep(batch=2)
+    rows = ledger.operator.sweep(batch=2)
     assert (rows.keys_deleted, rows.fenced_deleted) == (2, 0)
-    assert (ledger.sweep(batch=2).keys_deleted, ledger.count_fenced_expired()) == (1, 0)
+    assert (ledger.operator.sweep(batch=2).keys_deleted, ledger.operator.count_fenced_expired()) == (1, 0)
     # The events stay 30 days (Policy.fenced_retention_ms), then go in bounded batches.
     clock.advance(30 * DAY - DAY - 1)
-    assert (ledger.count_fenced_expired(), ledger.sweep(batch=2).fenced_deleted) == (0, 0)
+    assert (ledger.operator.count_fenced_expired(), ledger.operator.sweep(batch=2).fenced_deleted) == (0, 0)
     clock.advance(1)
-    assert ledger.count_fenced_expired() == 3
-    first = ledger.sweep(batch=2)
+    assert ledger.operator.count_fenced_expired() == 3
+    first = ledger.operator.sweep(batch=2)
     assert (first.keys_deleted, first.fenced_deleted, first.fenced_cutoff) == (0, 2, clock.now - 30 * DAY)
-    assert ledger.sweep(batch=2).fenced_deleted == 1
-    assert list(ledger.fenced()) == []
+    assert ledger.operator.sweep(batch=2).fenced_deleted == 1
+    assert list(ledger.operator.fenced()) == []
 
 
 def test_a_shorter_fenced_out_log_retention_is_a_policy_choice(make_ledger, clock):
@@ -120,8 +120,8 @@ def test_a_shorter_fenced_out_log_retention_is_a_policy_choice(make_ledger, cloc
     ledger.complete(ledger.takeover("acct", "k", "fp"), 200, {}, b"B")
     assert ledger.complete(a, 200, {}, b"A").event is not None
     clock.advance(DAY + 1)
-    assert (ledger.sweep().keys_deleted, list(ledger.fenced())) == (1, [])
-    assert list(ledger.fenced()) == []
+    assert (ledger.operator.sweep().keys_deleted, list(ledger.operator.fenced())) == (1, [])
+    assert list(ledger.operator.fenced()) == []
 
 
 def test_after_response_runs_one_batch_at_the_requests_own_time(make_ledger, clock):
@@ -162,16 +162,16 @@ def test_after_response_logs_and_swallows_storage_errors(ledger, clock, caplog, 
 
 def test_sweep_retention_override_must_exceed_the_pending_ttl(ledger):
     with pytest.raises(PolicyError, match="must be longer than the pending TTL"):
-        ledger.sweep(retention_ms=30_000)
+        ledger.operator.sweep(retention_ms=30_000)
     with pytest.raises(PolicyError, match="sweep batch must be >= 1"):
-        ledger.sweep(batch=0)
+        ledger.operator.sweep(batch=0)
 
 
 def test_sweep_with_shorter_retention_override(ledger, clock):
     fill(ledger, clock, 4)
     clock.advance(60_000)
-    assert ledger.count_expired(retention_ms=45_000) == 4
-    assert ledger.sweep(retention_ms=45_000, batch=100).keys_deleted == 4
+    assert ledger.operator.count_expired(retention_ms=45_000) == 4
+    assert ledger.operator.sweep(retention_ms=45_000, batch=100).keys_deleted == 4
 
 
 def test_sweep_statements_walk_the_updated_at_index(tmp_path):

@@ -12,7 +12,7 @@ DAY = 86_400_000
 def test_get_pending_fresh_reports_time_left_until_takeover(ledger, clock):
     ledger.claim("acct", "k", "fp")
     clock.advance(12_000)
-    view = ledger.get("acct", "k")
+    view = ledger.operator.get("acct", "k")
     assert view.state is State.PENDING_FRESH
     assert view.age_ms == 12_000
     assert view.takeover_in_ms == 18_001
@@ -26,7 +26,7 @@ def test_get_pending_stale_and_takeover_count(ledger, clock):
     clock.advance(TTL + 1)
     ledger.takeover("acct", "k", "fp")
     clock.advance(TTL + 5)
-    view = ledger.get("acct", "k")
+    view = ledger.operator.get("acct", "k")
     assert view.state is State.PENDING_STALE
     assert view.takeover_in_ms == 0
     assert (view.row.generation, view.takeovers) == (2, 1)
@@ -38,14 +38,14 @@ def test_get_completed_reports_replay_until_and_sweep_after(ledger, clock):
     ledger.complete(r, 201, {}, b"x")
     done_at = clock.now
     clock.advance(3_600_000)
-    view = ledger.get("acct", "k")
+    view = ledger.operator.get("acct", "k")
     assert view.state is State.COMPLETED
     assert view.replay_until == done_at + DAY
     assert view.sweep_after == done_at + DAY + 1
     assert view.takeover_at is None
     clock.advance(DAY)
-    assert ledger.get("acct", "k").state is State.EXPIRED
-    assert ledger.get("acct", "nope") is None
+    assert ledger.operator.get("acct", "k").state is State.EXPIRED
+    assert ledger.operator.get("acct", "nope") is None
 
 
 def test_pending_lists_oldest_first_and_filters_stale_and_principal(ledger, clock):
@@ -57,11 +57,15 @@ def test_pending_lists_oldest_first_and_filters_stale_and_principal(ledger, cloc
     ledger.complete(done, 200, {}, b"")
     clock.advance(TTL - 15)  # a1 is now TTL + 5 ms old (stale), b1 TTL - 5 ms (fresh)
     ledger.claim("acct_A", "a2", "fp")
-    assert [v.row.key for v in ledger.pending()] == ["a1", "b1", "a2"]
-    assert [v.row.key for v in ledger.pending(principal="acct_A")] == ["a1", "a2"]
-    assert [v.row.key for v in ledger.pending(stale_only=True)] == ["a1"]
-    assert [v.state for v in ledger.pending()] == [State.PENDING_STALE, State.PENDING_FRESH, State.PENDING_FRESH]
-    assert [v.row.key for v in ledger.pending(limit=2)] == ["a1", "b1"]
+    assert [v.row.key for v in ledger.operator.pending()] == ["a1", "b1", "a2"]
+    assert [v.row.key for v in ledger.operator.pending(principal="acct_A")] == ["a1", "a2"]
+    assert [v.row.key for v in ledger.operator.pending(stale_only=True)] == ["a1"]
+    assert [v.state for v in ledger.operator.pending()] == [
+        State.PENDING_STALE,
+        State.PENDING_FRESH,
+        State.PENDING_FRESH,
+    ]
+    assert [v.row.key for v in ledger.operator.pending(limit=2)] == ["a1", "b1"]
 
 
 def test_fenced_filters_by_principal_key_and_since(ledger, clock):
@@ -73,12 +77,12 @@ def test_fenced_filters_by_principal_key_and_since(ledger, clock):
         ledger.complete(new, 200, {}, b"")
         clock.advance(1_000)
         ledger.complete(r, 418, {}, b"")
-    events = list(ledger.fenced())
+    events = list(ledger.operator.fenced())
     assert [(e.principal, e.key) for e in events] == [("B", "k1"), ("A", "k2"), ("A", "k1")]
-    assert [e.key for e in ledger.fenced(principal="A")] == ["k2", "k1"]
-    assert [e.principal for e in ledger.fenced(key="k1")] == ["B", "A"]
-    assert [e.key for e in ledger.fenced(since=clock.now - 1_000)] == ["k1", "k2"]
-    assert len(list(ledger.fenced(limit=1))) == 1
+    assert [e.key for e in ledger.operator.fenced(principal="A")] == ["k2", "k1"]
+    assert [e.principal for e in ledger.operator.fenced(key="k1")] == ["B", "A"]
+    assert [e.key for e in ledger.operator.fenced(since=clock.now - 1_000)] == ["k1", "k2"]
+    assert len(list(ledger.operator.fenced(limit=1))) == 1
     assert all(e.computed_status == 418 for e in events)
 
 
@@ -95,7 +99,7 @@ def test_stats_counts_every_state(ledger, clock):
     ledger.complete(new, 200, {}, b"")
     ledger.complete(r, 200, {}, b"")  # fenced out
     ledger.claim("acct", "fresh", "fp")
-    s = ledger.stats()
+    s = ledger.operator.stats()
     assert (s.total, s.pending_fresh, s.pending_stale, s.completed, s.expired) == (4, 1, 1, 1, 1)
     assert (s.taken_over, s.fenced_out_events, s.schema_version) == (1, 1, 3)
     assert s.oldest_row_at == start
@@ -109,7 +113,7 @@ def test_purge_deletes_a_completed_row_so_the_retry_runs_again(ledger):
     calls = []
     run = lambda b: (calls.append(b), (201, {}, b"x"))[1]  # noqa: E731
     ledger.handle("acct", "k", "POST", "/", {}, b"", run)
-    result = ledger.purge("acct", "k")
+    result = ledger.operator.purge("acct", "k")
     assert result.outcome is PurgeOutcome.PURGED
     assert (result.row.key, result.row.status) == ("k", Status.COMPLETED)
     assert ledger.lookup("acct", "k") is None
@@ -119,11 +123,11 @@ def test_purge_deletes_a_completed_row_so_the_retry_runs_again(ledger):
 
 def test_purge_refuses_a_fresh_pending_row_unless_forced(ledger, clock):
     ledger.claim("acct", "k", "fp")
-    refused = ledger.purge("acct", "k")
+    refused = ledger.operator.purge("acct", "k")
     assert refused.outcome is PurgeOutcome.REFUSED_FRESH_PENDING
     assert refused.row.status is Status.PENDING
     assert ledger.lookup("acct", "k") is not None
-    forced = ledger.purge("acct", "k", force=True)
+    forced = ledger.operator.purge("acct", "k", force=True)
     assert forced.outcome is PurgeOutcome.PURGED
     assert ledger.lookup("acct", "k") is None
 
@@ -131,6 +135,6 @@ def test_purge_refuses_a_fresh_pending_row_unless_forced(ledger, clock):
 def test_purge_allows_a_stale_pending_row_and_reports_missing(ledger, clock):
     ledger.claim("acct", "k", "fp")
     clock.advance(TTL + 1)
-    assert ledger.purge("acct", "k").outcome is PurgeOutcome.PURGED
-    missing = ledger.purge("acct", "k")
+    assert ledger.operator.purge("acct", "k").outcome is PurgeOutcome.PURGED
+    missing = ledger.operator.purge("acct", "k")
     assert (missing.outcome, missing.row) == (PurgeOutcome.NOT_FOUND, None)

@@ -353,7 +353,7 @@ def machine_for(
             ledger = self.ledger
             assert ledger is not None
             now = self.now()
-            ledger.sweep(batch=100)
+            ledger.operator.sweep(batch=100)
             for key in [k for k, r in self.rows.items() if r.updated_at < now - self.policy.retention_ms]:
                 del self.rows[key]
 

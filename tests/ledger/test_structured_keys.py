@@ -88,7 +88,7 @@ def test_the_library_answers_a_key_list_as_it_answers_several_fields(ledger):
         400,
         "Send exactly one Idempotency-Key: several fields, or a comma outside a quoted key, are a list.",
     )
-    assert runs == [] and ledger.stats().total == 0
+    assert runs == [] and ledger.operator.stats().total == 0
 
 
 def test_the_library_takes_the_quoted_key_as_the_bare_one(ledger):
@@ -96,7 +96,7 @@ def test_the_library_takes_the_quoted_key_as_the_bare_one(ledger):
     first = ledger.handle("acct_1", '"abc"', "POST", "/orders", {}, b"", run)
     again = ledger.handle("acct_1", "abc", "POST", "/orders", {}, b"", run)
     assert (first.outcome.value, again.outcome.value) == ("executed", "replayed")
-    assert ledger.get("acct_1", '"abc"').row.key == "abc"
+    assert ledger.operator.get("acct_1", '"abc"').row.key == "abc"
 
 
 def test_inspect_finds_the_row_by_the_quoted_and_by_the_bare_key(ledger_target, make_ledger, monkeypatch, tmp_path):
@@ -113,16 +113,22 @@ def test_inspect_finds_the_row_by_the_quoted_and_by_the_bare_key(ledger_target, 
     assert documents[0]["key"] == "abc"
 
 
-def test_inspect_finds_a_row_the_recipe_stored_with_the_quotes(
-    ledger_target, make_ledger, monkeypatch, tmp_path, clock
-):
+@pytest.fixture
+def stored_by_the_recipe(ledger_target, make_ledger, monkeypatch, tmp_path, clock):
+    """Store a completed row for acct_1 under a key as the recipe stored it
+    (the header as it came), in an initialised ledger the CLI reads."""
     clean_env(monkeypatch, tmp_path, columns="200")
     make_ledger()
-    writer = RecipeWriter(ledger_target)
-    try:
-        writer.insert_completed("acct_1", '"legacy-1"', "f" * 64, 201, "{}", "made", clock.now)
-    finally:
-        writer.close()
+
+    def store(key: str) -> None:
+        with RecipeWriter(ledger_target) as writer:
+            writer.insert_completed("acct_1", key, "f" * 64, 201, "{}", "made", clock.now)
+
+    return store
+
+
+def test_inspect_finds_a_row_the_recipe_stored_with_the_quotes(ledger_target, stored_by_the_recipe):
+    stored_by_the_recipe('"legacy-1"')
     for key in ('"legacy-1"', "legacy-1"):
         result = CliRunner().invoke(app, ["--db", ledger_target, "inspect", key, "--principal", "acct_1", "--json"])
         assert result.exit_code == 0, result.output
@@ -149,28 +155,19 @@ def test_a_key_that_itself_begins_with_a_quote_is_refused(value):
 )
 def test_the_database_computes_the_key_a_stored_value_names(stored, key, make_ledger, ledger_target, clock):
     make_ledger()
-    writer = RecipeWriter(ledger_target)
-    try:
+    with RecipeWriter(ledger_target) as writer:
         writer.insert_completed("acct_1", stored, "f" * 64, 201, "{}", "made", clock.now)
         _, rows = writer._run("SELECT key_id FROM idempotency_keys WHERE principal = ?", ("acct_1",))
-    finally:
-        writer.close()
     got = rows[0][0]
     assert (got.decode() if isinstance(got, bytes) else got) == key == stored_key_identity(stored)
 
 
 def test_inspect_and_purge_reach_a_row_whose_stored_key_no_request_may_send_any_more(
-    ledger_target, make_ledger, monkeypatch, tmp_path, clock
+    ledger_target, stored_by_the_recipe
 ):
     # The recipe took any 1-255 printable characters: "abc (unterminated) is
     # a 400 for idemctl now, but an operator still finds and deletes the row.
-    clean_env(monkeypatch, tmp_path, columns="200")
-    make_ledger()
-    writer = RecipeWriter(ledger_target)
-    try:
-        writer.insert_completed("acct_1", '"abc', "f" * 64, 201, "{}", "made", clock.now)
-    finally:
-        writer.close()
+    stored_by_the_recipe('"abc')
     shown = CliRunner().invoke(app, ["--db", ledger_target, "inspect", '"abc', "--principal", "acct_1", "--json"])
     assert (shown.exit_code, json.loads(shown.stdout)["key"]) == (0, '"abc')
     purged = CliRunner().invoke(app, ["--db", ledger_target, "purge", '"abc', "--principal", "acct_1", "--yes"])

@@ -45,7 +45,7 @@ def test_begin_answers_400_401_and_409_in_progress_without_a_ticket(ledger):
     second = ledger.begin("acct", "k", "POST", "/", {}, b"")
     assert isinstance(first, Ticket)
     assert (second.outcome, second.status, second.header("Retry-After")) == (Outcome.IN_PROGRESS, 409, "30")
-    assert ledger.stats().total == 1
+    assert ledger.operator.stats().total == 1
 
 
 def test_an_unprotected_method_gets_a_ticket_that_stores_nothing(ledger):
@@ -58,7 +58,7 @@ def test_an_unprotected_method_gets_a_ticket_that_stores_nothing(ledger):
         b"text",
         Outcome.PASSTHROUGH,
     )
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
     assert ledger.after_response(answer) is None
 
 
@@ -71,7 +71,7 @@ def test_a_stale_ticket_taken_over_finishes_fenced_out_and_the_event_is_recorded
     assert ledger.finish(newer, 201, {}, b"newer").outcome is Outcome.TAKEN_OVER
     fenced = ledger.finish(late, 201, {}, b"late")
     assert (fenced.outcome, fenced.body, fenced.generation) == (Outcome.FENCED_OUT, b"late", 1)
-    assert [(e.superseded_generation, e.current_generation) for e in ledger.fenced()] == [(1, 2)]
+    assert [(e.superseded_generation, e.current_generation) for e in ledger.operator.fenced()] == [(1, 2)]
     assert ledger.lookup("acct", "k").body_bytes == b"newer"
 
 

@@ -8,14 +8,14 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 import requests
 
+from tests.e2e.server import StartedProcess
 from tests.galera import free_ports
+from tests.helpers import skip_or_fail
 
 
 def debian_prometheus_tool(name: str, needed_for: str) -> str:
@@ -23,10 +23,9 @@ def debian_prometheus_tool(name: str, needed_for: str) -> str:
     skips where it is missing, fails under CI (which installs it)."""
     found = f"/usr/bin/{name}" if os.path.exists(f"/usr/bin/{name}") else shutil.which(name)
     if found is None:
-        reason = f"{name} is not installed (Debian: apt-get install --no-install-recommends prometheus)"
-        if os.environ.get("CI"):
-            pytest.fail(f"{needed_for}: {reason}", pytrace=False)
-        pytest.skip(reason)
+        skip_or_fail(
+            f"{name} is not installed (Debian: apt-get install --no-install-recommends prometheus)", needed_for
+        )
     return found
 
 
@@ -35,7 +34,14 @@ def prometheus_or_skip() -> str:
     return debian_prometheus_tool("prometheus", "CI scrapes a real application with Prometheus")
 
 
-class PrometheusServer:
+class PrometheusServer(StartedProcess):
+    """A Prometheus server on a free port, its data and log under `workdir`,
+    scraping `targets` and evaluating `rule_files`."""
+
+    stop_signal = signal.SIGTERM
+    name = "prometheus"
+    health_path = "/-/ready"
+
     def __init__(self, binary: str, workdir: Path, *, targets: dict[str, str], rule_files: list[Path]) -> None:
         self.binary = binary
         self.workdir = workdir
@@ -44,10 +50,6 @@ class PrometheusServer:
         self.log_path = workdir / "prometheus.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def _config(self) -> str:
         # Written as YAML by hand: flow style keeps it one readable block.
@@ -67,54 +69,14 @@ class PrometheusServer:
         (self.port,) = free_ports(1)
         config = self.workdir / "prometheus.yml"
         config.write_text(self._config(), encoding="utf-8")
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [
-                self.binary,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={self.workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=self.workdir,
-        )
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if requests.get(self.url + "/-/ready", timeout=1).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"prometheus was not ready within {timeout} s:\n{self.log()}")
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-    def __enter__(self) -> PrometheusServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
+        cmd = [
+            self.binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={self.workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+        ]
+        self.launch(cmd, cwd=self.workdir, timeout=timeout)
+        return self
 
     # -- its HTTP API ----------------------------------------------------------------
     def _get(self, path: str, **params: str) -> Any:

@@ -56,7 +56,7 @@ def exported_names() -> set[str]:
         names.update(family.name + s for s in suffixes.get(family.type, ("",)))
     ledger = Ledger.open(":memory:")
     ledger.init()
-    textfile = stats_prometheus("l.db", replace(ledger.stats(), storage_bytes=1), ledger.policy)
+    textfile = stats_prometheus("l.db", replace(ledger.operator.stats(), storage_bytes=1), ledger.policy)
     names.update(line.split()[2] for line in textfile.splitlines() if line.startswith("# TYPE "))
     return names
 

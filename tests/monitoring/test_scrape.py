@@ -100,10 +100,10 @@ def test_a_fenced_out_completion_is_scraped_exactly_and_fires_the_shipped_alert(
             stalled_pid = srv.held_pid(key)
             assert post_order(srv, key, sku).status_code == 409  # in progress: the owner is fresh
             with srv.ledger() as ledger:
-                view = ledger.get("acct_A", key)
+                view = ledger.operator.get("acct_A", key)
                 assert view is not None and view.takeover_in_ms is not None
                 time.sleep(view.takeover_in_ms / 1000 + 0.05)
-                assert ledger.get("acct_A", key).state is State.PENDING_STALE
+                assert ledger.operator.get("acct_A", key).state is State.PENDING_STALE
             new_owner = post_order(srv, key, sku)
             assert new_owner.status_code == 201  # took the reservation over
             srv.release(key, stalled_pid)  # the first owner completes too late: fenced out

@@ -4,29 +4,18 @@ It asserts what each pass copied, never how fast."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from bench import report
-from tests.helpers import ROOT
+from tests.helpers import quick_bench
 
 pytestmark = pytest.mark.slow
 
 
 def test_quick_move_benchmark_copies_then_finds_all_then_only_the_changes(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.move", "--quick", "--dir", str(tmp_path / "work")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout)
+    res = quick_bench("move", tmp_path / "work")
     if "missing" in res:  # no PostgreSQL here: a gap, never silently dropped
         assert not os.environ.get("CI"), res["missing"]
         return

@@ -4,29 +4,18 @@ and its section renders. It asserts which plans were used, never how fast."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from bench import report
-from tests.helpers import ROOT
+from tests.helpers import quick_bench
 
 pytestmark = pytest.mark.slow
 
 
 def test_quick_renewal_benchmark_times_both_forms_and_records_primary_key_plans(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.renewal", "--quick", "--dir", str(tmp_path / "work")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout)
+    res = quick_bench("renewal", tmp_path / "work")
     assert (res["held"], res["sizes"]) == (300, [1000, 3000])
     engines = res["engines"]
     for engine in engines.values():

@@ -185,7 +185,7 @@ def test_a_late_owner_is_fenced_out_after_a_takeover_on_the_async_path(make_ledg
     assert (fenced.outcome, fenced.body) == (Outcome.FENCED_OUT, b"A")
     row = ledger.lookup("acct_A", "k1")
     assert row is not None and (row.generation, row.body_bytes) == (2, b"B")
-    [event] = list(ledger.fenced(principal="acct_A"))
+    [event] = list(ledger.operator.fenced(principal="acct_A"))
     assert (event.superseded_generation, event.current_generation, event.computed_status) == (1, 2, 201)
     # A ticket's event is published when its answer is: the taker's, then the late owner's.
     assert [(e.outcome, e.generation) for e in seen] == [(Outcome.TAKEN_OVER, 2), (Outcome.FENCED_OUT, 1)]

@@ -110,7 +110,7 @@ class Move:
         self.reader = Ledger.open(source, policy=POLICY, clock=clock, readonly=True)
 
     def copy(self, **kw: object):  # type: ignore[no-untyped-def]
-        return self.reader.copy_to(self.destination, **kw)  # type: ignore[arg-type]
+        return self.reader.operator.copy_to(self.destination, **kw)  # type: ignore[arg-type]
 
     def close(self) -> None:
         for ledger in (self.reader, self.source, self.destination):
@@ -131,7 +131,7 @@ def rows(ledger: Ledger) -> list[LedgerRow]:
 def events(ledger: Ledger) -> list[tuple[object, ...]]:
     return sorted(
         (e.principal, e.key, e.superseded_generation, e.current_generation, e.computed_status, e.fenced_at)
-        for e in ledger.fenced()
+        for e in ledger.operator.fenced()
     )
 
 
@@ -444,7 +444,7 @@ def test_a_destination_without_the_current_schema_is_refused(targets: tuple[str,
     destination = Ledger.open(targets[1], clock=clock)
     try:
         with pytest.raises(SchemaMissingError):
-            source.copy_to(destination)
+            source.operator.copy_to(destination)
     finally:
         source.close()
         destination.close()
@@ -627,7 +627,7 @@ def test_a_ledger_the_recipe_wrote_is_copied_with_no_token_and_no_fenced_log(
     try:
         assert source.schema_version() == 0
         destination.init()
-        result = source.copy_to(destination)
+        result = source.operator.copy_to(destination)
         assert (result.inserted, result.fenced_read) == (1, 0)
         (copied,) = rows(destination)
         assert (copied.token, copied.generation, copied.response_body, copied.updated_at) == (None, 1, b"made", 2000)

@@ -33,7 +33,7 @@ def _child(ledger: Ledger, n: int) -> int:
             return 3
     if ledger.handle("acct", f"child-{n}-0", "POST", "/o", {}, b"x", ok).outcome is not Outcome.REPLAYED:
         return 4
-    ledger.sweep()
+    ledger.operator.sweep()
     return 0
 
 
@@ -105,7 +105,7 @@ def test_children_forked_while_parent_threads_write_all_work_on_sqlite(tmp_path,
     assert codes == [0] * CHILDREN, codes  # -14 would be a child that hung (SIGALRM)
     assert errors == []
     # Every child's requests and every parent request are in the ledger.
-    stats = ledger.stats()
+    stats = ledger.operator.stats()
     assert stats.completed == CHILDREN * 3 + made
     ledger.close()
 
@@ -145,7 +145,7 @@ def test_children_forked_while_parent_threads_end_never_inherit_a_connection_bei
             if codes[-1] != 0:
                 break
     assert codes == [0] * ENDING_THREAD_FORKS, f"fork {len(codes)} ended {codes[-1]} (-14: the child hung)"
-    assert ledger.stats().total == ENDING_THREAD_FORKS
+    assert ledger.operator.stats().total == ENDING_THREAD_FORKS
     ledger.close()
 
 
@@ -157,7 +157,7 @@ def test_children_forked_while_parent_threads_write_all_work(ledger_target, back
     codes, errors, made = _fork_children_while_threads_write(ledger)
     assert codes == [0] * CHILDREN, codes
     assert errors == []
-    assert ledger.stats().completed == CHILDREN * 3 + made
+    assert ledger.operator.stats().completed == CHILDREN * 3 + made
     ledger.close()
 
 
@@ -182,7 +182,7 @@ def test_the_parent_goes_on_after_a_fork_on_new_connections(tmp_path):
     # The parent's connection was closed for the fork; its next statement opens another.
     assert sqlite_connections_open(path) == 0
     assert ledger.handle("acct", "after", "POST", "/o", {}, b"x", ok).outcome is Outcome.EXECUTED
-    assert ledger.stats().completed == 2 + 3
+    assert ledger.operator.stats().completed == 2 + 3
     ledger.close()
 
 
@@ -234,7 +234,7 @@ def test_a_child_forked_while_a_listing_is_read_refuses_the_ledger_with_what_to_
     ledger.init()
     for i in range(3):
         ledger.claim("acct", f"k{i}", "fp")
-    listing = ledger.pending()
+    listing = ledger.operator.pending()
     next(listing)  # a listing is open, on its own connection, mid-read
     code, said = _child_reports(lambda say: _refused_everywhere(ledger, path, say))
     assert code == 0, said

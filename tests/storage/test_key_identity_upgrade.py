@@ -44,7 +44,7 @@ def test_upgrading_keeps_the_quoted_rows_and_replays_them(make_ledger, ledger_ta
         try:
             # Before the upgrade: an operator's read finds the row; requests
             # are refused before anything is claimed (no index guards a claim yet).
-            assert ledger.get("acct_1", '"legacy-1"').row.key == '"legacy-1"'
+            assert ledger.operator.get("acct_1", '"legacy-1"').row.key == '"legacy-1"'
             refused: list[bytes] = []
             for key in ('"legacy-1"', "fresh"):
                 with pytest.raises(SchemaOutdatedError):

@@ -115,7 +115,7 @@ def test_a_sweep_batch_holding_its_locks_takes_no_gap_lock_that_a_new_claim_wait
         tx.execute("ROLLBACK", {})
 
     ledger.store.engine.migrate(batch_held_while_another_claims, write=True)
-    assert ledger.stats().total == 6
+    assert ledger.operator.stats().total == 6
 
 
 def test_a_row_lock_held_past_the_busy_timeout_is_database_locked_and_other_keys_go_on(
@@ -171,7 +171,7 @@ def test_a_sweep_chosen_as_deadlock_victim_runs_again_and_deletes_its_batch(
 
             def sweep() -> None:
                 try:
-                    outcome.append(ledger.sweep(batch=10))
+                    outcome.append(ledger.operator.sweep(batch=10))
                 except BaseException as exc:
                     outcome.append(exc)
 
@@ -189,7 +189,7 @@ def test_a_sweep_chosen_as_deadlock_victim_runs_again_and_deletes_its_batch(
     (result,) = outcome
     assert not isinstance(result, BaseException), result
     assert result.keys_deleted == 2
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 def test_a_statement_that_keeps_losing_deadlocks_is_database_locked_after_the_tries(
@@ -436,7 +436,7 @@ def test_keys_differing_only_in_case_or_trailing_spaces_are_different_keys(ledge
     keys = ["order-1", "ORDER-1", "order-1 ", "order-1  "]
     answers = [ledger.handle("acct", k, "POST", "/o", {}, b"{}", ok(body=k.encode())) for k in keys]
     assert [(a.outcome, a.body) for a in answers] == [(Outcome.EXECUTED, k.encode()) for k in keys]
-    assert ledger.stats().total == 4
+    assert ledger.operator.stats().total == 4
     assert ledger.lookup("acct", "order-1 ").key == "order-1 "  # type: ignore[union-attr]
 
 
@@ -483,9 +483,9 @@ def test_a_sweep_batch_deletes_the_oldest_rows_first_and_at_most_its_limit(make_
         ledger.claim("acct", f"k{i}", "fp")
         clock.advance(10)
     clock.advance(120_000)
-    assert ledger.sweep(batch=3).keys_deleted == 3
-    assert sorted(v.row.key for v in ledger.pending()) == ["k3", "k4", "k5", "k6"]
-    drained = ledger.drain(batch=3)
+    assert ledger.operator.sweep(batch=3).keys_deleted == 3
+    assert sorted(v.row.key for v in ledger.operator.pending()) == ["k3", "k4", "k5", "k6"]
+    drained = ledger.operator.drain(batch=3)
     assert (drained.keys_deleted, drained.batches) == (4, 3)
 
 
@@ -505,7 +505,7 @@ def test_a_sweep_waiting_on_a_row_lock_does_not_delete_a_row_a_takeover_just_ref
                 "UPDATE idempotency_keys SET generation = generation + 1, updated_at = %s WHERE principal = 'acct' AND `key` = 'k'",
                 (now,),
             )
-            sweeper = threading.Thread(target=lambda: results.append(ledger.sweep(batch=10)))
+            sweeper = threading.Thread(target=lambda: results.append(ledger.operator.sweep(batch=10)))
             sweeper.start()
             wait_until(lambda: lock_waiters(server_cursor) == 1)
             cur.execute("COMMIT")
@@ -615,7 +615,7 @@ def test_a_request_before_init_is_schema_missing(make_ledger) -> None:
 
 def test_stats_report_the_tables_size_on_the_server(ledger: Ledger) -> None:
     ledger.claim("acct", "k", "fp")
-    size = ledger.stats().storage_bytes
+    size = ledger.operator.stats().storage_bytes
     assert size is not None and size > 0
 
 
@@ -740,7 +740,7 @@ def test_a_readonly_ledger_reads_but_every_write_is_read_only_error(make_ledger,
     with pytest.raises(ReadOnlyDatabaseError, match=r"is read-only"):
         readonly.claim("acct", "k2", "fp")
     with pytest.raises(ReadOnlyDatabaseError):
-        readonly.purge("acct", "k", force=True)
+        readonly.operator.purge("acct", "k", force=True)
 
 
 def test_without_the_driver_a_mysql_url_asks_for_the_extra() -> None:
@@ -763,7 +763,7 @@ def test_an_exhausted_pool_is_a_ledger_unavailable_error_after_the_pool_timeout(
     ledger = Ledger.open(ledger_target + "?pool_max_size=1&pool_timeout=0.3")
     ledger.init()
     ledger.claim("acct", "a", "fp")
-    rows = ledger.pending()
+    rows = ledger.operator.pending()
     next(rows)  # the streaming cursor now holds the only connection
     with pytest.raises(LedgerUnavailableError, match=r"within 0\.3 s: all 1 pooled connections are busy"):
         ledger.claim("acct", "b", "fp")
@@ -777,11 +777,11 @@ def test_purge_deletes_exactly_the_row_it_read_and_refuses_a_fresh_pending_one(m
 
     ledger = make_ledger(policy=Policy(pending_ttl_ms=1000))
     ledger.claim("acct", "fresh", "fp")
-    assert ledger.purge("acct", "fresh").outcome is PurgeOutcome.REFUSED_FRESH_PENDING
+    assert ledger.operator.purge("acct", "fresh").outcome is PurgeOutcome.REFUSED_FRESH_PENDING
     clock.advance(5000)
-    purged = ledger.purge("acct", "fresh")
+    purged = ledger.operator.purge("acct", "fresh")
     assert purged.outcome is PurgeOutcome.PURGED and purged.row.key == "fresh"  # type: ignore[union-attr]
-    assert ledger.purge("acct", "fresh").outcome is PurgeOutcome.NOT_FOUND
+    assert ledger.operator.purge("acct", "fresh").outcome is PurgeOutcome.NOT_FOUND
 
 
 def test_idemctl_db_and_the_cli_take_a_mysql_url_like_a_path(ledger_target: str, make_ledger) -> None:
@@ -808,8 +808,8 @@ def test_rows_written_by_other_programs_are_named_when_malformed_never_a_traceba
         " VALUES ('acct', 'k', 'fp', 'done', 1, 1, 1), (X'FF61', 'k', 'fp', 'pending', 1, 1, 1)"
     )
     with pytest.raises(MalformedRowError, match=r"key='k': status 'done' is neither pending nor completed$"):
-        ledger.get("acct", "k")
+        ledger.operator.get("acct", "k")
     seen: list[MalformedRowError] = []
-    assert list(ledger.pending(on_malformed=seen.append)) == []
+    assert list(ledger.operator.pending(on_malformed=seen.append)) == []
     (bad,) = seen
     assert bad.principal == b"\xffa" and "principal and key must be text" in str(bad)

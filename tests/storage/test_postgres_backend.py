@@ -124,7 +124,7 @@ def test_sweep_walks_the_updated_at_index_and_deletes_by_tid_never_scanning_the_
     # The walk starts at the sweep's starting point, not at the index's first entry.
     assert re.fullmatch(r"\(\(updated_at >= .+\) AND \(updated_at < .+\)\)", index["Index Cond"]), index["Index Cond"]
 
-    result = ledger.sweep(now=15_000 + ledger.policy.retention_ms, batch=20)
+    result = ledger.operator.sweep(now=15_000 + ledger.policy.retention_ms, batch=20)
     assert (result.keys_deleted, result.cutoff) == (20, 15_000)
     oldest = pg.execute("SELECT min(updated_at), count(*) FROM idempotency_keys").fetchone()
     assert oldest == (21, 19_980)
@@ -145,7 +145,7 @@ def test_sweep_waiting_on_a_row_lock_does_not_delete_a_row_a_takeover_just_refre
             "UPDATE idempotency_keys SET generation = generation + 1, updated_at = %s WHERE key = 'k'", (later,)
         )
         result: list[object] = []
-        sweeper = threading.Thread(target=lambda: result.append(ledger.sweep(now=later)))
+        sweeper = threading.Thread(target=lambda: result.append(ledger.operator.sweep(now=later)))
         sweeper.start()
         wait_until_a_statement_waits_for_a_row(pg, "the sweep never waited for the row lock")
         holder.commit()
@@ -259,7 +259,7 @@ def test_more_threads_than_pooled_connections_wait_their_turn_and_all_succeed(le
     for t in threads:
         t.join()
     assert answers == [201] * 12 and sorted(ran) == list(range(12))
-    assert ledger.stats().completed == 12
+    assert ledger.operator.stats().completed == 12
     ledger.close()
 
 
@@ -267,7 +267,7 @@ def test_an_exhausted_pool_is_a_ledger_unavailable_error_after_the_pool_timeout(
     ledger = Ledger.open(ledger_target + "&pool_max_size=1&pool_timeout=0.3")
     ledger.init()
     ledger.claim("acct", "a", "fp")
-    rows = ledger.pending()
+    rows = ledger.operator.pending()
     next(rows)  # the streaming cursor now holds the only connection
     started = time.monotonic()
     with pytest.raises(LedgerUnavailableError, match=r"within 0\.3 s: .*all 1 pooled connections are busy"):
@@ -379,7 +379,7 @@ def test_a_draining_sweep_steps_over_none_of_the_dead_index_entries_its_earlier_
     engine.read = recording_read  # type: ignore[method-assign]
     engine.write_turn = recording_write_turn  # type: ignore[method-assign]
     for _ in range(25):
-        assert ledger.sweep(now=now, batch=1000).keys_deleted == 1000
+        assert ledger.operator.sweep(now=now, batch=1000).keys_deleted == 1000
     # One probe found the oldest row; then each full batch started where the
     # one before it ended, with no probe in between.
     assert probes == [-(2**62)]
@@ -402,9 +402,9 @@ def test_a_draining_sweep_steps_over_none_of_the_dead_index_entries_its_earlier_
     # start also reads the leaf pages of 25 000 dead entries (some 60 of them).
     assert from_the_start - from_where_it_ended >= 50, (from_where_it_ended, from_the_start)
 
-    last = ledger.sweep(now=now, batch=10_000)
+    last = ledger.operator.sweep(now=now, batch=10_000)
     assert (last.keys_deleted, batches_from[-1]) == (5000, 25_000)
     # Not a full batch: the next sweep probes, from where the drain ended,
     # then once more from the start before it says there is nothing due.
-    assert ledger.sweep(now=now, batch=10_000).keys_deleted == 0
+    assert ledger.operator.sweep(now=now, batch=10_000).keys_deleted == 0
     assert probes == [-(2**62), 30_000, -(2**62)]

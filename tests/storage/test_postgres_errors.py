@@ -139,7 +139,7 @@ def test_password_is_scrubbed_even_from_the_servers_own_messages(ledger_target: 
 def test_nul_in_a_principal_is_refused_before_any_statement(ledger) -> None:
     with pytest.raises(InvalidPrincipalError, match=r"holds a NUL character"):
         ledger.claim("acct\x00evil", "k", "fp")
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 def test_row_lock_held_past_the_busy_timeout_is_database_locked(make_ledger, ledger_target: str) -> None:
@@ -184,13 +184,13 @@ def test_readonly_ledger_reads_but_every_write_is_read_only_error(make_ledger, l
     reader = Ledger.open(ledger_target, readonly=True, clock=clock)
     try:
         assert reader.lookup("acct", "k").response_status == 201
-        assert reader.stats().completed == 1
+        assert reader.operator.stats().completed == 1
         for write in (
             lambda: reader.claim("acct", "k2", "fp"),
             # A sweep with nothing to delete writes nothing and succeeds; one
             # with work to do needs a write.
-            lambda: reader.sweep(now=reader.now() + 2 * 86_400_000),
-            lambda: reader.purge("acct", "k", force=True),
+            lambda: reader.operator.sweep(now=reader.now() + 2 * 86_400_000),
+            lambda: reader.operator.purge("acct", "k", force=True),
         ):
             with pytest.raises(ReadOnlyDatabaseError, match=r"is read-only"):
                 write()
@@ -219,7 +219,7 @@ def test_several_hosts_in_the_url_report_one_reason_per_host(server: str) -> Non
     host = server.split(":")[0]
     ledger = Ledger.open(f"postgresql://app:{SECRET}@{host}:1,{host}:2/test")
     with pytest.raises(ConnectionFailedError) as caught:
-        ledger.stats()
+        ledger.operator.stats()
     assert single_line_without_secret(caught.value) == (
         f"cannot reach PostgreSQL at postgresql://app@{host}:1,{host}:2/test: "
         f"{host}:1: Connection refused; {host}:2: Connection refused"

@@ -141,7 +141,7 @@ def test_request_on_an_empty_schema_is_schema_missing_until_init(make_ledger, pg
     fenced = ledger.complete(first, 201, {}, b"late")
     assert not fenced.stored and fenced.event is not None
     assert (fenced.event.superseded_generation, fenced.event.current_generation) == (1, 2)
-    assert [e.id for e in ledger.fenced()] == [fenced.event.id]
+    assert [e.id for e in ledger.operator.fenced()] == [fenced.event.id]
 
 
 def test_readonly_init_on_an_empty_schema_is_read_only_error_and_creates_nothing(
@@ -163,11 +163,11 @@ def test_recipe_only_database_is_readable_then_upgraded_from_0_without_touching_
     clock.now = NOW
     reader = make_ledger(init=False)
     assert reader.schema_version() == 0
-    assert reader.get("acct_1", "running").state is State.PENDING_FRESH
-    assert reader.get("acct_1", "stale").state is State.PENDING_STALE
-    assert [v.row.key for v in reader.pending()] == ["stale", "running"]
-    assert list(reader.fenced()) == []
-    stats = reader.stats()
+    assert reader.operator.get("acct_1", "running").state is State.PENDING_FRESH
+    assert reader.operator.get("acct_1", "stale").state is State.PENDING_STALE
+    assert [v.row.key for v in reader.operator.pending()] == ["stale", "running"]
+    assert list(reader.operator.fenced()) == []
+    stats = reader.operator.stats()
     assert (stats.total, stats.completed, stats.expired, stats.fenced_out_events, stats.schema_version) == (
         4,
         1,
@@ -189,7 +189,7 @@ def test_recipe_only_database_is_readable_then_upgraded_from_0_without_touching_
     assert dump(pg) == sorted(rows)
     assert pg.execute("SELECT version, applied_at FROM idemctl_schema_version").fetchall() == [(3, NOW)]
     assert reader.init().action is InitAction.UP_TO_DATE
-    assert reader.sweep().keys_deleted == 1 and reader.lookup("acct_2", "old") is None
+    assert reader.operator.sweep().keys_deleted == 1 and reader.lookup("acct_2", "old") is None
 
 
 def test_newer_schema_version_is_refused_by_requests_and_by_init(
@@ -248,7 +248,7 @@ def test_stats_report_the_tables_size_on_the_server(ledger, pg: psycopg.Connecti
         "SELECT pg_total_relation_size('idempotency_keys') + pg_total_relation_size('idemctl_fenced_out')"
         " + pg_total_relation_size('idemctl_schema_version')"
     ).fetchone()[0]
-    assert ledger.stats().storage_bytes == expected > 0
+    assert ledger.operator.stats().storage_bytes == expected > 0
 
 
 def test_a_completed_row_written_here_has_status_completed_in_plain_sql(ledger, pg: psycopg.Connection) -> None:

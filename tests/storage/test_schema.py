@@ -134,11 +134,11 @@ def test_recipe_database_is_readable_and_sweepable_without_init(tmp_path):
     recipe_database(path)
     ledger = Ledger.open(path, clock=lambda: NOW)
     assert ledger.schema_version() == 0
-    assert ledger.get("acct_1", "done").state is State.COMPLETED
-    assert ledger.get("acct_1", "running").state is State.PENDING_FRESH
-    assert ledger.get("acct_1", "stale").state is State.PENDING_STALE
-    assert ledger.get("acct_2", "old").state is State.EXPIRED
-    stats = ledger.stats()
+    assert ledger.operator.get("acct_1", "done").state is State.COMPLETED
+    assert ledger.operator.get("acct_1", "running").state is State.PENDING_FRESH
+    assert ledger.operator.get("acct_1", "stale").state is State.PENDING_STALE
+    assert ledger.operator.get("acct_2", "old").state is State.EXPIRED
+    stats = ledger.operator.stats()
     assert (
         stats.total,
         stats.pending_fresh,
@@ -155,8 +155,8 @@ def test_recipe_database_is_readable_and_sweepable_without_init(tmp_path):
         1,
     )
     assert stats.fenced_out_events == 0 and stats.schema_version == 0
-    assert [v.row.key for v in ledger.pending()] == ["stale", "running"]
-    assert list(ledger.fenced()) == []
+    assert [v.row.key for v in ledger.operator.pending()] == ["stale", "running"]
+    assert list(ledger.operator.fenced()) == []
     ledger.close()
 
 
@@ -210,7 +210,7 @@ def test_recipe_database_sweep_works_without_fenced_log(tmp_path):
     path = tmp_path / "recipe.db"
     recipe_database(path)
     ledger = Ledger.open(path, clock=lambda: NOW)
-    result = ledger.sweep()
+    result = ledger.operator.sweep()
     assert (result.keys_deleted, result.fenced_deleted) == (1, 0)
     assert ledger.lookup("acct_2", "old") is None
     ledger.close()
@@ -285,7 +285,7 @@ def test_request_on_database_without_schema_says_run_init(tmp_path):
     with pytest.raises(SchemaMissingError, match=r"has no idempotency ledger$"):
         ledger.handle("acct", "k", "POST", "/", {}, b"", lambda b: (200, {}, b""))
     with pytest.raises(SchemaMissingError):
-        ledger.stats()
+        ledger.operator.stats()
     ledger.close()
 
 

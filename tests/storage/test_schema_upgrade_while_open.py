@@ -62,7 +62,9 @@ def test_a_fenced_out_completion_is_recorded_after_another_process_upgrades_the_
     assert fenced.outcome is Outcome.FENCED_OUT
     assert server.has_fenced_log()
     fresh = Ledger.open(ledger_target)
-    events = [(e.key, e.superseded_generation, e.current_generation, e.computed_status) for e in fresh.fenced()]
+    events = [
+        (e.key, e.superseded_generation, e.current_generation, e.computed_status) for e in fresh.operator.fenced()
+    ]
     assert events == [("k1", 1, 2, 201)]
     for ledger in (server, other, fresh):
         ledger.close()
@@ -71,15 +73,15 @@ def test_a_fenced_out_completion_is_recorded_after_another_process_upgrades_the_
 def test_a_running_ledger_sweeps_the_fenced_out_log_once_another_process_created_it(ledger_target, clock):
     recipe_only(ledger_target)
     server = Ledger.open(ledger_target, clock=clock)
-    assert server.sweep().fenced_deleted == 0  # no log yet: nothing to sweep, no error
+    assert server.operator.sweep().fenced_deleted == 0  # no log yet: nothing to sweep, no error
     init_in_another_process(ledger_target)
     late = server.claim("acct", "k1", "fp")
     clock.advance(server.policy.pending_ttl_ms + 1)
     server.complete(server.takeover("acct", "k1", "fp"), 201, {}, b"")
     assert server.complete(late, 201, {}, b"").event is not None
     clock.advance(server.policy.fenced_retention_ms + 1)
-    assert server.count_fenced_expired() == 1
-    assert server.sweep().fenced_deleted == 1
+    assert server.operator.count_fenced_expired() == 1
+    assert server.operator.sweep().fenced_deleted == 1
     server.close()
 
 

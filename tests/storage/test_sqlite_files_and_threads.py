@@ -83,10 +83,14 @@ def test_a_file_mode_the_owner_cannot_use_is_refused_by_the_library(tmp_path):
 def test_opening_and_reading_a_missing_ledger_never_creates_a_file(tmp_path):
     path = tmp_path / "nope.db"
     ledger = Ledger.open(path)
-    for read in (ledger.stats, lambda: ledger.get("acct", "k"), lambda: list(ledger.pending())):
+    for read in (
+        ledger.operator.stats,
+        lambda: ledger.operator.get("acct", "k"),
+        lambda: list(ledger.operator.pending()),
+    ):
         with pytest.raises(SchemaMissingError, match=r"has no idempotency ledger$"):
             read()
-    assert ledger.schema_version() is None and list(ledger.fenced()) == []
+    assert ledger.schema_version() is None and list(ledger.operator.fenced()) == []
     ledger.close()
     assert os.listdir(tmp_path) == []
 
@@ -128,7 +132,7 @@ def test_connections_of_finished_threads_are_closed(tmp_path):
     assert outcomes == [Outcome.EXECUTED] * 3000
     assert sqlite_connections_open(path) == 1
     assert _fds() <= fds_before + 150  # flat: another 1500 threads added nothing per thread
-    assert ledger.stats().completed == 3001
+    assert ledger.operator.stats().completed == 3001
     ledger.close()
     assert sqlite_connections_open(path) == 0
     assert _fds() < fds_before
@@ -152,7 +156,7 @@ def test_a_forked_child_never_closes_the_parents_connection(tmp_path):
     assert os.waitstatus_to_exitcode(status) == 0
     # The parent's own connection still works after the child closed its ledger.
     assert ledger.handle("acct", "after", "POST", "/o", {}, b"x", ok).outcome is Outcome.EXECUTED
-    assert ledger.stats().completed == 3
+    assert ledger.operator.stats().completed == 3
     ledger.close()
 
 

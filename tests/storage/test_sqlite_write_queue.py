@@ -74,8 +74,8 @@ def test_a_request_waits_for_the_queue_held_by_another_process_while_reads_do_no
         assert writer.is_alive() and result == []  # queued behind the other process
         # Reads never wait in the queue. (A replay does: its first step is
         # the claim, a write attempt that takes SQLite's write lock too.)
-        assert ledger.get("acct", "done").row.response_body == "made"
-        assert ledger.lookup("acct", "k1") is None and ledger.stats().total == 1
+        assert ledger.operator.get("acct", "done").row.response_body == "made"
+        assert ledger.lookup("acct", "k1") is None and ledger.operator.stats().total == 1
         release.set()
         writer.join(10)
         assert result == [Outcome.EXECUTED]
@@ -145,9 +145,9 @@ def test_reads_and_opted_out_ledgers_never_create_the_lock_file(tmp_path):
     Ledger.open(path, write_queue=False).init()
     opted_out = Ledger.open(path, write_queue=False)
     assert opted_out.handle("acct", "k", "POST", "/o", {}, b"x", ok).outcome is Outcome.EXECUTED
-    assert opted_out.sweep().keys_deleted == 0
+    assert opted_out.operator.sweep().keys_deleted == 0
     reader = Ledger.open(path)
-    assert reader.stats().total == 1 and reader.get("acct", "k") is not None
+    assert reader.operator.stats().total == 1 and reader.operator.get("acct", "k") is not None
     assert sorted(os.listdir(tmp_path)) == ["ledger.db", "ledger.db-shm", "ledger.db-wal"]
     reader.handle("acct", "k2", "POST", "/o", {}, b"x", ok)
     assert os.path.exists(path + "-idemctl.lock")
@@ -175,7 +175,7 @@ def test_processes_queueing_on_one_file_claim_each_key_exactly_once(db):
     assert sum(results.values()) == 150
     assert [p.exitcode for p in procs] == [0, 0, 0, 0]
     with Ledger.open(db) as ledger:
-        assert ledger.stats().total == 150
+        assert ledger.operator.stats().total == 150
 
 
 def test_a_sweep_with_nothing_expired_takes_no_queue_turn_and_runs_no_delete(db):
@@ -189,11 +189,11 @@ def test_a_sweep_with_nothing_expired_takes_no_queue_turn_and_runs_no_delete(db)
         # Traced from here on: forking the holder closed the connections opened before.
         ledger.store.engine.admin().conn.set_trace_callback(statements.append)
         # Nothing is past retention: answered at once although the queue is held.
-        assert ledger.sweep().keys_deleted == 0
+        assert ledger.operator.sweep().keys_deleted == 0
         assert not any(s.lstrip().startswith("DELETE") for s in statements)
         clock[0] += 60_001
         result = []
-        sweeper = threading.Thread(target=lambda: result.append(ledger.sweep().keys_deleted))
+        sweeper = threading.Thread(target=lambda: result.append(ledger.operator.sweep().keys_deleted))
         sweeper.start()
         sweeper.join(0.3)
         assert sweeper.is_alive() and result == []  # something to delete: it queues

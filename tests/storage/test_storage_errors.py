@@ -51,7 +51,7 @@ def test_corrupt_database_is_reported_not_a_database(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(NotADatabaseError, match="not an SQLite database, or it is corrupt"):
         ledger = Ledger.open(path)
-        ledger.stats()
+        ledger.operator.stats()
 
 
 def test_missing_file_with_create_false_is_not_found_and_not_created(tmp_path):
@@ -85,7 +85,7 @@ def test_read_only_open_refuses_writes_but_reads(tmp_path, clock):
     rw.claim("acct", "k", "fp")
     rw.close()
     ro = Ledger.open(path, readonly=True, clock=clock)
-    assert ro.get("acct", "k").row.generation == 1
+    assert ro.operator.get("acct", "k").row.generation == 1
     with pytest.raises(ReadOnlyDatabaseError, match=r"is read-only$"):
         ro.handle("acct", "k2", "POST", "/", {}, b"", noop)
     assert ro.lookup("acct", "k2") is None
@@ -105,7 +105,7 @@ def test_truly_read_only_file_gives_read_only_error_and_nothing_changes(tmp_path
         with pytest.raises(ReadOnlyDatabaseError):
             ledger.handle("acct", "k2", "POST", "/", {}, b"", lambda b: (calls.append(b), (200, {}, b""))[1])
         assert calls == []  # the mutation never ran
-        assert ledger.get("acct", "k").row.generation == 1
+        assert ledger.operator.get("acct", "k").row.generation == 1
         ledger.close()
     assert path.read_bytes() == before
 
@@ -135,7 +135,7 @@ def test_a_ledger_in_a_directory_this_user_cannot_write_says_why_and_nothing_cha
     )
     with read_only_file(home):
         with pytest.raises(StorageError) as info:
-            Ledger.open(path, readonly=True).stats()
+            Ledger.open(path, readonly=True).operator.stats()
         assert str(info.value) == why
         result = CliRunner().invoke(app, ["stats", "--db", str(path)])
         assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"error: {why}\n")
@@ -166,7 +166,7 @@ def test_locked_database_times_out_with_database_locked_error(tmp_path, clock):
 def test_invalid_key_in_single_step_api_is_a_typed_error(ledger):
     with pytest.raises(InvalidKeyError, match=r"invalid Idempotency-Key 'abc\\n'"):
         ledger.claim("acct", "abc\n", "fp")
-    assert ledger.stats().total == 0
+    assert ledger.operator.stats().total == 0
 
 
 def test_every_error_is_an_idemctl_error_with_one_line():
@@ -191,4 +191,4 @@ def test_ledger_is_shared_safely_between_threads(ledger):
     for t in threads:
         t.join()
     assert errors == []
-    assert ledger.stats().completed == 150
+    assert ledger.operator.stats().completed == 150

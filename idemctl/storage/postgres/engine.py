@@ -29,6 +29,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from ...errors import ConnectionFailedError, ReadOnlyDatabaseError, StorageError
+from ...policy import DEFAULT_BUSY_TIMEOUT_MS
 from ..capabilities import DatabaseCreated
 from ..dialect import POSTGRES
 from ..engine import Params, Rows
@@ -169,7 +170,7 @@ class PostgresEngine:
         url: str,
         *,
         readonly: bool = False,
-        busy_timeout_ms: int = 5000,
+        busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
         pool_min_size: int | None = None,
         pool_max_size: int | None = None,
         pool_timeout_s: float | None = None,

@@ -20,6 +20,7 @@ from urllib.parse import quote
 import sqlite_utils
 
 from ...errors import LedgerNotFoundError, NotADatabaseError, SchemaMissingError, StorageError
+from ...policy import DEFAULT_BUSY_TIMEOUT_MS
 from ..dialect import SQLITE
 from ..engine import Params, Rows, SchemaTx
 from .connections import Connections
@@ -65,7 +66,7 @@ class SqliteEngine:
         path: str | os.PathLike[str],
         *,
         readonly: bool = False,
-        busy_timeout_ms: int = 5000,
+        busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
         options: SqliteOptions = SQLITE_DEFAULTS,
     ) -> None:
         options.check()
