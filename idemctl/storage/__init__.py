@@ -19,6 +19,7 @@ from .store import Store
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 MYSQL_SCHEMES = ("mysql://", "mariadb://")
+D1_SCHEME = "d1://"
 
 
 def is_postgres_url(target: str | os.PathLike[str]) -> bool:
@@ -32,7 +33,7 @@ def is_mysql_url(target: str | os.PathLike[str]) -> bool:
 
 def is_server_url(target: str | os.PathLike[str]) -> bool:
     """A database server's URL (nothing connects before the first statement), not a file."""
-    return is_postgres_url(target) or is_mysql_url(target)
+    return is_postgres_url(target) or is_mysql_url(target) or (isinstance(target, str) and target.startswith(D1_SCHEME))
 
 
 def _server_engine(module: str, name: str, server: str, extra: str) -> Callable[..., Engine]:
@@ -72,6 +73,9 @@ def open_engine(
     if is_mysql_url(target):
         engine = _server_engine("mysql", "MysqlEngine", "MariaDB/MySQL", "mysql")
         return engine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
+    if isinstance(target, str) and target.startswith(D1_SCHEME):
+        engine = _server_engine("d1", "D1Engine", "Cloudflare D1", "d1")
+        return engine(target, readonly=readonly, busy_timeout_ms=busy_timeout_ms)
     if isinstance(target, str) and "://" in target:
         raise StorageError(
             f"unsupported ledger URL {target.split('://', 1)[0]}://…: use a file path, postgresql:// or mysql://"

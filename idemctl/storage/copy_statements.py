@@ -177,14 +177,17 @@ class CopyStatements(StoreBase):
             principals, names = zip(*keys, strict=True)
             rows = self._read(_ROWS_AT_ARRAYS, {"principals": list(principals), "keys": list(names)})
         else:
-            params: dict[str, Any] = {}
-            tests = []
-            for i, (principal, key) in enumerate(keys):
-                params[f"p{i}"], params[f"k{i}"] = principal, key
-                tests.append(f"(principal = :p{i} AND key = :k{i})")
-            sql = f"SELECT {', '.join(COPY_COLUMNS)} FROM idempotency_keys WHERE {' OR '.join(tests)}"
-            # Spelled without the cache: the text differs with the number of keys.
-            rows = self.engine.read(self._spell(sql), params)
+            per = len(keys) if self.dialect.max_params is None else self.dialect.max_params // 2
+            rows = []
+            for start in range(0, len(keys), per):
+                params: dict[str, Any] = {}
+                tests = []
+                for i, (principal, key) in enumerate(keys[start : start + per]):
+                    params[f"p{i}"], params[f"k{i}"] = principal, key
+                    tests.append(f"(principal = :p{i} AND key = :k{i})")
+                sql = f"SELECT {', '.join(COPY_COLUMNS)} FROM idempotency_keys WHERE {' OR '.join(tests)}"
+                # Spelled without the cache: the text differs with the number of keys.
+                rows.extend(self.engine.read(self._spell(sql), params))
         found = (decode_full_row(self.dialect, values) for values in rows)
         return {row.where: row for row in found}
 
@@ -210,13 +213,22 @@ class CopyStatements(StoreBase):
             return {(str(p), str(k)) for p, k in self._write(_COPY_INSERT_ARRAYS, self._columns(rows))}
         if not self.dialect.returning:
             return self._row_by_row(_MYSQL_COPY_INSERT, rows)
+        per = len(rows) if self.dialect.max_params is None else self.dialect.max_params // len(COPY_COLUMNS)
+        statements = [self._insert_values(rows[i : i + per]) for i in range(0, len(rows), per)]
+        if len(statements) == 1:
+            done = [self.engine.write(*statements[0])]
+        else:
+            # An engine that binds few parameters a statement: several, in one turn.
+            done = self.engine.write_turn(statements)
+        return {(str(p), str(k)) for rows_back in done for p, k in rows_back}
+
+    def _insert_values(self, rows: Sequence[LedgerRow]) -> tuple[str, dict[str, Any]]:
         params: dict[str, Any] = {}
         values = []
         for i, row in enumerate(rows):
             params.update(self._bind_row(row, f"_{i}"))
             values.append("(" + ", ".join(f":{name}_{i}" for name in COPY_COLUMNS) + ")")
-        sql = _COPY_INSERT.format(columns=", ".join(COPY_COLUMNS), values=", ".join(values))
-        return {(str(p), str(k)) for p, k in self.engine.write(self._spell(sql), params)}
+        return self._spell(_COPY_INSERT.format(columns=", ".join(COPY_COLUMNS), values=", ".join(values))), params
 
     def copy_update(self, rows: Sequence[LedgerRow]) -> set[tuple[str, str]]:
         """Overwrite the stored versions of these rows that are older (COPY_UPDATE's
