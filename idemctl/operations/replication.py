@@ -153,6 +153,13 @@ def check_failover(ledger: OpenLedger) -> FailoverCheck:
     'SQLite: the ledger is a file on one host; there is no replication to fail over to'
     """
     engine = ledger.store.engine
+    own = getattr(engine, "doctor_findings", None)
+    if own is not None:
+        # An engine that reports its own facts (a hosted database: what its
+        # provider replicates, what its credentials reach).
+        product, notes = own()
+        found = tuple(Finding(Severity(level), message) for level, message in notes)
+        return FailoverCheck(ledger.describe(), product, None, found)
     dialect = ledger.store.dialect.name
     if dialect == "mysql":
         facts = MysqlFacts(engine.replication_facts())  # type: ignore[attr-defined]

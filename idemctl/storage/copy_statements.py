@@ -215,11 +215,8 @@ class CopyStatements(StoreBase):
             return self._row_by_row(_MYSQL_COPY_INSERT, rows)
         per = len(rows) if self.dialect.max_params is None else self.dialect.max_params // len(COPY_COLUMNS)
         statements = [self._insert_values(rows[i : i + per]) for i in range(0, len(rows), per)]
-        if len(statements) == 1:
-            done = [self.engine.write(*statements[0])]
-        else:
-            # An engine that binds few parameters a statement: several, in one turn.
-            done = self.engine.write_turn(statements)
+        # An engine that binds few parameters a statement: several, in one turn.
+        done = [self.engine.write(*statements[0])] if len(statements) == 1 else self.engine.write_turn(statements)
         return {(str(p), str(k)) for rows_back in done for p, k in rows_back}
 
     def _insert_values(self, rows: Sequence[LedgerRow]) -> tuple[str, dict[str, Any]]:

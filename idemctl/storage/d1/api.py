@@ -115,7 +115,9 @@ class D1Api:
         payload = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         result = self._call(payload, write)
         if not isinstance(result, list) or len(result) != len(queries):
-            raise StorageError(f"D1 at {self.location.describe()} answered {len(queries)} statement(s) with a malformed result")
+            raise StorageError(
+                f"D1 at {self.location.describe()} answered {len(queries)} statement(s) with a malformed result"
+            )
         rows = []
         for item in result:
             results = item.get("results") if isinstance(item, dict) else None
@@ -161,8 +163,8 @@ class D1Api:
     def _backoff(self, attempt: int, asked: float | None) -> float:
         if asked is not None:
             return min(asked, _MAX_RETRY_AFTER_S)
-        base = min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
-        return base * (0.75 + 0.25 * random.random())  # noqa: S311 (jitter, not a secret)
+        base: float = min(self.backoff_s * 2.0 ** (attempt - 1), self.max_backoff_s)
+        return base * (0.75 + 0.25 * random.random())
 
     def _result(self, where: str, status: int, content: bytes) -> Any:
         try:

@@ -6,15 +6,11 @@ last): then all of them go as one batch, and either all apply or none."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from ...errors import StorageError
-from ..engine import Params, Rows
+from ..engine import Engine, Params, Rows
 from ..sqlite.schema import split_statements
 from ..store_base import KeyStoredTwiceError, _duplicate
-
-if TYPE_CHECKING:
-    from .engine import D1Engine
 
 
 class Raced(Exception):
@@ -28,7 +24,7 @@ def _reads(sql: str) -> bool:
 class D1Tx:
     """storage/engine.py's SchemaTx on D1."""
 
-    def __init__(self, engine: D1Engine, write: bool) -> None:
+    def __init__(self, engine: Engine, write: bool) -> None:
         self.engine = engine
         self.write = write
         self.held: list[tuple[str, Params]] = []
