@@ -142,9 +142,9 @@ class SingleSteps:
         where = (reservation.principal, reservation.key)
         stored = responses.to_store(status, headers, body, self.policy, row=where)
         if type(stored.body) is bytes and not self.store.dialect.binary_bodies:
-            # A ledger that cannot hold bytes (D1: its Workers read a BLOB as
-            # an array of numbers and cannot replay it) stores the sentinel:
-            # every replay then fails loudly, as for an answer over the cap.
+            # A ledger that cannot hold bytes (its dialect says so: another
+            # program replaying from it could not send them) stores the
+            # sentinel: every replay then fails loudly, as for an answer over the cap.
             log.warning(
                 "response for principal=%s key=%s: its body is not UTF-8 and this ledger stores text only: "
                 "stored as a 500 sentinel",
