@@ -17,6 +17,7 @@ from ...errors import ReadOnlyDatabaseError, StorageError
 from ..dialect import D1
 from ..engine import Params, Rows, SchemaTx
 from .api import D1Api, Query
+from .facts import D1Facts, read_facts
 from .location import D1Location
 from .schema import D1Tx, Raced
 
@@ -178,34 +179,7 @@ class D1Engine:
         self.read("SELECT 1", {})
         return self.api.last_call_s
 
-    def doctor_findings(self) -> tuple[str, list[tuple[str, str]]]:
+    def failover_facts(self) -> D1Facts:
         """`idemctl doctor` on D1: the token's reach, a call's latency, the
-        schema (version, tables, indexes) and the rows, as (severity, text)."""
-        latency = min(self.call_latency_s() for _ in range(3))
-        found: list[tuple[str, str]] = [
-            ("ok", f"the API token reaches {self.describe()} (one call: {latency * 1000:.0f} ms)"),
-            (
-                "ok",
-                "D1: Cloudflare keeps the database on its primary, which acknowledges a write once durable; "
-                "there is no failover for idemctl to check",
-            ),
-        ]
-        names = {str(r[0]) for r in self.read("SELECT name FROM sqlite_master WHERE type IN ('table', 'index')", {})}
-        if "idempotency_keys" not in names:
-            found.append(("warning", "no ledger table (idempotency_keys): run idemctl init"))
-            return "Cloudflare D1", found
-        version = None
-        if "idemctl_schema_version" in names:
-            version = self.read("SELECT max(version) FROM idemctl_schema_version", {})[0][0]
-        rows = self.read("SELECT count(*) FROM idempotency_keys", {})[0][0]
-        wanted = ("idx_idempotency_keys_updated_at", "idx_idempotency_keys_key_id", "idemctl_fenced_out")
-        missing = [name for name in wanted if name not in names]
-        schema = "the recipe's table only" if version is None else f"schema version {version}"
-        found.append(
-            (
-                "ok" if not missing else "warning",
-                f"{schema}, {rows} rows in idempotency_keys"
-                + (f"; missing: {', '.join(missing)} (run idemctl init)" if missing else ""),
-            )
-        )
-        return "Cloudflare D1", found
+        schema (version, tables, indexes) and the rows."""
+        return read_facts(self)
