@@ -149,6 +149,9 @@ WHERE NOT EXISTS (SELECT 1 FROM idemctl_fenced_out WHERE {_MYSQL_SAME_EVENT})
 
 COUNT_ROWS = "SELECT count(*) FROM idempotency_keys"
 
+# The oversize sentinel's status (responses.OVERSIZE_STATUS, a layer above).
+_SENTINEL_STATUS = 500
+
 
 class CopyStatements(StoreBase):
     """The statements `idemctl copy` runs on either ledger."""
@@ -193,7 +196,13 @@ class CopyStatements(StoreBase):
 
     def _bind_row(self, row: LedgerRow, suffix: str = "") -> dict[str, Any]:
         params: dict[str, Any] = {f"{name}{suffix}": value for name, value in zip(COPY_COLUMNS, row, strict=True)}
-        params[f"response_body{suffix}"] = self.dialect.bind_body(as_stored(row.response_body))
+        body = as_stored(row.response_body)
+        if type(body) is bytes and not self.dialect.binary_bodies:
+            # A ledger that cannot hold bytes keeps the key with the sentinel
+            # an answer it cannot hold gets (ledger/steps.py): replays fail
+            # loudly, and the mutation never runs again.
+            params[f"response_status{suffix}"], body = _SENTINEL_STATUS, None
+        params[f"response_body{suffix}"] = self.dialect.bind_body(body)
         return params
 
     def _columns(self, rows: Sequence[LedgerRow]) -> dict[str, Any]:

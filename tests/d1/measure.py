@@ -1,6 +1,7 @@
 """Measures what docs/d1.md reports, on the D1 test runtime (not a test):
 
-    python -m tests.d1.measure
+    python -m tests.d1.measure           # latency and the client
+    python -m tests.d1.measure --calls   # API calls per CLI command
 
 - the request path on d1://: a first call (claim + completion, two API
   calls) and a replay (claim attempt + lookup, two calls), median and p95,
@@ -12,15 +13,18 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
 from idemctl import Ledger
+from idemctl.storage.d1 import D1Engine
 
-from .runtime import ACCOUNT, DATABASE, TOKEN, start, wipe
+from .runtime import ACCOUNT, DATABASE, TOKEN, Runtime, start, wipe
 
 
 def timed(fn: Callable[[], object], n: int) -> tuple[float, float]:
@@ -48,13 +52,49 @@ def import_ms(module: str) -> float:
     return min(runs)
 
 
+def command_calls(runtime: Runtime) -> None:
+    """The API calls each CLI command makes (the stand-in counts them)."""
+    engine = D1Engine(runtime.ledger_url)
+    env = dict(os.environ, IDEMCTL_DB=runtime.ledger_url)
+
+    def run(*args: str) -> None:
+        before = runtime.faults()["calls"]
+        done = subprocess.run([sys.executable, "-m", "idemctl", *args], env=env, capture_output=True, text=True)
+        print(f"{' '.join(args):40s} exit {done.returncode}, {runtime.faults()['calls'] - before} calls")
+
+    run("init", "--dry-run")
+    run("init")
+    insert = (
+        "INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, response_status,"
+        " response_body, response_headers, created_at, updated_at)"
+        " VALUES ('old', :k, 'fp', 'completed', 1, 201, 'x', '{}', 1000, 1000)"
+    )
+    engine.write_turn([(insert, {"k": f"k{i}"}) for i in range(600)])
+    for i in range(3):
+        runtime.post("/orders", b"{}", key=f"w{i}")
+    for args in (
+        ("inspect", "w1", "-p", "acct_1"),
+        ("pending",),
+        ("fenced",),
+        ("stats",),
+        ("sweep", "--dry-run"),
+        ("sweep", "--retention", "1h"),
+        ("purge", "w2", "-p", "acct_1", "--yes"),
+        ("doctor",),
+    ):
+        run(*args)
+    with tempfile.TemporaryDirectory() as scratch:
+        run("copy", "--to", os.path.join(scratch, "copy.db"), "--init")
+
+
 def main() -> None:
     runtime = start()
     try:
         wipe(runtime)
-        import os
-
         os.environ.update(runtime.env())
+        if sys.argv[1:] == ["--calls"]:
+            command_calls(runtime)
+            return
         ledger = Ledger.open(runtime.ledger_url)
         ledger.init()
         n = 200

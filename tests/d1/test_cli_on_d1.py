@@ -185,3 +185,30 @@ def test_copy_both_ways_between_d1_and_sqlite_under_traffic_loses_no_key(served:
     assert copied == after
     status, _, body = served.post("/orders", b"{}", key="seed-7")
     assert (status, body.decode()) == (201, next(b for p, k, b in after if k == "seed-7"))
+
+
+def test_a_binary_answer_copied_into_d1_keeps_its_key_as_the_sentinel(runtime: Runtime, tmp_path: Path) -> None:
+    from idemctl import Ledger
+
+    local = str(tmp_path / "binary.db")
+    source = Ledger.open(local)
+    source.init()
+    reservation = source.claim("acct_1", "bin", "fp")
+    source.complete(reservation, 200, {}, b"\xff\x00\x80")
+    assert source.operator.get("acct_1", "bin").row.response_body == b"\xff\x00\x80"
+    source.close()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IDEMCTL_")}
+    env.update(runtime.env())
+    copied = subprocess.run(
+        [sys.executable, "-m", "idemctl", "copy", "--db", local, "--to", runtime.ledger_url, "--init", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert copied.returncode == 0, copied.stderr
+    rows = D1Engine(runtime.ledger_url).read(
+        "SELECT status, response_status, response_body FROM idempotency_keys WHERE key = 'bin'", {}
+    )
+    assert rows == [("completed", 500, None)]
