@@ -212,3 +212,41 @@ def test_a_binary_answer_copied_into_d1_keeps_its_key_as_the_sentinel(runtime: R
         "SELECT status, response_status, response_body FROM idempotency_keys WHERE key = 'bin'", {}
     )
     assert rows == [("completed", 500, None)]
+
+
+def test_ctrl_c_stops_a_d1_sweep_between_batches_and_says_what_it_deleted(served: Runtime) -> None:
+    import signal
+    import time
+
+    assert idemctl(served, "init").returncode == 0
+    engine = D1Engine(served.ledger_url)
+    now = int(engine.read("SELECT CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)", {})[0][0])
+    insert = (
+        "INSERT INTO idempotency_keys (principal, key, fingerprint, status, generation, response_status,"
+        " response_body, response_headers, created_at, updated_at)"
+        " VALUES ('acct_old', :k, 'fp', 'completed', 1, 201, 'x', '{}', :t, :t)"
+    )
+    engine.write_turn([(insert, {"k": f"old-{i}", "t": now - 7200_000 + i}) for i in range(600)])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEMCTL_", "CLOUDFLARE_"))}
+    env.update(served.env(), IDEMCTL_DB=served.ledger_url)
+    command = ["sweep", "--json", "--retention", "1h", "--batch-size", "50", "--pause", "300ms"]
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "idemctl", *command],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while engine.read("SELECT count(*) FROM idempotency_keys", {})[0][0] == 600 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sweep.send_signal(signal.SIGINT)
+    out, err = sweep.communicate(timeout=60)
+    assert sweep.returncode == 130, err
+    report = json.loads(out)
+    assert report["stopped"] == "interrupted"
+    left = engine.read("SELECT count(*) FROM idempotency_keys WHERE principal = 'acct_old'", {})[0][0]
+    # Whole batches only, and what it says it deleted is what is gone.
+    assert 0 < report["deleted"] < 600 and report["deleted"] % 50 == 0
+    assert left == 600 - report["deleted"]
+    assert "Traceback" not in err
