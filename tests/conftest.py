@@ -176,6 +176,8 @@ def ledger_target(
         yield from postgres_test_schema(request.getfixturevalue("postgres_server"), monkeypatch, via=bouncer.url())
     elif backend_name == "mysql":
         yield from mysql_test_database(request.getfixturevalue("mysql_server"), monkeypatch)
+    elif backend_name == "d1":  # only where a module asks for it (tests/d1/): it starts miniflare
+        yield request.getfixturevalue("d1")(monkeypatch)
     else:  # pragma: no cover
         raise AssertionError(backend_name)
 
@@ -202,6 +204,36 @@ def make_ledger(ledger_target: str, clock: FakeClock) -> Iterator[Callable[..., 
 @pytest.fixture
 def ledger(make_ledger: Callable[..., Ledger]) -> Ledger:
     return make_ledger()
+
+
+@pytest.fixture(scope="session")
+def d1_runtime() -> Iterator[object]:
+    """miniflare serving the recipe's Worker and D1's HTTP API over one D1
+    database (tests/d1/runtime.py), once for the session; skips (fails
+    under CI) where node or `npm ci` in tests/d1/runtime is missing."""
+    from tests.d1.runtime import start
+
+    started = start()
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture
+def d1(d1_runtime: object) -> Callable[[pytest.MonkeyPatch], str]:
+    """An empty D1 database in the session's runtime: wipes it, sets the
+    token and base URL in the environment, gives the ledger's URL."""
+    from tests.d1.runtime import Runtime, wipe
+
+    def fresh(monkeypatch: pytest.MonkeyPatch) -> str:
+        assert isinstance(d1_runtime, Runtime)
+        wipe(d1_runtime)
+        for name, value in d1_runtime.env().items():
+            monkeypatch.setenv(name, value)
+        return d1_runtime.ledger_url
+
+    return fresh
 
 
 @pytest.fixture(scope="session")

@@ -102,6 +102,17 @@ class SingleSteps:
         """What will be stored for this answer (with the answer built from it)."""
         where = (reservation.principal, reservation.key)
         stored = responses.to_store(status, headers, body, self.policy, row=where)
+        if type(stored.body) is bytes and not self.store.dialect.binary_bodies:
+            # A ledger that cannot hold bytes (its dialect says so: another
+            # program replaying from it could not send them) stores the
+            # sentinel: every replay then fails loudly, as for an answer over the cap.
+            log.warning(
+                "response for principal=%s key=%s: its body is not UTF-8 and this ledger stores text only: "
+                "stored as a 500 sentinel",
+                reservation.principal,
+                reservation.key,
+            )
+            return responses.ToStore(responses.OVERSIZE_STATUS, None, stored.headers_json, True, "body")
         if stored.oversize:
             cap = self.policy.header_cap_bytes if stored.over_cap == "headers" else self.policy.body_cap_bytes
             log.warning(

@@ -4,7 +4,8 @@ registry of engines (registry.py).
 `open_engine` and `open_store` ask the registry which engine a location
 names: a file path (or ":memory:") is SQLite, a ``postgresql://`` URL or a
 libpq connection string is PostgreSQL, a ``mysql://`` or ``mariadb://`` URL
-is MariaDB/MySQL; an engine added with `register` is found the same way.
+is MariaDB/MySQL, a ``d1://ACCOUNT_ID/DATABASE_ID`` URL is Cloudflare D1
+through its HTTP API; an engine added with `register` is found the same way.
 Nothing outside this package names an engine, imports a driver or reads a
 URL's scheme (docs/engines.md)."""
 

@@ -149,6 +149,9 @@ WHERE NOT EXISTS (SELECT 1 FROM idemctl_fenced_out WHERE {_MYSQL_SAME_EVENT})
 
 COUNT_ROWS = "SELECT count(*) FROM idempotency_keys"
 
+# The oversize sentinel's status (responses.OVERSIZE_STATUS, a layer above).
+_SENTINEL_STATUS = 500
+
 
 class CopyStatements(StoreBase):
     """The statements `idemctl copy` runs on either ledger."""
@@ -177,20 +180,29 @@ class CopyStatements(StoreBase):
             principals, names = zip(*keys, strict=True)
             rows = self._read(_ROWS_AT_ARRAYS, {"principals": list(principals), "keys": list(names)})
         else:
-            params: dict[str, Any] = {}
-            tests = []
-            for i, (principal, key) in enumerate(keys):
-                params[f"p{i}"], params[f"k{i}"] = principal, key
-                tests.append(f"(principal = :p{i} AND key = :k{i})")
-            sql = f"SELECT {', '.join(COPY_COLUMNS)} FROM idempotency_keys WHERE {' OR '.join(tests)}"
-            # Spelled without the cache: the text differs with the number of keys.
-            rows = self.engine.read(self._spell(sql), params)
+            per = len(keys) if self.dialect.max_params is None else self.dialect.max_params // 2
+            rows = []
+            for start in range(0, len(keys), per):
+                params: dict[str, Any] = {}
+                tests = []
+                for i, (principal, key) in enumerate(keys[start : start + per]):
+                    params[f"p{i}"], params[f"k{i}"] = principal, key
+                    tests.append(f"(principal = :p{i} AND key = :k{i})")
+                sql = f"SELECT {', '.join(COPY_COLUMNS)} FROM idempotency_keys WHERE {' OR '.join(tests)}"
+                # Spelled without the cache: the text differs with the number of keys.
+                rows.extend(self.engine.read(self._spell(sql), params))
         found = (decode_full_row(self.dialect, values) for values in rows)
         return {row.where: row for row in found}
 
     def _bind_row(self, row: LedgerRow, suffix: str = "") -> dict[str, Any]:
         params: dict[str, Any] = {f"{name}{suffix}": value for name, value in zip(COPY_COLUMNS, row, strict=True)}
-        params[f"response_body{suffix}"] = self.dialect.bind_body(as_stored(row.response_body))
+        body = as_stored(row.response_body)
+        if type(body) is bytes and not self.dialect.binary_bodies:
+            # A ledger that cannot hold bytes keeps the key with the sentinel
+            # an answer it cannot hold gets (ledger/steps.py): replays fail
+            # loudly, and the mutation never runs again.
+            params[f"response_status{suffix}"], body = _SENTINEL_STATUS, None
+        params[f"response_body{suffix}"] = self.dialect.bind_body(body)
         return params
 
     def _columns(self, rows: Sequence[LedgerRow]) -> dict[str, Any]:
@@ -210,13 +222,19 @@ class CopyStatements(StoreBase):
             return {(str(p), str(k)) for p, k in self._write(_COPY_INSERT_ARRAYS, self._columns(rows))}
         if not self.dialect.returning:
             return self._row_by_row(_MYSQL_COPY_INSERT, rows)
+        per = len(rows) if self.dialect.max_params is None else self.dialect.max_params // len(COPY_COLUMNS)
+        statements = [self._insert_values(rows[i : i + per]) for i in range(0, len(rows), per)]
+        # An engine that binds few parameters a statement: several, in one turn.
+        done = [self.engine.write(*statements[0])] if len(statements) == 1 else self.engine.write_turn(statements)
+        return {(str(p), str(k)) for rows_back in done for p, k in rows_back}
+
+    def _insert_values(self, rows: Sequence[LedgerRow]) -> tuple[str, dict[str, Any]]:
         params: dict[str, Any] = {}
         values = []
         for i, row in enumerate(rows):
             params.update(self._bind_row(row, f"_{i}"))
             values.append("(" + ", ".join(f":{name}_{i}" for name in COPY_COLUMNS) + ")")
-        sql = _COPY_INSERT.format(columns=", ".join(COPY_COLUMNS), values=", ".join(values))
-        return {(str(p), str(k)) for p, k in self.engine.write(self._spell(sql), params)}
+        return self._spell(_COPY_INSERT.format(columns=", ".join(COPY_COLUMNS), values=", ".join(values))), params
 
     def copy_update(self, rows: Sequence[LedgerRow]) -> set[tuple[str, str]]:
         """Overwrite the stored versions of these rows that are older (COPY_UPDATE's

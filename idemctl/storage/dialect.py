@@ -169,6 +169,24 @@ class Dialect:
     # How a lease renewal reaches its rows by the key's unique index on this engine's
     # planner: "values", "or" or "each" (storage/statements.py, RENEW_MAX).
     renew_form: str = "values"
+    # Whether a body that is not UTF-8 can be stored (as a BLOB). False: the
+    # ledger stores such an answer as the oversize sentinel instead
+    # (ledger/steps.py), as it does an answer over the cap.
+    binary_bodies: bool = True
+    # The most parameters one statement may bind; None: no limit worth
+    # counting. The copy splits its batches to stay under it.
+    max_params: int | None = None
+    # The folder of its DDL under schema/ when it is not `name`.
+    ddl: str = ""
+
+    @property
+    def schema_folder(self) -> str:
+        """Where its DDL lives under schema/.
+
+        >>> SQLITE.schema_folder
+        'sqlite'
+        """
+        return self.ddl or self.name
 
 
 SQLITE = Dialect(
@@ -229,4 +247,25 @@ MYSQL = replace(
     # dependent subquery per row: seconds a tick at 10^6 rows), the OR form
     # a `range` on PRIMARY with one row per reservation.
     renew_form="or",
+)
+
+
+def _body_from_d1(value: object) -> object:
+    # D1 hands a BLOB back as an array of byte values.
+    if isinstance(value, list):
+        return bytes(value)
+    return value
+
+
+# Cloudflare D1 through its HTTP API: SQLite's statements, with D1's rules.
+D1 = replace(
+    SQLITE,
+    name="d1",
+    ddl="sqlite",
+    read_body=_body_from_d1,
+    # JSON carries no bytes, and the recipe's Worker cannot replay a BLOB.
+    binary_bodies=False,
+    max_params=100,
+    # A batch is one API call and one transaction; D1 runs one at a time.
+    drain_batch=250,
 )

@@ -245,7 +245,7 @@ def accepted_urls() -> str:
     first scheme, in registration order).
 
     >>> accepted_urls()
-    'a postgresql:// or a mysql:// URL'
+    'a postgresql://, a mysql:// or a d1:// URL'
     """
     shown = [f"a {k.schemes[0]}://" for k in kinds() if k.server and k.schemes]
     return f"{_plain_join(shown)} URL" if shown else "no URL"
@@ -445,6 +445,19 @@ MYSQL_KIND = register(
         extra="mysql",
         missing_database=_mysql_database_missing,
         creates_database=True,
+        replicates=True,
+    )
+)
+D1_KIND = register(
+    EngineKind(
+        name="d1",
+        title="Cloudflare D1",
+        schemes=("d1",),
+        location="a d1://ACCOUNT_ID/DATABASE_ID URL",
+        engine="idemctl.storage.d1:D1Engine",
+        extra="d1",
+        # Its facts for doctor are the token's reach, a call's latency and
+        # the schema: Cloudflare runs the replication (docs/d1.md).
         replicates=True,
     )
 )

@@ -314,7 +314,7 @@ class StoreBase:
             if dry_run:
                 return InitResult(action, before, SCHEMA_VERSION, dry_run)
             floor = -1 if before is None else before
-            for f in schema_files(self.dialect.name):
+            for f in schema_files(self.dialect.schema_folder):
                 if f.version > floor:
                     try:
                         tx.script(f.sql)

@@ -180,16 +180,25 @@ def test_an_unknown_scenario_names_the_built_in_ones():
         (["stats", "--ttl", "0ms"], "error: --ttl must be longer than 0 s, got 0ms"),
         (["--retention", "10ms", "stats"], "error: --retention (10 ms) must be longer than --ttl (30 s)"),
         (["sweep", "--fenced-retention", "0s"], "error: --fenced-retention must be longer than 0 s, got 0s"),
-        (["--db", "", "stats"], "error: --db is empty: give a ledger file path, a postgresql:// or a mysql:// URL"),
-        (["stats", "--db", " "], "error: --db is empty: give a ledger file path, a postgresql:// or a mysql:// URL"),
-        (["init", "--db", ""], "error: --db is empty: give a ledger file path, a postgresql:// or a mysql:// URL"),
+        (
+            ["--db", "", "stats"],
+            "error: --db is empty: give a ledger file path, a postgresql://, a mysql:// or a d1:// URL",
+        ),
+        (
+            ["stats", "--db", " "],
+            "error: --db is empty: give a ledger file path, a postgresql://, a mysql:// or a d1:// URL",
+        ),
+        (
+            ["init", "--db", ""],
+            "error: --db is empty: give a ledger file path, a postgresql://, a mysql:// or a d1:// URL",
+        ),
         (
             ["simulate", "happy", "--db", ""],
-            "error: --db is empty: give a ledger file path, a postgresql:// or a mysql:// URL",
+            "error: --db is empty: give a ledger file path, a postgresql://, a mysql:// or a d1:// URL",
         ),
         (
             ["--db", "oracle://x/y", "stats"],
-            "error: unsupported ledger URL oracle://…: use a file path, postgresql:// or mysql://",
+            "error: unsupported ledger URL oracle://…: use a file path, postgresql://, mysql:// or d1://",
         ),
     ],
     ids=lambda v: v if isinstance(v, str) else " ".join(v[:2]),

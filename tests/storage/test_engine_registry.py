@@ -76,6 +76,7 @@ def test_the_built_in_kinds_their_order_and_capabilities():
     assert [(k.name, k.title, k.schemes) for k in kinds()] == [
         ("postgres", "PostgreSQL", ("postgresql", "postgres")),
         ("mysql", "MariaDB/MySQL", ("mysql", "mariadb")),
+        ("d1", "Cloudflare D1", ("d1",)),
         ("sqlite", "SQLite", ()),
     ]
     capabilities = {
@@ -84,6 +85,7 @@ def test_the_built_in_kinds_their_order_and_capabilities():
     assert capabilities == {
         "postgres": (True, True, True, True, False),
         "mysql": (True, False, True, True, True),
+        "d1": (True, False, False, True, True),
         "sqlite": (False, False, False, False, True),
     }
 
@@ -113,7 +115,7 @@ def test_the_promise_check_finds_a_kind_that_promises_too_much():
 
 def test_a_url_of_no_kind_is_refused_naming_what_is_accepted():
     with pytest.raises(
-        StorageError, match=r"^unsupported ledger URL oracle://…: use a file path, postgresql:// or mysql://$"
+        StorageError, match=r"^unsupported ledger URL oracle://…: use a file path, postgresql://, mysql:// or d1://$"
     ):
         kind_of("oracle://db/x")
     assert not is_file_location("oracle://db/x")
@@ -128,7 +130,8 @@ def test_a_target_that_is_no_location_is_refused_naming_every_kind():
     with pytest.raises(StorageError) as caught:
         open_engine(42)  # type: ignore[arg-type]
     assert str(caught.value) == (
-        "a ledger is a file path, a postgresql:// URL or connection string, or a mysql:// URL, got int"
+        "a ledger is a file path, a postgresql:// URL or connection string, a mysql:// URL,"
+        " or a d1://ACCOUNT_ID/DATABASE_ID URL, got int"
     )
 
 
@@ -156,7 +159,7 @@ def test_a_second_fallback_or_a_taken_scheme_is_refused(scratch_registry: None):
     clash = EngineKind("pg2", "PG2", ("pg2", "postgres"), "a pg2:// URL", "x:Y")
     with pytest.raises(StorageError, match=r"^engine kind pg2: scheme postgres:// is postgres's already$"):
         register(clash)
-    assert [k.name for k in kinds()] == ["postgres", "mysql", "sqlite"]
+    assert [k.name for k in kinds()] == ["postgres", "mysql", "d1", "sqlite"]
 
 
 def test_a_missing_driver_names_the_extra_that_brings_it(scratch_registry: None):
@@ -168,14 +171,15 @@ def test_a_missing_driver_names_the_extra_that_brings_it(scratch_registry: None)
     )
     # The list of what is accepted grows with the kinds registered.
     with pytest.raises(
-        StorageError, match=r"^unsupported ledger URL x://…: use a file path, postgresql://, mysql:// or nodb://$"
+        StorageError,
+        match=r"^unsupported ledger URL x://…: use a file path, postgresql://, mysql://, d1:// or nodb://$",
     ):
         kind_of("x://y")
-    assert accepted_urls() == "a postgresql://, a mysql:// or a nodb:// URL"
+    assert accepted_urls() == "a postgresql://, a mysql://, a d1:// or a nodb:// URL"
     empty = CliRunner().invoke(app, ["--db", "", "stats"])
     assert (empty.exit_code, empty.stderr) == (
         2,
-        "error: --db is empty: give a ledger file path, a postgresql://, a mysql:// or a nodb:// URL\n",
+        "error: --db is empty: give a ledger file path, a postgresql://, a mysql://, a d1:// or a nodb:// URL\n",
     )
 
 

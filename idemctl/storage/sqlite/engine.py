@@ -13,6 +13,7 @@ import contextlib
 import os
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -32,6 +33,12 @@ from .schema import AbsentTx, SqliteTx, admin_view
 from .writer_queue import WriterQueue, queue_path
 
 T = TypeVar("T")
+
+# A D1 database's local file (wrangler dev, miniflare) has this table: the
+# recipe's Worker reads the same ledger, and a BLOB reaches it as an array of
+# numbers it cannot replay, so such a file stores text answers only.
+_D1_FILE = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '_cf_METADATA'"
+SQLITE_SHARED_WITH_WORKERS = replace(SQLITE, binary_bodies=False)
 
 
 class SqliteEngine:
@@ -115,7 +122,11 @@ class SqliteEngine:
             gate = self._connections.gate
             gate.enter()
             try:
-                self._conn()  # a file that is not a database fails here, at open
+                conn = self._conn()  # a file that is not a database fails here, at open
+                if conn.execute(_D1_FILE).fetchone() is not None:
+                    self.dialect = SQLITE_SHARED_WITH_WORKERS
+            except sqlite3.Error as exc:
+                raise self._translate(exc) from exc
             finally:
                 gate.leave()
 
