@@ -127,7 +127,7 @@ def test_a_sweep_of_the_d1_file_blocks_the_worker_only_a_batch_at_a_time(runtime
     try:
         while True:
             started = time.perf_counter()
-            result = ledger.sweep(batch=ledger.drain_batch)
+            result = ledger.operator.sweep(batch=ledger.operator.drain_batch)
             held.append(time.perf_counter() - started)
             if result.keys_deleted == 0:
                 break
