@@ -39,13 +39,14 @@ from starlette.background import BackgroundTask, BackgroundTasks
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from . import asgi
-from .asgi import MessageCapture, capturable_scope
 from .exchange import gate as gates
+from .exchange import scope as scopes
 from .exchange.capture import Capture
 from .exchange.drive import LATER, Later, drive_async
 from .exchange.gate import Delivery
+from .exchange.scope import MessageCapture, capturable_scope
 from .exchange.sequence import EveryRequestProtected, Run, sequence
+from .exchange.threads import hand_off
 from .exchange.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
 from .ledger import Ledger
 
@@ -59,7 +60,7 @@ _ORIGINAL = "__idemctl_endpoint__"
 
 # SQLite's statements go to the loop's default executor, handed back to the
 # loop by the worker (anyio's thread pool costs three times as much a hand-off).
-_in_thread = functools.partial(asgi.hand_off, None)
+_in_thread = functools.partial(hand_off, None)
 
 
 class _Immediate(Exception):
@@ -146,7 +147,7 @@ def idempotent_route(
 
     async def wrap_endpoint(endpoint: Callable[..., Any], request: Request, who: object, kwargs: Any) -> Any:
         door = _Door(endpoint, kwargs, request, who, release_on_error, gate.replayed_header)
-        out = await drive_async(gate, sequence(gate, asgi.parse(request.scope, names, exact_length=True), door), door)
+        out = await drive_async(gate, sequence(gate, scopes.parse(request.scope, names, exact_length=True), door), door)
         if isinstance(out, Later):
             setattr(request.state, _PENDING, (out, door))
             return await _call(endpoint, kwargs)

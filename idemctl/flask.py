@@ -36,16 +36,15 @@ from flask import Request, Response, current_app, request
 from werkzeug.datastructures import Headers
 from werkzeug.exceptions import ClientDisconnected
 
-from . import wsgi
 from .exchange import body as rules
 from .exchange import gate as gates
 from .exchange.capture import Capture
 from .exchange.drive import drive
+from .exchange.environ import PRINCIPAL_ENVIRON_KEY, environ_names, parse_environ
 from .exchange.gate import Delivery, Gate
 from .exchange.sequence import EveryRequestProtected, Run, sequence
-from .exchange.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
+from .exchange.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, status_line, wire_headers
 from .ledger import Ledger
-from .wsgi import PRINCIPAL_ENVIRON_KEY, status_line
 
 log = logging.getLogger("idemctl.flask")
 
@@ -102,7 +101,7 @@ def idempotent(
     gate = gates.adapter_gate(ledger, principal, "()", log, max_body_bytes, replayed_header, unavailable_retry_after_ms)
 
     # The fingerprint headers' environ names, mapped once.
-    pairs = wsgi._environ_names(tuple(ledger.policy.fingerprint_headers))
+    pairs = environ_names(tuple(ledger.policy.fingerprint_headers))
 
     def decorate(view: F) -> F:
         @functools.wraps(view)
@@ -110,7 +109,7 @@ def idempotent(
             # The request proxy resolved once: each use of it is three Python calls.
             req = request._get_current_object()  # type: ignore[attr-defined]
             door = _Door(gate, view, args, kwargs, principal, release_on_error, req)
-            return drive(gate, sequence(gate, wsgi._parse(req.environ, pairs), door), door)
+            return drive(gate, sequence(gate, parse_environ(req.environ, pairs), door), door)
 
         return cast(F, protected)
 
