@@ -180,16 +180,16 @@ class IdempotencyMiddleware(gates.GatedMiddleware[ASGIApp, Scope]):
         self._background.discard(future)
 
 
-class _Door:
-    """One request's ASGI side: the scope and channels in, the answer out."""
+class _Door(gates.MiddlewareDoor[Scope]):
+    """One request's ASGI side: the scope (`request`) and channels in, the answer out."""
 
-    __slots__ = ("middleware", "receive", "scope", "send_message")
+    __slots__ = ("receive", "send_message")
+
+    middleware: IdempotencyMiddleware
 
     def __init__(self, middleware: IdempotencyMiddleware, scope: Scope, receive: Receive, send: Send) -> None:
-        self.middleware = middleware
-        self.scope = scope
-        self.receive = receive
-        self.send_message = send
+        self.middleware, self.request = middleware, scope
+        self.receive, self.send_message = receive, send
 
     @property
     def in_thread(self) -> Callable[..., Awaitable[Any]]:
@@ -199,17 +199,8 @@ class _Door:
     def keep(self) -> Callable[[asyncio.Future[Any]], None]:
         return self.middleware._keep
 
-    def exempt(self) -> bool:
-        return self.middleware.exempts(self.scope)
-
-    def key_optional(self) -> bool:
-        return self.middleware.lets_keyless(self.scope)
-
-    def release(self) -> bool:
-        return self.middleware.release(self.scope)
-
     async def principal(self) -> object:
-        resolved = self.middleware.principal(self.scope)
+        resolved = self.middleware.principal(self.request)
         if inspect.isawaitable(resolved):
             resolved = await resolved
         return resolved
@@ -218,7 +209,7 @@ class _Door:
         return await read_body(self.receive, limit)
 
     async def run(self, need: Run) -> None:
-        inner = capturable_scope(self.scope)
+        inner = capturable_scope(self.request)
         inner[PRINCIPAL_SCOPE_KEY] = need.principal
         receive = self.receive
         delivered = False
@@ -255,7 +246,7 @@ class _Door:
             self.middleware._keep(asyncio.ensure_future(after()))
 
     async def pass_through(self) -> None:
-        await self.middleware.app(self.scope, self.receive, self.send_message)
+        await self.middleware.app(self.request, self.receive, self.send_message)
 
 
 __all__ = [

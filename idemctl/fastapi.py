@@ -56,6 +56,8 @@ _PENDING = "idemctl_pending"
 _REQUEST_PARAM = "idemctl_request_"
 _PRINCIPAL_PARAM = "idemctl_caller"
 _ORIGINAL = "__idemctl_endpoint__"
+Endpoint = Callable[..., Any]
+Kwargs = dict[str, Any]
 
 
 # SQLite's statements go to the loop's default executor, handed back to the
@@ -78,20 +80,10 @@ class _Door(EveryRequestProtected):
     __slots__ = ("background", "endpoint", "kwargs", "release_on_error", "replayed_header", "request", "sent", "who")
 
     def __init__(
-        self,
-        endpoint: Callable[..., Any],
-        kwargs: dict[str, Any],
-        request: Request,
-        who: object,
-        release: bool,
-        replayed_header: bool,
+        self, endpoint: Endpoint, kwargs: Kwargs, request: Request, who: object, release: bool, replayed_header: bool
     ) -> None:
-        self.endpoint = endpoint
-        self.kwargs = kwargs
-        self.request = request
-        self.who = who
-        self.release_on_error = release
-        self.replayed_header = replayed_header
+        self.endpoint, self.kwargs, self.request = endpoint, kwargs, request
+        self.who, self.release_on_error, self.replayed_header = who, release, replayed_header
         self.background: BackgroundTask | None = None
         self.sent = False
 
@@ -181,12 +173,12 @@ def idempotent_route(
                         await _end_function_scope(request.scope, exc)
                         response = await _rendered(request, exc)
                     except BaseException as failure:
-                        await drive_async(gate, pending[0].steps, pending[1], failure)
+                        await drive_async(gate, pending[0].steps, pending[1], failure, resumed=True)
                         raise
                 except BaseException as exc:
                     pending = getattr(request.state, _PENDING, None)
                     if pending is not None:
-                        await drive_async(gate, pending[0].steps, pending[1], exc)
+                        await drive_async(gate, pending[0].steps, pending[1], exc, resumed=True)
                     raise
                 pending = getattr(request.state, _PENDING, None)
                 if pending is None:
@@ -204,7 +196,7 @@ def idempotent_route(
                     await _capture(response, request.scope, later.run.capture)
                 except BaseException as exc:
                     failed = exc
-                sent: Response = await drive_async(gate, later.steps, door, failed)
+                sent: Response = await drive_async(gate, later.steps, door, failed, resumed=True)
                 return sent
 
             return handler

@@ -49,6 +49,8 @@ from .ledger import Ledger
 log = logging.getLogger("idemctl.flask")
 
 F = TypeVar("F", bound=Callable[..., Any])
+View = Callable[..., Any]
+Principal = Callable[[], "str | None"]
 
 
 def _read_body(req: Request) -> bytes:
@@ -122,22 +124,11 @@ class _Door(EveryRequestProtected):
     __slots__ = ("args", "gate", "kwargs", "principal_source", "release_on_error", "request", "view")
 
     def __init__(
-        self,
-        gate: Gate,
-        view: Callable[..., Any],
-        args: Any,
-        kwargs: Any,
-        principal: Callable[[], str | None],
-        release: bool,
-        req: Request,
-    ) -> None:
-        self.request = req
-        self.gate = gate
-        self.view = view
-        self.args = args
-        self.kwargs = kwargs
-        self.principal_source = principal
-        self.release_on_error = release
+        self, gate: Gate, view: View, args: Any, kwargs: Any, principal: Principal, release: bool, req: Request
+    ):
+        self.request, self.gate, self.view = req, gate, view
+        self.args, self.kwargs = args, kwargs
+        self.principal_source, self.release_on_error = principal, release
 
     def principal(self) -> object:
         return self.principal_source()

@@ -256,33 +256,24 @@ class IdempotencyMiddleware(gates.GatedMiddleware[WSGIApplication, WSGIEnvironme
         return result
 
 
-class _Door:
-    """One request's WSGI side: the environ in, the answer out."""
+class _Door(gates.MiddlewareDoor[WSGIEnvironment]):
+    """One request's WSGI side: the environ (`request`) in, the answer out."""
 
-    __slots__ = ("environ", "middleware", "start_response")
+    __slots__ = ("start_response",)
+
+    middleware: IdempotencyMiddleware
 
     def __init__(self, middleware: IdempotencyMiddleware, environ: WSGIEnvironment, start_response: StartResponse):
-        self.middleware = middleware
-        self.environ = environ
-        self.start_response = start_response
-
-    def exempt(self) -> bool:
-        return self.middleware.exempts(self.environ)
-
-    def key_optional(self) -> bool:
-        return self.middleware.lets_keyless(self.environ)
-
-    def release(self) -> bool:
-        return self.middleware.release(self.environ)
+        self.middleware, self.request, self.start_response = middleware, environ, start_response
 
     def principal(self) -> object:
-        return self.middleware.principal(self.environ)
+        return self.middleware.principal(self.request)
 
     def read_body(self, limit: int, declared: int | None) -> bytes:
-        return read_body(self.environ, limit, declared)
+        return read_body(self.request, limit, declared)
 
     def run(self, need: Run) -> None:
-        inner = dict(self.environ)  # the app's own copy, changed by _run_app too
+        inner = dict(self.request)  # the app's own copy, changed by _run_app too
         inner[PRINCIPAL_ENVIRON_KEY] = need.principal
         _run_app(self.middleware.app, inner, need.body, need.capture)
 
@@ -296,7 +287,7 @@ class _Door:
         return out
 
     def pass_through(self) -> Iterable[bytes]:
-        return self.middleware.app(self.environ, self.start_response)
+        return self.middleware.app(self.request, self.start_response)
 
 
 __all__ = [

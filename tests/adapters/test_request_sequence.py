@@ -225,7 +225,7 @@ def test_an_unavailable_ledger_fails_closed_with_503(gate, monkeypatch):
     def down(*args: object) -> None:
         raise LedgerUnavailableError("down for the test")
 
-    monkeypatch.setattr(gate.ledger, "begin", down)
+    monkeypatch.setattr(gate.ledger, "begin_steps", down)
     door = FakeDoor()
     assert exchange(gate, post(), door) == (*UNAVAILABLE, Outcome.UNAVAILABLE)
     assert door.runs == 0
@@ -247,7 +247,7 @@ def test_an_answer_that_cannot_be_stored_is_sent_anyway_with_an_error_line(gate,
         answer = Answer(status, tuple(headers), body, Outcome.NOT_STORED)
         raise AnswerNotStoredError(answer, LedgerUnavailableError("gone"))
 
-    monkeypatch.setattr(gate.ledger, "finish", not_stored)
+    monkeypatch.setattr(gate.ledger, "finish_steps", not_stored)
     door = FakeDoor()
     with caplog.at_level(logging.ERROR, logger="idemctl.gate"):
         assert exchange(gate, post(), door) == (*MADE, Outcome.NOT_STORED)
