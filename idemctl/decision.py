@@ -253,14 +253,28 @@ async def _outcome_async(op: StoreOp, store: AsyncStore) -> tuple[Any, Exception
 
 
 def run(steps: Steps[T]) -> T:
-    """Drive steps in this thread: call the store, sleep through the pauses."""
+    """Drive steps in this thread: call the store, sleep through the pauses.
+    This is every synchronous request's driver: each operation runs on the
+    store that built it, ``store.run(op)``."""
+    send = steps.send
     try:
-        pause = _until_pause(steps, steps.send(None))
+        op: Any = send(None)  # dispatched on its exact class, which mypy cannot follow
         while True:
-            time.sleep(pause.seconds)
-            pause = _until_pause(steps, steps.send(None))
+            if type(op) is Pause:
+                time.sleep(op.seconds)
+                op = send(None)
+                continue
+            try:
+                value = op.store.run(op)  # not a Pause: a StoreOp
+            except Exception as exc:
+                error = exc  # raised inside the steps, where it happened (outside this handler)
+            else:
+                op = send(value)
+                continue
+            op = steps.throw(error)
     except StopIteration as done:
-        return cast(T, done.value)
+        result: T = done.value
+        return result
 
 
 def blocking(steps: Callable[Concatenate[S, P], Steps[T]]) -> Callable[Concatenate[S, P], T]:
@@ -286,21 +300,11 @@ def blocking(steps: Callable[Concatenate[S, P], Steps[T]]) -> Callable[Concatena
     return call
 
 
-def _until_pause(steps: Steps[Any], op: Any) -> Any:
-    """Run the operations the steps yield, from `op` on, up to the next
-    thing they yield that is not the store's (a pause, or a need of their
-    caller's); the steps' end raises StopIteration. This is every request's
-    driver: each operation runs on the store that built it, ``store.run(op)``."""
-    while type(op) in STORE_OPS:
-        try:
-            value = op.store.run(op)  # not a Pause: a StoreOp
-        except Exception as exc:
-            error = exc  # raised inside the steps, where it happened (outside this handler)
-        else:
-            op = steps.send(value)
-            continue
-        op = steps.throw(error)
-    return op
+def _ran(op: Any) -> tuple[Any, Exception | None]:
+    try:
+        return op.store.run(op), None
+    except Exception as exc:
+        return None, exc
 
 
 def _through(steps: Steps[Any], op: Any) -> Any:
@@ -308,7 +312,11 @@ def _through(steps: Steps[Any], op: Any) -> Any:
     after it, up to the first other thing they yield (a Pause, or a need of
     their caller's), their End, or their own exception (a _Raised)."""
     try:
-        return _until_pause(steps, op)
+        while type(op) in STORE_OPS:
+            value, error = _ran(op)
+            # An operation's error is raised inside the steps, where it happened.
+            op = steps.send(value) if error is None else steps.throw(error)
+        return op
     except StopIteration as done:
         return End(done.value)
     except BaseException as exc:  # the steps' own: raised again on the loop
