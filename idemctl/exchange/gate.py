@@ -88,8 +88,6 @@ class Delivery:
             return NotImplemented
         return self.answer == other.answer and self.sweep == other.sweep
 
-    __hash__ = None  # type: ignore[assignment]
-
 
 def check_options(max_body_bytes: object, unavailable_retry_after_ms: object) -> None:
     """The options every adapter shares, refused the same way by each.
