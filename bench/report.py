@@ -459,14 +459,16 @@ which cost a task per hand-off (first call 1 192 009 → 1 146 379, replay
 a Python call; Flask and Django ask for it too) and copies the environ once
 for the app, not twice (first call 485 097 → 477 529, replay 341 792 →
 335 769); a resting `after_response` builds its `SweepResult` in one step
-(16 500 → 12 300).
+(16 500 → 12 300). Since the request sequence yields from the ledger's own
+steps, `decision.run` holds the one synchronous store loop itself (the
+worker-thread path runs each operation through a small helper instead of a
+copy of it): about 1 400 fewer a `handle`.
 
 Tried and not kept: Python's built-in `_sha256` instead of OpenSSL's (54 000
 instructions for 1 KiB against 35 000); copying a prepared sha256 object
 instead of making one (no difference in time); filling the values by one
 dictionary store per field instead of one `update` (no gain over a whole
-request: 371 671 → 372 230); a second copy of the driver loop inside `run`
-to save it a call (1 600 a run, not worth two copies of the loop). Not
+request: 371 671 → 372 230). Not
 done: one pre-built statement per step, since the store's cache already
 hands back the spelled text for a dictionary lookup."""
 
@@ -483,6 +485,42 @@ DOOR_BOUNDS = {
     "fastapi": (500_000, 859_426),
     "fastapi_middleware": (500_000, 859_426),
 }
+
+# Each door's whole request ("ours" in (0)), first call and replay, counted
+# by (0) at the commit before a change to the request kit and after it.
+DOOR_HISTORY: list[tuple[str, str, str, dict[str, tuple[int, int]]]] = [
+    (
+        "2026-12-07",
+        "b4b2c7a",
+        "before: the request sequence and the ledger's steps two generators joined by the gate's "
+        "begin/finish/abandon (and their event-loop twins)",
+        {
+            "handle": (378_062, 236_245),
+            "wsgi": (484_196, 304_672),
+            "asgi": (1_034_531, 592_765),
+            "flask": (898_157, 653_016),
+            "django": (960_771, 764_073),
+            "fastapi": (2_045_283, 1_641_998),
+            "fastapi_middleware": (1_983_489, 594_788),
+        },
+    ),
+    (
+        "2026-12-07",
+        "596850e",
+        "after: the request sequence yields from the ledger's own steps, one driver per kind runs the store's "
+        "work; the gate's twins, the second async driver and three need types gone",
+        {
+            "handle": (376_428, 234_861),
+            "wsgi": (463_070, 294_410),
+            "asgi": (1_010_909, 579_084),
+            "flask": (879_984, 645_657),
+            "django": (939_011, 753_137),
+            "fastapi": (2_006_599, 1_627_064),
+            "fastapi_middleware": (1_951_859, 581_181),
+        },
+    ),
+]
+
 
 # Why a door misses its bound, from callgrind profiles of the door alone.
 DOOR_MISSES = """\
@@ -530,6 +568,17 @@ def _door_bounds(res: dict[str, Any]) -> list[str]:
             f"| {door} | {_n(first)} | ≤ {_n(first_bound)} | {verdict(first, first_bound)} "
             f"| {_n(replay)} | ≤ {_n(replay_bound)} | {verdict(replay, replay_bound)} |"
         )
+    out += [
+        "",
+        "Each door's whole request (the ours column of (0)), first call / replay, counted before and after a "
+        "change to the request kit (`handle` for reference):",
+        "",
+        "| measured | commit | change | handle | " + " | ".join(DOOR_BOUNDS) + " |",
+        "|---|---|---|---|" + "---|" * len(DOOR_BOUNDS),
+    ]
+    for day, commit, change, counts in DOOR_HISTORY:
+        cells = [f"{_n(counts[door][0])} / {_n(counts[door][1])}" for door in ("handle", *DOOR_BOUNDS)]
+        out.append(f"| {day} | `{commit}` | {change} | " + " | ".join(cells) + " |")
     return [*out, "", DOOR_MISSES.rstrip()]
 
 
