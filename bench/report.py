@@ -459,15 +459,22 @@ which cost a task per hand-off (first call 1 192 009 → 1 146 379, replay
 a Python call; Flask and Django ask for it too) and copies the environ once
 for the app, not twice (first call 485 097 → 477 529, replay 341 792 →
 335 769); a resting `after_response` builds its `SweepResult` in one step
-(16 500 → 12 300).
+(16 500 → 12 300). Since the request sequence yields from the ledger's own
+steps, `decision.run` holds the one synchronous store loop itself (the
+worker-thread path runs each operation through a small helper instead of a
+copy of it): about 1 400 fewer a `handle`.
 
 Tried and not kept: Python's built-in `_sha256` instead of OpenSSL's (54 000
 instructions for 1 KiB against 35 000); copying a prepared sha256 object
 instead of making one (no difference in time); filling the values by one
 dictionary store per field instead of one `update` (no gain over a whole
-request: 371 671 → 372 230); a second copy of the driver loop inside `run`
-to save it a call (1 600 a run, not worth two copies of the loop). Not
-done: one pre-built statement per step, since the store's cache already
+request: 371 671 → 372 230); on an event loop over SQLite, resuming the
+request sequence in the worker thread once the body is in and once the app
+ran, so that the ledger's own Python before a statement (the checks, the
+fingerprint, the answer's columns) runs there as well as the statements
+(ASGI first call 1 010 909 → 1 040 335: the loop and the worker then
+contend for the interpreter lock; it runs on the loop, as on PostgreSQL).
+Not done: one pre-built statement per step, since the store's cache already
 hands back the spelled text for a dictionary lookup."""
 
 
@@ -483,6 +490,18 @@ DOOR_BOUNDS = {
     "fastapi": (500_000, 859_426),
     "fastapi_middleware": (500_000, 859_426),
 }
+
+# Each door's whole request ("ours" in (0)), first call and replay, counted
+# by (0) at the commit before a change to the request kit and after it.
+DOOR_HISTORY = """\
+Each door's whole request (the ours column of (0)), first call / replay, counted before and after a change to the request kit (`handle` for reference):
+
+| measured | commit | change | handle | wsgi | django | flask | asgi | fastapi | fastapi_middleware |
+|---|---|---|---|---|---|---|---|---|---|
+| 2026-12-07 | `b4b2c7a` | before: the request sequence and the ledger's steps two generators joined by the gate's begin/finish/abandon (and their event-loop twins) | 378 062 / 236 245 | 484 196 / 304 672 | 960 771 / 764 073 | 898 157 / 653 016 | 1 034 531 / 592 765 | 2 045 283 / 1 641 998 | 1 983 489 / 594 788 |
+| 2026-12-07 | `596850e` | after: the request sequence yields from the ledger's own steps, one driver per kind runs the store's work; the gate's twins, the second async driver and three need types gone | 376 428 / 234 861 | 463 070 / 294 410 | 939 011 / 753 137 | 879 984 / 645 657 | 1 010 909 / 579 084 | 2 006 599 / 1 627 064 | 1 951 859 / 581 181 |
+"""
+
 
 # Why a door misses its bound, from callgrind profiles of the door alone.
 DOOR_MISSES = """\
@@ -530,7 +549,7 @@ def _door_bounds(res: dict[str, Any]) -> list[str]:
             f"| {door} | {_n(first)} | ≤ {_n(first_bound)} | {verdict(first, first_bound)} "
             f"| {_n(replay)} | ≤ {_n(replay_bound)} | {verdict(replay, replay_bound)} |"
         )
-    return [*out, "", DOOR_MISSES.rstrip()]
+    return [*out, "", DOOR_HISTORY.rstrip(), "", DOOR_MISSES.rstrip()]
 
 
 def _instructions(res: dict[str, Any]) -> list[str]:

@@ -22,84 +22,41 @@ is replayed. Needs no framework at run time.
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import functools
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any, TypeVar
-from urllib.parse import quote
 
 from .exchange import body as rules
 from .exchange import gate as gates
-from .exchange.capture import Capture, CaptureError
 from .exchange.drive import drive_async
 from .exchange.gate import Delivery
-from .exchange.sequence import Request, Run, sequence
+from .exchange.scope import (
+    Message,
+    MessageCapture,
+    Receive,
+    Scope,
+    Send,
+    capturable_scope,
+    header_fields,
+    parse,
+    request_target,
+    scope_headers,
+)
+from .exchange.sequence import Run, sequence
+from .exchange.threads import hand_off
 from .exchange.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
 from .ledger import Ledger
 
 log = logging.getLogger("idemctl.asgi")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 ScopePredicate = Callable[[Scope], bool]
 PrincipalResolver = Callable[[Scope], "Awaitable[str | None] | str | None"]
 T = TypeVar("T")
 
 PRINCIPAL_SCOPE_KEY = "idemctl.principal"
-# RFC 3986 pchar minus the unreserved set, as the WSGI middleware rebuilds a path.
-_PATH_SAFE = "/:@!$&'()*+,;="
-# Extensions that would let the app send a response we cannot capture, and
-# trailers, which no stored answer carries: an app told they are unsupported
-# sends none (one that sends them anyway is answered without them).
-_UNCAPTURABLE_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend", "http.response.trailers")
-
-
-def request_target(scope: Scope) -> str:
-    """The request target the fingerprint covers: path and query as received,
-    the same string the WSGI middleware sees for the same request.
-
-    >>> request_target({"path": "/orders", "raw_path": b"/orders", "query_string": b"b=2&a=1"})
-    '/orders?b=2&a=1'
-    >>> request_target({"path": "/caf\\u00e9", "query_string": b""})
-    '/caf%C3%A9'
-    """
-    raw = scope.get("raw_path")
-    if raw:
-        path = bytes(raw).decode("latin-1")
-    else:
-        path = quote((scope.get("root_path", "") or "") + scope.get("path", ""), safe=_PATH_SAFE) or "/"
-    query = bytes(scope.get("query_string", b"") or b"").decode("latin-1")
-    return f"{path}?{query}" if query else path
-
-
-def scope_headers(scope: Scope, names: Iterable[str]) -> list[tuple[str, str]]:
-    """The named request headers (lower-case names), every occurrence, as sent.
-
-    >>> scope_headers({"headers": [(b"content-type", b"application/json"), (b"x-other", b"1")]}, ["content-type"])
-    [('content-type', 'application/json')]
-    """
-    wanted = {n.lower() for n in names}
-    out = []
-    for name, value in scope.get("headers", ()):
-        lname = bytes(name).decode("latin-1").lower()
-        if lname in wanted:
-            out.append((lname, bytes(value).decode("latin-1")))
-    return out
-
-
-def header_fields(scope: Scope, name: bytes) -> list[str]:
-    """Every field of one request header, in the order sent.
-
-    >>> header_fields({"headers": [(b"idempotency-key", b"k1"), (b"Idempotency-Key", b"k2")]}, b"idempotency-key")
-    ['k1', 'k2']
-    """
-    return [bytes(v).decode("latin-1") for k, v in scope.get("headers", ()) if bytes(k).lower() == name]
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:
@@ -120,73 +77,6 @@ async def read_body(receive: Receive, limit: int) -> bytes:
         parts.append(chunk)
         if not message.get("more_body", False):
             return b"".join(parts)
-
-
-def parse(scope: Scope, fingerprint_headers: Iterable[str], *, exact_length: bool = False) -> Request:
-    """What the sequence needs of an ASGI request (the server delimits every
-    body; `exact_length` refuses one shorter than its Content-Length too).
-
-    >>> parse({"method": "post", "path": "/orders", "headers": [(b"idempotency-key", b"k1")]}, ()).key_fields
-    ['k1']
-    """
-    # One pass over the headers (the key fields, Content-Length, the fingerprint's).
-    wanted = {n.lower() for n in fingerprint_headers}
-    keys: list[str] = []
-    length: str | None = None
-    fingerprinted: list[tuple[str, str]] = []
-    for name, value in scope.get("headers", ()):
-        lname = bytes(name).decode("latin-1").lower()
-        if lname == "idempotency-key":
-            keys.append(bytes(value).decode("latin-1"))
-        elif lname == "content-length" and length is None:
-            length = bytes(value).decode("latin-1")
-        if lname in wanted:
-            fingerprinted.append((lname, bytes(value).decode("latin-1")))
-    return Request(
-        str(scope.get("method", "GET")).upper(), request_target(scope), keys, fingerprinted, length, False, exact_length
-    )
-
-
-class MessageCapture:
-    """The app's ASGI messages, fed into the gate's bounded capture."""
-
-    def __init__(self, capture: Capture) -> None:
-        self.capture = capture
-
-    async def send(self, message: Message) -> None:
-        kind = message.get("type")
-        capture = self.capture
-        if kind == "http.response.start":
-            headers = [(bytes(k).decode("latin-1"), bytes(v).decode("latin-1")) for k, v in message.get("headers", ())]
-            capture.start(int(message["status"]), headers)
-        elif kind == "http.response.body":
-            if capture.complete:
-                raise CaptureError("the app sent a body after its last one")
-            capture.add(bytes(message.get("body", b"") or b""))
-            capture.complete = not message.get("more_body", False)
-        elif kind == "http.response.trailers":
-            capture.trailers()
-        else:
-            raise CaptureError(f"the app sent {kind!r}, which an idempotent response cannot carry")
-
-    def check_complete(self) -> None:
-        if self.capture.status is None or not self.capture.complete:
-            raise CaptureError("the app returned before it finished its response")
-
-
-def capturable_scope(scope: Scope) -> Scope:
-    """A copy of `scope` without the extensions that would let the app send
-    a response the capture cannot see (a file by path, zero-copy, trailers).
-
-    >>> capturable_scope({"type": "http", "extensions": {"http.response.pathsend": {}}})["extensions"]
-    {}
-    """
-    inner = dict(scope)
-    extensions = dict(inner.get("extensions") or {})
-    for name in _UNCAPTURABLE_EXTENSIONS:
-        extensions.pop(name, None)
-    inner["extensions"] = extensions
-    return inner
 
 
 class IdempotencyMiddleware(gates.GatedMiddleware[ASGIApp, Scope]):
@@ -290,69 +180,16 @@ class IdempotencyMiddleware(gates.GatedMiddleware[ASGIApp, Scope]):
         self._background.discard(future)
 
 
-def hand_off(executor: Executor | None, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
-    """`fn(*args, **kwargs)` in a thread of `executor` (None: the running
-    loop's default executor), awaitable on the loop; it runs in a copy of the
-    caller's context, as with asyncio.to_thread (the ledger's event listeners
-    there see the request's current span), and runs to its end even if its
-    awaiter is cancelled.
+class _Door(gates.MiddlewareDoor[Scope]):
+    """One request's ASGI side: the scope (`request`) and channels in, the answer out."""
 
-    >>> import asyncio
-    >>> async def main():
-    ...     return await hand_off(None, sum, [1, 2, 3])
-    >>> asyncio.run(main())
-    6
-    """
-    loop, run = asyncio.get_running_loop(), contextvars.copy_context().run
-    if executor is None:
-        executor = getattr(loop, "_default_executor", None)
-        if executor is None:  # the loop makes its default executor on first use
-            return loop.run_in_executor(None, functools.partial(run, fn, *args, **kwargs))
-    # The worker hands the result straight back to the loop: no concurrent
-    # future chained to an asyncio one (run_in_executor's wrap_future), a
-    # third of a hand-off's cost.
-    future: asyncio.Future[T] = loop.create_future()
-    executor.submit(_hand_back, loop, future, run, fn, args, kwargs)
-    return future
+    __slots__ = ("receive", "send_message")
 
-
-def _hand_back(
-    loop: asyncio.AbstractEventLoop,
-    future: asyncio.Future[Any],
-    run: Callable[..., Any],
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> None:
-    """In the worker thread: `fn`, its result or exception then set on
-    `future` by the loop."""
-    try:
-        result = run(fn, *args, **kwargs)
-    except BaseException as exc:  # the awaiter raises it, as run_in_executor's would
-        loop.call_soon_threadsafe(_settle, future, None, exc)
-    else:
-        loop.call_soon_threadsafe(_settle, future, result, None)
-
-
-def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.cancelled():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-class _Door:
-    """One request's ASGI side: the scope and channels in, the answer out."""
-
-    __slots__ = ("middleware", "receive", "scope", "send_message")
+    middleware: IdempotencyMiddleware
 
     def __init__(self, middleware: IdempotencyMiddleware, scope: Scope, receive: Receive, send: Send) -> None:
-        self.middleware = middleware
-        self.scope = scope
-        self.receive = receive
-        self.send_message = send
+        self.middleware, self.request = middleware, scope
+        self.receive, self.send_message = receive, send
 
     @property
     def in_thread(self) -> Callable[..., Awaitable[Any]]:
@@ -362,17 +199,8 @@ class _Door:
     def keep(self) -> Callable[[asyncio.Future[Any]], None]:
         return self.middleware._keep
 
-    def exempt(self) -> bool:
-        return self.middleware.exempts(self.scope)
-
-    def key_optional(self) -> bool:
-        return self.middleware.lets_keyless(self.scope)
-
-    def release(self) -> bool:
-        return self.middleware.release(self.scope)
-
     async def principal(self) -> object:
-        resolved = self.middleware.principal(self.scope)
+        resolved = self.middleware.principal(self.request)
         if inspect.isawaitable(resolved):
             resolved = await resolved
         return resolved
@@ -381,7 +209,7 @@ class _Door:
         return await read_body(self.receive, limit)
 
     async def run(self, need: Run) -> None:
-        inner = capturable_scope(self.scope)
+        inner = capturable_scope(self.request)
         inner[PRINCIPAL_SCOPE_KEY] = need.principal
         receive = self.receive
         delivered = False
@@ -418,7 +246,7 @@ class _Door:
             self.middleware._keep(asyncio.ensure_future(after()))
 
     async def pass_through(self) -> None:
-        await self.middleware.app(self.scope, self.receive, self.send_message)
+        await self.middleware.app(self.request, self.receive, self.send_message)
 
 
 __all__ = [

@@ -24,6 +24,7 @@ up by name: a driver knows one verb, ``run``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Generator
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 from .outcomes import Outcome, Reservation, Status, StoredRow, quick_init
 from .policy import Policy
 from .storage import Store
-from .storage.store import Statement, StoreOp, Tables, new_token
+from .storage.store import Statement, StoreOp, Tables, Turn, new_token
 
 if TYPE_CHECKING:
     from .storage.aio import AsyncStore
@@ -210,22 +211,38 @@ def now_steps(store: Store, clock: Callable[[], int]) -> Steps[int]:
     return int(clock())
 
 
-@quick_init
-@dataclass(frozen=True)
-class _Step:
-    pause: float
-    done: bool
-    value: Any
+class End:
+    """The end of steps driven by :func:`through_async`, with their result
+    (StopIteration cannot cross a Future: the result travels in a value)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
 
-def _resume(steps: Steps[Any], value: Any, error: Exception | None) -> Op | _Step:
-    """The next operation, or the steps' end as a done _Step (StopIteration
-    cannot cross a Future: the result travels in a value)."""
+class _Raised:
+    """The steps' own exception, raised in a worker thread and carried back
+    to the loop as a value (a driver tells it from an operation's error)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+#: The operations a driver runs on the store (the rest the steps yield is a
+#: Pause, or a need their caller answers).
+STORE_OPS: frozenset[type] = frozenset({Statement, Turn, Tables})
+
+
+def _next(steps: Steps[Any], value: Any, error: Exception | None) -> Any:
+    """The steps' next operation, or their End; an operation's error is
+    raised inside them, where it happened."""
     try:
-        # An operation's error is raised inside the steps, where it happened.
         return steps.throw(error) if error is not None else steps.send(value)
     except StopIteration as done:
-        return _Step(0.0, True, done.value)
+        return End(done.value)
 
 
 async def _outcome_async(op: StoreOp, store: AsyncStore) -> tuple[Any, Exception | None]:
@@ -236,14 +253,28 @@ async def _outcome_async(op: StoreOp, store: AsyncStore) -> tuple[Any, Exception
 
 
 def run(steps: Steps[T]) -> T:
-    """Drive steps in this thread: call the store, sleep through the pauses."""
+    """Drive steps in this thread: call the store, sleep through the pauses.
+    This is every synchronous request's driver: each operation runs on the
+    store that built it, ``store.run(op)``."""
+    send = steps.send
     try:
-        pause = _until_pause(steps, steps.send(None))
+        op: Any = send(None)  # dispatched on its exact class, which mypy cannot follow
         while True:
-            time.sleep(pause.seconds)
-            pause = _until_pause(steps, steps.send(None))
+            if type(op) is Pause:
+                time.sleep(op.seconds)
+                op = send(None)
+                continue
+            try:
+                value = op.store.run(op)  # not a Pause: a StoreOp
+            except Exception as exc:
+                error = exc  # raised inside the steps, where it happened (outside this handler)
+            else:
+                op = send(value)
+                continue
+            op = steps.throw(error)
     except StopIteration as done:
-        return cast(T, done.value)
+        result: T = done.value
+        return result
 
 
 def blocking(steps: Callable[Concatenate[S, P], Steps[T]]) -> Callable[Concatenate[S, P], T]:
@@ -269,36 +300,125 @@ def blocking(steps: Callable[Concatenate[S, P], Steps[T]]) -> Callable[Concatena
     return call
 
 
-def _advance(steps: Steps[Any]) -> _Step:
-    """Every operation up to the next pause (or the end), in this thread:
-    one hand-off to a worker thread runs them all."""
+def _ran(op: Any) -> tuple[Any, Exception | None]:
     try:
-        return _Step(_until_pause(steps, steps.send(None)).seconds, False, None)
-    except StopIteration as done:  # it cannot cross a Future: the result travels in a value
-        return _Step(0.0, True, done.value)
+        return op.store.run(op), None
+    except Exception as exc:
+        return None, exc
 
 
-def _until_pause(steps: Steps[Any], op: Op) -> Pause:
-    """Run the operations the steps yield, from `op` on, up to the next
-    pause; the steps' end raises StopIteration. This is every request's
-    driver: each operation runs on the store that built it, ``store.run(op)``."""
-    while type(op) is not Pause:
-        try:
-            value = op.store.run(op)  # type: ignore[union-attr, arg-type]  # not a Pause: a StoreOp
-        except Exception as exc:
-            error = exc  # raised inside the steps, where it happened (outside this handler)
+def _through(steps: Steps[Any], op: Any) -> Any:
+    """In a worker thread: `op`, then each store operation the steps yield
+    after it, up to the first other thing they yield (a Pause, or a need of
+    their caller's), their End, or their own exception (a _Raised)."""
+    try:
+        while type(op) in STORE_OPS:
+            value, error = _ran(op)
+            # An operation's error is raised inside the steps, where it happened.
+            op = steps.send(value) if error is None else steps.throw(error)
+        return op
+    except StopIteration as done:
+        return End(done.value)
+    except BaseException as exc:  # the steps' own: raised again on the loop
+        return _Raised(exc)
+
+
+def _resumed(steps: Steps[Any]) -> Any:
+    """:func:`_through` from the steps' next operation (their first, or the
+    one after a pause)."""
+    try:
+        op = steps.send(None)
+    except StopIteration as done:
+        return End(done.value)
+    except BaseException as exc:
+        return _Raised(exc)
+    return _through(steps, op)
+
+
+async def through_async(
+    steps: Steps[Any],
+    op: Any,
+    in_thread: InThread,
+    store: AsyncStore | None = None,
+    orphaned: Callable[[Any], object] | None = None,
+) -> Any:
+    """Run `op` (None: the steps' next operation) and every store operation
+    and pause the steps yield after it, from an event loop, up to the first
+    other thing they yield (returned: a need of their caller's) or their
+    :class:`End`. The pauses are ``asyncio.sleep``, so any number of waiting
+    duplicates hold no thread.
+
+    With an asynchronous `store`, each operation is awaited on it, on this
+    loop, with no hand-off to a thread. Without one, the operations between
+    two pauses run in a worker thread through `in_thread(fn, *args)`, in one
+    hand-off.
+
+    With `orphaned`, if the caller is cancelled while an operation runs, the
+    operation still lands and the steps go on up to what they yield next,
+    which `orphaned(landed)` is given (to release a claim nobody will use);
+    it may return steps (the release), driven the same way. Steps not at
+    their end are then closed. Without it, what lands for a cancelled
+    caller is left as it is (a completion, a release, a sweep)."""
+    if store is not None:
+        return await _through_on(steps, _next(steps, None, None) if op is None else op, store, orphaned, in_thread)
+    while True:
+        if op is None or type(op) is Pause:
+            if op is not None:
+                await asyncio.sleep(op.seconds)  # cancelled here: nothing was claimed, nothing is held
+            handed = in_thread(_resumed, steps)
         else:
-            op = steps.send(value)
-            continue
-        op = steps.throw(error)
-    return op
+            handed = in_thread(_through, steps, op)
+        if orphaned is None:
+            # Nothing to do with what lands for a cancelled caller: the
+            # hand-off runs to its end in its thread all the same.
+            op = await handed
+        else:
+            handed = asyncio.ensure_future(handed)
+            try:
+                op = await asyncio.shield(handed)
+            except asyncio.CancelledError:
+                _keep(asyncio.ensure_future(_land_then_settle(steps, handed, in_thread, orphaned)))
+                raise
+        if type(op) is _Raised:
+            raise op.error
+        if type(op) is not Pause:
+            return op
 
 
-def _settled(outcome: object) -> object:
-    """What `orphaned` returned, with any steps it returned run here."""
-    if isinstance(outcome, Generator):
-        return run(outcome)
-    return outcome
+async def _through_on(
+    steps: Steps[Any], op: Any, store: AsyncStore, orphaned: Callable[[Any], object] | None, in_thread: InThread
+) -> Any:
+    while True:
+        kind = type(op)
+        if kind is Pause:
+            await asyncio.sleep(op.seconds)  # cancelled here: nothing is held
+            value, error = None, None
+        elif kind not in STORE_OPS:
+            return op
+        elif kind is Tables or (kind is Statement and not op.write):
+            # A read cut off by a cancellation leaves nothing behind: no
+            # shield (and no task of its own) needed.
+            value, error = await _outcome_async(op, store)
+        else:
+            # Shielded: a cancelled caller does not cut a write off half-way
+            # (a claim's outcome would be unknown, and could not be released).
+            landing = asyncio.ensure_future(store.run(op))
+            try:
+                value, error = await asyncio.shield(landing), None
+            except asyncio.CancelledError:
+                if orphaned is not None:
+                    _keep(asyncio.ensure_future(_finish_orphan(steps, landing, store, orphaned, in_thread)))
+                else:
+                    _keep(landing)
+                raise
+            except Exception as exc:
+                value, error = None, exc
+        op = _next(steps, value, error)
+
+
+def _on_end(orphaned: Callable[[Any], object], landed: Any) -> object:
+    # run_async's `orphaned` is given the steps' result, once they ended.
+    return orphaned(landed.value) if type(landed) is End else None
 
 
 async def run_async(
@@ -308,91 +428,62 @@ async def run_async(
     orphaned: Callable[[T], object] | None = None,
     store: AsyncStore | None = None,
 ) -> T:
-    """Drive steps from an event loop; the pauses between polls are
-    ``asyncio.sleep``, so any number of waiting duplicates hold no thread.
-
-    With an asynchronous `store`, each operation is awaited on it, on this
-    loop, with no hand-off to a thread. Without one, the operations between
-    two pauses run in a worker thread through `in_thread(fn, *args)`, in one
-    hand-off.
-
-    If the caller is cancelled while an operation runs, the operation still
-    lands; `orphaned(result)` then gets the decision's result (to release a
-    claim nobody will use). It may return steps (the release), which are
-    driven the same way."""
-    if store is not None:
-        return await _run_on(steps, store, orphaned)
-    while True:
-        step = asyncio.ensure_future(in_thread(_advance, steps))
-        try:
-            advanced: _Step = await asyncio.shield(step)
-        except asyncio.CancelledError:
-            _keep(asyncio.ensure_future(_land_then_release(step, in_thread, orphaned)))
-            raise
-        if advanced.done:
-            return advanced.value  # type: ignore[no-any-return]
-        await asyncio.sleep(advanced.pause)  # cancelled here: nothing was claimed, nothing is held
+    """Drive steps from an event loop (see :func:`through_async`); with
+    `orphaned`, a caller cancelled while an operation runs hands it the
+    steps' result once they end (to release a claim nobody will use). It
+    may return steps (the release), which are driven the same way."""
+    settle = None if orphaned is None else functools.partial(_on_end, orphaned)
+    landed = await through_async(steps, None, in_thread, store, settle)
+    if type(landed) is not End:
+        steps.close()
+        raise TypeError(f"steps yielded {landed!r}, which is neither a store operation nor a pause")
+    return cast(T, landed.value)
 
 
-async def drive(steps: Steps[T], in_thread: InThread, store: AsyncStore | None) -> T:
-    """Steps with no pause in them (a completion, a release, a sweep): on the
-    asynchronous store when there is one, else in one worker-thread hand-off."""
-    if store is None:
-        return await in_thread(run, steps)  # type: ignore[no-any-return]
-    return await _run_on(steps, store, None)
-
-
-async def _run_on(steps: Steps[T], store: AsyncStore, orphaned: Callable[[T], object] | None) -> T:
-    value: Any = None
-    error: Exception | None = None
-    while not isinstance(op := _resume(steps, value, error), _Step):
-        value, error = None, None
-        if isinstance(op, Pause):
-            await asyncio.sleep(op.seconds)  # cancelled here: nothing is held
-            continue
-        if type(op) is Tables or (type(op) is Statement and not op.write):
-            # A read cut off by a cancellation leaves nothing behind: no
-            # shield (and no task of its own) needed.
-            value, error = await _outcome_async(op, store)
-            continue
-        # Shielded: a cancelled caller does not cut a write off half-way
-        # (a claim's outcome would be unknown, and could not be released).
-        landing = asyncio.ensure_future(store.run(op))
-        try:
-            value = await asyncio.shield(landing)
-        except asyncio.CancelledError:
-            if orphaned is not None:
-                _keep(asyncio.ensure_future(_finish_orphan(steps, landing, store, orphaned)))
-            else:
-                _keep(landing)
-            raise
-        except Exception as exc:
-            error = exc
-    return cast(T, op.value)
+async def _settle_orphan(
+    steps: Steps[Any],
+    landed: Any,
+    orphaned: Callable[[Any], object] | None,
+    in_thread: InThread,
+    store: AsyncStore | None,
+) -> None:
+    """What a cancelled caller's steps got to once their operation landed,
+    handed to `orphaned`, whose steps (a release) run here; steps not at
+    their end are closed: nothing is held across what they yield next."""
+    try:
+        outcome = orphaned(landed) if orphaned is not None else None
+        if type(landed) is not End:
+            steps.close()
+        if isinstance(outcome, Generator):
+            await run_async(outcome, in_thread, store=store)
+    except Exception:
+        log.exception("releasing the claim of a cancelled request failed")
 
 
 async def _finish_orphan(
-    steps: Steps[Any], landing: asyncio.Future[Any], store: AsyncStore, orphaned: Callable[[Any], object]
+    steps: Steps[Any],
+    landing: asyncio.Future[Any],
+    store: AsyncStore,
+    orphaned: Callable[[Any], object],
+    in_thread: InThread,
 ) -> None:
-    """A cancelled decision: once its operation lands, go on up to the next
-    pause (nothing is held across a pause) or the end, and hand a result to
-    `orphaned`, as the thread path does with a step that lands."""
+    """A cancelled caller on the asynchronous store: once its operation
+    lands, its steps go on up to what they yield next other than a store
+    operation (nothing is held across a pause), as the thread path does
+    with a hand-off that lands."""
     try:
         value: Any = await landing
         error: Exception | None = None
     except Exception as exc:
         value, error = None, exc
     try:
-        while not isinstance(op := _resume(steps, value, error), (Pause, _Step)):
-            value, error = await _outcome_async(op, store)
-        if isinstance(op, Pause):
-            steps.close()
-            return
-        outcome = orphaned(op.value)
-        if isinstance(outcome, Generator):
-            await _run_on(outcome, store, None)
+        op = _next(steps, value, error)
+        while type(op) in STORE_OPS:
+            op = _next(steps, *(await _outcome_async(op, store)))
     except Exception:
         log.exception("releasing the claim of a cancelled request failed")
+        return
+    await _settle_orphan(steps, op, orphaned, in_thread, store)
 
 
 def _keep(future: asyncio.Future[Any]) -> None:
@@ -401,22 +492,18 @@ def _keep(future: asyncio.Future[Any]) -> None:
     future.add_done_callback(_orphans.discard)
 
 
-async def _land_then_release(
-    step: asyncio.Future[_Step], in_thread: InThread, orphaned: Callable[[Any], object] | None
+async def _land_then_settle(
+    steps: Steps[Any], handed: asyncio.Future[Any], in_thread: InThread, orphaned: Callable[[Any], object] | None
 ) -> None:
-    """A cancelled hand-off: its operations still land in their thread; a
-    decision that finished there goes to `orphaned` (the release), as on the
+    """A cancelled hand-off: its operations still land in their thread;
+    what the steps got to there goes to `orphaned` (the release), as on the
     loop path."""
     try:
-        advanced = await step
+        landed = await handed
     except Exception:
         return  # it failed in its thread: nothing was claimed
-    if orphaned is None or not advanced.done:
-        return
-    try:
-        await in_thread(lambda value: _settled(orphaned(value)), advanced.value)
-    except Exception:
-        log.exception("releasing the claim of a cancelled request failed")
+    if type(landed) is not _Raised:
+        await _settle_orphan(steps, landed, orphaned, in_thread, None)
 
 
 # What cancelled requests left running (a landing operation, then its
@@ -441,17 +528,19 @@ async def settle_orphans(timeout_s: float = 5.0) -> int:
 
 
 __all__ = [
+    "STORE_OPS",
     "Busy",
     "Claimed",
     "Completed",
     "Decision",
+    "End",
     "Pause",
     "Reused",
     "Steps",
     "Vanished",
     "decide",
-    "drive",
     "now_steps",
     "run",
     "run_async",
+    "through_async",
 ]

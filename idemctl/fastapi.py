@@ -39,13 +39,14 @@ from starlette.background import BackgroundTask, BackgroundTasks
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from . import asgi
-from .asgi import MessageCapture, capturable_scope
 from .exchange import gate as gates
+from .exchange import scope as scopes
 from .exchange.capture import Capture
 from .exchange.drive import LATER, Later, drive_async
 from .exchange.gate import Delivery
+from .exchange.scope import MessageCapture, capturable_scope
 from .exchange.sequence import EveryRequestProtected, Run, sequence
+from .exchange.threads import hand_off
 from .exchange.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
 from .ledger import Ledger
 
@@ -55,11 +56,13 @@ _PENDING = "idemctl_pending"
 _REQUEST_PARAM = "idemctl_request_"
 _PRINCIPAL_PARAM = "idemctl_caller"
 _ORIGINAL = "__idemctl_endpoint__"
+Endpoint = Callable[..., Any]
+Kwargs = dict[str, Any]
 
 
 # SQLite's statements go to the loop's default executor, handed back to the
 # loop by the worker (anyio's thread pool costs three times as much a hand-off).
-_in_thread = functools.partial(asgi.hand_off, None)
+_in_thread = functools.partial(hand_off, None)
 
 
 class _Immediate(Exception):
@@ -77,20 +80,10 @@ class _Door(EveryRequestProtected):
     __slots__ = ("background", "endpoint", "kwargs", "release_on_error", "replayed_header", "request", "sent", "who")
 
     def __init__(
-        self,
-        endpoint: Callable[..., Any],
-        kwargs: dict[str, Any],
-        request: Request,
-        who: object,
-        release: bool,
-        replayed_header: bool,
+        self, endpoint: Endpoint, kwargs: Kwargs, request: Request, who: object, release: bool, replayed_header: bool
     ) -> None:
-        self.endpoint = endpoint
-        self.kwargs = kwargs
-        self.request = request
-        self.who = who
-        self.release_on_error = release
-        self.replayed_header = replayed_header
+        self.endpoint, self.kwargs, self.request = endpoint, kwargs, request
+        self.who, self.release_on_error, self.replayed_header = who, release, replayed_header
         self.background: BackgroundTask | None = None
         self.sent = False
 
@@ -146,7 +139,7 @@ def idempotent_route(
 
     async def wrap_endpoint(endpoint: Callable[..., Any], request: Request, who: object, kwargs: Any) -> Any:
         door = _Door(endpoint, kwargs, request, who, release_on_error, gate.replayed_header)
-        out = await drive_async(gate, sequence(gate, asgi.parse(request.scope, names, exact_length=True), door), door)
+        out = await drive_async(gate, sequence(gate, scopes.parse(request.scope, names, exact_length=True), door), door)
         if isinstance(out, Later):
             setattr(request.state, _PENDING, (out, door))
             return await _call(endpoint, kwargs)
@@ -180,12 +173,12 @@ def idempotent_route(
                         await _end_function_scope(request.scope, exc)
                         response = await _rendered(request, exc)
                     except BaseException as failure:
-                        await drive_async(gate, pending[0].steps, pending[1], failure)
+                        await drive_async(gate, pending[0].steps, pending[1], failure, resumed=True)
                         raise
                 except BaseException as exc:
                     pending = getattr(request.state, _PENDING, None)
                     if pending is not None:
-                        await drive_async(gate, pending[0].steps, pending[1], exc)
+                        await drive_async(gate, pending[0].steps, pending[1], exc, resumed=True)
                     raise
                 pending = getattr(request.state, _PENDING, None)
                 if pending is None:
@@ -203,7 +196,7 @@ def idempotent_route(
                     await _capture(response, request.scope, later.run.capture)
                 except BaseException as exc:
                     failed = exc
-                sent: Response = await drive_async(gate, later.steps, door, failed)
+                sent: Response = await drive_async(gate, later.steps, door, failed, resumed=True)
                 return sent
 
             return handler

@@ -36,20 +36,21 @@ from flask import Request, Response, current_app, request
 from werkzeug.datastructures import Headers
 from werkzeug.exceptions import ClientDisconnected
 
-from . import wsgi
 from .exchange import body as rules
 from .exchange import gate as gates
 from .exchange.capture import Capture
 from .exchange.drive import drive
+from .exchange.environ import PRINCIPAL_ENVIRON_KEY, environ_names, parse_environ
 from .exchange.gate import Delivery, Gate
 from .exchange.sequence import EveryRequestProtected, Run, sequence
-from .exchange.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, wire_headers
+from .exchange.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, status_line, wire_headers
 from .ledger import Ledger
-from .wsgi import PRINCIPAL_ENVIRON_KEY, status_line
 
 log = logging.getLogger("idemctl.flask")
 
 F = TypeVar("F", bound=Callable[..., Any])
+View = Callable[..., Any]
+Principal = Callable[[], "str | None"]
 
 
 def _read_body(req: Request) -> bytes:
@@ -102,7 +103,7 @@ def idempotent(
     gate = gates.adapter_gate(ledger, principal, "()", log, max_body_bytes, replayed_header, unavailable_retry_after_ms)
 
     # The fingerprint headers' environ names, mapped once.
-    pairs = wsgi._environ_names(tuple(ledger.policy.fingerprint_headers))
+    pairs = environ_names(tuple(ledger.policy.fingerprint_headers))
 
     def decorate(view: F) -> F:
         @functools.wraps(view)
@@ -110,7 +111,7 @@ def idempotent(
             # The request proxy resolved once: each use of it is three Python calls.
             req = request._get_current_object()  # type: ignore[attr-defined]
             door = _Door(gate, view, args, kwargs, principal, release_on_error, req)
-            return drive(gate, sequence(gate, wsgi._parse(req.environ, pairs), door), door)
+            return drive(gate, sequence(gate, parse_environ(req.environ, pairs), door), door)
 
         return cast(F, protected)
 
@@ -123,22 +124,11 @@ class _Door(EveryRequestProtected):
     __slots__ = ("args", "gate", "kwargs", "principal_source", "release_on_error", "request", "view")
 
     def __init__(
-        self,
-        gate: Gate,
-        view: Callable[..., Any],
-        args: Any,
-        kwargs: Any,
-        principal: Callable[[], str | None],
-        release: bool,
-        req: Request,
-    ) -> None:
-        self.request = req
-        self.gate = gate
-        self.view = view
-        self.args = args
-        self.kwargs = kwargs
-        self.principal_source = principal
-        self.release_on_error = release
+        self, gate: Gate, view: View, args: Any, kwargs: Any, principal: Principal, release: bool, req: Request
+    ):
+        self.request, self.gate, self.view = req, gate, view
+        self.args, self.kwargs = args, kwargs
+        self.principal_source, self.release_on_error = principal, release
 
     def principal(self) -> object:
         return self.principal_source()

@@ -220,7 +220,7 @@ class IdempotentCall:
         True
         """
         steps = self._discard_steps()
-        await decision.drive(steps, asyncio.to_thread, self.ledger.async_store())
+        await decision.run_async(steps, asyncio.to_thread, store=self.ledger.async_store())
 
     def _discard_steps(self) -> decision.Steps[None]:
         # Checked now, not at the steps' first step: the caller's mistake is raised where it is made.
@@ -278,7 +278,7 @@ class IdempotentCall:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await decision.drive(self._close_steps(exc), asyncio.to_thread, self.ledger.async_store())
+        await decision.run_async(self._close_steps(exc), asyncio.to_thread, store=self.ledger.async_store())
 
     # -- the steps --------------------------------------------------------------------
     def _enter(self) -> None:

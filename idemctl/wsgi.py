@@ -15,23 +15,34 @@ the iterable handed to the server, after the answer has gone out.
 
 from __future__ import annotations
 
-import functools
 import io
 import logging
 import re
 from collections.abc import Callable, Iterable
-from http import HTTPStatus
 from types import TracebackType
-from urllib.parse import quote
 from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from .exchange import body as rules
 from .exchange import gate as gates
 from .exchange.capture import Capture
 from .exchange.drive import drive
+from .exchange.environ import (
+    PRINCIPAL_ENVIRON_KEY,
+    environ_headers,
+    environ_names,
+    parse,
+    parse_environ,
+    request_target,
+)
 from .exchange.gate import Delivery
-from .exchange.sequence import Request, Run, sequence
-from .exchange.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS, REPLAYED_HEADER, wire_headers
+from .exchange.sequence import Run, sequence
+from .exchange.wire import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_UNAVAILABLE_RETRY_AFTER_MS,
+    REPLAYED_HEADER,
+    status_line,
+    wire_headers,
+)
 from .ledger import Ledger
 
 log = logging.getLogger("idemctl.wsgi")
@@ -39,83 +50,8 @@ log = logging.getLogger("idemctl.wsgi")
 EnvironPredicate = Callable[[WSGIEnvironment], bool]
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType] | tuple[None, None, None] | None
 
-PRINCIPAL_ENVIRON_KEY = "idemctl.principal"
-
 _READ_CHUNK = 64 * 1024
 _STATUS_LINE = re.compile(r"([0-9]{3}) ")
-# RFC 3986 pchar minus the unreserved set (which quote() never escapes): a
-# rebuilt path keeps the characters a client may send unescaped in a path.
-_PATH_SAFE = "/:@!$&'()*+,;="
-# RFC 9110 §15 status classes: the reason phrase of a code HTTPStatus does not know.
-_CLASS_PHRASES = {1: "Informational", 2: "Success", 3: "Redirection", 4: "Client Error", 5: "Server Error"}
-
-
-def request_target(environ: WSGIEnvironment) -> str:
-    """The request target the fingerprint covers: path and query as received.
-
-    `RAW_URI` (gunicorn) or `REQUEST_URI` (uWSGI, mod_wsgi) verbatim when the
-    server provides one; otherwise rebuilt as PEP 3333 describes from
-    `SCRIPT_NAME` + `PATH_INFO` (percent-encoded again, since servers decode
-    them) and `QUERY_STRING` (never decoded), with no `?` when the query is
-    empty. An absolute-form target (`http://host/path`) is reduced to its path.
-
-    >>> request_target({"SCRIPT_NAME": "/api", "PATH_INFO": "/orders", "QUERY_STRING": "b=2&a=1"})
-    '/api/orders?b=2&a=1'
-    """
-    raw = environ.get("RAW_URI") or environ.get("REQUEST_URI")
-    if raw:
-        return _origin_form(str(raw))
-    # PEP 3333 strings carry the raw bytes as latin-1: recover them before quoting.
-    path = (environ.get("SCRIPT_NAME", "") or "") + (environ.get("PATH_INFO", "") or "")
-    target = _quoted_path(path)
-    query = environ.get("QUERY_STRING", "") or ""
-    return f"{target}?{query}" if query else target
-
-
-@functools.lru_cache(maxsize=1024)  # an app has few paths: each quoted once, not on every request
-def _quoted_path(path: str) -> str:
-    return quote(path.encode("latin-1", "replace"), safe=_PATH_SAFE) or "/"
-
-
-def _origin_form(target: str) -> str:
-    if target.startswith("/") or "://" not in target:
-        return target
-    rest = target.split("://", 1)[1]
-    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
-    tail = rest[cut:]
-    return tail if tail.startswith("/") else "/" + tail
-
-
-def environ_headers(environ: WSGIEnvironment, names: Iterable[str]) -> list[tuple[str, str]]:
-    """The named request headers (lower-case names) as the environ carries them.
-
-    >>> environ = {"CONTENT_TYPE": "application/json", "HTTP_X_API_VERSION": "2"}
-    >>> environ_headers(environ, ["content-type", "x-api-version"])
-    [('content-type', 'application/json'), ('x-api-version', '2')]
-    """
-    return _picked(environ, _environ_names(tuple(names)))
-
-
-def _picked(environ: WSGIEnvironment, pairs: tuple[tuple[str, str], ...]) -> list[tuple[str, str]]:
-    out = []
-    for lname, var in pairs:
-        value = environ.get(var)
-        if value is not None:
-            out.append((lname, str(value)))
-    return out
-
-
-@functools.lru_cache(maxsize=32)  # one policy's names, mapped once rather than each request
-def _environ_names(names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
-    out = []
-    for name in names:
-        lname = name.lower()
-        if lname in ("content-type", "content-length"):
-            var = lname.upper().replace("-", "_")
-        else:
-            var = "HTTP_" + lname.upper().replace("-", "_")
-        out.append((lname, var))
-    return tuple(out)
 
 
 def read_body(environ: WSGIEnvironment, limit: int, declared: int | None) -> bytes:
@@ -135,35 +71,6 @@ def read_body(environ: WSGIEnvironment, limit: int, declared: int | None) -> byt
     if environ.get("wsgi.input_terminated"):
         return _read_to_end(stream, limit)
     return b""
-
-
-def parse(environ: WSGIEnvironment, fingerprint_headers: Iterable[str]) -> Request:
-    """What the sequence needs of a WSGI request.
-
-    >>> parse({"REQUEST_METHOD": "post", "PATH_INFO": "/orders", "HTTP_IDEMPOTENCY_KEY": "k1"}, ()).key_fields
-    ('k1',)
-    """
-    return _parse(environ, _environ_names(tuple(fingerprint_headers)))
-
-
-def _parse(environ: WSGIEnvironment, pairs: tuple[tuple[str, str], ...]) -> Request:
-    # A WSGI server joins repeated header fields into one value (k1,k2)
-    # before the app sees them: only one field can be seen here.
-    key = environ.get("HTTP_IDEMPOTENCY_KEY")
-    headers = []
-    for lname, var in pairs:  # _picked, inlined: one call less a request
-        value = environ.get(var)
-        if value is not None:
-            headers.append((lname, str(value)))
-    return Request(
-        str(environ.get("REQUEST_METHOD", "GET")).upper(),
-        request_target(environ),
-        () if key is None else (key,),
-        headers,
-        environ.get("CONTENT_LENGTH"),
-        # A body is coming that the server cannot delimit for us.
-        bool(environ.get("HTTP_TRANSFER_ENCODING")) and not environ.get("wsgi.input_terminated"),
-    )
 
 
 def _read_exactly(stream: io.RawIOBase, length: int, declared: int) -> bytes:
@@ -201,21 +108,6 @@ def _read_to_end(stream: io.RawIOBase, limit: int) -> bytes:
         total += len(chunk)
         rules.check_read(total, limit)
         parts.append(chunk)
-
-
-@functools.lru_cache(maxsize=128)  # a few codes, each line built once: HTTPStatus(code) is a Python call
-def status_line(status: int) -> str:
-    """The WSGI status string for a stored status code. Replays only know the
-    code, so the first answer uses the same standard phrase to stay identical.
-
-    >>> status_line(201), status_line(299)
-    ('201 Created', '299 Success')
-    """
-    try:
-        phrase = HTTPStatus(status).phrase
-    except ValueError:
-        phrase = _CLASS_PHRASES.get(status // 100, "Unknown")
-    return f"{status} {phrase}"
 
 
 class _Captured:
@@ -358,39 +250,30 @@ class IdempotencyMiddleware(gates.GatedMiddleware[WSGIApplication, WSGIEnvironme
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         gate = self.gate
         # The fingerprint headers' environ names, mapped once for this ledger's policy.
-        request = _parse(environ, _environ_names(self.ledger.policy.fingerprint_headers))
+        request = parse_environ(environ, environ_names(self.ledger.policy.fingerprint_headers))
         door = _Door(self, environ, start_response)
         result: Iterable[bytes] = drive(gate, sequence(gate, request, door), door)
         return result
 
 
-class _Door:
-    """One request's WSGI side: the environ in, the answer out."""
+class _Door(gates.MiddlewareDoor[WSGIEnvironment]):
+    """One request's WSGI side: the environ (`request`) in, the answer out."""
 
-    __slots__ = ("environ", "middleware", "start_response")
+    __slots__ = ("start_response",)
+
+    middleware: IdempotencyMiddleware
 
     def __init__(self, middleware: IdempotencyMiddleware, environ: WSGIEnvironment, start_response: StartResponse):
-        self.middleware = middleware
-        self.environ = environ
-        self.start_response = start_response
-
-    def exempt(self) -> bool:
-        return self.middleware.exempts(self.environ)
-
-    def key_optional(self) -> bool:
-        return self.middleware.lets_keyless(self.environ)
-
-    def release(self) -> bool:
-        return self.middleware.release(self.environ)
+        self.middleware, self.request, self.start_response = middleware, environ, start_response
 
     def principal(self) -> object:
-        return self.middleware.principal(self.environ)
+        return self.middleware.principal(self.request)
 
     def read_body(self, limit: int, declared: int | None) -> bytes:
-        return read_body(self.environ, limit, declared)
+        return read_body(self.request, limit, declared)
 
     def run(self, need: Run) -> None:
-        inner = dict(self.environ)  # the app's own copy, changed by _run_app too
+        inner = dict(self.request)  # the app's own copy, changed by _run_app too
         inner[PRINCIPAL_ENVIRON_KEY] = need.principal
         _run_app(self.middleware.app, inner, need.body, need.capture)
 
@@ -404,7 +287,7 @@ class _Door:
         return out
 
     def pass_through(self) -> Iterable[bytes]:
-        return self.middleware.app(self.environ, self.start_response)
+        return self.middleware.app(self.request, self.start_response)
 
 
 __all__ = [

@@ -33,7 +33,7 @@ from django.utils.module_loading import import_string
 
 from ..config import Settings
 from ..exchange import gate as gates
-from ..exchange.gate import Gate
+from ..exchange.gate import Gate, LazyGate
 from ..exchange.wire import DEFAULT_MAX_BODY_BYTES, DEFAULT_UNAVAILABLE_RETRY_AFTER_MS
 from ..ledger import Ledger
 from ..outcomes import InitResult
@@ -142,15 +142,17 @@ class Config:
     @functools.cached_property
     def gate(self) -> Gate:
         """The gate every protected request of this configuration goes through."""
+        options: dict[str, Any] = {
+            "max_body_bytes": self.max_body_bytes,
+            "replayed_header": self.replayed_header,
+            "unavailable_retry_after_ms": self.unavailable_retry_after_ms,
+            "logger": log,
+        }
         # A Ledger given in the settings is held as it is: the gate then reads
         # an attribute each time, not this configuration's `ledger()` method.
-        return Gate(
-            self.ledger_instance if self.ledger_instance is not None else self.ledger,
-            max_body_bytes=self.max_body_bytes,
-            replayed_header=self.replayed_header,
-            unavailable_retry_after_ms=self.unavailable_retry_after_ms,
-            logger=log,
-        )
+        if self.ledger_instance is not None:
+            return Gate(self.ledger_instance, **options)
+        return LazyGate(self.ledger, **options)
 
 
 def _policy(env: Settings, raw: Mapping[str, Any]) -> Policy:

@@ -20,14 +20,16 @@ from django import conf as django_conf
 from django.core.exceptions import ImproperlyConfigured, RequestDataTooBig
 from django.http import HttpResponse, RawPostDataException, UnreadablePostError
 
-from .. import asgi, responses, wsgi
+from .. import responses
 from ..exchange import body as rules
+from ..exchange import environ as environs
+from ..exchange import scope as scopes
 from ..exchange.body import BodyRefused
 from ..exchange.capture import Capture
 from ..exchange.drive import LATER, Later, drive
 from ..exchange.gate import Delivery, Gate
 from ..exchange.sequence import Request, Run, sequence
-from ..exchange.wire import wire_headers
+from ..exchange.wire import status_line, wire_headers
 from ..ledger import Ledger
 from ..outcomes import Answer
 from .conf import Config, log
@@ -42,12 +44,12 @@ def request_target(request: Any, under_asgi: bool | None = None) -> str:
     """What the fingerprint covers: the target the WSGI middleware (or, under
     ASGI, the ASGI middleware) would see for this request."""
     if not (_is_asgi(request) if under_asgi is None else under_asgi):
-        return wsgi.request_target(request.META)
+        return environs.request_target(request.META)
     scope = dict(request.scope)
     query = scope.get("query_string")
     if isinstance(query, str):  # Django's AsyncClient puts a str where servers put bytes
         scope["query_string"] = query.encode("latin-1")
-    return asgi.request_target(scope)
+    return scopes.request_target(scope)
 
 
 def parse(request: Any, fingerprint_headers: Any) -> Request:
@@ -60,7 +62,7 @@ def parse(request: Any, fingerprint_headers: Any) -> Request:
         str(request.method).upper(),
         request_target(request, under_asgi),
         () if key is None else (key,),
-        wsgi.environ_headers(meta, fingerprint_headers),
+        environs.environ_headers(meta, fingerprint_headers),
         meta.get("CONTENT_LENGTH"),
         # Django reads a WSGI body by its Content-Length alone: a chunked one
         # would reach the view (and the fingerprint) empty.
@@ -163,7 +165,7 @@ class AnswerResponse(HttpResponse):  # type: ignore[misc]  # Django ships no typ
         super().__init__(
             answer.body,
             status=status,
-            reason=wsgi.status_line(status)[4:],
+            reason=status_line(status)[4:],
             headers=dict(fields.values()),
         )
         self.after = after
@@ -225,7 +227,7 @@ class Door:
         return _body(self.request)
 
     def run(self, need: Run) -> object:
-        self.request.META[wsgi.PRINCIPAL_ENVIRON_KEY] = need.principal  # as the WSGI middleware puts it
+        self.request.META[environs.PRINCIPAL_ENVIRON_KEY] = need.principal  # as the WSGI middleware puts it
         return LATER  # Django runs the view once the door has returned
 
     def send(self, delivery: Delivery, after: Callable[[], None] | None) -> AnswerResponse:

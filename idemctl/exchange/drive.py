@@ -1,10 +1,12 @@
 """The two drivers of :func:`~idemctl.exchange.sequence.sequence`: one for a
 thread (WSGI, Flask, Django), one for an event loop (ASGI, FastAPI).
 
-A driver fulfils the ledger's needs through the gate (`Begin`, `Finish`,
-`Abandon`: in this thread, or awaited on the ledger's asynchronous store
-with the SQLite work handed to a worker thread) and hands every other need
-to the door. What a door's `send` or `pass_through` returns is what the
+A driver runs the store's work the sequence yields (the ledger's own
+steps: its statements and the pauses of an in-progress wait) itself: in
+this thread with ``store.run``, or from an event loop, awaited on the
+ledger's asynchronous store or, on SQLite, handed to a worker thread (see
+:func:`idemctl.decision.through_async`); it hands every other need to the
+door. What a door's `send` or `pass_through` returns is what the
 driver returns. A door whose framework runs the app itself, after the door
 has returned (Django's middleware, DRF's view, FastAPI's route), answers
 `Run` with :data:`LATER`: the driver returns a :class:`Later`, and the door
@@ -38,14 +40,23 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from .gate import Delivery, Gate, InThread
-from .sequence import Abandon, Begin, Door, Exchange, Finish, Need, ReadBody, ResolvePrincipal, Run, Send
+from .. import decision
+from ..decision import End, Pause
+from ..storage.store_base import Statement
+from .gate import Delivery, Gate
+from .sequence import Door, Exchange, PassThrough, ReadBody, ResolvePrincipal, Run, Send
 
 #: What a door's `run` returns when its framework runs the app after the door returned.
 LATER: Any = object()
+
+InThread = Callable[..., Awaitable[Any]]
+# What a driver runs itself: the store's operations and the pauses between polls.
+_STORE_WORK = decision.STORE_OPS | {Pause}
+_UNKNOWN: Any = object()  # the asynchronous store, until a request first needs it
 
 
 class Later:
@@ -94,81 +105,137 @@ def drive(gate: Gate, steps: Exchange, door: SyncDoor, error: BaseException | No
     send = steps.send
     while True:
         try:
-            need: Need = send(value) if error is None else steps.throw(error)
+            need = send(value) if error is None else steps.throw(error)
         except StopIteration:
             return result
         value = error = None
-        # Dispatch on the exact class (no subclasses), most frequent first: no isinstance calls.
-        kind = need.__class__
+        # Dispatch on the exact class (no subclasses), most frequent first:
+        # no isinstance calls. (So `need` is Any: mypy cannot follow it.)
+        kind = type(need)
         try:
-            if kind is ResolvePrincipal:
+            if kind is Statement:
+                value = need.store.run(need)  # an operation of the ledger's steps, on the store that built it
+            elif kind is ResolvePrincipal:
                 value = door.principal()
             elif kind is ReadBody:
-                value = door.read_body(need.limit, need.declared)  # type: ignore[union-attr]
-            elif kind is Begin:
-                value = gate.begin(need.principal, need.key, need.method, need.target, need.headers, need.body)  # type: ignore[union-attr]
+                value = door.read_body(need.limit, need.declared)
             elif kind is Send:
-                delivery = need.delivery  # type: ignore[union-attr]
+                delivery = need.delivery
                 result = door.send(delivery, gate.sweep_after(delivery))
             elif kind is Run:
-                if door.run(need) is LATER:  # type: ignore[arg-type]
-                    return Later(steps, need)  # type: ignore[arg-type]
-            elif kind is Finish:
-                value = gate.finish(need.ticket, need.capture)  # type: ignore[union-attr]
-            elif kind is Abandon:
-                gate.abandon(need.ticket, release=need.release)  # type: ignore[union-attr]
-            else:
+                if door.run(need) is LATER:
+                    return Later(steps, need)
+            elif kind is PassThrough:
                 result = door.pass_through()
+            elif kind is Pause:
+                time.sleep(need.seconds)  # an in-progress duplicate's wait
+            else:  # the store's other operations (a Turn, Tables)
+                value = need.store.run(need)
         except BaseException as exc:  # the sequence decides what a failure means
             error = exc
 
 
-async def drive_async(gate: Gate, steps: Exchange, door: AsyncDoor, error: BaseException | None = None) -> Any:
-    """`drive` on an event loop."""
+async def drive_async(
+    gate: Gate, steps: Exchange, door: AsyncDoor, error: BaseException | None = None, *, resumed: bool = False
+) -> Any:
+    """`drive` on an event loop: the store's work awaited on the ledger's
+    asynchronous store, or handed to a worker thread (SQLite). A request
+    cancelled while its claim is under way releases the claim once it lands;
+    `resumed` says the sequence is past its claim already (a `Later`)."""
     value: Any = None
     result: Any = None
-    pending: Need | None = None
+    store: Any = _UNKNOWN
+    claiming = not resumed
+    orphaned = None
+    pending: Any = None
     while True:
         if pending is None:
             try:
-                need: Need = steps.send(value) if error is None else steps.throw(error)
+                need = steps.send(value) if error is None else steps.throw(error)
             except StopIteration:
                 return result
         else:
             need, pending = pending, None
         value = error = None
-        if isinstance(need, Run) and door.keep is not None:
-            # Not thrown back: the shielded task owns the sequence until it asks to send.
-            pending = await _shielded(gate, steps, need, door, door.keep)
-            continue
+        kind = type(need)
+        if kind in _STORE_WORK:
+            if store is _UNKNOWN:
+                store = gate.ledger.async_store()
+                if claiming:
+                    orphaned = functools.partial(_release_orphan, gate)
+            # Up to the door's next need; raises what the sequence raised.
+            need = await decision.through_async(steps, need, door.in_thread, store, orphaned)
+            kind = type(need)
+            if kind is End:
+                return result
+        if kind is Run:
+            claiming, orphaned = False, None  # claimed: what follows is not released for a cancelled request
+            keep = door.keep
+            if keep is not None:
+                # Not thrown back: the shielded task owns the sequence until it asks to send.
+                pending = await _shielded(gate, steps, need, door, keep, store)
+                if pending is None:
+                    return result
+                continue
         try:
-            if isinstance(need, Begin):
-                value = await gate.begin_async(
-                    need.principal, need.key, need.method, need.target, need.headers, need.body, door.in_thread
-                )
-            elif isinstance(need, Finish):
-                value = await gate.finish_async(need.ticket, need.capture, door.in_thread)
-            elif isinstance(need, Send):
-                result = await door.send(need.delivery, gate.sweep_after_async(need.delivery, door.in_thread))
-            elif isinstance(need, ResolvePrincipal):
+            if kind is Send:
+                delivery = need.delivery
+                result = await door.send(delivery, _sweep_after(gate, delivery, door.in_thread, store))
+            elif kind is ResolvePrincipal:
                 value = await door.principal()
-            elif isinstance(need, ReadBody):
+            elif kind is ReadBody:
                 value = await door.read_body(need.limit, need.declared)
-            elif isinstance(need, Run):
+            elif kind is Run:
                 if await door.run(need) is LATER:
                     return Later(steps, need)
-            elif isinstance(need, Abandon):
-                await gate.abandon_async(need.ticket, release=need.release, in_thread=door.in_thread)
             else:
                 result = await door.pass_through()
         except BaseException as exc:  # the sequence decides what a failure means
             error = exc
 
 
+def _release_orphan(gate: Gate, landed: object) -> decision.Steps[None] | None:
+    """A request cancelled while its claim was under way: nobody will run
+    the app, so the claim goes at once instead of blocking its key (the
+    release's steps, run by the driver that ran the claim)."""
+    if type(landed) is Run:
+        return gate.ledger.abandon_steps(landed.ticket, release=True)
+    return None
+
+
+def _sweep_after(
+    gate: Gate, delivery: Delivery, in_thread: InThread, store: Any
+) -> Callable[[], Awaitable[None]] | None:
+    """The gate's post-response sweep, for an event loop: awaited on the
+    asynchronous store, or handed to a worker thread."""
+    sweep = gate.sweep_after(delivery)
+    if sweep is None:
+        return None
+    if store is _UNKNOWN:
+        store = gate.ledger.async_store()
+    if store is None:
+        # A coroutine function, whatever `in_thread` is (it may return a
+        # plain future): Starlette's background tasks await only those.
+        async def sweep_in_thread() -> None:
+            await in_thread(sweep)
+
+        return sweep_in_thread
+    steps = gate.ledger.after_response_steps(delivery.answer)
+    log = gate.log
+
+    async def sweep_on_loop() -> None:
+        try:
+            await decision.run_async(steps, in_thread, store=store)
+        except Exception:  # the answer is out; a failed sweep must not turn into a 500
+            log.exception("post-response housekeeping failed")
+
+    return sweep_on_loop
+
+
 async def _shielded(
-    gate: Gate, steps: Exchange, run: Run, door: AsyncDoor, keep: Callable[[asyncio.Future[Any]], None]
-) -> Need | None:
-    work = asyncio.ensure_future(_run_and_store(gate, steps, run, door))
+    gate: Gate, steps: Exchange, run: Run, door: AsyncDoor, keep: Callable[[asyncio.Future[Any]], None], store: Any
+) -> Any:
+    work = asyncio.ensure_future(_run_and_store(gate, steps, run, door, store))
     keep(work)
     try:
         return await asyncio.shield(work)
@@ -177,31 +244,24 @@ async def _shielded(
         raise
 
 
-async def _run_and_store(gate: Gate, steps: Exchange, run: Run, door: AsyncDoor) -> Need | None:
+async def _run_and_store(gate: Gate, steps: Exchange, run: Run, door: AsyncDoor, store: Any) -> Any:
     """The app, then the ledger's work the sequence asks for after it, up to
-    the answer to send (returned); the app's exception once its reservation
-    is abandoned."""
-    value: Any = None
+    the answer to send (returned; None if the sequence ended); the app's
+    exception once its reservation is abandoned."""
     error: BaseException | None = None
     try:
         await door.run(run)
     except BaseException as exc:
         error = exc
-    while True:
-        try:
-            need: Need = steps.send(value) if error is None else steps.throw(error)
-        except StopIteration:
-            return None
-        value = error = None
-        try:
-            if isinstance(need, Abandon):
-                await gate.abandon_async(need.ticket, release=need.release, in_thread=door.in_thread)
-            elif isinstance(need, Finish):
-                value = await gate.finish_async(need.ticket, need.capture, door.in_thread)
-            else:
-                return need
-        except BaseException as exc:
-            error = exc
+    try:
+        need = steps.send(None) if error is None else steps.throw(error)
+    except StopIteration:
+        return None
+    if type(need) in _STORE_WORK:
+        if store is _UNKNOWN:
+            store = gate.ledger.async_store()
+        need = await decision.through_async(steps, need, door.in_thread, store)
+    return None if type(need) is End else need
 
 
 def _log_orphan_failure(log: logging.Logger, future: asyncio.Future[Any]) -> None:

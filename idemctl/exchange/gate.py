@@ -7,35 +7,35 @@ gate is what each step decides, for one adapter instance:
 - the principal (a str, or None for the contract's 401);
 - the key field (several ``Idempotency-Key`` fields are a 400);
 - a body refused by the rules of :mod:`idemctl.exchange.body` (400, 411, 413);
-- the decision (`Ledger.begin`, or its steps driven on an event loop so a
-  waiting duplicate holds no thread), failing closed with 503 and
-  Retry-After when the ledger cannot be asked;
-- the completion: the captured answer (see :mod:`idemctl.exchange.capture`) stored,
-  or, when storing fails after the app ran, the app's own answer sent
-  anyway with an ERROR line, never an invitation to run it again;
+- a decision the ledger could not make: 503 with Retry-After when it
+  cannot be asked (failing closed), 401 or 414/400 for a principal or a
+  request line it cannot take;
+- the completion that could not be stored after the app ran: the app's own
+  answer sent anyway with an ERROR line, never an invitation to run it again;
+- the post-response sweep allowed after an answer;
 - one event for every answer, refusals included.
+
+The decision, the completion and the release are the ledger's own steps,
+run inside the sequence.
 
 >>> from idemctl import Ledger
 >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
 >>> gate = Gate(ledger, max_body_bytes=1024)
 >>> gate.principal(None, key="k1", method="POST", target="/orders").status
 401
->>> ticket = gate.begin("acct_1", "k1", "POST", "/orders", [], b"{}")
->>> capture = gate.capture(); capture.start(201, [("content-type", "text/plain")]); capture.add(b"made")
->>> gate.finish(ticket, capture).answer.body
-b'made'
+>>> gate.unavailable(LedgerUnavailableError("down"), "POST", "/orders").headers
+(('content-type', 'application/json'), ('retry-after', '1'))
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypedDict, TypeVar, Unpack
 
-from .. import decision, responses
+from .. import responses
 from ..errors import (
     AnswerNotStoredError,
     CommitTimeoutError,
@@ -44,7 +44,6 @@ from ..errors import (
     LedgerUnavailableError,
     StorageError,
 )
-from ..fingerprint import HeadersLike
 from ..ledger import MAX_PATH_BYTES, Ledger
 from ..outcomes import Answer, Outcome, Ticket
 from ..policy import Policy
@@ -57,7 +56,6 @@ log = logging.getLogger("idemctl.gate")
 T = TypeVar("T")
 A = TypeVar("A")  # the wrapped app
 R = TypeVar("R")  # what the options' callables receive: a WSGI environ, an ASGI scope, a request
-InThread = Callable[..., Awaitable[Any]]
 
 KEY_HEADER = "idempotency-key"
 
@@ -89,8 +87,6 @@ class Delivery:
         if not isinstance(other, Delivery):
             return NotImplemented
         return self.answer == other.answer and self.sweep == other.sweep
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 def check_options(max_body_bytes: object, unavailable_retry_after_ms: object) -> None:
@@ -131,17 +127,30 @@ def check_principal_source(principal: object, *, takes: str) -> None:
         raise TypeError(f"principal must be a callable {takes} -> str | None")
 
 
+class GateOptions(TypedDict, total=False):
+    """The options every adapter's gate takes (see :class:`Gate`)."""
+
+    max_body_bytes: int
+    replayed_header: bool
+    unavailable_retry_after_ms: int
+    logger: logging.Logger | None
+
+
 # -- the gate ---------------------------------------------------------------------------
 class Gate:
     """The contract around the ledger, for one adapter instance.
 
-    `ledger` is a Ledger, or a function returning one (an adapter that opens
-    its ledger lazily, once per process). `release_on_error` is what the
-    adapter decides per request; the gate only applies it."""
+    `release_on_error` is what the adapter decides per request; the gate
+    only applies it. An adapter that opens its ledger lazily, once per
+    process, has a :class:`LazyGate`."""
 
-    def __init__(
+    def __init__(self, ledger: Ledger, **options: Unpack[GateOptions]) -> None:
+        # A plain attribute: read on every request, a property would be a call each time.
+        self.ledger = ledger
+        self._configure(**options)
+
+    def _configure(
         self,
-        ledger: Ledger | Callable[[], Ledger],
         *,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         replayed_header: bool = False,
@@ -149,18 +158,10 @@ class Gate:
         logger: logging.Logger | None = None,
     ) -> None:
         check_options(max_body_bytes, unavailable_retry_after_ms)
-        self._ledger = ledger
-        if isinstance(ledger, Ledger):
-            # A plain attribute: read several times a request, a property would be a call each time.
-            self.ledger = ledger
-        else:
-            self.__class__ = _LazyGate  # the ledger asked of its source each time
         self.max_body_bytes = max_body_bytes
         self.replayed_header = bool(replayed_header)
         self.unavailable_retry_after_ms = unavailable_retry_after_ms
         self.log = logger if logger is not None else log
-
-    ledger: Ledger  # set once for a Ledger; a ledger opened lazily is asked each time (_LazyGate)
 
     # -- before the ledger --------------------------------------------------------------
     def principal(self, who: object, *, key: str | None, method: str, target: str) -> str | Answer:
@@ -188,49 +189,20 @@ class Gate:
             responses.key_repeated(), Outcome.KEY_INVALID, principal=None, key=None, method=method, path=target
         )
 
+    def key_repeated(self, method: str, target: str) -> Answer:
+        """The 400 for several ``Idempotency-Key`` fields."""
+        refusal = self.key(("", ""), method=method, target=target)
+        assert isinstance(refusal, Answer)
+        return refusal
+
     def refused(self, refusal: BodyRefused, *, principal: str, key: str | None, method: str, target: str) -> Answer:
         """The answer for a body the adapter could not read safely."""
         return self.ledger.refuse(
             refusal.refusal, Outcome.BODY_REFUSED, principal=principal, key=key, method=method, path=target
         )
 
-    # -- the decision -------------------------------------------------------------------
-    def begin(
-        self, who: str, key: str | None, method: str, target: str, headers: HeadersLike | None, body: bytes
-    ) -> Answer | Ticket:
-        """`Ledger.begin` in this thread; 503 when the ledger cannot be asked."""
-        try:
-            return self.ledger.begin(who, key, method, target, headers, body)
-        except StorageError as exc:
-            return self._unavailable(exc, method, target)
-        except (InvalidPrincipalError, InvalidRequestError) as exc:
-            return self._unacceptable(exc, who, key, method, target)
-
-    async def begin_async(
-        self,
-        who: str,
-        key: str | None,
-        method: str,
-        target: str,
-        headers: HeadersLike | None,
-        body: bytes,
-        in_thread: InThread,
-    ) -> Answer | Ticket:
-        """`Ledger.begin` from an event loop: statements awaited on the
-        ledger's asynchronous store (PostgreSQL), or in a worker thread
-        through `in_thread` (SQLite); the waits of an in-progress duplicate
-        on the loop. A request cancelled while its claim is under way releases it."""
-        ledger = self.ledger
-        steps = ledger.begin_steps(who, key, method, target, headers, body)
-        orphaned = functools.partial(_release_orphan, ledger)
-        try:
-            return await decision.run_async(steps, in_thread, orphaned=orphaned, store=ledger.async_store())
-        except StorageError as exc:
-            return self._unavailable(exc, method, target)
-        except (InvalidPrincipalError, InvalidRequestError) as exc:
-            return self._unacceptable(exc, who, key, method, target)
-
-    def _unacceptable(
+    # -- what the ledger could not decide ------------------------------------------------
+    def unacceptable(
         self, exc: InvalidPrincipalError | InvalidRequestError, who: str, key: str | None, method: str, target: str
     ) -> Answer:
         """A request the ledger refused before any statement: the client's
@@ -260,7 +232,9 @@ class Gate:
             outcome, principal = Outcome.REQUEST_REFUSED, who
         return self.ledger.refuse(refusal, outcome, principal=principal, key=key, method=method, path=shown)
 
-    def _unavailable(self, exc: StorageError, method: str, target: str) -> Answer:
+    def unavailable(self, exc: StorageError, method: str, target: str) -> Answer:
+        """The 503 for a ledger that cannot be asked (its own, or a plain one
+        for a ledger that cannot even be opened)."""
         # Fail closed: an unprotected mutation is worse than a refused one.
         level = logging.WARNING if isinstance(exc, LedgerUnavailableError) else logging.ERROR
         self.log.log(level, "idempotency ledger unavailable, refused %s %s with 503: %s", method, target, exc)
@@ -275,26 +249,9 @@ class Gate:
         """An empty capture bounded by the ledger's body cap."""
         return Capture(self.ledger.policy.body_cap_bytes)
 
-    def finish(self, ticket: Ticket, capture: Capture) -> Delivery:
-        """Store the captured answer; the answer to send and whether to sweep after it."""
-        status, headers, body = capture.answer()
-        try:
-            return Delivery(self.ledger.finish(ticket, status, headers, body), True)
-        except AnswerNotStoredError as exc:
-            self._not_stored(exc, ticket)
-            return Delivery(exc.answer, False)
-
-    async def finish_async(self, ticket: Ticket, capture: Capture, in_thread: InThread) -> Delivery:
-        status, headers, body = capture.answer()
-        ledger = self.ledger
-        try:
-            steps = ledger.finish_steps(ticket, status, headers, body)
-            return Delivery(await decision.drive(steps, in_thread, ledger.async_store()), True)
-        except AnswerNotStoredError as exc:
-            self._not_stored(exc, ticket)
-            return Delivery(exc.answer, False)
-
-    def _not_stored(self, exc: AnswerNotStoredError, ticket: Ticket) -> None:
+    def not_stored(self, exc: AnswerNotStoredError, ticket: Ticket) -> Delivery:
+        """The app's answer, which could not be stored, to send anyway (and
+        no sweep after it: the ledger just failed)."""
         # Telling the client to retry would invite a second run once the
         # reservation goes stale: it gets what the app computed, shaped
         # exactly as a stored answer, and the operator an ERROR line.
@@ -307,15 +264,7 @@ class Gate:
             exc.cause,
             _NOT_ACKNOWLEDGED if isinstance(exc.cause, CommitTimeoutError) else _STAYS_PENDING,
         )
-
-    def abandon(self, ticket: Ticket, *, release: bool) -> None:
-        """The app raised: leave the reservation for a takeover, or release it."""
-        self.ledger.abandon(ticket, release=release)
-
-    async def abandon_async(self, ticket: Ticket, *, release: bool, in_thread: InThread) -> None:
-        """`abandon` from an event loop (see `finish_async`)."""
-        ledger = self.ledger
-        await decision.drive(ledger.abandon_steps(ticket, release=release), in_thread, ledger.async_store())
+        return Delivery(exc.answer, False)
 
     def sweep_after(self, delivery: Delivery) -> Callable[[], None] | None:
         """The post-response housekeeping to run once `delivery` is sent, or
@@ -333,40 +282,23 @@ class Gate:
 
         return sweep
 
-    def sweep_after_async(self, delivery: Delivery, in_thread: InThread) -> Callable[[], Awaitable[None]] | None:
-        """`sweep_after` for an event loop: awaited on the asynchronous
-        store, or handed to a worker thread through `in_thread`."""
-        sweep = self.sweep_after(delivery)
-        if sweep is None:
-            return None
-        ledger = self.ledger
-        store = ledger.async_store()
-        if store is None:
-            # A coroutine function, whatever `in_thread` is (it may return a
-            # plain future): Starlette's background tasks await only those.
-            async def sweep_in_thread() -> None:
-                await in_thread(sweep)
 
-            return sweep_in_thread
-        answer = delivery.answer
+class LazyGate(Gate):
+    """A gate whose ledger is opened lazily, once per process, by `source`:
+    asked of it on every request. (A class of its own, so that a gate
+    holding its Ledger pays for no property.) The options are `Gate`'s."""
 
-        async def sweep_on_loop() -> None:
-            try:
-                await decision.drive(ledger.after_response_steps(answer), in_thread, store)
-            except Exception:  # the answer is out; a failed sweep must not turn into a 500
-                self.log.exception("post-response housekeeping failed")
-
-        return sweep_on_loop
-
-
-class _LazyGate(Gate):
-    """A gate whose ledger is opened lazily: asked of its source each time.
-    (A subclass, so a gate holding its Ledger pays for no property.)"""
+    def __init__(self, source: Callable[[], Ledger], **options: Unpack[GateOptions]) -> None:
+        self.source = source
+        self._configure(**options)
 
     @property
-    def ledger(self) -> Ledger:  # type: ignore[override]
-        source = self._ledger
-        return source if isinstance(source, Ledger) else source()
+    def ledger(self) -> Ledger:
+        return self.source()
+
+    @ledger.setter
+    def ledger(self, value: Ledger) -> None:
+        raise AttributeError("a lazy gate's ledger is its source's")
 
 
 def adapter_gate(
@@ -422,13 +354,24 @@ class GatedMiddleware(Generic[A, R]):
         return release_wanted(self.release_on_error, request)
 
 
-def _release_orphan(ledger: Ledger, result: Answer | Ticket) -> decision.Steps[None] | None:
-    """A request cancelled while its claim was under way: nobody will run
-    the mutation, so the claim goes at once instead of blocking its key
-    (the release's steps, run by the driver that ran the claim)."""
-    if isinstance(result, Ticket) and result.reservation is not None:
-        return ledger.abandon_steps(result, release=True)
-    return None
+class MiddlewareDoor(Generic[R]):
+    """What one request's door inside a :class:`GatedMiddleware` answers of
+    its own: the middleware's per-request options, asked of `request` (a
+    WSGI environ, an ASGI scope)."""
+
+    __slots__ = ("middleware", "request")
+
+    middleware: GatedMiddleware[Any, R]
+    request: R
+
+    def exempt(self) -> bool:
+        return self.middleware.exempts(self.request)
+
+    def key_optional(self) -> bool:
+        return self.middleware.lets_keyless(self.request)
+
+    def release(self) -> bool:
+        return self.middleware.release(self.request)
 
 
 def replied(answer: Answer) -> Delivery:
@@ -443,6 +386,8 @@ __all__ = [
     "Delivery",
     "Gate",
     "GatedMiddleware",
+    "LazyGate",
+    "MiddlewareDoor",
     "adapter_gate",
     "check_options",
     "check_principal_source",

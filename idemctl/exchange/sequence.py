@@ -9,13 +9,17 @@ the key fields (400 for several), the principal (401), the body rules
 own answer sent with an ERROR line), the reservation abandoned or released
 when the app fails, and the answer sent with the sweep that may follow it.
 
-It is a generator: it yields what it needs (the small classes below)
-and is sent what each one produced. A driver (:mod:`idemctl.exchange.drive`,
-one for threads, one for an event loop) fulfils the ledger's needs through
-the :class:`~idemctl.exchange.gate.Gate` and hands the others to the door:
-a small object that knows its framework (see :class:`Door`). A door only
-turns its framework's request into a :class:`Request` and its answers into
-the framework's response.
+It is a generator, and the ledger's own steps (`Ledger.begin_steps`,
+`finish_steps`, `abandon_steps`) are part of it (``yield from``): it
+yields the store operations and pauses those steps need, and what only
+the door can do (the small classes below), and is sent what each
+produced. A driver (:mod:`idemctl.exchange.drive`, one for threads, one
+for an event loop) runs the store's work itself and hands the rest to
+the door: a small object that knows its framework (see :class:`Door`).
+What each refusal answers (401, 503, ...) is the
+:class:`~idemctl.exchange.gate.Gate`'s. A door only turns its framework's
+request into a :class:`Request` and its answers into the framework's
+response.
 
 >>> from idemctl import Ledger
 >>> from idemctl.exchange.gate import Gate
@@ -38,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 from typing import Any, Protocol
 
+from ..errors import AnswerNotStoredError, InvalidPrincipalError, InvalidRequestError, StorageError
 from ..outcomes import Answer, Ticket
 from .body import BodyRefused, ClientGone, check_complete, check_read, declared_length, length_required
 from .capture import Capture
@@ -64,13 +69,9 @@ class Request:
         unbounded: bool,
         exact_length: bool = True,
     ) -> None:
-        self.method = method
-        self.target = target
-        self.key_fields = key_fields
-        self.headers = headers
-        self.content_length = content_length
-        self.unbounded = unbounded
-        self.exact_length = exact_length
+        self.method, self.target, self.key_fields = method, target, key_fields
+        self.headers, self.content_length = headers, content_length
+        self.unbounded, self.exact_length = unbounded, exact_length
 
 
 class Door(Protocol):
@@ -131,56 +132,18 @@ class ReadBody(_Need):
     __slots__ = ("declared", "limit")
 
     def __init__(self, limit: int, declared: int | None) -> None:
-        self.limit = limit
-        self.declared = declared
-
-
-class Begin(_Need):
-    """The ledger's decision (a Ticket to run, or an Answer)."""
-
-    __slots__ = ("body", "headers", "key", "method", "principal", "target")
-
-    def __init__(
-        self, principal: str, key: str | None, method: str, target: str, headers: Sequence[tuple[str, str]], body: bytes
-    ) -> None:
-        self.principal = principal
-        self.key = key
-        self.method = method
-        self.target = target
-        self.headers = headers
-        self.body = body
+        self.limit, self.declared = limit, declared
 
 
 class Run(_Need):
     """Run the app once on `body` with `principal`, its answer into `capture`.
-    Raising means the app failed."""
+    Raising means the app failed. `ticket` is the reservation it runs under."""
 
-    __slots__ = ("body", "capture", "principal")
+    __slots__ = ("body", "capture", "principal", "ticket")
 
-    def __init__(self, principal: str, body: bytes, capture: Capture) -> None:
-        self.principal = principal
-        self.body = body
-        self.capture = capture
-
-
-class Abandon(_Need):
-    """The app failed: leave the reservation for a takeover, or release it."""
-
-    __slots__ = ("release", "ticket")
-
-    def __init__(self, ticket: Ticket, release: bool) -> None:
-        self.ticket = ticket
-        self.release = release
-
-
-class Finish(_Need):
-    """Store the captured answer: the Delivery to send."""
-
-    __slots__ = ("capture", "ticket")
-
-    def __init__(self, ticket: Ticket, capture: Capture) -> None:
-        self.ticket = ticket
-        self.capture = capture
+    def __init__(self, principal: str, body: bytes, capture: Capture, ticket: Ticket) -> None:
+        self.principal, self.body = principal, body
+        self.capture, self.ticket = capture, ticket
 
 
 class Send(_Need):
@@ -192,8 +155,10 @@ class Send(_Need):
         self.delivery = delivery
 
 
-Need = PassThrough | ResolvePrincipal | ReadBody | Begin | Run | Abandon | Finish | Send
-Exchange = Generator[Need, Any, None]
+#: What only a door can do; the sequence also yields the store's operations
+#: and pauses (`idemctl.decision`), which the drivers run themselves.
+Need = PassThrough | ResolvePrincipal | ReadBody | Run | Send
+Exchange = Generator[Any, Any, None]
 
 PASS_THROUGH = PassThrough()
 RESOLVE_PRINCIPAL = ResolvePrincipal()
@@ -212,7 +177,7 @@ def sequence(gate: Gate, request: Request, door: Door) -> Exchange:
     target = request.target
     fields = request.key_fields
     if len(fields) > 1:
-        yield Send(replied(gate.key(fields, method=method, target=target)))  # type: ignore[arg-type]
+        yield Send(replied(gate.key_repeated(method, target)))
         return
     key = fields[0] if fields else None
     if key is None and door.key_optional():
@@ -251,29 +216,38 @@ def sequence(gate: Gate, request: Request, door: Door) -> Exchange:
         gate.log.info(_GONE)
         return
 
-    decided: Answer | Ticket = yield Begin(who, key, method, target, request.headers, body)
-    if decided.__class__ is Answer:
+    try:
+        decided = yield from ledger.begin_steps(who, key, method, target, request.headers, body)
+    except StorageError as exc:
+        decided = gate.unavailable(exc, method, target)
+    except (InvalidPrincipalError, InvalidRequestError) as exc:
+        decided = gate.unacceptable(exc, who, key, method, target)
+    if not isinstance(decided, Ticket):
         yield Send(Delivery(decided, True))
         return
     capture = Capture(ledger.policy.body_cap_bytes)
     try:
-        yield Run(who, decided.body, capture)
+        yield Run(who, decided.body, capture, decided)
+    except GeneratorExit:
+        raise  # closed by a driver that released the claim itself (its request was cancelled)
     except BaseException:
-        yield Abandon(decided, door.release())  # type: ignore[arg-type]
+        yield from ledger.abandon_steps(decided, release=door.release())
         raise
-    delivery: Delivery = yield Finish(decided, capture)  # type: ignore[arg-type]
-    yield Send(delivery)
+    status, headers, answer_body = capture.answer()
+    try:
+        answer = yield from ledger.finish_steps(decided, status, headers, answer_body)
+    except AnswerNotStoredError as exc:
+        yield Send(gate.not_stored(exc, decided))
+        return
+    yield Send(Delivery(answer, True))
 
 
 __all__ = [
     "PASS_THROUGH",
     "RESOLVE_PRINCIPAL",
-    "Abandon",
-    "Begin",
     "Door",
     "EveryRequestProtected",
     "Exchange",
-    "Finish",
     "Need",
     "PassThrough",
     "ReadBody",

@@ -6,6 +6,9 @@ another adapter carry the same status, headers and body."""
 
 from __future__ import annotations
 
+import functools
+from http import HTTPStatus
+
 from ..outcomes import Answer, Outcome
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
@@ -13,6 +16,8 @@ DEFAULT_UNAVAILABLE_RETRY_AFTER_MS = 1000
 REPLAYED_HEADER = "idempotent-replayed"  # lower-case, like every header idemctl emits
 # Never a body: no Content-Length (RFC 9110 §8.6 forbids it on 204) and no Content-Type.
 NO_LENGTH_STATUSES = frozenset({204, 304})
+# RFC 9110 §15 status classes: the reason phrase of a code HTTPStatus does not know.
+_CLASS_PHRASES = {1: "Informational", 2: "Success", 3: "Redirection", 4: "Client Error", 5: "Server Error"}
 
 
 def wire_headers(answer: Answer, *, replayed_header: bool = False) -> list[tuple[str, str]]:
@@ -39,3 +44,18 @@ def wire_headers(answer: Answer, *, replayed_header: bool = False) -> list[tuple
     if status >= 200 and status not in NO_LENGTH_STATUSES:
         out.append(("content-length", str(len(answer.body))))
     return out
+
+
+@functools.lru_cache(maxsize=128)  # a few codes, each line built once: HTTPStatus(code) is a Python call
+def status_line(status: int) -> str:
+    """The WSGI status string for a stored status code. Replays only know the
+    code, so the first answer uses the same standard phrase to stay identical.
+
+    >>> status_line(201), status_line(299)
+    ('201 Created', '299 Success')
+    """
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = _CLASS_PHRASES.get(status // 100, "Unknown")
+    return f"{status} {phrase}"

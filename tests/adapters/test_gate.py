@@ -435,6 +435,8 @@ def test_the_gate_refuses_a_request_line_the_ledger_cannot_take_sync_and_async(
 ):
     import json
 
+    from idemctl.exchange.drive import drive, drive_async
+    from idemctl.exchange.sequence import Request, sequence
     from idemctl.gate import Gate
 
     ledger = make_ledger(policy=Policy(protected_methods=frozenset({"POST", method})))
@@ -442,12 +444,44 @@ def test_the_gate_refuses_a_request_line_the_ledger_cannot_take_sync_and_async(
     seen: list[Outcome] = []
     ledger.subscribe(lambda event: seen.append(event.outcome))
 
-    async def in_thread(fn, *args):  # type: ignore[no-untyped-def]
+    async def on_the_loop(fn, *args):  # type: ignore[no-untyped-def]
         return fn(*args)
 
+    class Door:  # the sequence up to the ledger's answer, in a thread
+        keep = None
+
+        def exempt(self) -> bool:
+            return False
+
+        key_optional = release = exempt
+
+        def principal(self) -> str:
+            return "acct_A"
+
+        def read_body(self, limit: int, declared: int | None) -> bytes:
+            return b"{}"
+
+        def send(self, delivery, after):  # type: ignore[no-untyped-def]
+            return delivery.answer
+
+    class AsyncDoor(Door):  # and on an event loop
+        in_thread = staticmethod(on_the_loop)
+
+        async def principal(self) -> str:  # type: ignore[override]
+            return "acct_A"
+
+        async def read_body(self, limit: int, declared: int | None) -> bytes:  # type: ignore[override]
+            return b"{}"
+
+        async def send(self, delivery, after):  # type: ignore[no-untyped-def]
+            return delivery.answer
+
+    def request() -> Request:
+        return Request(method, target, ("k-1",), (), "2", False)
+
     answers = [
-        gate.begin("acct_A", "k-1", method, target, [], b"{}"),
-        asyncio.run(gate.begin_async("acct_A", "k-1", method, target, [], b"{}", in_thread)),
+        drive(gate, sequence(gate, request(), Door()), Door()),  # type: ignore[arg-type]
+        asyncio.run(drive_async(gate, sequence(gate, request(), AsyncDoor()), AsyncDoor())),  # type: ignore[arg-type]
     ]
     for answer in answers:
         assert (answer.status, json.loads(answer.body)["error"], answer.outcome) == (

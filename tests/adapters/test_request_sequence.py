@@ -18,7 +18,7 @@ from idemctl import Ledger, Outcome
 from idemctl.errors import AnswerNotStoredError, LedgerUnavailableError
 from idemctl.exchange.body import BodyRefused, ClientGone, incomplete
 from idemctl.exchange.drive import LATER, Later, drive, drive_async
-from idemctl.exchange.gate import Delivery, Gate
+from idemctl.exchange.gate import Delivery, Gate, LazyGate
 from idemctl.exchange.sequence import Request, Run, sequence
 from idemctl.outcomes import Answer
 
@@ -225,7 +225,7 @@ def test_an_unavailable_ledger_fails_closed_with_503(gate, monkeypatch):
     def down(*args: object) -> None:
         raise LedgerUnavailableError("down for the test")
 
-    monkeypatch.setattr(gate.ledger, "begin", down)
+    monkeypatch.setattr(gate.ledger, "begin_steps", down)
     door = FakeDoor()
     assert exchange(gate, post(), door) == (*UNAVAILABLE, Outcome.UNAVAILABLE)
     assert door.runs == 0
@@ -247,7 +247,7 @@ def test_an_answer_that_cannot_be_stored_is_sent_anyway_with_an_error_line(gate,
         answer = Answer(status, tuple(headers), body, Outcome.NOT_STORED)
         raise AnswerNotStoredError(answer, LedgerUnavailableError("gone"))
 
-    monkeypatch.setattr(gate.ledger, "finish", not_stored)
+    monkeypatch.setattr(gate.ledger, "finish_steps", not_stored)
     door = FakeDoor()
     with caplog.at_level(logging.ERROR, logger="idemctl.gate"):
         assert exchange(gate, post(), door) == (*MADE, Outcome.NOT_STORED)
@@ -341,6 +341,36 @@ def test_a_request_cancelled_mid_app_still_stores_its_answer_when_shielded(gate)
     asyncio.run(scenario())
     row = gate.ledger.lookup("acct_1", "k1")
     assert (row.status.value, row.response_status, row.body_bytes) == ("completed", 201, b"late")
+
+
+def test_a_lazily_opened_ledger_is_asked_of_its_source_on_every_request(gate):
+    # Django's gate: the ledger opened once per process, asked for each
+    # request (a forked worker opens its own), never held by the gate.
+    other = Ledger.open(":memory:")
+    other.init()
+    ledgers = [gate.ledger, gate.ledger, other, other]
+    lazy = LazyGate(lambda: ledgers.pop(0), max_body_bytes=8)
+    first, again = FakeDoor(), FakeDoor()
+    assert exchange(lazy, post(), first) == (*MADE, Outcome.EXECUTED)
+    assert exchange(lazy, post(), again) == (*MADE, Outcome.EXECUTED)  # on the other ledger: run there
+    assert (first.runs, again.runs, ledgers) == (1, 1, [])
+    assert gate.ledger.lookup("acct_1", "k1").status.value == "completed"
+    assert other.lookup("acct_1", "k1").status.value == "completed"
+    assert type(Gate(gate.ledger)) is Gate and isinstance(lazy, Gate)
+
+
+def test_a_sequence_closed_while_its_app_was_due_abandons_nothing(gate):
+    # A driver that releases a cancelled request's claim itself closes the
+    # sequence: it must not abandon the reservation a second time.
+    seen: list[Outcome] = []
+    gate.ledger.subscribe(lambda event: seen.append(event.outcome))
+    door = FakeDoor(app=lambda need: LATER)
+    later = exchange(gate, post(), door)
+    assert isinstance(later, Later)
+    later.steps.close()
+    assert seen == []  # no FAILED event: nothing was abandoned
+    assert gate.ledger.lookup("acct_1", "k1").status.value == "pending"
+    assert door.asked == ["principal", "body 8 2", "run"]
 
 
 # -- no door decides the ledger's steps itself ------------------------------------------

@@ -155,6 +155,53 @@ def test_layers_import_only_their_own_and_the_ones_below():
     assert _upward_imports() == {}
 
 
+# The doors: each one leans on the request kit below it, never on another
+# door (what two doors share belongs in the kit). A door that is a package
+# holds everything under it.
+DOORS = ("idemctl.wsgi", "idemctl.asgi", "idemctl.fastapi", "idemctl.flask", "idemctl.django")
+
+
+def _door_of(name: str) -> str | None:
+    return next((door for door in DOORS if name == door or name.startswith(door + ".")), None)
+
+
+def _imports_between_doors() -> dict[str, list[str]]:
+    found = {}
+    for name, imported in GRAPH.items():
+        door = _door_of(name)
+        if door is None:
+            continue
+        others = sorted(other for other in imported if _door_of(other) not in (None, door))
+        if others:
+            found[name] = others
+    return found
+
+
+def test_every_door_is_in_the_adapters_layer():
+    adapters = dict(LAYERS)["adapters"]
+    assert sorted(DOORS) == sorted(adapters)
+
+
+def test_no_door_imports_another_door():
+    assert _imports_between_doors() == {}
+
+
+def test_the_door_check_finds_a_door_importing_another():
+    # The check above must be able to fail: Flask's door reading the WSGI door's
+    # helpers, and a module of Django's package reading the ASGI door's.
+    GRAPH["idemctl.flask"].add("idemctl.wsgi")
+    GRAPH["idemctl.django.exchange"].add("idemctl.asgi")
+    try:
+        assert _imports_between_doors() == {
+            "idemctl.django.exchange": ["idemctl.asgi"],
+            "idemctl.flask": ["idemctl.wsgi"],
+        }
+        assert _upward_imports() == {}  # one layer: the layer table alone cannot see it
+    finally:
+        GRAPH["idemctl.flask"].discard("idemctl.wsgi")
+        GRAPH["idemctl.django.exchange"].discard("idemctl.asgi")
+
+
 def test_the_layer_check_finds_an_import_upwards():
     # The check above must be able to fail: the ledger importing the request kit.
     GRAPH["idemctl.ledger.core"].add("idemctl.exchange.gate")

@@ -18,11 +18,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.testclient import TestClient
 
 import idemctl.fastapi
-from idemctl import Ledger, Outcome, Policy
+from idemctl import Ledger, Outcome, Policy, decision
 from idemctl.asgi import IdempotencyMiddleware
 from idemctl.errors import StorageError
 from idemctl.fastapi import idempotent_route
-from idemctl.gate import Gate
 from idemctl.outcomes import Answer, Ticket
 from idemctl.storage.aio import AsyncStore
 from tests.adapters.test_gate import ORDER, call, scope_for
@@ -46,6 +45,18 @@ class NoThreads(concurrent.futures.Executor):
 
 async def no_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     raise AssertionError(f"a ledger step was handed to a thread: {fn!r}")
+
+
+async def begin_on_the_loop(ledger: Ledger) -> Ticket | Answer:
+    """The ledger's decision, every statement awaited on the loop."""
+    steps = ledger.begin_steps("acct_A", "k1", "POST", "/orders", [], ORDER)
+    return await decision.run_async(steps, no_thread, store=ledger.async_store())
+
+
+async def finish_on_the_loop(ledger: Ledger, ticket: Ticket, body: bytes) -> Answer:
+    """The app's answer stored, every statement awaited on the loop."""
+    steps = ledger.finish_steps(ticket, 201, [("content-type", "text/plain")], body)
+    return await decision.run_async(steps, no_thread, store=ledger.async_store())
 
 
 def orders_app(runs: list[bytes], status: int = 201) -> Callable[..., Any]:
@@ -157,23 +168,16 @@ def test_asgi_answer_not_stored_is_still_sent_and_the_row_stays_pending(make_led
 
 def test_a_late_owner_is_fenced_out_after_a_takeover_on_the_async_path(make_ledger, clock):
     ledger = make_ledger()
-    gate = Gate(ledger)
     seen: list[Any] = []
     ledger.subscribe(seen.append)
 
     async def scenario() -> tuple[Ticket | Answer, Ticket | Answer, Answer, Answer]:
-        late = await gate.begin_async("acct_A", "k1", "POST", "/orders", [], ORDER, no_thread)
+        late = await begin_on_the_loop(ledger)
         clock.advance(ledger.policy.pending_ttl_ms + 1)
-        taker = await gate.begin_async("acct_A", "k1", "POST", "/orders", [], ORDER, no_thread)
+        taker = await begin_on_the_loop(ledger)
         assert isinstance(late, Ticket) and isinstance(taker, Ticket)
-        capture = gate.capture()
-        capture.start(201, [("content-type", "text/plain")])
-        capture.add(b"B")
-        stored = (await gate.finish_async(taker, capture, no_thread)).answer
-        capture = gate.capture()
-        capture.start(201, [("content-type", "text/plain")])
-        capture.add(b"A")
-        fenced = (await gate.finish_async(late, capture, no_thread)).answer
+        stored = await finish_on_the_loop(ledger, taker, b"B")
+        fenced = await finish_on_the_loop(ledger, late, b"A")
         await ledger.aclose()
         return late, taker, stored, fenced
 
@@ -193,21 +197,14 @@ def test_a_late_owner_is_fenced_out_after_a_takeover_on_the_async_path(make_ledg
 
 def test_waiting_duplicates_poll_on_the_loop_and_get_the_first_answer(make_ledger):
     ledger = make_ledger(policy=Policy(in_progress_wait_ms=20_000))
-    gate = Gate(ledger)
 
     async def scenario() -> list[Ticket | Answer]:
-        first = await gate.begin_async("acct_A", "k1", "POST", "/orders", [], ORDER, no_thread)
+        first = await begin_on_the_loop(ledger)
         assert isinstance(first, Ticket)
-        waiting = [
-            asyncio.ensure_future(gate.begin_async("acct_A", "k1", "POST", "/orders", [], ORDER, no_thread))
-            for _ in range(20)
-        ]
+        waiting = [asyncio.ensure_future(begin_on_the_loop(ledger)) for _ in range(20)]
         await asyncio.sleep(0.2)
         assert not any(w.done() for w in waiting)
-        capture = gate.capture()
-        capture.start(201, [("content-type", "text/plain")])
-        capture.add(b"made once")
-        await gate.finish_async(first, capture, no_thread)
+        await finish_on_the_loop(ledger, first, b"made once")
         replies = await asyncio.gather(*waiting)
         await ledger.aclose()
         return list(replies)

@@ -185,7 +185,7 @@ async def request_on_the_loop(
     if while_the_app_runs is not None:
         await asyncio.to_thread(while_the_app_runs)
     finishing = asyncio.ensure_future(
-        decision.drive(ledger.finish_steps(ticket, 201, HEADERS, ANSWER), no_thread, store)
+        decision.run_async(ledger.finish_steps(ticket, 201, HEADERS, ANSWER), no_thread, store=store)
     )
     if while_storing is not None:
         await asyncio.to_thread(while_storing)
