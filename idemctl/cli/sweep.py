@@ -22,6 +22,7 @@ from .core import EXIT_INTERRUPTED, EXIT_NO, IdemctlCommand, UserError, app, exi
 from .documents import sweep_dry_run_json, sweep_json
 from .escaping import visible
 from .options import (
+    MAX_COUNT,
     DbOpt,
     Given,
     JsonOpt,
@@ -130,7 +131,9 @@ def sweep(
             help="Time to sleep between batches, e.g. 50ms, to leave the lock to the request path (default 0s).",
         ),
     ] = None,
-    pause_ms: Annotated[int | None, typer.Option("--pause-ms", metavar="MS", callback=in_range(0), hidden=True)] = None,
+    pause_ms: Annotated[
+        int | None, typer.Option("--pause-ms", metavar="MS", callback=in_range(0, MAX_COUNT), hidden=True)
+    ] = None,
     json_out: JsonOpt = False,
     db: DbOpt = None,
     ttl: TtlOpt = None,
