@@ -58,11 +58,15 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_pgbouncer(mode: str, server_url: str, *, ignore_options: bool = False) -> Iterator[PgBouncer]:
+def running_pgbouncer(
+    mode: str, server_url: str, *, ignore_options: bool = False, any_database: bool = False
+) -> Iterator[PgBouncer]:
     """PgBouncer in `mode` pooling in front of the server at `server_url`
     (a postgresql:// URL), until the block ends. `ignore_options`: with the
     usual workaround for clients that send startup options,
-    ``ignore_startup_parameters = options`` (it then drops them silently)."""
+    ``ignore_startup_parameters = options`` (it then drops them silently).
+    `any_database`: with the fallback entry ``* =`` that passes any database
+    name on to the server (a database created later is reachable through it)."""
     import psycopg
     from psycopg.conninfo import conninfo_to_dict
 
@@ -75,7 +79,8 @@ def running_pgbouncer(mode: str, server_url: str, *, ignore_options: bool = Fals
         "[databases]\n"
         f"{params.get('dbname', 'test')} = host={params.get('host', '127.0.0.1')} port={params.get('port', 5432)}"
         f" dbname={params.get('dbname', 'test')}\n"
-        "[pgbouncer]\n"
+        + (f"* = host={params.get('host', '127.0.0.1')} port={params.get('port', 5432)}\n" if any_database else "")
+        + "[pgbouncer]\n"
         "listen_addr = 127.0.0.1\n"
         f"listen_port = {port}\n"
         f"unix_socket_dir = {directory}\n"
@@ -122,7 +127,7 @@ def running_pgbouncer(mode: str, server_url: str, *, ignore_options: bool = Fals
 
 
 def start_or_skip(
-    mode: str, server_url: str, *, ignore_options: bool = False
+    mode: str, server_url: str, *, ignore_options: bool = False, any_database: bool = False
 ) -> contextlib.AbstractContextManager[PgBouncer]:
     """`running_pgbouncer`, or skip (fail under CI) with the reason it cannot run."""
     reason = missing_reason()
@@ -130,4 +135,4 @@ def start_or_skip(
         if os.environ.get("CI"):
             pytest.fail(f"CI runs the PgBouncer tests: {reason}", pytrace=False)
         pytest.skip(reason)
-    return running_pgbouncer(mode, server_url, ignore_options=ignore_options)
+    return running_pgbouncer(mode, server_url, ignore_options=ignore_options, any_database=any_database)
