@@ -299,7 +299,15 @@ class StoreBase:
 
     def init(self, now: int, dry_run: bool) -> InitResult:
         """Create or upgrade the schema in one transaction that the engine
-        serialises against other inits."""
+        serialises against other inits; an up-to-date schema is only read."""
+        # Read first: an up-to-date ledger needs no transaction, and behind a
+        # pooler in statement mode there is none to have, so an app that calls
+        # init() at every start starts there. A schema is never downgraded, so
+        # what this read found up to date stays so.
+        current = self.schema_version()
+        if current is not None and current >= SCHEMA_VERSION:
+            self.version_checked(current)
+            return InitResult(InitAction.UP_TO_DATE, current, SCHEMA_VERSION, dry_run)
 
         def decide(tx: SchemaTx) -> InitResult:
             tables = tx.table_names(TABLES)
