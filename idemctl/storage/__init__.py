@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from collections.abc import Callable
 from typing import cast
 
@@ -33,6 +34,28 @@ def is_mysql_url(target: str | os.PathLike[str]) -> bool:
 def is_server_url(target: str | os.PathLike[str]) -> bool:
     """A database server's URL (nothing connects before the first statement), not a file."""
     return is_postgres_url(target) or is_mysql_url(target)
+
+
+_KNOWN_SCHEME = re.compile(r"(postgresql|postgres|mysql|mariadb):(?!//)", re.IGNORECASE)
+
+
+def _mistyped_scheme(target: str) -> str | None:
+    """Why `target`, which begins with a server's scheme but not its `://`
+    (``postgresql:/db/x``), is a bad URL rather than a file path; None for
+    any other target. The rest is not echoed: it may hold a password.
+
+    >>> _mistyped_scheme("postgresql:/app@db/payments")
+    "bad ledger URL: it begins with 'postgresql:/', and a PostgreSQL URL begins with 'postgresql://'"
+    >>> _mistyped_scheme("postgresql://app@db/payments"), _mistyped_scheme("ledger.db")
+    (None, None)
+    """
+    typo = _KNOWN_SCHEME.match(target)
+    if typo is None:
+        return None
+    scheme = typo.group(1).lower()
+    server = "PostgreSQL" if scheme.startswith("postgres") else "MariaDB/MySQL"
+    given = target[: typo.end() + (1 if target[typo.end() : typo.end() + 1] == "/" else 0)]
+    return f"bad ledger URL: it begins with {given!r}, and a {server} URL begins with '{scheme}://'"
 
 
 def _server_engine(module: str, name: str, server: str, extra: str) -> Callable[..., Engine]:
@@ -72,6 +95,8 @@ def open_engine(
     if is_mysql_url(target):
         engine = _server_engine("mysql", "MysqlEngine", "MariaDB/MySQL", "mysql")
         return engine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
+    if isinstance(target, str) and (typo := _mistyped_scheme(target)) is not None:
+        raise StorageError(typo)
     if isinstance(target, str) and "://" in target:
         raise StorageError(
             f"unsupported ledger URL {target.split('://', 1)[0]}://…: use a file path, postgresql:// or mysql://"

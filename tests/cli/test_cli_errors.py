@@ -231,3 +231,27 @@ def test_a_missing_required_option_is_a_usage_error_exit_2():
     result = CliRunner().invoke(app, ["inspect", "order-42"])
     assert result.exit_code == 2 and result.stdout == ""
     assert "--principal" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("db", "line"),
+    [
+        (
+            "postgresql:/postgres@127.0.0.1:5432/x",
+            "error: bad ledger URL: it begins with 'postgresql:/', and a PostgreSQL URL begins with 'postgresql://'",
+        ),
+        (
+            "postgres:/app:s3cret@db/payments",
+            "error: bad ledger URL: it begins with 'postgres:/', and a PostgreSQL URL begins with 'postgres://'",
+        ),
+        (
+            "mariadb:root@127.0.0.1/test",
+            "error: bad ledger URL: it begins with 'mariadb:', and a MariaDB/MySQL URL begins with 'mariadb://'",
+        ),
+    ],
+)
+@pytest.mark.parametrize("command", [["init"], ["stats"], ["init", "--dry-run"]], ids=" ".join)
+def test_a_server_url_with_a_mistyped_scheme_is_a_bad_url_not_a_file_path(db, line, command, tmp_path):
+    # As a file path, `init` would create a SQLite ledger inside a directory named after the scheme.
+    assert fails(["--db", db, *command]) == line
+    assert list(tmp_path.iterdir()) == []
