@@ -384,3 +384,41 @@ def test_the_async_pool_whose_new_connections_lost_their_options_is_replaced_and
         assert seen[:2] == [[("5s",)], "none"]
         assert seen[-2:] == [[("5s",)], "transaction"]
         assert "ConnectionFailedError" in seen[2:-2]
+
+
+@pytest.mark.parametrize("mode", ["transaction", "statement"])
+def test_pooler_session_in_front_of_transaction_or_statement_pooling_is_refused_before_any_request(
+    pgbouncers: Callable[..., PgBouncer], postgres_server: str, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    import asyncio
+
+    with schema_through(pgbouncers("session"), postgres_server, monkeypatch) as (url, schema):
+        with Ledger.open(url) as ledger:
+            ledger.init()
+        wrong = url.replace(url.split("/")[2], pgbouncers(mode).url().split("/")[2]) + "&pooler=session"
+        ran: list[bytes] = []
+        with Ledger.open(wrong) as ledger:
+            with pytest.raises(PoolerError) as refused:
+                ledger.handle(
+                    "acct_A", "k1", "POST", "/orders", HEADERS, b"{}", lambda b: (201, {}, ran.append(b) or b"ran")
+                )
+            assert "is not session pooling although the URL says pooler=session" in str(refused.value)
+            assert "use pooler=transaction" in str(refused.value)
+            on_loop = ledger.store.engine.open_async()
+
+            async def on_the_loop() -> str:
+                try:
+                    await on_loop.execute("SELECT 1", {})
+                except PoolerError as exc:
+                    return str(exc)
+                finally:
+                    await on_loop.aclose()
+                return "served"
+
+            assert "is not session pooling" in asyncio.run(on_the_loop())
+        assert ran == []
+        assert count_rows(postgres_server, schema) == 0
+        # Told the truth, the same pooler serves the request.
+        with Ledger.open(wrong.replace("pooler=session", "pooler=transaction")) as ledger:
+            done = ledger.handle("acct_A", "k1", "POST", "/orders", HEADERS, b"{}", lambda b: (201, {}, b"made"))
+            assert (done.status, done.body) == (201, b"made")
