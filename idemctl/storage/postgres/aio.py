@@ -17,6 +17,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from ..dialect import POSTGRES
 from ..engine import Params, Rows
+from ..server import unreachable
 from .errors import Translator
 from .pooler import (
     MARKER_QUERY,
@@ -62,12 +63,21 @@ class AsyncPostgresEngine:
         commit_timeout_s: float | None = None,
     ) -> None:
         self._settings = settings
+        if commit_timeout_s is None:
+            commit_timeout_s = default_commit_timeout_s(translate.busy_timeout_ms)
+        # A request waits for a connection (a new one, or a free pooled one)
+        # no longer than a statement may run: with the server frozen, the pool
+        # timeout or libpq's connect_timeout (5 s) would hold the request
+        # past the commit timeout the documentation promises it is answered in.
+        self._acquire_s = min(translate.pool_timeout_s, commit_timeout_s)
+        if self._acquire_s < translate.pool_timeout_s:
+            translate = Translator(
+                translate.where, translate.scrub, translate.busy_timeout_ms, self._acquire_s, translate.pool_max_size
+            )
         self._translate = translate
         # What the URL leads to (see PostgresEngine.pooler): known if the
         # synchronous engine already connected, else detected here.
         self.pooler = pooler
-        if commit_timeout_s is None:
-            commit_timeout_s = default_commit_timeout_s(translate.busy_timeout_ms)
         self._watch = AsyncCommitWatch(commit_timeout_s, translate.where)
         self._pool: AsyncConnectionPool[_AsyncPooledConnection] | None = None
         self._opening: asyncio.Lock | None = None
@@ -89,7 +99,12 @@ class AsyncPostgresEngine:
             self._opening = asyncio.Lock()
         async with self._opening:
             if self._pool is None:
-                self._pool = await self._new_pool()
+                try:
+                    self._pool = await asyncio.wait_for(self._new_pool(), self._acquire_s)
+                except TimeoutError:
+                    raise unreachable(
+                        "PostgreSQL", self.describe(), f"no answer within {self._acquire_s:g} s (the commit timeout)"
+                    ) from None
             return self._pool
 
     async def _new_pool(self) -> AsyncConnectionPool[_AsyncPooledConnection]:
@@ -134,7 +149,7 @@ class AsyncPostgresEngine:
         """One auto-committed statement (read or write); its rows."""
         pool = await self._current_pool()
         try:
-            conn = await pool.getconn()
+            conn = await pool.getconn(self._acquire_s)
         except psycopg.Error as exc:
             if self._options_lost and self._pool is pool:
                 # Its new connections lack their startup options: the next
@@ -174,7 +189,7 @@ class AsyncPostgresEngine:
     async def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[Rows]:
         pool = await self._current_pool()
         try:
-            conn = await pool.getconn()
+            conn = await pool.getconn(self._acquire_s)
         except psycopg.Error as exc:
             raise self._translate(exc) from exc
         watch = self._watch
