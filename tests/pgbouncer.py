@@ -59,14 +59,16 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def running_pgbouncer(
-    mode: str, server_url: str, *, ignore_options: bool = False, any_database: bool = False
+    mode: str, server_url: str, *, ignore_options: bool = False, any_database: bool = False, check: bool = True
 ) -> Iterator[PgBouncer]:
     """PgBouncer in `mode` pooling in front of the server at `server_url`
     (a postgresql:// URL), until the block ends. `ignore_options`: with the
     usual workaround for clients that send startup options,
     ``ignore_startup_parameters = options`` (it then drops them silently).
     `any_database`: with the fallback entry ``* =`` that passes any database
-    name on to the server (a database created later is reachable through it)."""
+    name on to the server (a database created later is reachable through it).
+    `check`: wait until a connection through it reaches the server (without,
+    only until it listens: for a server that is not there)."""
     import psycopg
     from psycopg.conninfo import conninfo_to_dict
 
@@ -107,9 +109,12 @@ def running_pgbouncer(
             if process.poll() is not None:
                 raise RuntimeError(f"pgbouncer exited with {process.returncode}: {bouncer.log()[-2000:]}")
             try:
-                psycopg.connect(bouncer.url(str(params.get("dbname", "test"))), connect_timeout=2).close()
+                if check:
+                    psycopg.connect(bouncer.url(str(params.get("dbname", "test"))), connect_timeout=2).close()
+                else:
+                    socket.create_connection(("127.0.0.1", port), timeout=2).close()
                 break
-            except psycopg.Error:
+            except (psycopg.Error, OSError):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"pgbouncer did not accept connections: {bouncer.log()[-2000:]}") from None
                 time.sleep(0.1)
@@ -127,7 +132,7 @@ def running_pgbouncer(
 
 
 def start_or_skip(
-    mode: str, server_url: str, *, ignore_options: bool = False, any_database: bool = False
+    mode: str, server_url: str, *, ignore_options: bool = False, any_database: bool = False, check: bool = True
 ) -> contextlib.AbstractContextManager[PgBouncer]:
     """`running_pgbouncer`, or skip (fail under CI) with the reason it cannot run."""
     reason = missing_reason()
@@ -135,4 +140,4 @@ def start_or_skip(
         if os.environ.get("CI"):
             pytest.fail(f"CI runs the PgBouncer tests: {reason}", pytrace=False)
         pytest.skip(reason)
-    return running_pgbouncer(mode, server_url, ignore_options=ignore_options, any_database=any_database)
+    return running_pgbouncer(mode, server_url, ignore_options=ignore_options, any_database=any_database, check=check)

@@ -24,7 +24,7 @@ from idemctl.cli import app  # noqa: E402
 from idemctl.errors import ConnectionFailedError, DatabaseLockedError, ReadOnlyDatabaseError  # noqa: E402
 from idemctl.storage.postgres import PoolerError, PostgresEngine  # noqa: E402
 from idemctl.storage.postgres.errors import Translator  # noqa: E402
-from tests.helpers import clean_env, postgres_test_schema  # noqa: E402
+from tests.helpers import ROOT, clean_env, postgres_test_schema  # noqa: E402
 from tests.pgbouncer import PgBouncer  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -422,3 +422,26 @@ def test_pooler_session_in_front_of_transaction_or_statement_pooling_is_refused_
         with Ledger.open(wrong.replace("pooler=session", "pooler=transaction")) as ledger:
             done = ledger.handle("acct_A", "k1", "POST", "/orders", HEADERS, b"{}", lambda b: (201, {}, b"made"))
             assert (done.status, done.body) == (201, b"made")
+
+
+def test_pgbouncer_that_cannot_reach_its_server_is_the_message_the_topologies_page_quotes(
+    postgres_server: str, tmp_path
+) -> None:
+    import socket
+
+    from tests.pgbouncer import start_or_skip
+
+    with socket.socket() as closed:  # a port nothing listens on: the server is gone
+        closed.bind(("127.0.0.1", 0))
+        gone = f"postgresql://postgres@127.0.0.1:{closed.getsockname()[1]}/test"
+    with start_or_skip("transaction", gone, check=False) as bouncer:
+        url = bouncer.url(query="connect_timeout=2")
+        with Ledger.open(url) as ledger, pytest.raises(ConnectionFailedError) as unreachable:
+            ledger.schema_version()
+    shown = url.split("?", 1)[0]
+    assert str(unreachable.value) == f"cannot reach PostgreSQL at {shown}: connection timeout expired"
+    page = (ROOT / "docs" / "topologies.md").read_text(encoding="utf-8")
+    assert (
+        "PgBouncer unable to reach the server is a `ConnectionFailedError`\n(`cannot reach PostgreSQL at …: connection timeout expired`"
+        in page
+    )
