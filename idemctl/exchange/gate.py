@@ -28,6 +28,7 @@ b'made'
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -358,6 +359,11 @@ class Gate:
         answer = delivery.answer
 
         async def sweep_on_loop() -> None:
+            running = asyncio.current_task()
+            if running is not None:
+                decision.outlive(running)  # Ledger.aclose lets it finish before closing the connections
+            if store.closed:
+                return  # the loop's connections were closed since the answer: no sweep this time
             try:
                 await decision.drive(ledger.after_response_steps(answer), in_thread, store)
             except Exception:  # the answer is out; a failed sweep must not turn into a 500

@@ -15,6 +15,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
+from ...errors import StorageError
 from ..dialect import POSTGRES
 from ..engine import Params, Rows
 from ..server import unreachable
@@ -87,6 +88,7 @@ class AsyncPostgresEngine:
         # As PostgresEngine._options_lost; pools being closed after it.
         self._options_lost = False
         self._closing: set[asyncio.Future[None]] = set()
+        self._closed = False
 
     def describe(self) -> str:
         return self._translate.where
@@ -95,6 +97,10 @@ class AsyncPostgresEngine:
         pool = self._pool
         if pool is not None:
             return pool
+        if self._closed:
+            # Closed for good (the ledger's aclose): a new pool here would be
+            # one nobody closes, its connections and tasks left behind.
+            raise StorageError(f"the ledger at {self.describe()} is closed")
         if self._opening is None:
             self._opening = asyncio.Lock()
         async with self._opening:
@@ -230,6 +236,7 @@ class AsyncPostgresEngine:
             log.debug("checking the pool's idle connections failed", exc_info=True)
 
     async def aclose(self) -> None:
+        self._closed = True
         self._watch.close()
         pool, self._pool = self._pool, None
         if pool is not None:
@@ -238,6 +245,7 @@ class AsyncPostgresEngine:
     def abandon(self) -> None:
         """Close the sockets of a pool whose event loop is gone (it cannot
         be closed the asynchronous way any more)."""
+        self._closed = True
         self._watch.close()
         pool, self._pool = self._pool, None
         if pool is not None:
