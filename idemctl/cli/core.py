@@ -6,6 +6,7 @@ an exit code. The options the commands share are declared in `options`."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -351,6 +352,17 @@ def _global(
     # Only what the command line says: the environment is read when a
     # command needs its settings, so that `--help` works whatever it holds.
     ctx.obj = GlobalOptions(db, ttl, retention, busy_timeout)
+    _quiet_driver_logs()
+
+
+def _quiet_driver_logs() -> None:
+    """The database drivers' own log lines (psycopg_pool's "discarding
+    closed connection: <… at 0x…>") are not for an operator: the command's
+    error says what went wrong, in one line. With a handler of their own,
+    logging's last resort (WARNING and up on stderr) stays quiet for them."""
+    driver = logging.getLogger("psycopg")
+    if not driver.handlers:
+        driver.addHandler(logging.NullHandler())
 
 
 def _db(value: str | None) -> str | None:

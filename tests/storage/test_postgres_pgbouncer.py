@@ -445,3 +445,24 @@ def test_pgbouncer_that_cannot_reach_its_server_is_the_message_the_topologies_pa
         "PgBouncer unable to reach the server is a `ConnectionFailedError`\n(`cannot reach PostgreSQL at …: connection timeout expired`"
         in page
     )
+
+
+def test_init_through_statement_pooling_prints_its_one_line_error_and_no_driver_log(
+    pgbouncers: Callable[..., PgBouncer], postgres_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    with schema_through(pgbouncers("session"), postgres_server, monkeypatch) as (url, _):
+        # An empty schema: init has to create the tables, which needs a transaction.
+        statement_url = url.replace(url.split("/")[2], pgbouncers("statement").url().split("/")[2])
+        idemctl = os.path.join(os.path.dirname(sys.executable), "idemctl")
+        done = subprocess.run(
+            [idemctl, "--db", statement_url, "init"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+        )
+    assert (done.returncode, done.stdout) == (2, "")
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: ") and "is pooled in statement mode" in lines[0]
+    assert " at 0x" not in done.stderr
