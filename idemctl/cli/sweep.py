@@ -205,21 +205,26 @@ def _refusal(principal: str, key: str, view: RowView) -> str:
 
 
 def _confirmed(principal: str, key: str) -> bool:
+    # Asked on stderr and read from stdin by hand: click's confirm reads
+    # through input(), which writes its prompt's last space to stdout, where
+    # it would start the command's result (" purged …") or stand alone.
+    sys.stderr.write(f"Purge {visible(principal)}/{key}? The client's next retry will run the mutation again [y/N]: ")
+    sys.stderr.flush()
     try:
-        confirmed = typer.confirm(
-            f"Purge {visible(principal)}/{key}? The client's next retry will run the mutation again", err=True
-        )
-    except typer.Abort as exc:
+        answer = sys.stdin.readline()
+    except KeyboardInterrupt:  # Ctrl-C at the prompt: as anywhere else
         typer.echo(err=True)  # end the prompt's line
-        if isinstance(exc.__context__, KeyboardInterrupt):  # Ctrl-C at the prompt: as anywhere else
-            raise typer.Exit(EXIT_INTERRUPTED) from None
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    if not answer:  # end of input: nobody answered
+        typer.echo(err=True)
         say_no("not purged: no confirmation (pass --yes to skip the prompt)")
         return False
-    if not confirmed:
-        if not sys.stdin.isatty():
-            typer.echo(err=True)  # a piped answer is not echoed: end the prompt's line
+    if not sys.stdin.isatty():
+        typer.echo(err=True)  # a piped answer is not echoed: end the prompt's line
+    if answer.strip().lower() not in ("y", "yes"):
         say_no("not purged")
-    return confirmed
+        return False
+    return True
 
 
 @app.command(cls=IdemctlCommand, epilog="Example: idemctl purge order-42 --principal acct_A --yes")
