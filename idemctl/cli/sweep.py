@@ -204,6 +204,11 @@ def _refusal(principal: str, key: str, view: RowView) -> str:
     )
 
 
+def _answer() -> str:
+    """One line typed (or piped) on stdin; "" at its end."""
+    return sys.stdin.readline()
+
+
 def _confirmed(principal: str, key: str) -> bool:
     # Asked on stderr and read from stdin by hand: click's confirm reads
     # through input(), which writes its prompt's last space to stdout, where
@@ -211,7 +216,7 @@ def _confirmed(principal: str, key: str) -> bool:
     sys.stderr.write(f"Purge {visible(principal)}/{key}? The client's next retry will run the mutation again [y/N]: ")
     sys.stderr.flush()
     try:
-        answer = sys.stdin.readline()
+        answer = _answer()
     except KeyboardInterrupt:  # Ctrl-C at the prompt: as anywhere else
         typer.echo(err=True)  # end the prompt's line
         raise typer.Exit(EXIT_INTERRUPTED) from None
