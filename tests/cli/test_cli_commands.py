@@ -696,3 +696,40 @@ def test_purge_with_a_piped_answer_prints_nothing_of_the_prompt_on_stdout(answer
     assert done.stderr.startswith(
         "Purge acct_A/order-42? The client's next retry will run the mutation again [y/N]: \n"
     )
+
+
+def test_fingerprint_says_the_reuse_status_the_apps_policy_answers(tmp_path):
+    db = tmp_path / "ledger.db"
+    policy = Policy(reuse_status=422)
+    with Ledger.open(db, policy=policy) as ledger:
+        ledger.init()
+        ledger.handle("acct_A", "k1", "POST", "/orders", {}, b"one", lambda body: (201, {}, b"made"))
+        answered = ledger.handle("acct_A", "k1", "POST", "/orders", {}, b"two", lambda body: (201, {}, b"again"))
+    assert answered.status == 422
+    asked = [
+        "--db",
+        str(db),
+        "fingerprint",
+        "-X",
+        "POST",
+        "--path",
+        "/orders",
+        "--body",
+        "two",
+        "-k",
+        "k1",
+        "-p",
+        "acct_A",
+    ]
+    by_policy = cli(*asked, "--reuse-status", "422")
+    assert by_policy.exit_code == 1
+    assert by_policy.stdout.splitlines()[1] == (
+        "does NOT match the stored fingerprint: this request gets 422 idempotency_key_reused"
+    )
+    default = cli(*asked)
+    assert default.stdout.splitlines()[1] == (
+        "does NOT match the stored fingerprint: this request gets 409 idempotency_key_reused"
+    )
+    wrong = cli(*asked, "--reuse-status", "400")
+    assert (wrong.exit_code, wrong.stdout) == (2, "")
+    assert wrong.stderr == "error: --reuse-status must be 409 or 422 (the Policy's choices), got 400\n"
