@@ -230,7 +230,7 @@ class LedgerCore:
         >>> Ledger.open(":memory:").require_schema()
         Traceback (most recent call last):
         ...
-        idemctl.errors.SchemaMissingError: :memory: has no idempotency ledger
+        idemctl.errors.SchemaMissingError: :memory: has no idempotency ledger (ledger.init() creates it)
         """
         if self.schema_version() is None:
             raise SchemaMissingError(self.describe())
