@@ -255,3 +255,23 @@ def test_a_server_url_with_a_mistyped_scheme_is_a_bad_url_not_a_file_path(db, li
     # As a file path, `init` would create a SQLite ledger inside a directory named after the scheme.
     assert fails(["--db", db, *command]) == line
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["init"], ["stats"], ["init", "--dry-run"]], ids=" ".join)
+@pytest.mark.parametrize(
+    ("db", "example"),
+    [
+        ("postgresql://postgres@127.0.0.1:5432", "postgresql://postgres@127.0.0.1:5432/idempotency"),
+        ("postgresql://app:s3cret@db.internal/", "postgresql://app@db.internal/idempotency"),
+        ("host=db.internal user=app", "postgresql://app@db.internal/idempotency"),
+    ],
+)
+def test_a_postgresql_url_without_a_database_is_refused_before_anything_is_created(db, example, command, monkeypatch):
+    # libpq would fall back to the role's name: for postgres, the maintenance database.
+    monkeypatch.delenv("PGDATABASE", raising=False)
+    monkeypatch.delenv("PGSERVICE", raising=False)
+    role = "postgres" if "postgres@" in db else "app"
+    assert fails(["--db", db, *command]) == (
+        f"error: bad PostgreSQL URL: it names no database (libpq would use the role's name, {role}); "
+        f"name the ledger's own, e.g. {example}"
+    )
