@@ -312,7 +312,7 @@ def watch_stats(ledger: Operator, *, interval_ms: int, count: int | None) -> Non
         else:
             while count is None or shown_count < count:
                 st = ledger.stats() if shown_count else first
-                typer.echo(_watch_line(st))
+                typer.echo(_watch_line(st, first))
                 shown_count += 1
                 if count is not None and shown_count >= count:
                     break
@@ -322,11 +322,15 @@ def watch_stats(ledger: Operator, *, interval_ms: int, count: int | None) -> Non
         raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
-def _watch_line(st: Stats) -> str:
+def _watch_line(st: Stats, first: Stats) -> str:
+    # With what the live view says since the watch began: new fenced-out
+    # events and how the expired count moved.
     return (
         f"{iso(st.now)} rows={st.total} pending_fresh={st.pending_fresh} pending_stale={st.pending_stale} "
         f"completed={st.completed} expired={st.expired} taken_over={st.taken_over} "
-        f"fenced_out={st.fenced_out_events}"
+        f"fenced_out={st.fenced_out_events} since={iso(first.now)} "
+        f"new_fenced_out={st.fenced_out_events - first.fenced_out_events} "
+        f"expired_change={st.expired - first.expired:+d}"
     )
 
 
