@@ -275,3 +275,33 @@ def test_a_postgresql_url_without_a_database_is_refused_before_anything_is_creat
         f"error: bad PostgreSQL URL: it names no database (libpq would use the role's name, {role}); "
         f"name the ledger's own, e.g. {example}"
     )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["inspect", "K", "-p", "acct_A"], ["fingerprint", "-X", "POST", "--path", "/", "-k", "K", "-p", "acct_A"]],
+    ids=["inspect", "fingerprint"],
+)
+@pytest.mark.parametrize(
+    ("key", "shown", "why"),
+    [
+        (
+            "k" * 300,
+            "'" + "k" * 40 + "'… (260 more)",
+            "it is 300 characters long, over the limit of 255 (printable ASCII)",
+        ),
+        (
+            "é" * 300,
+            "'" + "\\xe9" * 40 + "'… (260 more)",
+            "it is 300 characters long, over the limit of 255 (printable ASCII)",
+        ),
+        ("\x1b[31mred", "'\\x1b[31mred'", "must be 1-255 printable ASCII characters"),
+    ],
+    ids=["long", "long-non-ascii", "escape"],
+)
+def test_a_refused_key_is_shown_short_and_escaped_and_a_long_one_is_told_its_length(args, key, shown, why, tmp_path):
+    db = tmp_path / "l.db"
+    with Ledger.open(db) as ledger:
+        ledger.init()
+    line = fails(["--db", str(db), *[key if a == "K" else a for a in args]])
+    assert line == f"error: invalid Idempotency-Key {shown}: {why}"
