@@ -341,7 +341,7 @@ def test_a_database_pgbouncer_does_not_know_is_a_missing_ledger_not_an_unreachab
         pytest.raises(LedgerNotFoundError) as missing,
     ):
         ledger.lookup("acct_A", "k1")
-    assert str(missing.value).endswith(": the pooler has no such database: nosuchdb")
+    assert missing.value.reason.endswith(": the pooler has no such database: nosuchdb")
     assert not isinstance(missing.value, ConnectionFailedError)
 
 
