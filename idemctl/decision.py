@@ -511,6 +511,12 @@ async def _land_then_settle(
 _orphans: set[asyncio.Future[Any]] = set()
 
 
+def outlive(future: asyncio.Future[Any]) -> None:
+    """Keep `future`, work that outlives its request on this loop (a
+    post-response sweep), for `settle_orphans` to wait for."""
+    _keep(future)
+
+
 async def settle_orphans(timeout_s: float = 5.0) -> int:
     """Wait, up to `timeout_s`, for what cancelled requests left running on
     this event loop: a claim still landing, then its release. Call it before

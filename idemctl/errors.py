@@ -44,18 +44,29 @@ class StorageError(IdemctlError):
 
 class SchemaMissingError(StorageError):
     """The database has no ledger table yet: `Ledger.init()` creates it.
+    ``reason`` is what is wrong, without the advice the message adds.
 
-    >>> SchemaMissingError("/var/lib/app/idempotency.db").where
-    '/var/lib/app/idempotency.db'
+    >>> error = SchemaMissingError("/var/lib/app/idempotency.db")
+    >>> error.where, error.reason
+    ('/var/lib/app/idempotency.db', '/var/lib/app/idempotency.db has no idempotency ledger')
+    >>> str(error)
+    '/var/lib/app/idempotency.db has no idempotency ledger (ledger.init() creates it)'
     """
+
+    advice = "ledger.init() creates it"
 
     def __init__(self, where: str, message: str | None = None) -> None:
         self.where = where
-        super().__init__(message or f"{where} has no idempotency ledger")
+        self.reason = message or f"{where} has no idempotency ledger"
+        super().__init__(f"{self.reason} ({self.advice})")
 
 
 class LedgerNotFoundError(SchemaMissingError):
-    """No ledger exists at the given place (nothing was created there)."""
+    """No ledger exists at the given place (nothing was created there): on
+    a server, the database itself may be missing, which `idemctl init`
+    creates (when the URL's role may) and `Ledger.init()` does not."""
+
+    advice = "`idemctl init` creates it, a server's database included; ledger.init() creates only the tables"
 
     def __init__(self, where: str, reason: str | None = None) -> None:
         super().__init__(where, f"no ledger at {where}" if reason is None else reason)

@@ -195,8 +195,40 @@ def check_key(key: object) -> str:
             '(send a key holding a comma as an sf-string: "a,b")'
         )
     if parsed is None:
-        raise InvalidKeyError(f"invalid Idempotency-Key {key!r}: must be 1-255 printable ASCII characters")
+        raise InvalidKeyError(f"invalid Idempotency-Key {_shown_key(key)}: {_why_invalid(key)}")
     return parsed
+
+
+# How much of a refused key an error message shows: a client may send
+# kilobytes, and the message is a log line or one line on a terminal.
+_SHOWN_KEY_CHARS = 40
+
+
+def _shown_key(key: object) -> str:
+    r"""A refused key for a message: its first characters, escaped (ASCII
+    only, control characters as \n or \x1b), and how many more there were.
+
+    >>> _shown_key("k" * 300)
+    "'kkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkk'… (260 more)"
+    >>> print(_shown_key("\u00e9\x1b"))
+    '\xe9\x1b'
+    """
+    text = key if isinstance(key, str) else repr(key)
+    more = len(text) - _SHOWN_KEY_CHARS
+    return ascii(text[:_SHOWN_KEY_CHARS]) + (f"… ({more} more)" if more > 0 else "")
+
+
+def _why_invalid(key: object) -> str:
+    """What is wrong with a key `parse_key` refused.
+
+    >>> _why_invalid("k" * 300)
+    'it is 300 characters long, over the limit of 255 (printable ASCII)'
+    """
+    if isinstance(key, str):
+        inner = key[1:-1] if len(key) >= 2 and key[0] == key[-1] == '"' else key
+        if len(inner) > 255:
+            return f"it is {len(inner)} characters long, over the limit of 255 (printable ASCII)"
+    return "must be 1-255 printable ASCII characters"
 
 
 def header_pairs(headers: HeadersLike | None) -> list[tuple[str, str]]:

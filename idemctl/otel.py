@@ -53,8 +53,14 @@ from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Final
 
-from opentelemetry import context, metrics, trace
-from opentelemetry.util.types import AttributeValue
+try:
+    from opentelemetry import context, metrics, trace
+    from opentelemetry.util.types import AttributeValue
+except ImportError as exc:  # the API lives behind an extra, as the engines' drivers do
+    raise ModuleNotFoundError(
+        f"idemctl.otel needs the OpenTelemetry API: pip install 'idemctl[otel]' ({exc.name} is missing)",
+        name=exc.name,
+    ) from exc
 
 from .leases import LeaseKeeper, LeaseTick
 from .ledger import Ledger

@@ -104,16 +104,17 @@ def postgres_server() -> str:
 def pgbouncers(postgres_server: str) -> Iterator[Callable[..., PgBouncer]]:
     """PgBouncer in front of the test server, by pool mode (session,
     transaction, statement) and whether it drops startup options
-    (`ignore_options`): each started on first use, stopped at the end of
+    (`ignore_options`), and whether it passes any database name on
+    (`any_database`): each started on first use, stopped at the end of
     the run. Skips (fails under CI) when PgBouncer cannot run here."""
-    started: dict[tuple[str, bool], PgBouncer] = {}
+    started: dict[tuple[str, bool, bool], PgBouncer] = {}
     with contextlib.ExitStack() as stack:
 
-        def get(mode: str, *, ignore_options: bool = False) -> PgBouncer:
-            if (mode, ignore_options) not in started:
-                bouncer = start_or_skip(mode, postgres_server, ignore_options=ignore_options)
-                started[mode, ignore_options] = stack.enter_context(bouncer)
-            return started[mode, ignore_options]
+        def get(mode: str, *, ignore_options: bool = False, any_database: bool = False) -> PgBouncer:
+            if (mode, ignore_options, any_database) not in started:
+                bouncer = start_or_skip(mode, postgres_server, ignore_options=ignore_options, any_database=any_database)
+                started[mode, ignore_options, any_database] = stack.enter_context(bouncer)
+            return started[mode, ignore_options, any_database]
 
         yield get
 

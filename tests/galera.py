@@ -196,7 +196,7 @@ class GaleraCluster:
         ]
 
     def _install(self, datadir: Path) -> None:
-        subprocess.run(
+        done = subprocess.run(
             [
                 INSTALL_DB,
                 "--no-defaults",
@@ -206,11 +206,14 @@ class GaleraCluster:
                 "--skip-test-db",
                 "--innodb-log-file-size=16M",
             ],
-            check=True,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             timeout=120,
         )
+        if done.returncode != 0:
+            # Its own words say why (a permission, a missing file), not the exit status alone.
+            said = done.stderr.decode(errors="replace").strip()[-2000:] or "(nothing on stderr)"
+            raise RuntimeError(f"{INSTALL_DB} exited with {done.returncode} for {datadir}: {said}")
 
     def _launch(self, node: Node, *extra: str) -> None:
         self._write_cnf(node)

@@ -39,13 +39,14 @@ def _open_destination(url: str, busy_timeout_ms: int, *, init: bool, dry_run: bo
     except (LedgerNotFoundError, ConnectionFailedError) as exc:
         if not database_missing(url, exc):
             raise
+        reason = exc.reason if isinstance(exc, LedgerNotFoundError) else str(exc)
         if not writes:
-            raise UserError(f"the destination: {exc}: {how}") from None
+            raise UserError(f"the destination: {reason}: {how}") from None
         # --init creates a missing server database, as `init` does.
         again = same_command()
         if not create_database(url, busy_timeout_ms, again, err=True):
             parent = os.path.dirname(os.path.abspath(os.path.expanduser(url)))
-            raise UserError(f"the destination: {exc}: run `mkdir -p {shlex.quote(parent)} && {again}`") from None
+            raise UserError(f"the destination: {reason}: run `mkdir -p {shlex.quote(parent)} && {again}`") from None
         return _opened(url, busy_timeout_ms, writes=writes, how=how)
 
 
@@ -55,7 +56,7 @@ def _opened(url: str, busy_timeout_ms: int, *, writes: bool, how: str) -> Ledger
     except LedgerNotFoundError:
         raise
     except SchemaMissingError as exc:
-        raise UserError(f"the destination: {exc}: {how}") from None
+        raise UserError(f"the destination: {exc.reason}: {how}") from None
     try:
         if writes:
             destination.init()

@@ -6,7 +6,9 @@ an exit code. The options the commands share are declared in `options`."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -113,7 +115,7 @@ class IdemctlCommand(TyperCommand):
         return _plain_help_option(super().get_help_option(ctx))
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
-        _help_into_a_pipe(lambda: super(IdemctlCommand, self).format_help(ctx, formatter))
+        _help_into_a_pipe(lambda: _help_that_fits(self, super(IdemctlCommand, self).format_help, ctx, formatter))
 
 
 class IdemctlGroup(TyperGroup):
@@ -132,7 +134,7 @@ class IdemctlGroup(TyperGroup):
         return _plain_help_option(super().get_help_option(ctx))
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
-        _help_into_a_pipe(lambda: super(IdemctlGroup, self).format_help(ctx, formatter))
+        _help_into_a_pipe(lambda: _help_that_fits(self, super(IdemctlGroup, self).format_help, ctx, formatter))
 
     def main(
         self,
@@ -201,6 +203,27 @@ class IdemctlGroup(TyperGroup):
             if exc.errno != errno.EPIPE:
                 raise
             raise PipeClosed() from None
+
+
+# Below this width rich's help boxes cut option names and metavars short
+# ("--prin…", "PRINCIP/AL"): click's plain layout is used instead, which
+# puts a long option's help under it.
+RICH_HELP_MIN_COLUMNS = 80
+
+
+def _help_that_fits(command: Any, show: Callable[[Any, Any], None], ctx: Any, formatter: Any) -> None:
+    columns = shutil.get_terminal_size().columns
+    if columns >= RICH_HELP_MIN_COLUMNS:
+        show(ctx, formatter)
+        return
+    formatter.width = max(columns - 2, 20)  # click's own layout never goes below 50 by itself
+    mode, command.rich_markup_mode = command.rich_markup_mode, None
+    try:
+        show(ctx, formatter)
+    finally:
+        command.rich_markup_mode = mode
+    # Written for rich, the help escapes its brackets ("\\[env var: …]").
+    formatter.buffer[:] = [part.replace("\\[", "[") for part in formatter.buffer]
 
 
 def _help_into_a_pipe(show: Callable[[], None]) -> None:
@@ -352,6 +375,17 @@ def _global(
     # Only what the command line says: the environment is read when a
     # command needs its settings, so that `--help` works whatever it holds.
     ctx.obj = GlobalOptions(db, ttl, retention, busy_timeout)
+    _quiet_driver_logs()
+
+
+def _quiet_driver_logs() -> None:
+    """The database drivers' own log lines (psycopg_pool's "discarding
+    closed connection: <… at 0x…>") are not for an operator: the command's
+    error says what went wrong, in one line. With a handler of their own,
+    logging's last resort (WARNING and up on stderr) stays quiet for them."""
+    driver = logging.getLogger("psycopg")
+    if not driver.handlers:
+        driver.addHandler(logging.NullHandler())
 
 
 def _db(value: str | None) -> str | None:

@@ -95,11 +95,21 @@ def fingerprint_cmd(
             help="With --json-body: a field that does not count (dotted path, e.g. meta.sent_at); repeat for several.",
         ),
     ] = None,
+    reuse_status: Annotated[
+        int,
+        typer.Option(
+            "--reuse-status",
+            metavar="STATUS",
+            help="With --key: the status the app's Policy(reuse_status=...) answers a reused key with, 409 or 422.",
+        ),
+    ] = 409,
     json_out: JsonOpt = False,
     db: DbOpt = None,
     ttl: TtlOpt = None,
 ) -> None:
-    """Print a request's fingerprint; with --key, whether it would replay or get 409 reused."""
+    """Print a request's fingerprint; with --key, whether it would replay or be refused as reused."""
+    if reuse_status not in (409, 422):
+        raise UserError(f"--reuse-status must be 409 or 422 (the Policy's choices), got {reuse_status}")
     if ignore_field and not json_body:
         raise UserError("--ignore-field needs --json-body")
     if (key is None) != (principal is None):
@@ -130,7 +140,7 @@ def fingerprint_cmd(
             form = canonical if body_form == "json" else body_form
             typer.echo(f"body: {form}{ignored}")
         if prediction is not None:
-            typer.echo(verdict_words(prediction))
+            typer.echo(verdict_words(prediction, reuse_status))
             if prediction.verdict is Verdict.REUSED and prediction.view is not None:
                 typer.echo(f"stored: {visible(prediction.view.row.fingerprint)}")
     if prediction is not None and prediction.verdict in (Verdict.NEW, Verdict.REUSED):

@@ -81,10 +81,10 @@ def with_hint(exc: IdemctlError, db: str | None = None, given: bool = False) -> 
         parent = os.path.dirname(os.path.abspath(os.path.expanduser(db)))
         if not os.path.isdir(parent):
             # `init` would fail the same way: the directory comes first.
-            missing = "" if "does not exist" in str(exc) else f"directory {parent} does not exist: "
-            return f"{exc} — {missing}run `mkdir -p {shlex.quote(parent)} && {init}`"
-    if isinstance(exc, SchemaMissingError):
-        return f"{exc} — run `{init}`"
+            missing = "" if "does not exist" in exc.reason else f"directory {parent} does not exist: "
+            return f"{exc.reason} — {missing}run `mkdir -p {shlex.quote(parent)} && {init}`"
+    if isinstance(exc, SchemaMissingError):  # the library's advice, in the CLI's words
+        return f"{exc.reason} — run `{init}`"
     return str(exc)
 
 

@@ -243,8 +243,8 @@ STATS_FORMATS = ("text", "json", "prometheus")
     cls=IdemctlCommand,
     epilog=(
         "Example (cron): idemctl stats --max-expired 10000 --max-fenced 0 || page-oncall\n\n"
-        "Example (textfile collector): idemctl stats --format prometheus --max-fenced 0 "
-        "--output /var/lib/node_exporter/idemctl.prom || page-oncall"
+        "Example (textfile collector, with the app's TTL and retention): idemctl stats --format prometheus "
+        "--ttl 30s --retention 24h --max-fenced 0 --output /var/lib/node_exporter/idemctl.prom || page-oncall"
     ),
 )
 def stats(

@@ -69,7 +69,14 @@ def flag(*names: str, help: str) -> Any:
     return typer.Option(*names, metavar="", help=help)
 
 
-def count_option(*names: str, help: str | None, low: int = 0, high: int | None = None, **extra: Any) -> Any:
+# The largest count any option takes. Without a bound a huge N went on to the
+# database (a query asks for N + 1 rows) and came back as an engine's error
+# (an overflow, a syntax error) instead of a usage error; a billion is more
+# rows than a terminal or a threshold needs and fits every engine's integers.
+MAX_COUNT = 1_000_000_000
+
+
+def count_option(*names: str, help: str | None, low: int = 0, high: int = MAX_COUNT, **extra: Any) -> Any:
     """An integer option N with its bounds checked by `in_range`."""
     return typer.Option(*names, metavar="N", callback=in_range(low, high), help=help, **extra)
 

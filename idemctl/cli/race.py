@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import ScenarioError
+from ..errors import ScenarioError, SchemaMissingError
 from ..ledger import Ledger
 from ..outcomes import Outcome
 from ..policy import Policy
@@ -96,7 +96,9 @@ def race_child() -> None:
             "retry_after": answer.header("Retry-After"),
         }
     except Exception as exc:  # reported as a failed worker
-        result = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}
+        # A missing ledger's reason, without the library's advice to call init().
+        said = exc.reason if isinstance(exc, SchemaMissingError) else str(exc)
+        result = {"error": f"{type(exc).__name__}: {' '.join(said.split())}"}
     print(json.dumps(result), flush=True)
 
 

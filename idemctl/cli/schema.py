@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 import typer
@@ -88,13 +89,45 @@ def init(
         # role may, rather than send the operator to `init`, which they just ran.
         if not database_missing(target, exc) or not create_database(target, s.busy_timeout_ms):
             raise
-        _init(target, s.busy_timeout_ms, mode)
+        _init_new_database(target, s.busy_timeout_ms, mode)
 
 
 def _init(target: str, busy_timeout_ms: int, mode: int) -> None:
     with Ledger.open(target, create=True, busy_timeout_ms=busy_timeout_ms, file_mode=mode) as ledger:
         result = ledger.init()
         typer.echo(f"{ledger.describe()}: {result.describe()}")
+
+
+# How long `init` keeps trying a database it has just created. Through
+# PgBouncer the first connections to it time out: the pooler failed to log in
+# to it before it existed and waits out its server_login_retry (15 s by
+# default, measured up to 30 s) before it tries again.
+NEW_DATABASE_WAIT_S = 45.0
+
+
+def _init_new_database(target: str, busy_timeout_ms: int, mode: int, wait_s: float = NEW_DATABASE_WAIT_S) -> None:
+    """`_init` on a database this command has just created, tried again while
+    it does not answer yet, for at most `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    told = False
+    while True:
+        try:
+            _init(target, busy_timeout_ms, mode)
+            return
+        except ConnectionFailedError as exc:
+            if time.monotonic() >= deadline:
+                raise UserError(
+                    f"{exc}; the database was created, but a pooler in front of it (PgBouncer) may still be "
+                    f"waiting out its server_login_retry: run `{hint_command('init')}` again in 30 seconds"
+                ) from None
+            if not told:
+                typer.echo(
+                    f"{exc}; a pooler such as PgBouncer waits before it logs in again to a database it first "
+                    f"found missing: trying again for up to {wait_s:.0f} s",
+                    err=True,
+                )
+                told = True
+            time.sleep(1)
 
 
 def database_missing(target: str, exc: Exception) -> bool:

@@ -124,6 +124,10 @@ class _Runner:
     tap: _LogTap
     progress: Progress | None = None
     reservations: dict[tuple[str, str, str], Reservation] = field(default_factory=dict)
+    # Every reservation a claim or takeover step got, by (principal, key,
+    # generation): `generation = N` completes or releases as that owner, with
+    # its fencing token (a reservation made up with no token never matches).
+    granted: dict[tuple[str, str, int], Reservation] = field(default_factory=dict)
     events: list[TimelineEvent] = field(default_factory=list)
 
     def emit(self, step: Step, outcome: Outcome | StepOutcome, detail: str, **kw: Any) -> None:
@@ -153,8 +157,19 @@ class _Runner:
     def _reservation_for(self, step: Step) -> Reservation | None:
         held = self.reservations.get((step.actor, step.principal, step.key))
         if step.generation is not None:
-            fp = held.fingerprint if held else step.fingerprint(self.ledger.policy)
-            return Reservation(step.principal, step.key, step.generation, fp)
+            if held is not None and held.generation == step.generation:
+                return held
+            owner = self.granted.get((step.principal, step.key, step.generation))
+            if owner is None:
+                # Completing with no token would be fenced out whatever the row
+                # holds, and record a fenced-out event nothing caused.
+                self.emit(
+                    step,
+                    StepOutcome.ERROR,
+                    f"no step claimed or took over generation {step.generation} of {step.principal}/{step.key}: "
+                    "nothing to act as",
+                )
+            return owner
         if held is None:
             # The parser rules out a missing claim; this is a claim or takeover that did not succeed.
             self.emit(
@@ -163,6 +178,10 @@ class _Runner:
                 f"actor {step.actor} holds no reservation: its claim or takeover did not succeed (give generation = N)",
             )
         return held
+
+    def _hold(self, step: Step, got: Reservation) -> None:
+        self.reservations[(step.actor, step.principal, step.key)] = got
+        self.granted[(step.principal, step.key, got.generation)] = got
 
     def _request(self, step: Step) -> None:
         status, headers, body = mutation_answer(step)
@@ -184,7 +203,7 @@ class _Runner:
         if got is None:
             self.emit(step, StepOutcome.NOT_CLAIMED, "the key already exists: no reservation")
             return
-        self.reservations[(step.actor, step.principal, step.key)] = got
+        self._hold(step, got)
         detail = f"claimed generation {got.generation}; the mutation starts and stalls"
         self.emit(step, StepOutcome.CLAIMED, detail, generation=got.generation)
 
@@ -194,7 +213,7 @@ class _Runner:
             detail = "not taken over: the row is fresh, completed, gone or for another request"
             self.emit(step, StepOutcome.NOT_TAKEN_OVER, detail)
             return
-        self.reservations[(step.actor, step.principal, step.key)] = got
+        self._hold(step, got)
         self.emit(step, StepOutcome.TAKEN_OVER, f"took over as generation {got.generation}", generation=got.generation)
 
     def _complete(self, step: Step) -> None:

@@ -22,6 +22,7 @@ from .core import EXIT_INTERRUPTED, EXIT_NO, IdemctlCommand, UserError, app, exi
 from .documents import sweep_dry_run_json, sweep_json
 from .escaping import visible
 from .options import (
+    MAX_COUNT,
     DbOpt,
     Given,
     JsonOpt,
@@ -130,7 +131,9 @@ def sweep(
             help="Time to sleep between batches, e.g. 50ms, to leave the lock to the request path (default 0s).",
         ),
     ] = None,
-    pause_ms: Annotated[int | None, typer.Option("--pause-ms", metavar="MS", callback=in_range(0), hidden=True)] = None,
+    pause_ms: Annotated[
+        int | None, typer.Option("--pause-ms", metavar="MS", callback=in_range(0, MAX_COUNT), hidden=True)
+    ] = None,
     json_out: JsonOpt = False,
     db: DbOpt = None,
     ttl: TtlOpt = None,
@@ -201,22 +204,32 @@ def _refusal(principal: str, key: str, view: RowView) -> str:
     )
 
 
+def _answer() -> str:
+    """One line typed (or piped) on stdin; "" at its end."""
+    return sys.stdin.readline()
+
+
 def _confirmed(principal: str, key: str) -> bool:
+    # Asked on stderr and read from stdin by hand: click's confirm reads
+    # through input(), which writes its prompt's last space to stdout, where
+    # it would start the command's result (" purged …") or stand alone.
+    sys.stderr.write(f"Purge {visible(principal)}/{key}? The client's next retry will run the mutation again [y/N]: ")
+    sys.stderr.flush()
     try:
-        confirmed = typer.confirm(
-            f"Purge {visible(principal)}/{key}? The client's next retry will run the mutation again", err=True
-        )
-    except typer.Abort as exc:
+        answer = _answer()
+    except KeyboardInterrupt:  # Ctrl-C at the prompt: as anywhere else
         typer.echo(err=True)  # end the prompt's line
-        if isinstance(exc.__context__, KeyboardInterrupt):  # Ctrl-C at the prompt: as anywhere else
-            raise typer.Exit(EXIT_INTERRUPTED) from None
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    if not answer:  # end of input: nobody answered
+        typer.echo(err=True)
         say_no("not purged: no confirmation (pass --yes to skip the prompt)")
         return False
-    if not confirmed:
-        if not sys.stdin.isatty():
-            typer.echo(err=True)  # a piped answer is not echoed: end the prompt's line
+    if not sys.stdin.isatty():
+        typer.echo(err=True)  # a piped answer is not echoed: end the prompt's line
+    if answer.strip().lower() not in ("y", "yes"):
         say_no("not purged")
-    return confirmed
+        return False
+    return True
 
 
 @app.command(cls=IdemctlCommand, epilog="Example: idemctl purge order-42 --principal acct_A --yes")

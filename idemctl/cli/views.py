@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import typer
 from rich import box
 from rich.cells import cell_len
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.highlighter import JSONHighlighter
 from rich.live import Live
 from rich.measure import Measurement
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -45,11 +46,40 @@ def shown(value: object) -> Text:
     return Text(visible(value))
 
 
-def _grid() -> Table:
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold", no_wrap=True)
-    grid.add_column(overflow="fold")
-    return grid
+# The longest token a value keeps whole on a narrow terminal: an ISO
+# timestamp with milliseconds.
+WHOLE_TOKEN = len("2026-01-01T00:00:00.000Z")
+
+
+class Pairs:
+    """Labels and their values: two columns where they fit with a whole
+    timestamp beside the widest label; on a narrower terminal each label on
+    its own line and its value indented below it, so that no timestamp or
+    label is split in the middle."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str | Text, RenderableType]] = []
+
+    def add_row(self, label: str | Text, value: RenderableType) -> None:
+        self.rows.append((label, value))
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        widest = max((cell_len(label.plain if isinstance(label, Text) else label) for label, _ in self.rows), default=0)
+        if widest + 2 + WHOLE_TOKEN <= options.max_width:
+            grid = Table.grid(padding=(0, 2))
+            grid.add_column(style="bold", no_wrap=True)
+            grid.add_column(overflow="fold")
+            for label, value in self.rows:
+                grid.add_row(label, value)
+            yield grid
+            return
+        for label, value in self.rows:
+            yield Text(label, style="bold") if isinstance(label, str) else label
+            yield Padding(value, (0, 0, 0, 2))
+
+
+def _grid() -> Pairs:
+    return Pairs()
 
 
 # -- one row (inspect) ------------------------------------------------------------------------
@@ -70,7 +100,7 @@ def _headers_text(headers_json: str | None) -> Text:
     return Text("\n".join(lines))
 
 
-def _response_rows(grid: Table, view: RowView) -> None:
+def _response_rows(grid: Pairs, view: RowView) -> None:
     row = view.row
     if row.status is not Status.COMPLETED:
         grid.add_row("response", "none yet: the row is pending")
@@ -258,7 +288,7 @@ def pending_cells(v: RowView) -> list[Text]:
     return [shown(v.row.principal), shown(v.row.key), shown(v.row.generation), Text(human_duration(v.age_ms)), verdict]
 
 
-def stats_grid(where: str, st: Stats, policy: Policy) -> Table:
+def stats_grid(where: str, st: Stats, policy: Policy) -> Pairs:
     """`stats` for a person: each count with what it means."""
     grid = _grid()
     grid.add_row("ledger", Text(f"{where} (schema version {st.schema_version})"))
@@ -312,7 +342,7 @@ def watch_stats(ledger: Operator, *, interval_ms: int, count: int | None) -> Non
         else:
             while count is None or shown_count < count:
                 st = ledger.stats() if shown_count else first
-                typer.echo(_watch_line(st))
+                typer.echo(_watch_line(st, first))
                 shown_count += 1
                 if count is not None and shown_count >= count:
                     break
@@ -322,15 +352,19 @@ def watch_stats(ledger: Operator, *, interval_ms: int, count: int | None) -> Non
         raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
-def _watch_line(st: Stats) -> str:
+def _watch_line(st: Stats, first: Stats) -> str:
+    # With what the live view says since the watch began: new fenced-out
+    # events and how the expired count moved.
     return (
         f"{iso(st.now)} rows={st.total} pending_fresh={st.pending_fresh} pending_stale={st.pending_stale} "
         f"completed={st.completed} expired={st.expired} taken_over={st.taken_over} "
-        f"fenced_out={st.fenced_out_events}"
+        f"fenced_out={st.fenced_out_events} since={iso(first.now)} "
+        f"new_fenced_out={st.fenced_out_events - first.fenced_out_events} "
+        f"expired_change={st.expired - first.expired:+d}"
     )
 
 
-def _watch_view(where: str, st: Stats, first: Stats, policy: Policy) -> Table:
+def _watch_view(where: str, st: Stats, first: Stats, policy: Policy) -> Pairs:
     grid = stats_grid(where, st, policy)
     new_fenced = st.fenced_out_events - first.fenced_out_events
     since = f"since {iso(first.now)}: "

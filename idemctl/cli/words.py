@@ -118,7 +118,7 @@ def body_kind(row: StoredRow) -> str:
     return "json"
 
 
-def verdict_words(prediction: Prediction) -> str:
+def verdict_words(prediction: Prediction, reuse_status: int = 409) -> str:
     """What `Ledger.predict` means for the request, in one sentence.
 
     >>> from idemctl import Ledger
@@ -133,7 +133,7 @@ def verdict_words(prediction: Prediction) -> str:
     if prediction.verdict is Verdict.NEW or view is None:
         return "no row for this key: this request would be claimed and run"
     if prediction.verdict is Verdict.REUSED:
-        return "does NOT match the stored fingerprint: this request gets 409 idempotency_key_reused"
+        return f"does NOT match the stored fingerprint: this request gets {reuse_status} idempotency_key_reused"
     row = view.row
     if prediction.verdict is Verdict.REPLAY:
         return (

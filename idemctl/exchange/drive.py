@@ -224,6 +224,11 @@ def _sweep_after(
     log = gate.log
 
     async def sweep_on_loop() -> None:
+        running = asyncio.current_task()
+        if running is not None:
+            decision.outlive(running)  # Ledger.aclose lets it finish before closing the connections
+        if store.closed:
+            return  # the loop's connections were closed since the answer: no sweep this time
         try:
             await decision.run_async(steps, in_thread, store=store)
         except Exception:  # the answer is out; a failed sweep must not turn into a 500

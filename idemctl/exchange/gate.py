@@ -166,9 +166,16 @@ class Gate:
     # -- before the ledger --------------------------------------------------------------
     def principal(self, who: object, *, key: str | None, method: str, target: str) -> str | Answer:
         """The principal an adapter's auth layer resolved, or the 401 answer.
-        Anything but a str or None is a bug in that auth layer: TypeError."""
+        A user object that says it is not authenticated (Starlette's
+        UnauthenticatedUser, Django's AnonymousUser) is nobody: 401. Anything
+        else but a str or None is a bug in that auth layer: TypeError."""
         if who is not None and not isinstance(who, str):
-            raise TypeError(f"principal() must return str or None, got {type(who).__name__}")
+            if getattr(who, "is_authenticated", None) is not False:
+                raise TypeError(
+                    f"principal() must return str or None, got {type(who).__name__} "
+                    "(return the user's identity, e.g. user.identity)"
+                )
+            who = None
         if not who:
             return self.ledger.refuse(
                 responses.unauthenticated(),

@@ -234,7 +234,7 @@ class Ledger(RequestFace):
         >>> Ledger.open(":memory:").require_schema()
         Traceback (most recent call last):
         ...
-        idemctl.errors.SchemaMissingError: :memory: has no idempotency ledger
+        idemctl.errors.SchemaMissingError: :memory: has no idempotency ledger (ledger.init() creates it)
         """
         return self.require_schema()
 

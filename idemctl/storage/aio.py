@@ -49,6 +49,9 @@ class AsyncStore:
     def __init__(self, store: Store, engine: AsyncEngine) -> None:
         self.store = store
         self.engine = engine
+        # Set by aclose and abandon: work still holding this store (a
+        # post-response sweep) must not open its connections again.
+        self.closed = False
 
     def describe(self) -> str:
         return self.engine.describe()
@@ -110,9 +113,11 @@ class AsyncStore:
         return FENCED_TABLE in await self.tables()
 
     async def aclose(self) -> None:
+        self.closed = True
         await self.engine.aclose()
 
     def abandon(self) -> None:
+        self.closed = True
         self.engine.abandon()
 
 

@@ -457,7 +457,7 @@ class MysqlEngine:
         if code == 1049:
             return server.no_such_database(where, msg)
         if code in _ACCESS_DENIED:
-            return server.unreachable("MySQL", where, msg)
+            return server.login_refused("MySQL", where, msg)
         if code in _NO_PRIVILEGE:
             return server.permission_denied(where, msg)
         if code == 1153:

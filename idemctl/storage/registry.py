@@ -224,7 +224,30 @@ def kind_of(target: str | os.PathLike[str]) -> EngineKind:
         scheme = target.split("://", 1)[0]
         shown = [k.location if k.fallback else f"{k.schemes[0]}://" for k in _described()]
         raise StorageError(f"unsupported ledger URL {scheme}://…: use {_plain_join(shown)}")
+    if kind.fallback and isinstance(target, str) and (typo := _mistyped_scheme(target)) is not None:
+        raise StorageError(typo)
     return kind
+
+
+def _mistyped_scheme(target: str) -> str | None:
+    """Why `target`, which begins with a registered scheme but not its
+    ``://`` (``postgresql:/db/x``), is a bad URL rather than a file path
+    (where `init` would make a directory named after the scheme); None for
+    any other target. The rest is not echoed: it may hold a password.
+
+    >>> _mistyped_scheme("postgresql:/app@db/payments")
+    "bad ledger URL: it begins with 'postgresql:/', and a PostgreSQL URL begins with 'postgresql://'"
+    >>> _mistyped_scheme("postgresql://app@db/payments"), _mistyped_scheme("ledger.db")
+    (None, None)
+    """
+    head, colon, rest = target.partition(":")
+    if not colon or rest.startswith("//"):
+        return None
+    kind = next((k for k in kinds() if head.lower() in k.schemes), None)
+    if kind is None:
+        return None
+    given = f"{head}:{'/' if rest.startswith('/') else ''}"
+    return f"bad ledger URL: it begins with {given!r}, and a {kind.title} URL begins with '{head.lower()}://'"
 
 
 def _described() -> list[EngineKind]:

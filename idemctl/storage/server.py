@@ -68,6 +68,16 @@ def unreachable(server: str, where: str, reason: str) -> ConnectionFailedError:
     return ConnectionFailedError(f"cannot reach {server} at {where}: {reason}")
 
 
+def login_refused(server: str, where: str, reason: str) -> ConnectionFailedError:
+    """A server that answered and refused the login (a wrong password, an
+    unknown role, no rule letting it in): reached, so not "cannot reach".
+
+    >>> str(login_refused("MySQL", "mysql://app@db/ledger", "Access denied for user 'app'"))
+    "MySQL at mysql://app@db/ledger refused the login: Access denied for user 'app'"
+    """
+    return ConnectionFailedError(f"{server} at {where} refused the login: {reason}")
+
+
 def permission_denied(where: str, message: str) -> StorageError:
     return StorageError(f"permission denied on {where}: {message}")
 

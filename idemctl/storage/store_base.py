@@ -48,6 +48,35 @@ class KeyStoredTwiceError(StorageError):
         )
 
 
+# The rows whose key an older writer stored as the header's sf-string, and
+# whether rows hold given keys as they are: what the upgrade to schema 3's
+# unique index would find twice, read by a dry run that creates no index.
+QUOTED_KEYS = "SELECT principal, key FROM idempotency_keys WHERE substr(key, 1, 1) = '\"'"
+_PAIRS_AT_ONCE = 100
+
+
+def key_id(stored: str) -> str:
+    r"""The key a stored value names, as schema 3's key_id column computes it:
+    the string inside a value that begins with a double quote (backslash
+    escapes undone, anything after the closing quote ignored), any other
+    value as it is.
+
+    >>> key_id('"k"'), key_id("k"), key_id('"a\\"b" tail'), key_id('"open')
+    ('k', 'k', 'a"b', '"open')
+    """
+    if not stored.startswith('"'):
+        return stored
+    inner = stored[1:].replace("\\\\", "\x01").replace('\\"', "\x02")
+    end = inner.find('"')
+    if end < 0:
+        return stored
+    return inner[:end].replace("\x01", "\\").replace("\x02", '"')
+
+
+def _text(value: object) -> str:
+    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
+
+
 def _duplicate(exc: Exception) -> bool:
     """Whether a schema statement failed on a duplicate of the new unique index."""
     text = str(exc).lower()
@@ -299,7 +328,15 @@ class StoreBase:
 
     def init(self, now: int, dry_run: bool) -> InitResult:
         """Create or upgrade the schema in one transaction that the engine
-        serialises against other inits."""
+        serialises against other inits; an up-to-date schema is only read."""
+        # Read first: an up-to-date ledger needs no transaction, and behind a
+        # pooler in statement mode there is none to have, so an app that calls
+        # init() at every start starts there. A schema is never downgraded, so
+        # what this read found up to date stays so.
+        current = self.schema_version()
+        if current is not None and current >= SCHEMA_VERSION:
+            self.version_checked(current)
+            return InitResult(InitAction.UP_TO_DATE, current, SCHEMA_VERSION, dry_run)
 
         def decide(tx: SchemaTx) -> InitResult:
             tables = tx.table_names(TABLES)
@@ -312,6 +349,8 @@ class StoreBase:
             if before == 0:
                 tx.check_recipe_table()
             if dry_run:
+                if before is not None and before < KEY_ID_VERSION and self._key_stored_twice(tx):
+                    raise KeyStoredTwiceError(self.describe())
                 return InitResult(action, before, SCHEMA_VERSION, dry_run)
             floor = -1 if before is None else before
             for f in schema_files(self.dialect.schema_folder):
@@ -333,3 +372,23 @@ class StoreBase:
         result = self.engine.migrate(decide, write=not dry_run)
         self.forget_schema()
         return result
+
+    def _key_stored_twice(self, tx: SchemaTx) -> bool:
+        """Whether two rows of one principal name the same key (`key_id`),
+        which the upgrade to schema 3's unique index would refuse."""
+        seen: set[tuple[str, str]] = set()
+        bare: list[tuple[str, str]] = []
+        for principal, stored in tx.execute(self.sql(QUOTED_KEYS), {}):
+            named = (_text(principal), key_id(_text(stored)))
+            if named in seen:
+                return True
+            seen.add(named)
+            if not named[1].startswith('"'):  # also the key of a row that holds it bare
+                bare.append(named)
+        for at in range(0, len(bare), _PAIRS_AT_ONCE):
+            chunk = bare[at : at + _PAIRS_AT_ONCE]
+            pairs = " OR ".join(f"(principal = :p{i} AND key = :k{i})" for i in range(len(chunk)))
+            params = {name: value for i, (p, k) in enumerate(chunk) for name, value in ((f"p{i}", p), (f"k{i}", k))}
+            if tx.execute(self.sql(f"SELECT 1 FROM idempotency_keys WHERE {pairs} LIMIT 1"), params):
+                return True
+        return False

@@ -691,7 +691,9 @@ def test_a_ledger_without_its_schema_is_503_and_the_app_never_runs(tmp_path, ord
     )
     assert orders.calls == []
     assert any(
-        r.getMessage().endswith("has no idempotency ledger") for r in caplog.records if r.levelno == logging.ERROR
+        r.getMessage().endswith("has no idempotency ledger (ledger.init() creates it)")
+        for r in caplog.records
+        if r.levelno == logging.ERROR
     )
 
 

@@ -644,3 +644,73 @@ def test_the_examples_in_the_cli_helpers_docstrings_hold():
     for module in modules:
         failed, attempted = doctest.testmod(module)
         assert failed == 0 and attempted > 0, module.__name__
+
+
+@pytest.mark.parametrize(("answer", "code"), [("y\n", 0), ("n\n", 1), (None, 1)], ids=["yes", "no", "no-input"])
+def test_purge_with_a_piped_answer_prints_nothing_of_the_prompt_on_stdout(answer, code, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    db = tmp_path / "ledger.db"
+    with Ledger.open(db) as ledger:
+        ledger.init()
+        ledger.handle("acct_A", "order-42", "POST", "/orders", {}, b"{}", lambda body: (201, {}, b"made"))
+    idemctl = os.path.join(os.path.dirname(sys.executable), "idemctl")
+    done = subprocess.run(
+        [idemctl, "--db", str(db), "purge", "order-42", "-p", "acct_A"],
+        input=answer,
+        stdin=subprocess.DEVNULL if answer is None else None,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.returncode == code, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("acct_A / order-42 (generation 1): completed")  # the row, before the question
+    if answer == "y\n":
+        assert lines[1:] == [
+            "purged acct_A/order-42 (completed, generation 1): the client's next retry runs the mutation again"
+        ]
+    else:
+        assert len(lines) == 1
+    assert done.stderr.startswith(
+        "Purge acct_A/order-42? The client's next retry will run the mutation again [y/N]: \n"
+    )
+
+
+def test_fingerprint_says_the_reuse_status_the_apps_policy_answers(tmp_path):
+    db = tmp_path / "ledger.db"
+    policy = Policy(reuse_status=422)
+    with Ledger.open(db, policy=policy) as ledger:
+        ledger.init()
+        ledger.handle("acct_A", "k1", "POST", "/orders", {}, b"one", lambda body: (201, {}, b"made"))
+        answered = ledger.handle("acct_A", "k1", "POST", "/orders", {}, b"two", lambda body: (201, {}, b"again"))
+    assert answered.status == 422
+    asked = [
+        "--db",
+        str(db),
+        "fingerprint",
+        "-X",
+        "POST",
+        "--path",
+        "/orders",
+        "--body",
+        "two",
+        "-k",
+        "k1",
+        "-p",
+        "acct_A",
+    ]
+    by_policy = cli(*asked, "--reuse-status", "422")
+    assert by_policy.exit_code == 1
+    assert by_policy.stdout.splitlines()[1] == (
+        "does NOT match the stored fingerprint: this request gets 422 idempotency_key_reused"
+    )
+    default = cli(*asked)
+    assert default.stdout.splitlines()[1] == (
+        "does NOT match the stored fingerprint: this request gets 409 idempotency_key_reused"
+    )
+    wrong = cli(*asked, "--reuse-status", "400")
+    assert (wrong.exit_code, wrong.stdout) == (2, "")
+    assert wrong.stderr == "error: --reuse-status must be 409 or 422 (the Policy's choices), got 400\n"

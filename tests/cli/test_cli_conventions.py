@@ -433,20 +433,20 @@ def test_a_long_fill_shows_its_progress_on_a_terminal_and_nothing_piped(tmp_path
 
 
 def test_ctrl_c_at_the_purge_prompt_exits_130_and_purges_nothing(tmp_path, monkeypatch):
-    import typer
+    from idemctl.cli import sweep
 
     db = tmp_path / "l.db"
     ledger_with(db, expired=1)
 
-    def ctrl_c_at_the_prompt(*args: object, **kwargs: object) -> bool:
-        try:
-            raise KeyboardInterrupt
-        except KeyboardInterrupt:
-            raise typer.Abort() from None  # what click's prompt does with Ctrl-C
+    def ctrl_c_at_the_prompt() -> str:
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(typer, "confirm", ctrl_c_at_the_prompt)
+    monkeypatch.setattr(sweep, "_answer", ctrl_c_at_the_prompt)
     result = cli("--db", str(db), "purge", "old-0000", "--principal", "acct_A")
-    assert (result.exit_code, result.stderr) == (130, "\n")
+    assert (result.exit_code, result.stderr) == (
+        130,
+        "Purge acct_A/old-0000? The client's next retry will run the mutation again [y/N]: \n",
+    )
     with Ledger.open(db, create=False) as ledger:
         assert ledger.lookup("acct_A", "old-0000") is not None
 

@@ -236,3 +236,77 @@ def test_a_missing_required_option_is_a_usage_error_exit_2():
     result = CliRunner().invoke(app, ["inspect", "order-42"])
     assert result.exit_code == 2 and result.stdout == ""
     assert "--principal" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("db", "line"),
+    [
+        (
+            "postgresql:/postgres@127.0.0.1:5432/x",
+            "error: bad ledger URL: it begins with 'postgresql:/', and a PostgreSQL URL begins with 'postgresql://'",
+        ),
+        (
+            "postgres:/app:s3cret@db/payments",
+            "error: bad ledger URL: it begins with 'postgres:/', and a PostgreSQL URL begins with 'postgres://'",
+        ),
+        (
+            "mariadb:root@127.0.0.1/test",
+            "error: bad ledger URL: it begins with 'mariadb:', and a MariaDB/MySQL URL begins with 'mariadb://'",
+        ),
+    ],
+)
+@pytest.mark.parametrize("command", [["init"], ["stats"], ["init", "--dry-run"]], ids=" ".join)
+def test_a_server_url_with_a_mistyped_scheme_is_a_bad_url_not_a_file_path(db, line, command, tmp_path):
+    # As a file path, `init` would create a SQLite ledger inside a directory named after the scheme.
+    assert fails(["--db", db, *command]) == line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["init"], ["stats"], ["init", "--dry-run"]], ids=" ".join)
+@pytest.mark.parametrize(
+    ("db", "example"),
+    [
+        ("postgresql://postgres@127.0.0.1:5432", "postgresql://postgres@127.0.0.1:5432/idempotency"),
+        ("postgresql://app:s3cret@db.internal/", "postgresql://app@db.internal/idempotency"),
+        ("host=db.internal user=app", "postgresql://app@db.internal/idempotency"),
+    ],
+)
+def test_a_postgresql_url_without_a_database_is_refused_before_anything_is_created(db, example, command, monkeypatch):
+    # libpq would fall back to the role's name: for postgres, the maintenance database.
+    monkeypatch.delenv("PGDATABASE", raising=False)
+    monkeypatch.delenv("PGSERVICE", raising=False)
+    role = "postgres" if "postgres@" in db else "app"
+    assert fails(["--db", db, *command]) == (
+        f"error: bad PostgreSQL URL: it names no database (libpq would use the role's name, {role}); "
+        f"name the ledger's own, e.g. {example}"
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["inspect", "K", "-p", "acct_A"], ["fingerprint", "-X", "POST", "--path", "/", "-k", "K", "-p", "acct_A"]],
+    ids=["inspect", "fingerprint"],
+)
+@pytest.mark.parametrize(
+    ("key", "shown", "why"),
+    [
+        (
+            "k" * 300,
+            "'" + "k" * 40 + "'… (260 more)",
+            "it is 300 characters long, over the limit of 255 (printable ASCII)",
+        ),
+        (
+            "é" * 300,
+            "'" + "\\xe9" * 40 + "'… (260 more)",
+            "it is 300 characters long, over the limit of 255 (printable ASCII)",
+        ),
+        ("\x1b[31mred", "'\\x1b[31mred'", "must be 1-255 printable ASCII characters"),
+    ],
+    ids=["long", "long-non-ascii", "escape"],
+)
+def test_a_refused_key_is_shown_short_and_escaped_and_a_long_one_is_told_its_length(args, key, shown, why, tmp_path):
+    db = tmp_path / "l.db"
+    with Ledger.open(db) as ledger:
+        ledger.init()
+    line = fails(["--db", str(db), *[key if a == "K" else a for a in args]])
+    assert line == f"error: invalid Idempotency-Key {shown}: {why}"

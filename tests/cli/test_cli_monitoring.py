@@ -3,6 +3,8 @@ in the package, or where they are."""
 
 from __future__ import annotations
 
+import shlex
+
 from typer.testing import CliRunner
 
 from idemctl.cli import app
@@ -60,3 +62,30 @@ def test_what_it_cannot_print_is_one_line_on_stderr_and_exit_2():
     ):
         result = cli(*args)
         assert (result.exit_code, result.stdout, result.stderr) == (2, "", error)
+
+
+def documented_stats_job() -> list[str]:
+    """The stats cron line of docs/observability.md, as words, without `|| page-oncall`."""
+    page = (ROOT / "docs" / "observability.md").read_text(encoding="utf-8")
+    block = page.split("  # cron, every minute", 1)[1].split("```", 1)[0]
+    command = block.split("\n", 1)[1].replace("\\\n", " ").split("||", 1)[0]
+    return shlex.split(command)
+
+
+def test_the_documented_stats_job_exports_the_ttl_and_retention_the_app_uses(tmp_path):
+    words = documented_stats_job()
+    assert words[:3] == ["idemctl", "--db", "/var/lib/app/idempotency.db"]
+    assert (words[words.index("--ttl") + 1], words[words.index("--retention") + 1]) == ("30s", "24h")
+    # Run as documented against an app whose Policy has a 3 s TTL and 1 h retention.
+    ledger = tmp_path / "idempotency.db"
+    output = tmp_path / "idemctl.prom"
+    words[2] = str(ledger)
+    words[words.index("--output") + 1] = str(output)
+    words[words.index("--ttl") + 1] = "3s"
+    words[words.index("--retention") + 1] = "1h"
+    assert cli("--db", str(ledger), "init").exit_code == 0
+    ran = cli(*words[1:])
+    assert (ran.exit_code, ran.stdout, ran.stderr) == (0, "", "")
+    exported = output.read_text(encoding="utf-8").splitlines()
+    assert f'idemctl_ledger_pending_ttl_seconds{{ledger="{ledger}"}} 3' in exported
+    assert f'idemctl_ledger_retention_seconds{{ledger="{ledger}"}} 3600' in exported

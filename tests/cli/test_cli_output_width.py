@@ -296,3 +296,41 @@ def test_on_a_terminal_a_value_wider_than_the_terminal_is_written_whole_for_the_
     assert listing[0:2] == [f"principal    {principal}", f"key          {K2}"]
     inspected = on_terminal("inspect", K1, "--principal", principal, "--db", path, columns=80)
     assert inspected.splitlines()[0] == f"{principal} / {K1}"
+
+
+ISO_MS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
+
+
+def test_on_a_40_column_terminal_stats_and_inspect_keep_every_timestamp_whole(wide_rows_db):
+    with Ledger.open(wide_rows_db) as ledger:
+        row = ledger.lookup(P1, K1)
+        assert row is not None
+    stats = on_terminal("--db", wide_rows_db, "stats", columns=40)
+    inspected = on_terminal("--db", wide_rows_db, "inspect", K1, "-p", P1, columns=40)
+    assert all(len(line.rstrip()) <= 40 for line in stats.splitlines()), stats
+    # Oldest pending and oldest completed: each timestamp on one line, its label above it.
+    assert len(ISO_MS.findall(stats)) == 2, stats
+    assert {"fenced-out events", "oldest pending", "oldest completed"} <= {line.rstrip() for line in stats.splitlines()}
+    assert {iso(row.created_at), iso(row.updated_at)} <= set(ISO_MS.findall(inspected)), inspected
+
+
+@pytest.mark.parametrize(
+    ("command", "whole"),
+    [
+        (["inspect"], ["-p, --principal PRINCIPAL", "--retention DURATION"]),
+        (["purge"], ["-p, --principal PRINCIPAL"]),
+        (["fingerprint"], ["-X, --method METHOD", "--reuse-status STATUS", "-H, --header 'NAME: VALUE'"]),
+        (["stats"], ["--max-expired N", "--interval DURATION"]),
+        ([], ["--busy-timeout DURATION", "-V, --version"]),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) and v and not v[0].startswith("-") else None,
+)
+def test_help_on_a_40_column_terminal_cuts_no_option_name_or_metavar(command, whole):
+    done = subprocess.run([str(IDEMCTL), *command, "--help"], capture_output=True, text=True, env=env(40), timeout=60)
+    assert (done.returncode, done.stderr) == (0, "")
+    lines = done.stdout.splitlines()
+    assert all(len(line) <= 40 for line in lines), done.stdout
+    assert not re.search(r"\w…", done.stdout)  # a word cut short ("--prin…"); "host=…" is the help's own
+    for words in whole:
+        assert any(line.lstrip().startswith(words) for line in lines), (words, done.stdout)
+    assert "\\[" not in done.stdout

@@ -470,3 +470,47 @@ def test_simulate_says_where_it_ran_and_never_prints_a_password(ledger_target, b
         assert shown == ledger_target and f"ledger {shown};" in text.stdout
     else:
         assert shown.startswith("postgresql://postgres@127.0.0.1") and f"ledger {shown};" in text.stdout
+
+
+def test_completing_as_the_live_generation_stores_the_answer_and_records_no_fenced_event(
+    ledger_target, make_ledger, tmp_path
+):
+    # The documented example with the wait shortened below the TTL: nothing takes
+    # over, so worker-1 (generation 1) is still the owner when it completes.
+    page = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    example = page.split("```toml\n", 1)[1].split("```", 1)[0]
+    example = example.replace('by = "11s"', 'by = "5s"').replace('expect = "taken_over"', 'expect = "in_progress"')
+    example = example.replace('expect = "fenced_out"', 'expect = "stored"')
+    scenario = tmp_path / "incident.toml"
+    scenario.write_text(example)
+    make_ledger()
+    result = simulate("--file", str(scenario), "--db", ledger_target, "--json")
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    doc = json.loads(result.stdout)
+    assert outcomes(doc) == [
+        ("worker-1", "claimed"),
+        ("clock", "advanced"),
+        ("client", "in_progress"),
+        ("worker-1", "stored"),
+    ]
+    assert doc["events"][-1]["detail"].startswith("stored 20")
+    assert doc["events"][-1]["generation"] == 1
+    ledger = make_ledger(init=False, clock_fn=None)
+    row = ledger.lookup("acct_Z", "pay-7")
+    assert (row.status, row.generation) == (Status.COMPLETED, 1)
+    assert list(ledger.fenced(principal="acct_Z", key="pay-7")) == []
+    stats = CliRunner().invoke(app, ["--db", ledger_target, "stats", "--max-fenced", "0"])
+    assert stats.exit_code == 0, (stats.stdout, stats.stderr)
+
+
+def test_completing_as_a_generation_no_step_claimed_is_a_failed_step_that_writes_nothing(tmp_path):
+    path = tmp_path / "made-up.toml"
+    path.write_text('[[step]]\ndo = "claim"\n[[step]]\ndo = "complete"\nactor = "B"\ngeneration = 2\n')
+    result = simulate("--file", str(path), "--json")
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)
+    assert outcomes(doc)[-1] == ("B", "error")
+    assert doc["events"][-1]["detail"] == (
+        "no step claimed or took over generation 2 of acct_A/order-1: nothing to act as"
+    )
+    assert doc["events"][-1]["row"]["status"] == "pending"

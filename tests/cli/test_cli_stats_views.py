@@ -84,10 +84,34 @@ def test_watch_piped_prints_one_line_per_refresh(tmp_path):
     assert done.returncode == 0 and done.stderr == ""
     lines = done.stdout.splitlines()
     assert len(lines) == 3
+    began = lines[0].split(" ", 1)[0]
     for line in lines:
         assert line.split(" ", 1)[1] == (
-            "rows=3 pending_fresh=0 pending_stale=1 completed=2 expired=0 taken_over=1 fenced_out=1"
+            "rows=3 pending_fresh=0 pending_stale=1 completed=2 expired=0 taken_over=1 fenced_out=1 "
+            f"since={began} new_fenced_out=0 expired_change=+0"
         )
+
+
+def test_watch_piped_says_what_changed_since_the_watch_began(tmp_path):
+    db = tmp_path / "l.db"
+    ledger_with_rows(db)
+    proc = subprocess.Popen(
+        [str(IDEMCTL), "--db", str(db), "stats", "--watch", "--interval", "300ms", "--count", "4"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    with Ledger.open(db) as ledger:  # a takeover and a late completion while the operator watches
+        late = ledger.claim("acct", "new", "fp", now=wall_clock_ms() - 40_000)
+        ledger.complete(ledger.takeover("acct", "new", "fp"), 201, {}, b"")  # type: ignore[arg-type]
+        ledger.complete(late, 201, {}, b"")  # type: ignore[arg-type]
+    rest, errors = proc.communicate(timeout=30)
+    assert (proc.returncode, errors) == (0, "")
+    began = first.split(" ", 1)[0]
+    assert first.rstrip("\n").endswith(f"fenced_out=1 since={began} new_fenced_out=0 expired_change=+0")
+    assert rest.splitlines()[-1].endswith(f"fenced_out=2 since={began} new_fenced_out=1 expired_change=+0")
 
 
 def test_watch_on_a_terminal_is_a_live_view_that_calls_out_new_fenced_out_events(tmp_path):

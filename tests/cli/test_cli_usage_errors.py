@@ -54,3 +54,31 @@ def test_help_and_version_exit_0(tmp_path):
     env = {**os.environ, "COLUMNS": "200"}
     helped = subprocess.run([IDEMCTL, "stats", "--help"], capture_output=True, text=True, env=env)
     assert helped.returncode == 0 and "Example (cron): idemctl stats --max-expired" in helped.stdout
+
+
+# Each count option with a value past every engine's integers (and the largest
+# 64-bit integer, which a query asking for N + 1 rows overflows).
+HUGE_COUNTS = [
+    ["pending", "--limit", "99999999999999999999"],
+    ["pending", "--limit", "9223372036854775807"],
+    ["fenced", "--limit", "99999999999999999999"],
+    ["fenced", "-n", "9223372036854775807"],
+    ["stats", "--max-expired", "99999999999999999999"],
+    ["stats", "--max-stale", "99999999999999999999"],
+    ["stats", "--max-fenced", "99999999999999999999"],
+    ["stats", "--watch", "--count", "99999999999999999999"],
+    ["sweep", "--max-batches", "99999999999999999999"],
+]
+
+
+@pytest.mark.parametrize("argv", HUGE_COUNTS, ids=lambda a: " ".join(a))
+def test_a_huge_count_is_a_usage_error_like_a_negative_one(argv, tmp_path):
+    assert CliRunner().invoke(app, ["--db", str(tmp_path / "l.db"), "init"]).exit_code == 0
+    option = next(a for a in argv if a.startswith("-") and a != "--watch")
+    named = {"-n": "'--limit' / '-n'", "--limit": "'--limit' / '-n'"}.get(option, f"'{option}'")
+    result = CliRunner().invoke(app, ["--db", str(tmp_path / "l.db"), *argv], prog_name="idemctl")
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"error: Invalid value for {named}: must be 1000000000 or less, got {argv[-1]} (see 'idemctl {argv[0]} --help')"
+    ]

@@ -105,3 +105,38 @@ def test_installed_wheel_initialises_a_ledger_from_its_own_schema(wheel, tmp_pat
         [str(py), "-m", "idemctl", "--version"], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert module.returncode == 0 and module.stdout == version.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "missing", "message"),
+    [
+        (
+            "idemctl.prometheus",
+            "prometheus_client",
+            "idemctl.prometheus needs the Prometheus client: pip install 'idemctl[prometheus]' "
+            "(prometheus_client is missing)",
+        ),
+        (
+            "idemctl.otel",
+            "opentelemetry",
+            "idemctl.otel needs the OpenTelemetry API: pip install 'idemctl[otel]' (opentelemetry is missing)",
+        ),
+    ],
+)
+def test_importing_an_integration_without_its_extra_names_the_extra_to_install(module, missing, message):
+    # A Python where the extra's package is not installed: its import fails as it would there.
+    blocked = (
+        "import sys\n"
+        "class Missing:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] == {missing!r}:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Missing())\n"
+        "try:\n"
+        f"    import {module}\n"
+        "except ModuleNotFoundError as exc:\n"
+        "    print(exc.name, exc, sep='|')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, cwd=ROOT)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == f"{missing}|{message}\n"

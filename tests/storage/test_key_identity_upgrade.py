@@ -9,7 +9,7 @@ import pytest
 
 from idemctl import Ledger
 from idemctl.errors import SchemaOutdatedError
-from idemctl.outcomes import Outcome
+from idemctl.outcomes import InitAction, Outcome
 from idemctl.storage.store_base import KeyStoredTwiceError
 from tests.helpers import RecipeWriter
 
@@ -122,3 +122,70 @@ def test_an_upgrade_run_again_after_its_alter_went_through_finishes(make_ledger,
         writer.close()
     with Ledger.open(ledger_target) as ledger:
         assert ledger.init().describe() == "upgraded from 2 to 3"
+
+
+@pytest.mark.parametrize(
+    "twice",
+    [
+        pytest.param(('"k"', "k"), id="quoted-and-bare"),
+        pytest.param(('"k"', '"k" trailing'), id="two-quoted-forms"),
+        pytest.param(('"a\\"b"', 'a"b'), id="escaped-quote"),
+    ],
+)
+def test_init_dry_run_finds_a_key_stored_twice_as_init_does_and_writes_nothing(
+    make_ledger, ledger_target, clock, twice, tmp_path, monkeypatch
+):
+    from typer.testing import CliRunner
+
+    from idemctl.cli import app
+    from tests.helpers import clean_env
+
+    make_ledger().close()
+    writer = as_schema_2(ledger_target)
+    try:
+        writer.insert_completed("acct_1", twice[0], "fp", 201, "{}", "first", clock.now)
+        writer.insert_completed("acct_1", twice[1], "fp", 201, "{}", "second", clock.now)
+        writer.insert_completed("acct_2", twice[1], "fp", 201, "{}", "another principal's", clock.now)
+        before = stored(writer)
+        clean_env(monkeypatch, tmp_path)
+        dry = CliRunner().invoke(app, ["--db", ledger_target, "init", "--dry-run"])
+        real = CliRunner().invoke(app, ["--db", ledger_target, "init"])
+        assert (dry.exit_code, dry.stdout) == (real.exit_code, real.stdout) == (2, "")
+        assert dry.stderr == real.stderr
+        assert "cannot upgrade to schema 3: a key is stored twice for one principal" in dry.stderr
+        assert stored(writer) == before
+    finally:
+        writer.close()
+
+
+def test_init_dry_run_of_a_ledger_whose_keys_are_each_stored_once_would_upgrade(make_ledger, ledger_target, clock):
+    make_ledger().close()
+    writer = as_schema_2(ledger_target)
+    try:
+        for principal, key in [("acct_1", '"k"'), ("acct_2", "k"), ("acct_1", '"open'), ("acct_1", "open")]:
+            writer.insert_completed(principal, key, "fp", 201, "{}", "made", clock.now)
+        with Ledger.open(ledger_target, clock=clock) as ledger:
+            would = ledger.init(dry_run=True)
+            assert (would.action, would.from_version, would.dry_run) == (InitAction.UPGRADED, 2, True)
+            assert ledger.schema_version() == 2
+            assert ledger.init().describe() == "upgraded from 2 to 3"
+    finally:
+        writer.close()
+
+
+def test_the_dry_runs_key_identity_is_the_databases_key_id(make_ledger, ledger_target, clock):
+    from idemctl.storage.store_base import key_id
+
+    keys = ['"k"', "k2", '"a\\"b"', '"c\\\\"', '"d\\\\\\"e" x', '"open', '""', '"x"y"', 'plain"quote']
+    make_ledger()  # schema 3: the database computes key_id
+    writer = RecipeWriter(ledger_target)
+    try:
+        for key in keys:
+            writer.insert_completed("acct_9", key, "fp", 201, "{}", "made", clock.now)
+        _, rows = writer._run("SELECT key, key_id FROM idempotency_keys WHERE principal = 'acct_9'", ())
+        computed = {
+            (k.decode() if isinstance(k, bytes) else k): (i.decode() if isinstance(i, bytes) else i) for k, i in rows
+        }
+        assert computed == {key: key_id(key) for key in keys}
+    finally:
+        writer.close()

@@ -714,10 +714,11 @@ def test_the_principal_limit_that_docs_and_schema_state_is_the_one_enforced() ->
     assert "1024 bytes of UTF-8" not in docs + ddl
 
 
-def test_a_wrong_password_is_connection_failed_without_the_password(mysql_server: str) -> None:
+def test_a_wrong_password_is_a_refused_login_without_the_password(mysql_server: str) -> None:
+    # The server answered: "refused the login", not "cannot reach".
     url = mysql_server.replace("mysql://root@", f"mysql://root:{SECRET}@")
     with pytest.raises(
-        ConnectionFailedError, match=r"^cannot reach MySQL at mysql://root@127\.0\.0\.1:3306/test: Access denied"
+        ConnectionFailedError, match=r"^MySQL at mysql://root@127\.0\.0\.1:3306/test refused the login: Access denied"
     ) as caught:
         Ledger.open(url).schema_version()
     assert SECRET not in str(caught.value)

@@ -225,3 +225,106 @@ def test_cancelling_overdue_statements_never_touches_the_statements_of_other_thr
         assert (wrong, len(timeouts)) == ([], 3)
     finally:
         engine.close()
+
+
+class FreezableProxy:
+    """A TCP relay to the test server that can freeze, as a primary that
+    stops answering does: from `freeze()` on, nothing is relayed either way
+    and new connections are accepted but never answered."""
+
+    def __init__(self, host: str, port: int) -> None:
+        import socket
+
+        self.upstream = (host, port)
+        self.frozen = threading.Event()
+        self.closed = threading.Event()
+        self.sockets: list[socket.socket] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self.closed.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.sockets.append(client)
+            if self.frozen.is_set():
+                continue  # held open, never answered
+            server = socket.create_connection(self.upstream)
+            self.sockets.append(server)
+            threading.Thread(target=self._relay, args=(client, server), daemon=True).start()
+            threading.Thread(target=self._relay, args=(server, client), daemon=True).start()
+
+    def _relay(self, source: object, sink: object) -> None:
+        while True:
+            try:
+                data = source.recv(65536)  # type: ignore[attr-defined]
+            except OSError:
+                return
+            if not data:
+                return
+            if not self.frozen.is_set():
+                try:
+                    sink.sendall(data)  # type: ignore[attr-defined]
+                except OSError:
+                    return
+
+    def freeze(self) -> None:
+        self.frozen.set()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.listener.close()
+        for s in self.sockets:
+            s.close()
+
+
+@pytest.mark.slow
+def test_an_asgi_request_on_a_frozen_primary_is_answered_within_the_commit_timeout_and_a_second(
+    ledger_target: str,
+) -> None:
+    from urllib.parse import urlsplit
+
+    from starlette.testclient import TestClient
+
+    from idemctl.asgi import IdempotencyMiddleware
+
+    parts = urlsplit(ledger_target)
+    proxy = FreezableProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
+    through = ledger_target.replace(parts.netloc, f"{parts.username}@127.0.0.1:{proxy.port}", 1)
+
+    async def orders(scope, receive, send):  # type: ignore[no-untyped-def]
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"made"})
+
+    ledger = Ledger.open(through + "&commit_timeout=2")
+    try:
+        ledger.init()
+        took = []
+        # One event loop for every request, as a server runs them: the first
+        # opens the pool; once the primary is frozen, the second's statement
+        # hangs on the pooled connection, the third waits for a new one (the
+        # server accepts it and never answers).
+        with TestClient(IdempotencyMiddleware(orders, ledger, principal=lambda scope: "acct_A")) as client:
+            answered = client.post("/orders", headers={"Idempotency-Key": "k0"}, content=b"{}")
+            assert (answered.status_code, answered.content) == (201, b"made")
+            proxy.freeze()
+            for n in range(1, 4):
+                started = time.monotonic()
+                refused = client.post("/orders", headers={"Idempotency-Key": f"k{n}"}, content=b"{}")
+                took.append(time.monotonic() - started)
+                assert refused.status_code == 503
+        # Within commit_timeout (2 s) plus at most a second, with room for a busy machine.
+        assert all(t < 3.0 + 0.8 for t in took), took
+    finally:
+        proxy.close()
+        ledger.close()

@@ -105,13 +105,39 @@ def test_refused_connection_is_connection_failed_with_libpqs_reason(server: str)
         ledger.lookup("acct", "k")
 
 
-def test_unknown_role_is_connection_failed_and_names_the_role_not_the_password(server: str) -> None:
+def test_unknown_role_is_a_refused_login_and_names_the_role_not_the_password(server: str) -> None:
+    # The server answered: "refused the login", not "cannot reach".
     ledger = Ledger.open(f"postgresql://nobody_here:{SECRET}@{server}/test")
     with pytest.raises(ConnectionFailedError) as caught:
         ledger.schema_version()
     text = single_line_without_secret(caught.value)
-    assert text.startswith(f"cannot reach PostgreSQL at postgresql://nobody_here@{server}/test: ")
-    assert 'role "nobody_here" does not exist' in text
+    assert text == (
+        f'PostgreSQL at postgresql://nobody_here@{server}/test refused the login: role "nobody_here" does not exist'
+    )
+
+
+def test_a_role_that_may_not_log_in_is_a_refused_login_through_the_cli(server: str, tmp_path, monkeypatch) -> None:
+    import secrets
+
+    import psycopg
+    from typer.testing import CliRunner
+
+    from idemctl.cli import app
+    from tests.helpers import clean_env
+
+    role = f"idemctl_nologin_{secrets.token_hex(4)}"
+    admin = f"postgresql://postgres@{server}/test"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE ROLE "{role}" NOLOGIN')
+    try:
+        clean_env(monkeypatch, tmp_path)
+        url = f"postgresql://{role}@{server}/test"
+        done = CliRunner().invoke(app, ["--db", url, "stats"])
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP ROLE "{role}"')
+    assert (done.exit_code, done.stdout) == (2, "")
+    assert done.stderr == f'error: PostgreSQL at {url} refused the login: role "{role}" is not permitted to log in\n'
 
 
 def test_missing_database_is_ledger_not_found(server: str) -> None:

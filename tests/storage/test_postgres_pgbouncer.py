@@ -24,7 +24,7 @@ from idemctl.cli import app  # noqa: E402
 from idemctl.errors import ConnectionFailedError, DatabaseLockedError, ReadOnlyDatabaseError  # noqa: E402
 from idemctl.storage.postgres import PoolerError, PostgresEngine  # noqa: E402
 from idemctl.storage.postgres.errors import Translator  # noqa: E402
-from tests.helpers import clean_env, postgres_test_schema  # noqa: E402
+from tests.helpers import ROOT, clean_env, postgres_test_schema  # noqa: E402
 from tests.pgbouncer import PgBouncer  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -250,25 +250,25 @@ def test_a_prepared_statement_lost_by_the_pooler_is_reported_as_such_not_as_cann
     assert isinstance(twice, PoolerError)
 
 
-def test_statement_pooling_serves_requests_and_refuses_init_with_one_clear_error(
+def test_statement_pooling_serves_requests_and_an_up_to_date_init_but_refuses_an_upgrade_with_one_clear_error(
     pgbouncers: Callable[..., PgBouncer], postgres_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with schema_through(pgbouncers("session"), postgres_server, monkeypatch) as (url, schema):
-        with Ledger.open(url) as ledger:
-            ledger.init()  # through session pooling: transactions are allowed there
         statement_url = url.replace(url.split("/")[2], pgbouncers("statement").url().split("/")[2])
         with Ledger.open(statement_url) as ledger:
+            with pytest.raises(PoolerError, match="pooled in statement mode") as refused:
+                ledger.init()  # creating the tables needs a transaction
+            assert "cannot reach" not in str(refused.value)
+        with Ledger.open(url) as ledger:
+            ledger.init()  # through session pooling: transactions are allowed there
+        with Ledger.open(statement_url) as ledger:
+            # An app that calls init() at every start: the schema is read, nothing to write.
+            assert ledger.init().describe() == "already up to date (schema version 3)"
             first = ledger.handle("acct_A", "k1", "POST", "/orders", HEADERS, b"{}", lambda b: (201, {}, b"made"))
             again = ledger.handle("acct_A", "k1", "POST", "/orders", HEADERS, b"{}", lambda b: (500, {}, b"ran twice"))
             assert (first.status, first.body) == (again.status, again.body) == (201, b"made")
-            with pytest.raises(PoolerError, match="pooled in statement mode") as refused:
-                ledger.init()
-            assert "cannot reach" not in str(refused.value)
-        with (
-            Ledger.open(statement_url + "&pooler=statement") as ledger,
-            pytest.raises(PoolerError, match="statement mode"),
-        ):
-            ledger.init()
+        with Ledger.open(statement_url + "&pooler=statement") as ledger:
+            assert ledger.init(dry_run=True).describe() == "already up to date (schema version 3)"
         assert count_rows(postgres_server, schema) == 1
 
 
@@ -341,7 +341,7 @@ def test_a_database_pgbouncer_does_not_know_is_a_missing_ledger_not_an_unreachab
         pytest.raises(LedgerNotFoundError) as missing,
     ):
         ledger.lookup("acct_A", "k1")
-    assert str(missing.value).endswith(": the pooler has no such database: nosuchdb")
+    assert missing.value.reason.endswith(": the pooler has no such database: nosuchdb")
     assert not isinstance(missing.value, ConnectionFailedError)
 
 
@@ -384,3 +384,85 @@ def test_the_async_pool_whose_new_connections_lost_their_options_is_replaced_and
         assert seen[:2] == [[("5s",)], "none"]
         assert seen[-2:] == [[("5s",)], "transaction"]
         assert "ConnectionFailedError" in seen[2:-2]
+
+
+@pytest.mark.parametrize("mode", ["transaction", "statement"])
+def test_pooler_session_in_front_of_transaction_or_statement_pooling_is_refused_before_any_request(
+    pgbouncers: Callable[..., PgBouncer], postgres_server: str, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    import asyncio
+
+    with schema_through(pgbouncers("session"), postgres_server, monkeypatch) as (url, schema):
+        with Ledger.open(url) as ledger:
+            ledger.init()
+        wrong = url.replace(url.split("/")[2], pgbouncers(mode).url().split("/")[2]) + "&pooler=session"
+        ran: list[bytes] = []
+        with Ledger.open(wrong) as ledger:
+            with pytest.raises(PoolerError) as refused:
+                ledger.handle(
+                    "acct_A", "k1", "POST", "/orders", HEADERS, b"{}", lambda b: (201, {}, ran.append(b) or b"ran")
+                )
+            assert "is not session pooling although the URL says pooler=session" in str(refused.value)
+            assert "use pooler=transaction" in str(refused.value)
+            on_loop = ledger.store.engine.open_async()
+
+            async def on_the_loop() -> str:
+                try:
+                    await on_loop.execute("SELECT 1", {})
+                except PoolerError as exc:
+                    return str(exc)
+                finally:
+                    await on_loop.aclose()
+                return "served"
+
+            assert "is not session pooling" in asyncio.run(on_the_loop())
+        assert ran == []
+        assert count_rows(postgres_server, schema) == 0
+        # Told the truth, the same pooler serves the request.
+        with Ledger.open(wrong.replace("pooler=session", "pooler=transaction")) as ledger:
+            done = ledger.handle("acct_A", "k1", "POST", "/orders", HEADERS, b"{}", lambda b: (201, {}, b"made"))
+            assert (done.status, done.body) == (201, b"made")
+
+
+def test_pgbouncer_that_cannot_reach_its_server_is_the_message_the_topologies_page_quotes(
+    postgres_server: str, tmp_path
+) -> None:
+    import socket
+
+    from tests.pgbouncer import start_or_skip
+
+    with socket.socket() as closed:  # a port nothing listens on: the server is gone
+        closed.bind(("127.0.0.1", 0))
+        gone = f"postgresql://postgres@127.0.0.1:{closed.getsockname()[1]}/test"
+    with start_or_skip("transaction", gone, check=False) as bouncer:
+        url = bouncer.url(query="connect_timeout=2")
+        with Ledger.open(url) as ledger, pytest.raises(ConnectionFailedError) as unreachable:
+            ledger.schema_version()
+    shown = url.split("?", 1)[0]
+    assert str(unreachable.value) == f"cannot reach PostgreSQL at {shown}: connection timeout expired"
+    page = (ROOT / "docs" / "topologies.md").read_text(encoding="utf-8")
+    assert (
+        "PgBouncer unable to reach the server is a `ConnectionFailedError`\n(`cannot reach PostgreSQL at …: connection timeout expired`"
+        in page
+    )
+
+
+def test_init_through_statement_pooling_prints_its_one_line_error_and_no_driver_log(
+    pgbouncers: Callable[..., PgBouncer], postgres_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    with schema_through(pgbouncers("session"), postgres_server, monkeypatch) as (url, _):
+        # An empty schema: init has to create the tables, which needs a transaction.
+        statement_url = url.replace(url.split("/")[2], pgbouncers("statement").url().split("/")[2])
+        idemctl = os.path.join(os.path.dirname(sys.executable), "idemctl")
+        done = subprocess.run(
+            [idemctl, "--db", statement_url, "init"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+        )
+    assert (done.returncode, done.stdout) == (2, "")
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: ") and "is pooled in statement mode" in lines[0]
+    assert " at 0x" not in done.stderr

@@ -129,7 +129,10 @@ def test_init_dry_run_reports_created_and_writes_nothing(make_ledger, pg: psycop
 
 def test_request_on_an_empty_schema_is_schema_missing_until_init(make_ledger, pg: psycopg.Connection) -> None:
     ledger = make_ledger(init=False)
-    with pytest.raises(SchemaMissingError, match=r"^postgresql://postgres@.* has no idempotency ledger$"):
+    with pytest.raises(
+        SchemaMissingError,
+        match=r"^postgresql://postgres@.* has no idempotency ledger \(ledger\.init\(\) creates it\)$",
+    ):
         ledger.handle("acct", "k", "POST", "/o", {}, b"{}", lambda b: (201, {}, b"ok"))
     # Another process runs `idemctl init`; this ledger notices without reopening,
     # fenced-out log included.
@@ -286,3 +289,21 @@ def test_a_hand_made_recipe_table_with_a_text_body_is_refused_with_the_fix(make_
     )
     assert ledger.init().describe() == "upgraded from 0 to 3"
     assert ledger.lookup("acct", "k").response_body == "caf\u00e9"
+
+
+def test_a_missing_database_tells_the_library_caller_what_creates_it_and_what_does_not(postgres_server: str) -> None:
+    import secrets
+    from urllib.parse import urlsplit, urlunsplit
+
+    from idemctl.errors import LedgerNotFoundError
+
+    parts = urlsplit(postgres_server)
+    url = urlunsplit((parts.scheme, parts.netloc, f"/idemctl_none_{secrets.token_hex(4)}", "", ""))
+    with Ledger.open(url) as ledger:
+        with pytest.raises(LedgerNotFoundError) as missing:
+            ledger.handle("acct", "k", "POST", "/o", {}, b"{}", lambda b: (201, {}, b"ok"))
+        with pytest.raises(LedgerNotFoundError):
+            ledger.init()  # it does not create the database
+    assert str(missing.value).endswith(
+        "does not exist (`idemctl init` creates it, a server's database included; ledger.init() creates only the tables)"
+    )

@@ -282,7 +282,7 @@ def test_newer_schema_is_refused_at_open_and_nothing_is_written(tmp_path):
 def test_request_on_database_without_schema_says_run_init(tmp_path):
     path = tmp_path / "empty.db"
     ledger = Ledger.open(path)
-    with pytest.raises(SchemaMissingError, match=r"has no idempotency ledger$"):
+    with pytest.raises(SchemaMissingError, match=r"has no idempotency ledger \(ledger\.init\(\) creates it\)$"):
         ledger.handle("acct", "k", "POST", "/", {}, b"", lambda b: (200, {}, b""))
     with pytest.raises(SchemaMissingError):
         ledger.operator.stats()

@@ -58,7 +58,11 @@ def test_missing_file_with_create_false_is_not_found_and_not_created(tmp_path):
     path = tmp_path / "nope.db"
     with pytest.raises(LedgerNotFoundError) as info:
         Ledger.open(path, create=False)
-    assert str(info.value) == f"no ledger at {path}"
+    assert str(info.value) == (
+        f"no ledger at {path} (`idemctl init` creates it, a server's database included; "
+        "ledger.init() creates only the tables)"
+    )
+    assert info.value.reason == f"no ledger at {path}"
     assert not path.exists()
     with pytest.raises(LedgerNotFoundError):
         Ledger.open(path, readonly=True)

@@ -15,8 +15,10 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
+from ...errors import StorageError
 from ..dialect import POSTGRES
 from ..engine import Params, Rows
+from ..server import unreachable
 from .errors import Translator
 from .pooler import (
     MARKER_QUERY,
@@ -62,12 +64,21 @@ class AsyncPostgresEngine:
         commit_timeout_s: float | None = None,
     ) -> None:
         self._settings = settings
+        if commit_timeout_s is None:
+            commit_timeout_s = default_commit_timeout_s(translate.busy_timeout_ms)
+        # A request waits for a connection (a new one, or a free pooled one)
+        # no longer than a statement may run: with the server frozen, the pool
+        # timeout or libpq's connect_timeout (5 s) would hold the request
+        # past the commit timeout the documentation promises it is answered in.
+        self._acquire_s = min(translate.pool_timeout_s, commit_timeout_s)
+        if self._acquire_s < translate.pool_timeout_s:
+            translate = Translator(
+                translate.where, translate.scrub, translate.busy_timeout_ms, self._acquire_s, translate.pool_max_size
+            )
         self._translate = translate
         # What the URL leads to (see PostgresEngine.pooler): known if the
         # synchronous engine already connected, else detected here.
         self.pooler = pooler
-        if commit_timeout_s is None:
-            commit_timeout_s = default_commit_timeout_s(translate.busy_timeout_ms)
         self._watch = AsyncCommitWatch(commit_timeout_s, translate.where)
         self._pool: AsyncConnectionPool[_AsyncPooledConnection] | None = None
         self._opening: asyncio.Lock | None = None
@@ -77,6 +88,7 @@ class AsyncPostgresEngine:
         # As PostgresEngine._options_lost; pools being closed after it.
         self._options_lost = False
         self._closing: set[asyncio.Future[None]] = set()
+        self._closed = False
 
     def describe(self) -> str:
         return self._translate.where
@@ -85,11 +97,20 @@ class AsyncPostgresEngine:
         pool = self._pool
         if pool is not None:
             return pool
+        if self._closed:
+            # Closed for good (the ledger's aclose): a new pool here would be
+            # one nobody closes, its connections and tasks left behind.
+            raise StorageError(f"the ledger at {self.describe()} is closed")
         if self._opening is None:
             self._opening = asyncio.Lock()
         async with self._opening:
             if self._pool is None:
-                self._pool = await self._new_pool()
+                try:
+                    self._pool = await asyncio.wait_for(self._new_pool(), self._acquire_s)
+                except TimeoutError:
+                    raise unreachable(
+                        "PostgreSQL", self.describe(), f"no answer within {self._acquire_s:g} s (the commit timeout)"
+                    ) from None
             return self._pool
 
     async def _new_pool(self) -> AsyncConnectionPool[_AsyncPooledConnection]:
@@ -134,7 +155,7 @@ class AsyncPostgresEngine:
         """One auto-committed statement (read or write); its rows."""
         pool = await self._current_pool()
         try:
-            conn = await pool.getconn()
+            conn = await pool.getconn(self._acquire_s)
         except psycopg.Error as exc:
             if self._options_lost and self._pool is pool:
                 # Its new connections lack their startup options: the next
@@ -174,7 +195,7 @@ class AsyncPostgresEngine:
     async def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[Rows]:
         pool = await self._current_pool()
         try:
-            conn = await pool.getconn()
+            conn = await pool.getconn(self._acquire_s)
         except psycopg.Error as exc:
             raise self._translate(exc) from exc
         watch = self._watch
@@ -215,6 +236,7 @@ class AsyncPostgresEngine:
             log.debug("checking the pool's idle connections failed", exc_info=True)
 
     async def aclose(self) -> None:
+        self._closed = True
         self._watch.close()
         pool, self._pool = self._pool, None
         if pool is not None:
@@ -223,6 +245,7 @@ class AsyncPostgresEngine:
     def abandon(self) -> None:
         """Close the sockets of a pool whose event loop is gone (it cannot
         be closed the asynchronous way any more)."""
+        self._closed = True
         self._watch.close()
         pool, self._pool = self._pool, None
         if pool is not None:

@@ -102,6 +102,16 @@ def libpq_reason(text: str) -> str:
     return single_line("; ".join(reasons)) or "connection failed"
 
 
+# The server answered and would not let the role in: invalid authorization
+# or password (SQLSTATE class 28), or libpq's words for it when the error
+# carries no SQLSTATE.
+_LOGIN_STATES = frozenset({"28000", "28P01"})
+_LOGIN_REFUSED = re.compile(
+    r"password authentication failed|authentication failed for user|role \"[^\"]*\" does not exist"
+    r"|no pg_hba\.conf entry|fe_sendauth: no password supplied|is not permitted to log in",
+)
+
+
 class Translator:
     """Turns what psycopg and its pool raise into idemctl's errors for one
     ledger: `where` names it, `scrub` takes the password out of any text."""
@@ -156,6 +166,8 @@ class Translator:
         if state == "3D000" or (connecting and re.search(r'database "[^"]*" does not exist', msg)):
             reason = self.scrub(libpq_reason(primary or str(exc)))
             return server.no_such_database(where, reason)
+        if state in _LOGIN_STATES or (connecting and _LOGIN_REFUSED.search(msg)):
+            return server.login_refused("PostgreSQL", where, self.scrub(libpq_reason(primary or str(exc))))
         if (
             connecting
             or state in _GONE_STATES

@@ -23,6 +23,7 @@ again, once."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,6 +94,9 @@ def detect(settings: ServerSettings, translate: Translator) -> str:
     """What the URL leads to now (see url.POOLER_MODES), from one
     connection: also the check that the server is there, so the caller gets
     libpq's reason at once instead of a pool timeout."""
+    if settings.pooler == "session":
+        _check_session(settings, translate)
+        return settings.pooler
     if settings.pooler not in ("auto", "none"):
         _connect(settings.pooled_conninfo, translate).close()
         return settings.pooler
@@ -114,6 +118,9 @@ def detect(settings: ServerSettings, translate: Translator) -> str:
 
 async def adetect(settings: ServerSettings, translate: Translator) -> str:
     """`detect` on the running event loop."""
+    if settings.pooler == "session":
+        await _acheck_session(settings, translate)
+        return settings.pooler
     if settings.pooler not in ("auto", "none"):
         await (await _aconnect(settings.pooled_conninfo, translate)).close()
         return settings.pooler
@@ -131,6 +138,68 @@ async def adetect(settings: ServerSettings, translate: Translator) -> str:
     finally:
         await conn.close()
     return _mode(settings, translate.where, row[0] if row else None)
+
+
+# pooler=session sets idemctl's settings once per connection, for the
+# session. Behind transaction or statement pooling they would not follow the
+# connection to its next transaction (another server session answers it), and
+# a request could run without its search_path or lock timeout. So the pool
+# first proves it is session pooling: connection one sets a random value for
+# the session; connection two, opened while one is idle, must not see it (in
+# session pooling it has a server session of its own; in transaction pooling
+# it is most often given the one connection one has just left), and
+# connection one must still have it in its next transaction.
+_PROBE_SETTING = "idemctl.session_probe"
+_SET_PROBE = f"SELECT set_config('{_PROBE_SETTING}', %s, false)"
+_READ_PROBE = f"SELECT current_setting('{_PROBE_SETTING}', true)"
+
+
+def _not_session(where: str) -> PoolerError:
+    return PoolerError(
+        f"{where} is not session pooling although the URL says pooler=session: a setting made for the session "
+        "did not stay with its connection to the next transaction (PgBouncer in transaction or statement mode?); "
+        "idemctl's lock timeout, read-only mode and search_path would be lost: use pooler=transaction, or let "
+        "idemctl detect the pooler (pooler=auto, the default)"
+    )
+
+
+def _check_session(settings: ServerSettings, translate: Translator) -> None:
+    token = secrets.token_hex(8)
+    first = _connect(settings.pooled_conninfo, translate)
+    try:
+        first.execute(_SET_PROBE, (token,))
+        second = _connect(settings.pooled_conninfo, translate)
+        try:
+            seen = second.execute(_READ_PROBE).fetchone()
+        finally:
+            second.close()
+        kept = first.execute(_READ_PROBE).fetchone()
+    except psycopg.Error as exc:
+        raise translate(exc, connecting=True) from exc
+    finally:
+        first.close()
+    if (seen and seen[0] == token) or not kept or kept[0] != token:
+        raise _not_session(translate.where)
+
+
+async def _acheck_session(settings: ServerSettings, translate: Translator) -> None:
+    """`_check_session` on the running event loop."""
+    token = secrets.token_hex(8)
+    first = await _aconnect(settings.pooled_conninfo, translate)
+    try:
+        await first.execute(_SET_PROBE, (token,))
+        second = await _aconnect(settings.pooled_conninfo, translate)
+        try:
+            seen = await (await second.execute(_READ_PROBE)).fetchone()
+        finally:
+            await second.close()
+        kept = await (await first.execute(_READ_PROBE)).fetchone()
+    except psycopg.Error as exc:
+        raise translate(exc, connecting=True) from exc
+    finally:
+        await first.close()
+    if (seen and seen[0] == token) or not kept or kept[0] != token:
+        raise _not_session(translate.where)
 
 
 def _mode(settings: ServerSettings, where: str, marker: object) -> str:

@@ -4,6 +4,7 @@ session settings added to it, and the password kept out of what is shown."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,33 @@ def secrets_of(url: str) -> list[str]:
     return out
 
 
+def _check_database_named(params: dict[str, Any]) -> None:
+    """Refuse a URL that names no database, as MariaDB's engine does: libpq
+    would take the role's name (``postgres`` for the superuser: the
+    maintenance database), and `init` would put the ledger's tables there.
+    A service file or PGDATABASE may name it instead.
+
+    >>> try:
+    ...     _check_database_named({"host": "db", "port": "5432", "user": "app"})
+    ... except StorageError as exc:
+    ...     for part in str(exc).split("; "):
+    ...         print(part)
+    bad PostgreSQL URL: it names no database (libpq would use the role's name, app)
+    name the ledger's own, e.g. postgresql://app@db:5432/idempotency
+    """
+    if params.get("dbname") or params.get("service") or os.environ.get("PGDATABASE") or os.environ.get("PGSERVICE"):
+        return
+    user = str(params.get("user") or "")
+    host = str(params.get("host") or "localhost")
+    port = f":{params['port']}" if params.get("port") else ""
+    example = f"postgresql://{user + '@' if user else ''}{host}{port}/idempotency"
+    role = user or "your login name"
+    raise StorageError(
+        f"bad PostgreSQL URL: it names no database (libpq would use the role's name, {role}); "
+        f"name the ledger's own, e.g. {example}"
+    )
+
+
 def default_commit_timeout_s(busy_timeout_ms: int) -> float:
     """The commit timeout when the URL sets none: twice the busy timeout, at
     least 1 s. A statement may wait its whole lock timeout (the busy timeout)
@@ -227,6 +255,7 @@ class ServerSettings:
         for port in str(params.get("port", "")).split(","):
             if port and not (port.isdigit() and 0 < int(port) < 65536):
                 raise StorageError(f"bad PostgreSQL URL: port {port!r} is not a number from 1 to 65535")
+        _check_database_named(params)
         min_size = _pool_int(pool_min_size, pool_params, "pool_min_size", DEFAULT_POOL_MIN_SIZE, 0)
         max_size = _pool_int(pool_max_size, pool_params, "pool_max_size", DEFAULT_POOL_MAX_SIZE, 1)
         if max_size < min_size:
