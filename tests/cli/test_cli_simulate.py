@@ -498,7 +498,7 @@ def test_completing_as_the_live_generation_stores_the_answer_and_records_no_fenc
     ledger = make_ledger(init=False, clock_fn=None)
     row = ledger.lookup("acct_Z", "pay-7")
     assert (row.status, row.generation) == (Status.COMPLETED, 1)
-    assert list(ledger.fenced(principal="acct_Z", key="pay-7")) == []
+    assert list(ledger.operator.fenced(principal="acct_Z", key="pay-7")) == []
     stats = CliRunner().invoke(app, ["--db", ledger_target, "stats", "--max-fenced", "0"])
     assert stats.exit_code == 0, (stats.stdout, stats.stderr)
 
