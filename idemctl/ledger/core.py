@@ -18,7 +18,7 @@ from ..errors import PolicyError, SchemaMissingError
 from ..leases import LeaseKeeper
 from ..outcomes import Event, InitResult, Reservation
 from ..policy import Policy
-from ..storage import SqliteOptions, Store, is_server_url, open_engine
+from ..storage import SqliteOptions, Store, is_server_url, open_engine, store_for
 from ..storage.aio import AsyncStore
 from ..storage.sqlite import SQLITE_DEFAULTS
 from .events import EventHub
@@ -48,7 +48,7 @@ def open_store(
     ':memory:'
     """
     engine = open_engine(target, readonly=readonly, busy_timeout_ms=busy_timeout_ms, sqlite=sqlite)
-    store = Store(engine)
+    store = store_for(engine)
     if not is_server_url(target):
         # A file's schema is checked at open (it costs no connection):
         # a ledger written by a newer idemctl is refused before any use.
@@ -74,6 +74,8 @@ class LedgerCore:
     def __init__(self, store: Store, *, policy: Policy | None = None, clock: Clock | str | None = None) -> None:
         self.store = store
         self.policy = policy if policy is not None else Policy()
+        # An engine whose rows expire on their own sets their expiry from it.
+        store.keep_rows_for(self.policy.retention_ms)
         if clock == "database":
             # Every host sharing the ledger asks the database what time it is,
             # so skewed host clocks still agree on TTL, takeover and sweep.

@@ -1,8 +1,11 @@
-"""Storage: one SQL core (store.py) over an engine per database.
+"""Storage: one SQL core (store.py) over an engine per database, and Redis
+with a store of its own (redis/).
 
 `open_engine` picks the engine from the target's form: a file path (or
 ":memory:") is SQLite, a ``postgresql://`` URL is PostgreSQL, a
-``mysql://`` or ``mariadb://`` URL is MariaDB/MySQL."""
+``mysql://`` or ``mariadb://`` URL is MariaDB/MySQL, a ``redis://``,
+``rediss://`` or ``redis+sentinel://`` URL is Redis (or Valkey).
+`store_for` gives the Store that speaks an engine's language."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from .store import Store
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 MYSQL_SCHEMES = ("mysql://", "mariadb://")
+REDIS_SCHEMES = ("redis://", "rediss://", "redis+sentinel://", "rediss+sentinel://")
 
 
 def is_postgres_url(target: str | os.PathLike[str]) -> bool:
@@ -30,9 +34,24 @@ def is_mysql_url(target: str | os.PathLike[str]) -> bool:
     return isinstance(target, str) and target.startswith(MYSQL_SCHEMES)
 
 
+def is_redis_url(target: str | os.PathLike[str]) -> bool:
+    return isinstance(target, str) and target.startswith(REDIS_SCHEMES)
+
+
 def is_server_url(target: str | os.PathLike[str]) -> bool:
     """A database server's URL (nothing connects before the first statement), not a file."""
-    return is_postgres_url(target) or is_mysql_url(target)
+    return is_postgres_url(target) or is_mysql_url(target) or is_redis_url(target)
+
+
+def store_for(engine: Engine) -> Store:
+    """The Store for an engine: the SQL core, or the engine's own (Redis
+    brings one that runs its steps as scripts).
+
+    >>> type(store_for(open_engine(":memory:"))).__name__
+    'Store'
+    """
+    own = getattr(engine, "store", None)
+    return cast(Store, own()) if own is not None else Store(engine)
 
 
 def _server_engine(module: str, name: str, server: str, extra: str) -> Callable[..., Engine]:
@@ -53,7 +72,7 @@ def open_engine(
     busy_timeout_ms: int = 5000,
     sqlite: SqliteOptions = SQLITE_DEFAULTS,
 ) -> Engine:
-    """The engine for a SQLite file path, a postgresql:// or a mysql:// URL;
+    """The engine for a SQLite file path, a postgresql://, mysql:// or redis:// URL;
     `sqlite` holds what only a SQLite file has (a server URL ignores it).
 
     >>> open_engine(":memory:").dialect.name
@@ -72,9 +91,13 @@ def open_engine(
     if is_mysql_url(target):
         engine = _server_engine("mysql", "MysqlEngine", "MariaDB/MySQL", "mysql")
         return engine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
+    if is_redis_url(target):
+        engine = _server_engine("redis", "RedisEngine", "Redis", "redis")
+        return engine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
     if isinstance(target, str) and "://" in target:
         raise StorageError(
-            f"unsupported ledger URL {target.split('://', 1)[0]}://…: use a file path, postgresql:// or mysql://"
+            f"unsupported ledger URL {target.split('://', 1)[0]}://…: use a file path, postgresql://, mysql:// "
+            "or redis://"
         )
     return SqliteEngine(target, readonly=readonly, busy_timeout_ms=busy_timeout_ms, options=sqlite)
 
@@ -86,7 +109,9 @@ __all__ = [
     "Store",
     "is_mysql_url",
     "is_postgres_url",
+    "is_redis_url",
     "is_server_url",
     "keyword_dsn",
     "open_engine",
+    "store_for",
 ]

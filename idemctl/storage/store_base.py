@@ -168,6 +168,11 @@ class StoreBase:
     def describe(self) -> str:
         return self.engine.describe()
 
+    def keep_rows_for(self, retention_ms: int) -> None:
+        """How long the ledger's policy keeps a row. The SQL engines keep
+        every row until the sweep deletes it; an engine whose rows expire on
+        their own (Redis) sets their expiry from it."""
+
     def close(self) -> None:
         self.engine.close()
 
