@@ -6,7 +6,6 @@ the synchronous engine's (engine.py: `issue`)."""
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
@@ -99,9 +98,7 @@ class AsyncRedisEngine:
             chunk = calls[start : start + PIPELINE_MAX]
             pipe = client.pipeline(transaction=False)
             for op, params in chunk:
-                queued = issue(pipe, op, params)
-                if inspect.isawaitable(queued):  # the cluster's pipeline queues without awaiting
-                    await queued
+                issue(pipe, op, params)  # queued: a pipeline's commands are not awaited one by one
             got = list(await pipe.execute(raise_on_error=False))
             for i, reply in enumerate(got):
                 if is_noscript(reply):
