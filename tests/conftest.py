@@ -25,6 +25,12 @@ BACKENDS = ["sqlite", "postgres", "mysql", "redis", "redis-cluster"]
 # The engines whose tests start servers of their own (tests/redis_servers.py):
 # slow-marked wherever a test is parametrised over engines.
 SERVER_BACKENDS = ("redis", "redis-cluster")
+# A Redis Cluster runs the same scripts as one server, each on the primary
+# of its slot: every engine-independent test on it would add as much time as
+# the standalone run again. It runs the modules that set ON_REDIS_CLUSTER =
+# True (the contract, the adapters' table, the state machine, fencing,
+# races, the sweep, the operator's reads) and the tests whose `engines` mark names it.
+CLUSTER_OPT_IN = "ON_REDIS_CLUSTER"
 # PostgreSQL through PgBouncer in its default configuration, by pool mode:
 # the modules that set THROUGH_PGBOUNCER = True run their PostgreSQL tests
 # through these too (slow: they start PgBouncer).
@@ -77,6 +83,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     marker = metafunc.definition.get_closest_marker("engines")
     names = list(marker.args) if marker else BACKENDS
+    if not marker and not getattr(metafunc.module, CLUSTER_OPT_IN, False):
+        names = [name for name in names if name != "redis-cluster"]
     if getattr(metafunc.module, "THROUGH_PGBOUNCER", False):
         metafunc.parametrize("backend_name", pgbouncer_params(names))
     else:

@@ -192,3 +192,51 @@ class Cluster:
             with contextlib.suppress(Exception):
                 server.stop()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class WithSentinel:
+    """A primary, its replica and one Sentinel watching them (quorum 1)."""
+
+    SERVICE = "ledger"
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="idemctl-redis-sentinel-"))
+        self.primary = RedisServer(self.folder / "primary", free_port())
+        self.replica = RedisServer(
+            self.folder / "replica", free_port(), "--replicaof", "127.0.0.1", str(self.primary.port)
+        )
+        self.sentinel_port = free_port()
+        conf = self.folder / "sentinel.conf"
+        conf.write_text(
+            f"port {self.sentinel_port}\nbind 127.0.0.1\ndir {self.folder}\n"
+            f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.primary.port} 1\n"
+            f"sentinel down-after-milliseconds {self.SERVICE} 1000\n"
+            f"sentinel failover-timeout {self.SERVICE} 5000\n"
+        )
+        log = (self.folder / "sentinel.log").open("wb")
+        self.sentinel = subprocess.Popen(
+            ["redis-server", str(conf), "--sentinel"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+
+    def start(self) -> WithSentinel:
+        self.primary.wait_ready()
+        self.replica.wait_ready()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if "master_link_status:up" in self.replica.cli("info", "replication"):
+                return self
+            time.sleep(0.1)
+        raise RuntimeError("the replica did not catch up with its primary in 20 s")
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://127.0.0.1:{self.sentinel_port}/{self.SERVICE}"
+
+    def stop(self) -> None:
+        if self.sentinel.poll() is None:
+            self.sentinel.terminate()
+            self.sentinel.wait(10)
+        for server in (self.primary, self.replica):
+            with contextlib.suppress(Exception):
+                server.stop()
+        shutil.rmtree(self.folder, ignore_errors=True)

@@ -154,6 +154,10 @@ def check_failover(ledger: OpenLedger) -> FailoverCheck:
     """
     engine = ledger.store.engine
     dialect = ledger.store.dialect.name
+    own = getattr(engine, "failover_check", None)
+    if own is not None:  # an engine that judges its own server (Redis)
+        product, found = own()
+        return FailoverCheck(ledger.describe(), product, None, tuple(Finding(Severity(s), m) for s, m in found))
     if dialect == "mysql":
         facts = MysqlFacts(engine.replication_facts())  # type: ignore[attr-defined]
         return FailoverCheck(ledger.describe(), facts.product, facts, assess_mysql(facts))

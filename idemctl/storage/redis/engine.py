@@ -281,6 +281,31 @@ class RedisEngine:
     def stream(self, sql: str, params: Params) -> Iterator[tuple[Any, ...]]:
         yield from self.read(sql, params)
 
+    def failover_check(self) -> tuple[str, list[tuple[str, str]]]:
+        """(what the server is, findings) for `idemctl doctor`: every primary
+        the ledger writes to, and the cluster's state (health.py)."""
+        from .health import assess_cluster, assess_node, node_facts
+
+        client = self.client()
+
+        def check() -> tuple[str, list[tuple[str, str]]]:
+            wait = self.location.wait_replicas
+            if self.kind != CLUSTER:
+                version = str(client.info("server").get("redis_version", "?"))
+                name = "Sentinel's primary" if self.kind == "sentinel" else "the server"
+                return f"Redis {version} ({self.kind})", assess_node(name, node_facts(client), wait)
+            findings: list[tuple[str, str]] = []
+            primaries = client.get_primaries()
+            version = "?"
+            for node in primaries:
+                conn = node.redis_connection
+                version = str(conn.info("server").get("redis_version", "?"))
+                findings += assess_node(f"{node.host}:{node.port}", node_facts(conn), wait)
+            findings += assess_cluster(primaries[0].redis_connection.cluster("info") if primaries else {})
+            return f"Redis {version} (cluster of {len(primaries)} primaries)", findings
+
+        return self._guarded(check)
+
     def table_names(self, names: Iterable[str]) -> set[str]:
         """All of idemctl's "tables" once `init` wrote the version marker, else none."""
         marker = self.run_one("hgetall", {"keys": [Layout(self.prefix).marker]})

@@ -30,7 +30,7 @@ def translate(exc: Exception, where: str, secrets: Iterable[str]) -> StorageErro
             f"{where} is a read-only replica ({text}): point the URL at the primary, a Sentinel "
             "(redis+sentinel://) or any node of a Redis Cluster"
         )
-    if text.startswith("OOM") or "OOM command not allowed" in text:
+    if type(exc).__name__ == "OutOfMemoryError" or text.startswith("OOM") or "used memory > 'maxmemory'" in text:
         return RedisOutOfMemoryError(
             f"{where} is out of memory and refuses writes ({text}): raise maxmemory or free memory; nothing was written"
         )
