@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NoReturn, TypeVar
 
-from ...errors import StorageError
+from ...errors import ReadOnlyDatabaseError, StorageError
 from ..dialect import Dialect
 from ..engine import Params, Rows, SchemaTx
 from ..statements import TABLES
@@ -270,12 +270,12 @@ class RedisEngine:
 
     def write(self, sql: str, params: Params) -> Rows:
         if self.readonly:
-            raise StorageError(f"{self.describe()} was opened read-only")
+            raise ReadOnlyDatabaseError(f"{self.describe()} was opened read-only")
         return self.read(sql, params)
 
     def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[Rows]:
         if self.readonly:
-            raise StorageError(f"{self.describe()} was opened read-only")
+            raise ReadOnlyDatabaseError(f"{self.describe()} was opened read-only")
         return [[(reply,)] for reply in self.many(statements)]
 
     def stream(self, sql: str, params: Params) -> Iterator[tuple[Any, ...]]:

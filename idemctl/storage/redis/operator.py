@@ -248,7 +248,7 @@ class RedisOperatorStatements(Store):
         calls = []
         for row in rows:
             _, name, keys = self._place(row.principal, row.key)
-            head = [name, self.retention_ms, row.fingerprint, row.generation, row.status, row.updated_at]
+            head = [name, self.retention_ms, row.fingerprint, row.generation, row.status, row.updated_at, row.key]
             calls.append(("copy_update", {"keys": keys, "args": [*head, *row_fields(row)]}))
         return {row.where for row, done in zip(rows, self.engine.many(calls), strict=True) if int(done)}
 

@@ -175,19 +175,20 @@ if s == 'pending' then redis.call('ZADD', KEYS[3], u, ARGV[1]) end
 return 1
 """
 
-# COPY_UPDATE for one row: only an older version of the same request.
-# ARGV: member, ttl_ms, fingerprint, generation, status, updated_at, then
-# field, value pairs (rs, rb, rh absent when NULL).
+# COPY_UPDATE for one row: only an older version of the same request,
+# stored under the same key (not its other form: "k" and k).
+# ARGV: member, ttl_ms, fingerprint, generation, status, updated_at, key,
+# then field, value pairs (rs, rb, rh absent when NULL).
 COPY_UPDATE = """
-local r = redis.call('HMGET', KEYS[1], 'f', 'g', 's', 'u')
-if not r[1] or r[1] ~= ARGV[3] then return 0 end
+local r = redis.call('HMGET', KEYS[1], 'f', 'g', 's', 'u', 'k')
+if not r[1] or r[1] ~= ARGV[3] or r[5] ~= ARGV[7] then return 0 end
 local g, ng = tonumber(r[2]), tonumber(ARGV[4])
 if not (g < ng or (g == ng and r[3] == 'pending' and ARGV[5] == 'completed')
         or (g == ng and r[3] == ARGV[5] and tonumber(r[4]) < tonumber(ARGV[6]))) then
   return 0
 end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], unpack(ARGV, 7))
+redis.call('HSET', KEYS[1], unpack(ARGV, 8))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('ZADD', KEYS[2], ARGV[6], ARGV[1])
 if ARGV[5] == 'pending' then
