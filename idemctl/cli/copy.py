@@ -13,6 +13,7 @@ from ..errors import ConnectionFailedError, LedgerNotFoundError, SchemaMissingEr
 from ..ledger import Ledger
 from ..operations.copying import DEFAULT_COPY_BATCH, MAX_COPY_BATCH, CopyProgress
 from ..schema import SCHEMA_VERSION
+from ..storage import accepted_urls
 from .core import EXIT_NO, IdemctlCommand, UserError, app, open_ledger, settings
 from .documents import copy_json
 from .hints import idemctl_command, same_command
@@ -24,7 +25,7 @@ from .words import copy_words
 
 def _open_destination(url: str, busy_timeout_ms: int, *, init: bool, dry_run: bool) -> Ledger:
     if not url.strip():
-        raise UserError("--to is empty: give a ledger file path, a postgresql:// or a mysql:// URL")
+        raise UserError(f"--to is empty: give a ledger file path, {accepted_urls()}")
     # Hints name the destination: the source is what --db names.
     init_destination = idemctl_command("init", url, True)
     how = (

@@ -24,6 +24,7 @@ from ..errors import (
 from ..ledger import Ledger, Operator
 from ..outcomes import RowView
 from ..policy import Policy
+from ..storage import accepted_urls
 from .documents import inspect_not_found_json
 from .hints import (
     ARGS_IN_FORCE,
@@ -355,7 +356,7 @@ def _global(
 
 def _db(value: str | None) -> str | None:
     if value is not None and not value.strip():
-        raise UserError("--db is empty: give a ledger file path, a postgresql:// or a mysql:// URL")
+        raise UserError(f"--db is empty: give a ledger file path, {accepted_urls()}")
     return value
 
 

@@ -9,7 +9,7 @@ import typer
 
 from ..ledger import Ledger
 from ..operations.replication import check_failover
-from ..storage import is_postgres_url
+from ..storage import reads_where_it_writes
 from .core import EXIT_NO, IdemctlCommand, app, settings
 from .documents import failover_check_json
 from .options import DbOpt, JsonOpt
@@ -20,10 +20,10 @@ from .output import emit_json, one_line
 def doctor(ctx: typer.Context, json_out: JsonOpt = False, db: DbOpt = None) -> None:
     """Check, for the ledger's engine, that a completion it acknowledged survives a failover (exit 1 on a warning)."""
     s = settings(ctx, db=db)
-    # On PostgreSQL, the server the request path writes to: with several hosts
-    # in the URL, the one that accepts writes now.
+    # The server the request path writes to: on PostgreSQL, with several hosts
+    # in the URL, only a read-write opening is sure to reach the one that accepts writes now.
     with Ledger.open(
-        s.db, create=False, readonly=not is_postgres_url(s.db), busy_timeout_ms=s.busy_timeout_ms
+        s.db, create=False, readonly=reads_where_it_writes(s.db), busy_timeout_ms=s.busy_timeout_ms
     ) as ledger:
         check = check_failover(ledger.operator)
     if json_out:

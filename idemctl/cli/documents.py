@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..operations.copying import CopyResult
-from ..operations.replication import FailoverCheck, ReplicationSettings
-from ..operations.replication_mysql import MysqlFacts
+from ..operations.replication import FailoverCheck
 from ..outcomes import Drained, FencedEvent, Prediction, RowView, Stats, Status, StoredRow, Verdict
 from ..policy import Policy
 from .words import body_kind, state_words
@@ -202,17 +201,7 @@ def pending_json(
 
 def failover_check_json(check: FailoverCheck) -> dict[str, Any]:
     """`doctor --json`: the engine, the replication settings read and what they mean."""
-    s = check.settings
-    replication: dict[str, Any] | None = None
-    if isinstance(s, ReplicationSettings):
-        replication = {
-            "synchronous_commit": s.synchronous_commit,
-            "synchronous_standby_names": s.synchronous_standby_names,
-            "in_recovery": s.in_recovery,
-            "standbys": list(s.standbys),
-        }
-    elif isinstance(s, MysqlFacts):
-        replication = dict(sorted(s.values.items()))
+    replication = None if check.settings is None else check.settings.document()
     return {
         "ledger": check.where,
         "engine": check.engine,

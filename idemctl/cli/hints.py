@@ -18,7 +18,7 @@ from ..errors import (
     SchemaMissingError,
     SchemaOutdatedError,
 )
-from ..storage import keyword_dsn
+from ..storage import is_file_location, keyword_dsn
 
 # The ledger the running command works on, as given: hints name it, so that
 # the command they suggest acts on the same ledger when typed as printed.
@@ -54,7 +54,7 @@ def shown_db(db: str) -> str:
     pairs = keyword_dsn(db)
     if pairs is not None:
         return "<the same connection string>" if any(name == "password" for name, _ in pairs) else db
-    if "://" not in db:
+    if is_file_location(db):
         return db
     try:
         secret = urlsplit(db).password
@@ -77,7 +77,7 @@ def with_hint(exc: IdemctlError, db: str | None = None, given: bool = False) -> 
         return f"{exc} — run `{init}` to upgrade it"
     if isinstance(exc, ReadOnlyDatabaseError):
         return f"{exc} — {read_only_advice(db or config.DEFAULT_DB)}"
-    if isinstance(exc, LedgerNotFoundError) and db is not None and "://" not in db and keyword_dsn(db) is None:
+    if isinstance(exc, LedgerNotFoundError) and db is not None and is_file_location(db):
         parent = os.path.dirname(os.path.abspath(os.path.expanduser(db)))
         if not os.path.isdir(parent):
             # `init` would fail the same way: the directory comes first.
@@ -93,7 +93,7 @@ def read_only_advice(db: str) -> str:
     this user cannot write it or its directory (SQLite writes -wal and -shm
     beside it) and what to run; for a server, that the URL names a writable
     primary."""
-    if "://" in db or keyword_dsn(db) is not None:
+    if not is_file_location(db):
         return (
             "point --db at the primary (a standby, a read-only server or a role without write "
             "privileges refuses writes), or grant the role INSERT, UPDATE and DELETE on the ledger's tables"
@@ -153,7 +153,7 @@ def same_command() -> str:
 
 def _shown_args() -> list[str]:
     """The running command's words, each location that carries a password masked."""
-    return [shown_db(word) if "://" in word or keyword_dsn(word) is not None else word for word in ARGS_IN_FORCE.get()]
+    return [word if is_file_location(word) else shown_db(word) for word in ARGS_IN_FORCE.get()]
 
 
 def _user_name(uid: int) -> str:

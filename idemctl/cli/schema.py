@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import re
-import shlex
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
+from .. import storage
 from ..errors import ConnectionFailedError, LedgerNotFoundError
 from ..ledger import Ledger
 from ..outcomes import InitAction, InitResult
 from ..schema import SCHEMA_VERSION
-from ..storage import is_postgres_url
+from ..storage import DatabaseNotCreatedError
 from .core import IdemctlCommand, UserError, app, settings
 from .hints import hint_command, shown_db
 from .options import DbOpt, flag
-
-if TYPE_CHECKING:  # the driver lives behind the postgres extra
-    from ..storage.postgres import DatabaseNotCreatedError, PostgresEngine
 
 
 def _file_mode(text: str) -> int:
@@ -79,7 +75,7 @@ def init(
             try:
                 result = ledger.init(dry_run=True)
             except LedgerNotFoundError:
-                if not is_postgres_url(target):
+                if not storage.kind_of(target).creates_database:
                     raise
                 typer.echo(f"{where}: would create the database, then the ledger tables; nothing written")
                 return
@@ -103,100 +99,22 @@ def _init(target: str, busy_timeout_ms: int, mode: int) -> None:
 
 def database_missing(target: str, exc: Exception) -> bool:
     """Whether `exc` may mean that the server database `target` names is not
-    there: MariaDB tells a role with no privilege on a database that does not
-    exist "access denied to database", not "unknown database"."""
-    if isinstance(exc, LedgerNotFoundError):
-        return True
-    return _is_mysql(target) and "to database" in str(exc)
-
-
-def _is_mysql(target: str) -> bool:
-    return target.split("://", 1)[0].lower() in ("mysql", "mariadb")
+    there (the engine's kind knows how its server says so)."""
+    return storage.database_missing(target, exc)
 
 
 def create_database(target: str, busy_timeout_ms: int, again: str | None = None, *, err: bool = False) -> bool:
-    """Create the server database `target` names (PostgreSQL or MariaDB/MySQL)
-    as its role; False for a location that is no server database (a SQLite
-    file). A role that may not create it gets the statement an administrator
-    runs instead, then `again` (by default `init` for this ledger)."""
+    """Create the server database `target` names as its role; False for a
+    location whose engine creates no database (a SQLite file). A role that
+    may not create it gets the command an administrator runs instead, then
+    `again` (by default `init` for this ledger)."""
     again = again or hint_command("init")
-    if is_postgres_url(target):
-        _create_pg_database(target, busy_timeout_ms, again, err)
-        return True
-    if _is_mysql(target):
-        _create_mysql_database(target, busy_timeout_ms, again, err)
-        return True
-    return False
-
-
-def _create_mysql_database(target: str, busy_timeout_ms: int, again: str, err: bool) -> None:
-    import pymysql
-
-    from ..storage.mysql import MysqlEngine
-
-    engine = MysqlEngine(target, busy_timeout_ms=busy_timeout_ms)
-    # The engine's own connection settings, without the database that is not there yet.
-    kwargs = {k: v for k, v in engine._connect_kwargs.items() if k != "database"}
-    name = engine.database.replace("`", "``")
     try:
-        conn = pymysql.connect(**kwargs)
-        try:
-            with conn.cursor() as cur:
-                created = cur.execute(f"CREATE DATABASE IF NOT EXISTS `{name}` CHARACTER SET utf8mb4") == 1
-        finally:
-            conn.close()
-    except pymysql.MySQLError as exc:
-        reason = engine._scrub(str(exc.args[1]) if len(exc.args) > 1 else str(exc))
-        # A plain name goes unquoted, so the hint's backquotes delimit only commands.
-        shown = engine.database if re.fullmatch(r"[A-Za-z0-9_$]+", engine.database) else f"`{name}`"
-        statement = f"CREATE DATABASE {shown} CHARACTER SET utf8mb4; GRANT ALL ON {shown}.* TO '{engine.user}'@'%'"
-        admin = ["mysql", "-u", "root"]
-        if engine.host:
-            admin += ["-h", engine.host, "-P", str(engine.port)]
-        raise UserError(
-            f"cannot create the database {engine.database} on {engine.describe()}: {reason}; "
-            f"have an administrator run `{shlex.join([*admin, '-e', statement])}`, "
-            f"then run `{again}` again"
-        ) from None
-    finally:
-        engine.close()
-    if created:
-        typer.echo(f"{engine.describe()}: created the database (character set utf8mb4)", err=err)
-
-
-def _create_pg_database(target: str, busy_timeout_ms: int, again: str, err: bool) -> None:
-    from ..storage.postgres import DatabaseNotCreatedError, PostgresEngine
-
-    engine = PostgresEngine(target, busy_timeout_ms=busy_timeout_ms)
-    try:
-        created = engine.create_database()
+        result = storage.create_database(target, busy_timeout_ms=busy_timeout_ms)
     except DatabaseNotCreatedError as exc:
-        raise UserError(
-            f"{exc}; have a role that may create databases run `{_createdb(engine, exc)}`, then run `{again}` again"
-        ) from None
-    finally:
-        engine.close()
-    if created:
-        who = engine.url_params.get("user")
-        typer.echo(f"{engine.describe()}: created the database{f' (owner {who})' if who else ''}", err=err)
-
-
-def _createdb(engine: PostgresEngine, exc: DatabaseNotCreatedError) -> str:
-    """The createdb command an administrator runs instead: for the URL's
-    server, owned by the URL's role.
-
-    >>> from idemctl.storage.postgres import DatabaseNotCreatedError, PostgresEngine
-    >>> engine = PostgresEngine("postgresql://app@db.internal:5433/payments")
-    >>> _createdb(engine, DatabaseNotCreatedError("x", "payments", "app", "permission denied"))
-    'createdb -h db.internal -p 5433 -O app payments'
-    """
-    p = engine.url_params
-    words = ["createdb"]
-    if p.get("host"):
-        words += ["-h", p["host"]]
-    if p.get("port"):
-        words += ["-p", p["port"]]
-    if exc.role:
-        words += ["-O", exc.role]
-    words.append(exc.database)
-    return shlex.join(words)
+        raise UserError(f"{exc}; have {exc.who} run `{exc.command}`, then run `{again}` again") from None
+    if result is None:
+        return False
+    if result.created:
+        typer.echo(result.describe(), err=err)
+    return True

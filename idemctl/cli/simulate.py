@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 from rich.progress import TaskID
 
+from ..storage import is_file_location, keyword_dsn
 from .core import EXIT_NO, IdemctlCommand, UserError, app, command_policy, settings
 from .hints import shown_db
 from .options import JsonOpt, RetentionOpt, TtlOpt, complete_from, count_option, from_command_line
@@ -45,8 +46,10 @@ def _inspect_hint(timeline: Timeline, target: str | None) -> str:
     if not timeline.database or not inspected:
         return ""
     last = inspected[-1]
-    # A location that carries a password is not echoed back.
-    where = shlex.quote(shown_db(target) if target is not None and "://" in target else timeline.database)
+    # A URL that carries a password is not echoed back (a connection string
+    # is shown as the URL the ledger describes, which carries none).
+    url = target is not None and not is_file_location(target) and keyword_dsn(target) is None
+    where = shlex.quote(shown_db(target) if target is not None and url else timeline.database)
     key, principal = shlex.quote(last.key or ""), shlex.quote(last.principal or "")
     return f"; see it with: idemctl inspect {key} --principal {principal} --db {where}"
 

@@ -13,14 +13,13 @@ import time
 import weakref
 from collections.abc import Callable
 
-from .. import decision
+from .. import decision, storage
 from ..errors import PolicyError, SchemaMissingError
 from ..leases import LeaseKeeper
 from ..outcomes import Event, InitResult, Reservation
 from ..policy import Policy
-from ..storage import SqliteOptions, Store, is_server_url, open_engine, store_for
+from ..storage import SQLITE_DEFAULTS, SqliteOptions, Store
 from ..storage.aio import AsyncStore
-from ..storage.sqlite import SQLITE_DEFAULTS
 from .events import EventHub
 
 Clock = Callable[[], int]
@@ -47,17 +46,7 @@ def open_store(
     >>> open_store(":memory:").describe()
     ':memory:'
     """
-    engine = open_engine(target, readonly=readonly, busy_timeout_ms=busy_timeout_ms, sqlite=sqlite)
-    store = store_for(engine)
-    if not is_server_url(target):
-        # A file's schema is checked at open (it costs no connection):
-        # a ledger written by a newer idemctl is refused before any use.
-        try:
-            store.check_not_newer()
-        except BaseException:
-            store.close()
-            raise
-    return store
+    return storage.open_store(target, readonly=readonly, busy_timeout_ms=busy_timeout_ms, sqlite=sqlite)
 
 
 class LedgerCore:
@@ -95,7 +84,9 @@ class LedgerCore:
             )
         #: The listeners, and the `idemctl.events` log line of each event.
         self.events = EventHub()
-        # The asynchronous request path, one store per event loop (see async_store).
+        # The asynchronous request path, one store per event loop (see async_store),
+        # opened by the engine's own asynchronous engine where its kind has one.
+        self._open_async = storage.async_opener(store.engine)
         self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncStore] = weakref.WeakKeyDictionary()
         self._async_lock = threading.Lock()
 
@@ -162,7 +153,7 @@ class LedgerCore:
         >>> asyncio.run(Ledger.open(":memory:").aclose()) is None
         True
         """
-        open_async = getattr(self.store.engine, "open_async", None)
+        open_async = self._open_async
         if open_async is None:
             return None
         loop = asyncio.get_running_loop()

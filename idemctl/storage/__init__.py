@@ -1,117 +1,103 @@
-"""Storage: one SQL core (store.py) over an engine per database, and Redis
-with a store of its own (redis/).
+"""Storage: one SQL core (store.py) over an engine per database, and the
+registry of engines (registry.py).
 
-`open_engine` picks the engine from the target's form: a file path (or
-":memory:") is SQLite, a ``postgresql://`` URL is PostgreSQL, a
-``mysql://`` or ``mariadb://`` URL is MariaDB/MySQL, a ``redis://``,
-``rediss://`` or ``redis+sentinel://`` URL is Redis (or Valkey).
-`store_for` gives the Store that speaks an engine's language."""
+`open_engine` and `open_store` ask the registry which engine a location
+names: a file path (or ":memory:") is SQLite, a ``postgresql://`` URL or a
+libpq connection string is PostgreSQL, a ``mysql://`` or ``mariadb://`` URL
+is MariaDB/MySQL; an engine added with `register` is found the same way.
+Nothing outside this package names an engine, imports a driver or reads a
+URL's scheme (docs/engines.md)."""
 
 from __future__ import annotations
 
-import importlib
 import os
-from collections.abc import Callable
-from typing import cast
 
 from ..errors import StorageError
+from .capabilities import DatabaseCreated, DatabaseNotCreatedError
 from .engine import Engine
-from .locations import dsn_url, keyword_dsn
-from .sqlite import DEFAULT_FILE_MODE, SQLITE_DEFAULTS, SqliteEngine, SqliteOptions
+from .locations import keyword_dsn
+from .registry import (
+    EngineKind,
+    accepted_urls,
+    async_opener,
+    create_database,
+    database_missing,
+    engine_kind,
+    failover_facts,
+    is_file_location,
+    kind_of,
+    kinds,
+    open_engine,
+    open_store,
+    reads_where_it_writes,
+    register,
+)
+from .sqlite import DEFAULT_FILE_MODE, SQLITE_DEFAULTS, SqliteOptions
 from .store import Store
 
-POSTGRES_SCHEMES = ("postgresql://", "postgres://")
-MYSQL_SCHEMES = ("mysql://", "mariadb://")
-REDIS_SCHEMES = ("redis://", "rediss://", "redis+sentinel://", "rediss+sentinel://")
+
+def _is(name: str, target: str | os.PathLike[str]) -> bool:
+    if not isinstance(target, (str, os.PathLike)):
+        return False
+    try:
+        return kind_of(target).name == name
+    except StorageError:  # a URL of no registered kind is none of them
+        return False
 
 
 def is_postgres_url(target: str | os.PathLike[str]) -> bool:
-    """A postgresql:// URL or a libpq keyword/value connection string."""
-    return isinstance(target, str) and (target.startswith(POSTGRES_SCHEMES) or keyword_dsn(target) is not None)
+    """A postgresql:// URL or a libpq keyword/value connection string.
+
+    >>> is_postgres_url("host=db dbname=payments"), is_postgres_url("ledger.db")
+    (True, False)
+    """
+    return _is("postgres", target)
 
 
 def is_mysql_url(target: str | os.PathLike[str]) -> bool:
-    return isinstance(target, str) and target.startswith(MYSQL_SCHEMES)
-
-
-def is_redis_url(target: str | os.PathLike[str]) -> bool:
-    return isinstance(target, str) and target.startswith(REDIS_SCHEMES)
+    """A mysql:// or mariadb:// URL."""
+    return _is("mysql", target)
 
 
 def is_server_url(target: str | os.PathLike[str]) -> bool:
-    """A database server's URL (nothing connects before the first statement), not a file."""
-    return is_postgres_url(target) or is_mysql_url(target) or is_redis_url(target)
+    """A database server's location (nothing connects before the first
+    statement), not a file: a registered kind whose ``server`` is True.
 
-
-def store_for(engine: Engine) -> Store:
-    """The Store for an engine: the SQL core, or the engine's own (Redis
-    brings one that runs its steps as scripts).
-
-    >>> type(store_for(open_engine(":memory:"))).__name__
-    'Store'
-    """
-    own = getattr(engine, "store", None)
-    return cast(Store, own()) if own is not None else Store(engine)
-
-
-def _server_engine(module: str, name: str, server: str, extra: str) -> Callable[..., Engine]:
-    """A server engine's class, imported only when a URL names that server:
-    its driver lives behind an extra of the package."""
-    try:
-        return cast("Callable[..., Engine]", getattr(importlib.import_module(f".{module}", __name__), name))
-    except ImportError as exc:
-        raise StorageError(
-            f"{server} support needs the driver: pip install 'idemctl[{extra}]' ({exc.name} is missing)"
-        ) from exc
-
-
-def open_engine(
-    target: str | os.PathLike[str],
-    *,
-    readonly: bool = False,
-    busy_timeout_ms: int = 5000,
-    sqlite: SqliteOptions = SQLITE_DEFAULTS,
-) -> Engine:
-    """The engine for a SQLite file path, a postgresql://, mysql:// or redis:// URL;
-    `sqlite` holds what only a SQLite file has (a server URL ignores it).
-
-    >>> open_engine(":memory:").dialect.name
-    'sqlite'
+    >>> is_server_url("mysql://app@db/payments"), is_server_url("ledger.db"), is_server_url("x://y")
+    (True, False, False)
     """
     if not isinstance(target, (str, os.PathLike)):
-        raise StorageError(
-            "a ledger is a file path, a postgresql:// URL or connection string, or a mysql:// URL,"
-            f" got {type(target).__name__}"
-        )
-    if is_postgres_url(target):
-        engine = _server_engine("postgres", "PostgresEngine", "PostgreSQL", "postgres")
-        pairs = keyword_dsn(target)
-        url = dsn_url(pairs) if pairs is not None else str(target)
-        return engine(url, readonly=readonly, busy_timeout_ms=busy_timeout_ms)
-    if is_mysql_url(target):
-        engine = _server_engine("mysql", "MysqlEngine", "MariaDB/MySQL", "mysql")
-        return engine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
-    if is_redis_url(target):
-        engine = _server_engine("redis", "RedisEngine", "Redis", "redis")
-        return engine(str(target), readonly=readonly, busy_timeout_ms=busy_timeout_ms)
-    if isinstance(target, str) and "://" in target:
-        raise StorageError(
-            f"unsupported ledger URL {target.split('://', 1)[0]}://…: use a file path, postgresql://, mysql:// "
-            "or redis://"
-        )
-    return SqliteEngine(target, readonly=readonly, busy_timeout_ms=busy_timeout_ms, options=sqlite)
+        return False
+    try:
+        return kind_of(target).server
+    except StorageError:
+        return False
 
 
 __all__ = [
     "DEFAULT_FILE_MODE",
+    "SQLITE_DEFAULTS",
+    "DatabaseCreated",
+    "DatabaseNotCreatedError",
     "Engine",
+    "EngineKind",
     "SqliteOptions",
     "Store",
+    "accepted_urls",
+    "async_opener",
+    "create_database",
+    "database_missing",
+    "engine_kind",
+    "failover_facts",
+    "is_file_location",
     "is_mysql_url",
     "is_postgres_url",
-    "is_redis_url",
     "is_server_url",
     "keyword_dsn",
+    "kind_of",
+    "kinds",
     "open_engine",
-    "store_for",
+    "open_store",
+    "reads_where_it_writes",
+    "register",
 ]

@@ -58,15 +58,17 @@ from ..errors import (
 )
 from ..text import single_line
 from . import server
+from .capabilities import DatabaseCreated
 from .dialect import MYSQL
 from .engine import Params, Rows
+from .failover.mysql import MysqlFacts
+from .mysql_admin import create_database, read_failover_facts
 from .mysql_schema import MysqlTx, existing_tables
 from .server import checked_busy_timeout, missing_table, scrub
 
 log = logging.getLogger("idemctl")
 T = TypeVar("T")
 
-MYSQL_SCHEMES = ("mysql://", "mariadb://")
 DEFAULT_PORT = 3306
 DEFAULT_POOL_MAX_SIZE = 10
 DEFAULT_CONNECT_TIMEOUT_S = 5
@@ -124,18 +126,6 @@ _READ_ONLY_SESSION = "SET SESSION TRANSACTION READ ONLY"
 # on MySQL and OFF on a MariaDB server that is not a Galera node.
 _SERVER_FACTS = "SHOW SESSION VARIABLES WHERE Variable_name IN ('max_allowed_packet', 'wsrep_on', 'wsrep_sync_wait')"
 _SYNC_WAIT = "SET SESSION wsrep_sync_wait = %s"
-# The variables (the ledger's session) and status values `idemctl doctor`
-# assesses (replication_mysql.py).
-DOCTOR_VARIABLES = (
-    "version", "wsrep_on", "wsrep_sync_wait", "wsrep_cluster_name", "read_only", "log_bin", "binlog_format",
-    "sync_binlog", "innodb_flush_log_at_trx_commit", "rpl_semi_sync_master_enabled", "rpl_semi_sync_master_wait_point",
-)  # fmt: skip
-DOCTOR_STATUS = (
-    "wsrep_cluster_status", "wsrep_local_state_comment", "wsrep_cluster_size", "wsrep_ready",
-    "slaves_connected", "slaves_running", "rpl_semi_sync_master_status",
-)  # fmt: skip
-_FACT_VARIABLES = "SHOW SESSION VARIABLES WHERE Variable_name IN ({names})"
-_FACT_STATUS = "SHOW GLOBAL STATUS WHERE Variable_name IN ({names})"
 _STORAGE_BYTES = (
     "SELECT coalesce(sum(data_length + index_length), 0) FROM information_schema.tables"
     " WHERE table_schema = DATABASE() AND table_name IN ({names})"
@@ -560,16 +550,15 @@ class MysqlEngine:
             row = cur.fetchone()
         return int(row[0]) if row else None
 
-    def replication_facts(self) -> dict[str, str]:
-        """The variables (as the ledger's own session has them, its causal
-        reads included) and status values `idemctl doctor` assesses, by
-        lower-case name; those the server lacks are absent."""
-        facts: dict[str, str] = {}
+    def failover_facts(self) -> MysqlFacts:
+        """What `idemctl doctor` assesses, as the ledger's own session reads it (mysql_admin.py)."""
         with self._connection() as pooled, pooled.conn.cursor() as cur:
-            for sql, names in ((_FACT_VARIABLES, DOCTOR_VARIABLES), (_FACT_STATUS, DOCTOR_STATUS)):
-                cur.execute(sql.format(names=", ".join(["%s"] * len(names))), names)
-                facts.update((str(name).lower(), str(value)) for name, value in cur.fetchall())
-        return facts
+            return read_failover_facts(cur)
+
+    def create_database(self) -> DatabaseCreated:
+        """Create the URL's database as its user; one who may not gets the
+        statements an administrator runs instead (mysql_admin.py)."""
+        return create_database(self._connect_kwargs, self.describe(), self._scrub)
 
     # -- schema ------------------------------------------------------------------------
     def migrate(self, body: Callable[[MysqlTx], T], *, write: bool) -> T:

@@ -665,7 +665,9 @@ def test_a_ledger_the_recipe_wrote_is_copied_with_no_token_and_no_fenced_log(
         destination.close()
 
 
-def test_a_quoted_key_the_destination_holds_bare_is_kept_there_not_copied_twice(move: Move, targets: tuple[str, str]) -> None:
+def test_a_quoted_key_the_destination_holds_bare_is_kept_there_not_copied_twice(
+    move: Move, targets: tuple[str, str]
+) -> None:
     sql_source_only(targets)
     # The source's row as an older writer stored the header "k1"; the
     # destination's claimed by idemctl as k1: one key, so the copy keeps

@@ -73,7 +73,7 @@ def test_missing_parent_directory_is_a_clear_error(tmp_path):
 
 def test_unknown_url_scheme_is_a_storage_error(tmp_path):
     with pytest.raises(
-        StorageError, match=r"^unsupported ledger URL oracle://…: use a file path, postgresql:// or mysql://$"
+        StorageError, match=r"^unsupported ledger URL oracle://…: use a file path, postgresql://, mysql:// or redis://$"
     ):
         Ledger.open("oracle://root@localhost/db")
 

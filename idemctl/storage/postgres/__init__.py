@@ -9,8 +9,9 @@ of what is shown); `errors.py` turns what psycopg raises into idemctl's
 errors; `schema.py` holds the schema transactions; `pooler.py` what changes
 behind a connection pooler (PgBouncer)."""
 
+from ..capabilities import DatabaseNotCreatedError
 from .aio import AsyncPostgresEngine
 from .engine import PostgresEngine
-from .errors import DatabaseNotCreatedError, PoolerError
+from .errors import PoolerError
 
 __all__ = ["AsyncPostgresEngine", "DatabaseNotCreatedError", "PoolerError", "PostgresEngine"]

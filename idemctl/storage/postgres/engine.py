@@ -25,18 +25,18 @@ from typing import Any, TypeVar
 
 import psycopg
 import psycopg.sql
-from psycopg import errors as pgerrors
-from psycopg.conninfo import make_conninfo
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from ...errors import ConnectionFailedError, ReadOnlyDatabaseError, StorageError
-from ...text import single_line
+from ..capabilities import DatabaseCreated
 from ..dialect import POSTGRES
 from ..engine import Params, Rows
+from ..failover.postgres import ReplicationSettings
 from ..server import checked_busy_timeout, scrub
+from .admin import create_database
 from .aio import AsyncPostgresEngine
-from .errors import INIT_RACE, DatabaseNotCreatedError, Translator, libpq_reason, pooler_mode_refused
+from .errors import INIT_RACE, Translator, pooler_mode_refused
 from .pooler import (
     MARKER_QUERY,
     SettingsCursor,
@@ -45,7 +45,6 @@ from .pooler import (
     honoured,
     options_lost,
     pool_arguments,
-    refused_startup,
     settings_sql,
 )
 from .schema import PostgresTx, existing
@@ -381,44 +380,11 @@ class PostgresEngine:
                 self._unreachable = (time.monotonic() + RECONNECT_PAUSE_S, error)
         threading.Thread(target=_close_quietly, args=(pool,), name="idemctl-pool-close", daemon=True).start()
 
-    def create_database(self) -> bool:
-        """Create the database the URL names, as the URL's role, connected to
-        the server's maintenance database (``postgres``, else ``template1``).
-        True if this call created it, False if it already existed. A role
-        that may not create databases gets DatabaseNotCreatedError, whose
-        fields say what an administrator has to run."""
-        name = self.url_params.get("dbname", "")
-        role = self.url_params.get("user") or None
-        if not name:
-            raise DatabaseNotCreatedError(self.describe(), name, role, "the URL names no database")
-        last: psycopg.Error | None = None
-        for maintenance in ("postgres", "template1"):
-            try:
-                conn = psycopg.connect(make_conninfo(self._conninfo, dbname=maintenance), autocommit=True)
-            except psycopg.Error as exc:
-                if refused_startup(exc):  # a pooler: its database list decides
-                    try:
-                        conn = psycopg.connect(
-                            make_conninfo(self._settings.pooled_conninfo, dbname=maintenance), autocommit=True
-                        )
-                    except psycopg.Error as again:
-                        last = again
-                        continue
-                else:
-                    last = exc
-                    continue
-            try:
-                conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
-                return True
-            except pgerrors.DuplicateDatabase:
-                return False  # another init got there first: the database is there
-            except psycopg.Error as exc:
-                reason = self._scrub(single_line(str(exc)))
-                raise DatabaseNotCreatedError(self.describe(), name, role, reason) from exc
-            finally:
-                conn.close()
-        reason = self._scrub(libpq_reason(str(last))) if last is not None else "no maintenance database"
-        raise DatabaseNotCreatedError(self.describe(), name, role, reason)
+    def create_database(self) -> DatabaseCreated:
+        """Create the database the URL names, as the URL's role (admin.py);
+        a role that may not gets DatabaseNotCreatedError, with the createdb
+        an administrator runs instead."""
+        return create_database(self._settings, self.describe(), self._scrub)
 
     def open_async(self) -> AsyncPostgresEngine:
         """The request path of this engine for the running event loop (see
@@ -525,14 +491,14 @@ class PostgresEngine:
         row = self.read(SQL_STORAGE_BYTES, {"names": list(tables)})
         return int(row[0][0]) if row else None
 
-    def replication_settings(self) -> tuple[str, str, bool, tuple[str, ...]]:
+    def failover_facts(self) -> ReplicationSettings:
         """synchronous_commit, synchronous_standby_names, whether this server
         is a standby, and its standbys as ``name=sync_state`` (``unknown``
         unless the role may read pg_stat_replication's details: a superuser
-        or a member of pg_monitor)."""
+        or a member of pg_monitor), as the ledger's own session sees them."""
         rows = self.read(SQL_REPLICATION, {})
         commit, names, recovering, standbys = rows[0]
-        return str(commit), str(names), bool(recovering), tuple(str(x) for x in standbys)
+        return ReplicationSettings(str(commit), str(names), bool(recovering), tuple(str(x) for x in standbys))
 
     # -- schema ------------------------------------------------------------------------
     def migrate(self, body: Callable[[PostgresTx], T], *, write: bool) -> T:

@@ -30,15 +30,6 @@ INIT_RACE = (pgerrors.UniqueViolation, pgerrors.DuplicateTable, pgerrors.Duplica
 _SERVER_PREFIX = re.compile(r'^connection to server (?:at|on socket) "[^"]*"(?: \([^)]*\))?(?:, port \d+)? failed: ')
 
 
-class DatabaseNotCreatedError(StorageError):
-    """The database a URL names does not exist, and this role could not create
-    it (`PostgresEngine.create_database`): `reason` is the server's word."""
-
-    def __init__(self, where: str, database: str, role: str | None, reason: str) -> None:
-        self.where, self.database, self.role, self.reason = where, database, role, reason
-        super().__init__(f"cannot create the database {database!r} for {where}: {reason}")
-
-
 class PoolerError(StorageError):
     """A connection pooler between idemctl and PostgreSQL (PgBouncer) refused
     what idemctl asked, or the server saw the pooler mix two clients'

@@ -13,9 +13,9 @@ from ...errors import StorageError
 from ..engine import Params, Rows
 from ..statements import TABLES
 from .clients import CLUSTER, async_client
-from .engine import PIPELINE_MAX, eval_instead, is_noscript, issue, probe_calls, time_ms
 from .errors import translate
 from .keys import Layout
+from .ops import PIPELINE_MAX, eval_instead, is_noscript, issue, probe_calls, time_ms
 from .url import RedisLocation
 
 

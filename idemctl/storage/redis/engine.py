@@ -17,22 +17,19 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NoReturn, TypeVar
 
+import redis  # the driver: a missing one is named when the engine is chosen
+
 from ...errors import ReadOnlyDatabaseError, StorageError
 from ..dialect import Dialect
 from ..engine import Params, Rows, SchemaTx
 from ..statements import TABLES
-from .clients import CLUSTER, sha1, sync_client
+from .clients import CLUSTER, sync_client
 from .errors import translate
-from .keys import BUCKETS, COPY_FIELDS, ROW_FIELDS, Layout
-from .scripts import SCRIPTS
+from .keys import Layout
+from .ops import PIPELINE_MAX, eval_instead, is_noscript, issue, probe_calls, time_ms
 from .url import RedisLocation, parse
 
 T = TypeVar("T")
-
-SHAS = {name: sha1(source) for name, source in SCRIPTS.items()}
-# Commands a pipeline carries at most (a listing over 1024 buckets, a
-# renewal of many reservations): bounded memory for the replies of each.
-PIPELINE_MAX = 1024
 
 
 def _keep(text: str) -> str:
@@ -68,73 +65,6 @@ REDIS = Dialect(
     now_sql="time",
     claim_reads_row=True,
 )
-
-
-def issue(target: Any, op: str, params: Params) -> Any:
-    """Send one operation on a client or a pipeline (sync or asyncio: the
-    same calls); its reply, or its awaitable, or the pipeline."""
-    keys = params.get("keys", ())
-    args = params.get("args", ())
-    sha = SHAS.get(op)
-    if sha is not None:
-        return target.evalsha(sha, len(keys), *keys, *args)
-    if op == "row":
-        return target.hmget(keys[0], ROW_FIELDS)
-    if op == "state":
-        return target.hmget(keys[0], ("s", "g", "c", "u"))
-    if op == "full_row":
-        return target.hmget(keys[0], COPY_FIELDS)
-    if op == "first":
-        return target.zrange(keys[0], 0, 0, withscores=True)
-    if op == "below":
-        return target.zrangebyscore(keys[0], "-inf", f"({args[0]}", start=0, num=int(args[1]))
-    if op == "below_scored":
-        return target.zrangebyscore(
-            keys[0], "-inf", f"({args[0]}", start=int(args[1]), num=int(args[2]), withscores=True
-        )
-    if op == "range":
-        return target.zrange(keys[0], int(args[0]), int(args[1]), withscores=True)
-    if op == "count_below":
-        return target.zcount(keys[0], "-inf", f"({args[0]}")
-    if op == "card":
-        return target.zcard(keys[0])
-    if op == "hgetall":
-        return target.hgetall(keys[0])
-    if op == "hlen":
-        return target.hlen(keys[0])
-    if op == "hvals":
-        return target.hvals(keys[0])
-    if op == "version":
-        return target.hget(keys[0], "version")
-    if op == "time":
-        return target.time()
-    if op == "wait":
-        return target.execute_command("WAIT", int(args[0]), int(args[1]))
-    raise StorageError(f"no Redis operation named {op!r}")
-
-
-def probe_calls(layout: Layout) -> list[tuple[str, Params]]:
-    """The sweep's probe: the oldest entry of every bucket's rows and events."""
-    calls: list[tuple[str, Params]] = []
-    for b in range(BUCKETS):
-        calls.append(("first", {"keys": [layout.rows_by_time(b)]}))
-        calls.append(("first", {"keys": [layout.events_by_time(b)]}))
-    return calls
-
-
-def eval_instead(target: Any, op: str, params: Params) -> Any:
-    """The same operation with the script's text (EVAL caches it on the server)."""
-    keys = params.get("keys", ())
-    return target.eval(SCRIPTS[op], len(keys), *keys, *params.get("args", ()))
-
-
-def is_noscript(reply: object) -> bool:
-    return type(reply).__name__ == "NoScriptError" or (isinstance(reply, Exception) and "NOSCRIPT" in str(reply))
-
-
-def time_ms(reply: Any) -> int:
-    seconds, micros = reply
-    return int(seconds) * 1000 + int(micros) // 1000
 
 
 class RedisEngine:
@@ -176,12 +106,6 @@ class RedisEngine:
             with contextlib.suppress(Exception):  # a broken connection has nothing left to close
                 client.close()
 
-    def store(self) -> Any:
-        """The Store that speaks this engine's language (storage.store_for)."""
-        from .store import RedisStore
-
-        return RedisStore(self)
-
     def open_async(self) -> Any:
         """The asyncio twin of this engine, for one event loop (storage/aio.py)."""
         from .aio import AsyncRedisEngine
@@ -192,7 +116,6 @@ class RedisEngine:
         raise translate(exc, self.location.shown, self.location.secrets) from None
 
     def _guarded(self, call: Callable[[], T]) -> T:
-        import redis
 
         try:
             return call()
@@ -281,30 +204,13 @@ class RedisEngine:
     def stream(self, sql: str, params: Params) -> Iterator[tuple[Any, ...]]:
         yield from self.read(sql, params)
 
-    def failover_check(self) -> tuple[str, list[tuple[str, str]]]:
-        """(what the server is, findings) for `idemctl doctor`: every primary
-        the ledger writes to, and the cluster's state (health.py)."""
-        from .health import assess_cluster, assess_node, node_facts
+    def failover_facts(self) -> Any:
+        """What `idemctl doctor` judges (health.py): every primary the ledger
+        writes to, and on a cluster its state and slot coverage."""
+        from .health import read_facts
 
         client = self.client()
-
-        def check() -> tuple[str, list[tuple[str, str]]]:
-            wait = self.location.wait_replicas
-            if self.kind != CLUSTER:
-                version = str(client.info("server").get("redis_version", "?"))
-                name = "Sentinel's primary" if self.kind == "sentinel" else "the server"
-                return f"Redis {version} ({self.kind})", assess_node(name, node_facts(client), wait)
-            findings: list[tuple[str, str]] = []
-            primaries = client.get_primaries()
-            version = "?"
-            for node in primaries:
-                conn = node.redis_connection
-                version = str(conn.info("server").get("redis_version", "?"))
-                findings += assess_node(f"{node.host}:{node.port}", node_facts(conn), wait)
-            findings += assess_cluster(primaries[0].redis_connection.cluster("info") if primaries else {})
-            return f"Redis {version} (cluster of {len(primaries)} primaries)", findings
-
-        return self._guarded(check)
+        return self._guarded(lambda: read_facts(client, self.kind or "", self.location.wait_replicas))
 
     def table_names(self, names: Iterable[str]) -> set[str]:
         """All of idemctl's "tables" once `init` wrote the version marker, else none."""

@@ -6,7 +6,11 @@ change. Findings are (severity, message) pairs: "ok", "note" or "warning"."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
+
+from ..failover.findings import Finding as Verdict
+from ..failover.findings import Severity
 
 Finding = tuple[str, str]
 
@@ -134,3 +138,41 @@ def assess_cluster(info: Mapping[str, Any]) -> list[Finding]:
             )
         ]
     return [("ok", f"cluster_state ok, all {CLUSTER_SLOTS} slots served")]
+
+
+@dataclass(frozen=True)
+class RedisFacts:
+    """What doctor read of a Redis ledger's servers (storage.failover.FailoverFacts)."""
+
+    product: str
+    facts: dict[str, dict[str, Any]]
+    found: tuple[Finding, ...]
+
+    def assess(self) -> tuple[Verdict, ...]:
+        return tuple(Verdict(Severity(severity), message) for severity, message in self.found)
+
+    def document(self) -> dict[str, Any]:
+        return {name: dict(values) for name, values in self.facts.items()}
+
+
+def read_facts(client: Any, kind: str, wait_replicas: int) -> RedisFacts:
+    """Read every primary's settings (and a cluster's state) through `client`."""
+    if kind != "cluster":
+        version = str(client.info("server").get("redis_version", "?"))
+        name = "the Sentinel's primary" if kind == "sentinel" else "the server"
+        facts = node_facts(client)
+        return RedisFacts(f"Redis {version} ({kind})", {name: facts}, tuple(assess_node(name, facts, wait_replicas)))
+    found: list[Finding] = []
+    every: dict[str, dict[str, Any]] = {}
+    primaries = client.get_primaries()
+    version = "?"
+    for node in primaries:
+        conn = node.redis_connection
+        version = str(conn.info("server").get("redis_version", "?"))
+        name = f"{node.host}:{node.port}"
+        every[name] = node_facts(conn)
+        found += assess_node(name, every[name], wait_replicas)
+    info = primaries[0].redis_connection.cluster("info") if primaries else {}
+    every["cluster"] = {k: info.get(k) for k in ("cluster_state", "cluster_slots_assigned", "cluster_slots_ok")}
+    found += assess_cluster(info)
+    return RedisFacts(f"Redis {version} (cluster of {len(primaries)} primaries)", every, tuple(found))
