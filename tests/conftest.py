@@ -28,8 +28,8 @@ SERVER_BACKENDS = ("redis", "redis-cluster")
 # A Redis Cluster runs the same scripts as one server, each on the primary
 # of its slot: every engine-independent test on it would add as much time as
 # the standalone run again. It runs the modules that set ON_REDIS_CLUSTER =
-# True (the contract, the adapters' table, the state machine, fencing,
-# races, the sweep, the operator's reads) and the tests whose `engines` mark names it.
+# True (the ledger's contract and the adapters' table; the state machine
+# names it itself) and the tests whose `engines` mark names it.
 CLUSTER_OPT_IN = "ON_REDIS_CLUSTER"
 # PostgreSQL through PgBouncer in its default configuration, by pool mode:
 # the modules that set THROUGH_PGBOUNCER = True run their PostgreSQL tests

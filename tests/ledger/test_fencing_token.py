@@ -15,9 +15,6 @@ from idemctl.errors import SchemaOutdatedError
 from idemctl.outcomes import InitAction
 from idemctl.schema import schema_files
 
-# A Redis Cluster runs this module too (tests/conftest.py, CLUSTER_OPT_IN).
-ON_REDIS_CLUSTER = True
-
 TTL = 30_000
 DAY = 86_400_000
 

@@ -7,9 +7,6 @@ import threading
 
 from idemctl import Outcome, Status, fingerprint
 
-# A Redis Cluster runs this module too (tests/conftest.py, CLUSTER_OPT_IN).
-ON_REDIS_CLUSTER = True
-
 HEADERS = {"Content-Type": "application/json"}
 BODY = b'{"amount":100}'
 FP = fingerprint("POST", "/charges", HEADERS, BODY)

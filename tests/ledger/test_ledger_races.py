@@ -13,9 +13,6 @@ import pytest
 
 from idemctl import Ledger, Outcome, fingerprint, wall_clock_ms
 
-# A Redis Cluster runs this module too (tests/conftest.py, CLUSTER_OPT_IN).
-ON_REDIS_CLUSTER = True
-
 # The PostgreSQL tests run through PgBouncer (session and transaction pooling) too.
 THROUGH_PGBOUNCER = True
 

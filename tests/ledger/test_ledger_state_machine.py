@@ -543,8 +543,8 @@ SETTINGS = {
         ("pgbouncer-session", 40),
         ("pgbouncer-transaction", 40),
         # Redis: one round trip a step, as PostgreSQL; the cluster's steps go to three primaries.
-        ("redis", 60),
-        ("redis-cluster", 30),
+        ("redis", 40),
+        ("redis-cluster", 20),
     )
 }
 

@@ -11,9 +11,6 @@ from idemctl.storage.dialect import SQLITE
 from idemctl.storage.statements import OLDEST, OLDEST_WITH_FENCED, SWEEP_FENCED
 from idemctl.storage.store import Statement
 
-# A Redis Cluster runs this module too (tests/conftest.py, CLUSTER_OPT_IN).
-ON_REDIS_CLUSTER = True
-
 SQL_SWEEP, SQL_SWEEP_FENCED = SQLITE.sweep_keys, SWEEP_FENCED
 
 DAY = 86_400_000

@@ -5,9 +5,6 @@ from __future__ import annotations
 from idemctl import State, Status
 from idemctl.outcomes import PurgeOutcome
 
-# A Redis Cluster runs this module too (tests/conftest.py, CLUSTER_OPT_IN).
-ON_REDIS_CLUSTER = True
-
 TTL = 30_000
 DAY = 86_400_000
 

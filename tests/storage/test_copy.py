@@ -40,7 +40,6 @@ COPY_PAIRS = [
     # Both ways between Redis (the suite's own servers) and the SQL engines.
     pytest.param(("sqlite", "redis"), marks=pytest.mark.slow),
     pytest.param(("redis", "postgres"), marks=pytest.mark.slow),
-    pytest.param(("mysql", "redis-cluster"), marks=pytest.mark.slow),
 ]
 
 Target = Callable[[str, pytest.FixtureRequest, Path, pytest.MonkeyPatch], AbstractContextManager[str]]

@@ -405,3 +405,31 @@ def test_the_asynchronous_path_awaits_redis_on_the_event_loop(standalone):
     made = asyncio.run(go())
     assert type(made).__name__ == "Claimed"
     ledger.close()
+
+
+def test_wait_replicas_acknowledges_a_completion_once_a_replica_holds_it_and_refuses_one_none_can(cluster):
+    import asyncio
+
+    from idemctl.errors import StorageError
+
+    with Ledger.open(f"{cluster.url}?wait_replicas=1") as ledger:
+        ledger.init()
+        assert ledger.complete(ledger.claim("acct", "k1", "fp"), 201, {}, b"x").stored is True
+
+        runs: list[str] = []
+
+        @ledger.idempotent(key=lambda ref: ref, principal="billing")
+        async def send(ref: str) -> dict[str, str]:  # the event-loop path WAITs the same way
+            runs.append(ref)
+            return {"sent": ref}
+
+        async def twice() -> tuple[object, object]:
+            got = await send("r-1"), await send("r-1")
+            await ledger.aclose()
+            return got
+
+        assert asyncio.run(twice()) == ({"sent": "r-1"}, {"sent": "r-1"}) and runs == ["r-1"]
+    with Ledger.open(f"{cluster.url}?wait_replicas=2&wait_timeout_ms=100") as ledger:
+        reservation = ledger.claim("acct", "k3", "fp")
+        with pytest.raises(StorageError, match="reached 1 of the 2 replicas"):
+            ledger.complete(reservation, 201, {}, b"z")

@@ -18,6 +18,9 @@ from .keys import Layout
 from .ops import PIPELINE_MAX, eval_instead, is_noscript, issue, probe_calls, time_ms
 from .url import RedisLocation
 
+# What a connection to one cluster node carries over from the cluster's.
+_NODE_SETTINGS = ("username", "password", "socket_timeout", "socket_connect_timeout")
+
 
 class AsyncRedisEngine:
     """What an AsyncStore awaits (storage/aio.py's AsyncEngine), on Redis."""
@@ -58,8 +61,8 @@ class AsyncRedisEngine:
                 return [(await self._pipeline(client, probe_calls(Layout(self.location.prefix))),)]
             if sql == "batch":
                 return [(await self._pipeline(client, params["calls"]),)]
-            if sql == "wait_complete":
-                return [(await self._complete_and_wait(client, params),)]
+            if sql.startswith("wait_"):
+                return [(await self._and_wait(client, sql.removeprefix("wait_"), params),)]
             try:
                 reply = await issue(client, sql, params)
             except redis.RedisError as exc:
@@ -70,7 +73,7 @@ class AsyncRedisEngine:
         except (redis.RedisError, OSError) as exc:
             self._fail(exc)
 
-    async def _complete_and_wait(self, client: Any, params: Params) -> Any:
+    async def _and_wait(self, client: Any, script: str, params: Params) -> Any:
         loc = self.location
         target = client
         if self.kind == CLUSTER:
@@ -78,9 +81,11 @@ class AsyncRedisEngine:
             import redis.asyncio as aredis
 
             node = client.get_node_from_key(params["keys"][0])
-            target = aredis.Redis(host=node.host, port=node.port, socket_timeout=self.timeout_s)
+            same = {k: v for k, v in node.connection_kwargs.items() if k in _NODE_SETTINGS}
+            ssl = "SSL" in node.connection_class.__name__
+            target = aredis.Redis(host=node.host, port=node.port, ssl=ssl, **same)
         pipe = target.pipeline(transaction=False)
-        eval_instead(pipe, "complete", params)
+        eval_instead(pipe, script, params)
         pipe.execute_command("WAIT", loc.wait_replicas, loc.wait_timeout_ms)
         stored, replicas = await pipe.execute()
         if target is not client:

@@ -129,8 +129,8 @@ class RedisEngine:
             params = {"keys": [Layout(self.prefix).marker]}
 
         def call() -> Any:
-            if op == "wait_complete":
-                return self._complete_and_wait(client, params)
+            if op.startswith("wait_"):
+                return self._and_wait(client, op.removeprefix("wait_"), params)
             try:
                 reply = issue(client, op, params)
             except Exception as exc:
@@ -141,14 +141,16 @@ class RedisEngine:
 
         return self._guarded(call)
 
-    def _complete_and_wait(self, client: Any, params: Params) -> Any:
-        """A completion, then WAIT for the URL's replicas on the same connection."""
+    def _and_wait(self, client: Any, script: str, params: Params) -> Any:
+        """A completion (or the check that one is stored), then WAIT for the
+        URL's replicas on the same connection: a completion that reached
+        fewer is not acknowledged (the ledger tries again, then refuses)."""
         loc = self.location
         target = client
         if self.kind == CLUSTER:
             target = client.get_node_from_key(params["keys"][0]).redis_connection
         pipe = target.pipeline(transaction=False)
-        eval_instead(pipe, "complete", params)
+        eval_instead(pipe, script, params)
         pipe.execute_command("WAIT", loc.wait_replicas, loc.wait_timeout_ms)
         stored, replicas = pipe.execute()
         if stored and int(replicas) < loc.wait_replicas:

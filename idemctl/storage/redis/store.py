@@ -71,14 +71,17 @@ class RedisStore(RedisOperatorStatements):
         super().__init__(engine)
         self.layout = Layout(engine.prefix)
         self.retention_ms = Policy().retention_ms
-        self._complete_op = "wait_complete" if engine.location.wait_replicas else "complete"
+        # With wait_replicas, a completion (and the check after a lost one)
+        # is acknowledged once that many replicas hold it (engine.py, WAIT).
+        waits = "wait_" if engine.location.wait_replicas else ""
+        self._complete_op, self._completed_as_op = f"{waits}complete", f"{waits}completed_as"
         self._ops = {
             statements.CLAIM: "claim",
             statements.CLAIM_OR_READ: "claim",
             statements.LOOKUP: "row",
             statements.TAKEOVER: "takeover",
             statements.COMPLETE: self._complete_op,
-            statements.COMPLETED_AS: "completed_as",
+            statements.COMPLETED_AS: self._completed_as_op,
             statements.RELEASE: "release",
             statements.RECORD_FENCED: "record_fenced",
             statements.VERSION: "version",
@@ -181,7 +184,7 @@ class RedisStore(RedisOperatorStatements):
         raw = self.dialect.bind_body(body)
         args: list[Any] = [generation, "" if token is None else token, status, headers_json]
         args += ["0", b""] if raw is None else ["1", cast(bytes, raw)]
-        return Statement(self, "completed_as", {"keys": keys[:1], "args": args}, _flag, False)
+        return Statement(self, self._completed_as_op, {"keys": keys[:1], "args": args}, _flag, False)
 
     def release_statement(self, principal: str, key: str, generation: int, token: int | None) -> Statement[bool]:
         _, name, keys = self.layout.where(principal, key)
