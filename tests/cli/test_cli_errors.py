@@ -184,9 +184,18 @@ def test_an_unknown_scenario_names_the_built_in_ones():
         (["stats", "--ttl", "0ms"], "error: --ttl must be longer than 0 s, got 0ms"),
         (["--retention", "10ms", "stats"], "error: --retention (10 ms) must be longer than --ttl (30 s)"),
         (["sweep", "--fenced-retention", "0s"], "error: --fenced-retention must be longer than 0 s, got 0s"),
-        (["--db", "", "stats"], "error: --db is empty: give a ledger file path, a postgresql://, a mysql:// or a redis:// URL"),
-        (["stats", "--db", " "], "error: --db is empty: give a ledger file path, a postgresql://, a mysql:// or a redis:// URL"),
-        (["init", "--db", ""], "error: --db is empty: give a ledger file path, a postgresql://, a mysql:// or a redis:// URL"),
+        (
+            ["--db", "", "stats"],
+            "error: --db is empty: give a ledger file path, a postgresql://, a mysql:// or a redis:// URL",
+        ),
+        (
+            ["stats", "--db", " "],
+            "error: --db is empty: give a ledger file path, a postgresql://, a mysql:// or a redis:// URL",
+        ),
+        (
+            ["init", "--db", ""],
+            "error: --db is empty: give a ledger file path, a postgresql://, a mysql:// or a redis:// URL",
+        ),
         (
             ["simulate", "happy", "--db", ""],
             "error: --db is empty: give a ledger file path, a postgresql://, a mysql:// or a redis:// URL",

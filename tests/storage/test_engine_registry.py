@@ -170,7 +170,8 @@ def test_a_missing_driver_names_the_extra_that_brings_it(scratch_registry: None)
     )
     # The list of what is accepted grows with the kinds registered.
     with pytest.raises(
-        StorageError, match=r"^unsupported ledger URL x://…: use a file path, postgresql://, mysql://, redis:// or nodb://$"
+        StorageError,
+        match=r"^unsupported ledger URL x://…: use a file path, postgresql://, mysql://, redis:// or nodb://$",
     ):
         kind_of("x://y")
     assert accepted_urls() == "a postgresql://, a mysql://, a redis:// or a nodb:// URL"
