@@ -1,0 +1,113 @@
+"""idemctl on Redis beside idemkit's RedisBackend and the raw redis-py
+floor, on one standalone redis-server started here (tests/redis_servers.py),
+each through WSGI middleware with the same app, keys and 1 KiB answer.
+
+    python -m bench.redis_peers              # the table in docs/performance.md
+    python -m bench.redis_peers --n 2000
+
+The floor is what any Redis ledger must send: a first call is a claim and a
+completion (SET NX, then SET XX, two round trips), a replay one GET. Each
+system's median per request is given as a ratio to the floor measured in
+the same run. idemkit's middleware runs its asyncio backend through its own
+bridge; idemctl's WSGI door calls redis-py's synchronous client."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.peers_systems import PRINCIPAL, STORED_1K, call_wsgi, wsgi_app  # noqa: E402
+from tests.redis_servers import Standalone, missing  # noqa: E402
+
+
+def _median_us(n: int, one: Callable[[int], object]) -> float:
+    times = []
+    for i in range(n):
+        started = time.perf_counter()
+        one(i)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e6
+
+
+def measure(url: str, n: int) -> dict[str, dict[str, float]]:
+    import redis
+
+    from idemctl import Ledger
+    from idemctl.wsgi import IdempotencyMiddleware
+
+    results: dict[str, dict[str, float]] = {}
+    client = redis.Redis.from_url(url)
+
+    def floor_first(i: int) -> None:
+        client.set(f"floor:{i}", b"pending", nx=True, px=86_400_000)
+        client.set(f"floor:{i}", STORED_1K, xx=True, px=86_400_000)
+
+    def floor_replay(i: int) -> None:
+        client.get(f"floor:{i}")
+
+    results["floor"] = {"first": _median_us(n, floor_first), "replay": _median_us(n, floor_replay)}
+
+    ledger = Ledger.open(f"{url}?prefix=bench")
+    ledger.init()
+    ours = IdempotencyMiddleware(wsgi_app, ledger, principal=lambda environ: PRINCIPAL)
+
+    def ours_call(i: int) -> None:
+        status, _, body = call_wsgi(ours, f"ours-{i}", lambda: STORED_1K)
+        assert status == 201 and body == STORED_1K, status
+
+    results["idemctl"] = {"first": _median_us(n, ours_call), "replay": _median_us(n, ours_call)}
+    ledger.close()
+
+    try:
+        from idemkit import HttpConfig, RedisBackend, WSGIIdempotencyMiddleware
+    except ImportError:
+        print("idemkit is not installed (pip install -e '.[bench]'): its row is left out", file=sys.stderr)
+    else:
+        backend = RedisBackend.from_url(url)
+        config = HttpConfig(scope=lambda req: req.environ.get("REMOTE_USER"), lease_ttl_seconds=30.0)
+        kit = WSGIIdempotencyMiddleware(wsgi_app, backend=backend, config=config)
+
+        def kit_call(i: int) -> None:
+            status, _, body = call_wsgi(kit, f"kit-{i}", lambda: STORED_1K)
+            assert status == 201 and body == STORED_1K, status
+
+        results["idemkit"] = {"first": _median_us(n, kit_call), "replay": _median_us(n, kit_call)}
+    client.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.redis_peers", description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, default=1000, help="requests per measurement (default 1000)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    reason = missing()
+    if reason is not None:
+        print(f"cannot run: {reason}", file=sys.stderr)
+        return 2
+    server = Standalone().start()
+    try:
+        results = measure(server.url, args.n)
+    finally:
+        server.stop()
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    floor = results["floor"]
+    print("| system | first call (µs, × floor) | replay (µs, × floor) |")
+    print("|---|---|---|")
+    for name, got in results.items():
+        cells = [f"{got[k]:.0f} ({got[k] / floor[k]:.1f}×)" for k in ("first", "replay")]
+        print(f"| {name} | {cells[0]} | {cells[1]} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
