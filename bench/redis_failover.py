@@ -36,7 +36,7 @@ from idemctl import Ledger, Policy, StorageError
 from idemctl.outcomes import Status
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.redis_servers import WithSentinel, missing  # noqa: E402
+from tests.redis_servers import WithSentinel, missing
 
 PRINCIPAL = "acct_failover"
 TTL_MS = 2000

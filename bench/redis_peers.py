@@ -20,11 +20,10 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.peers_systems import PRINCIPAL, STORED_1K, call_wsgi, wsgi_app  # noqa: E402
-from tests.redis_servers import Standalone, missing  # noqa: E402
+from bench.peers_systems import PRINCIPAL, STORED_1K, call_wsgi, wsgi_app
+from tests.redis_servers import Standalone, missing
 
 
 def _median_us(n: int, one: Callable[[int], object]) -> float:
