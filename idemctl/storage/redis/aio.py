@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 from ...errors import StorageError
 from ..engine import Params, Rows
 from ..statements import TABLES
-from .clients import CLUSTER, async_client
+from .clients import CLUSTER, async_client, closed
 from .errors import translate
 from .keys import Layout
 from .ops import PIPELINE_MAX, eval_instead, is_noscript, issue, probe_calls, time_ms
@@ -89,7 +89,7 @@ class AsyncRedisEngine:
         pipe.execute_command("WAIT", loc.wait_replicas, loc.wait_timeout_ms)
         stored, replicas = await pipe.execute()
         if target is not client:
-            await target.aclose()
+            await closed(target)
         if stored and int(replicas) < loc.wait_replicas:
             raise TimeoutError(
                 f"the completion reached {replicas} of the {loc.wait_replicas} replicas wait_replicas asks for "
@@ -132,7 +132,7 @@ class AsyncRedisEngine:
         client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):  # a broken connection has nothing left to close
-                await client.aclose()
+                await closed(client)
 
     def abandon(self) -> None:
         """Let go of a client whose event loop is gone (its sockets close with it)."""

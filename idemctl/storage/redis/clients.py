@@ -81,11 +81,16 @@ async def async_client(loc: RedisLocation, timeout_s: float, kind: str | None) -
         try:
             info = await probe.info("cluster")
         finally:
-            await probe.aclose()
+            await closed(probe)
         kind = CLUSTER if is_cluster(info) else STANDALONE
     if kind == CLUSTER:
         return CLUSTER, RedisCluster.from_url(_cluster_url(loc), **timeouts(timeout_s))
     return STANDALONE, aredis.Redis.from_url(loc.url, **timeouts(timeout_s))
+
+
+async def closed(client: Any) -> None:
+    """Close an asyncio client (`aclose` from redis-py 5.0.1, `close` before it)."""
+    await (getattr(client, "aclose", None) or client.close)()
 
 
 def _cluster_url(loc: RedisLocation) -> str:
