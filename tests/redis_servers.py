@@ -77,7 +77,7 @@ class RedisServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"redis-server on {self.port} exited: {(self.folder / 'log').read_text()[-500:]}")
-            if self.cli("ping") == "PONG":
+            if self.cli("ping") in ("PONG", "NOAUTH Authentication required."):  # answering: ready
                 return
             time.sleep(0.05)
         raise RuntimeError(f"redis-server on {self.port} did not answer in {timeout_s} s")

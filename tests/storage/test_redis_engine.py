@@ -435,3 +435,27 @@ def test_wait_replicas_acknowledges_a_completion_once_a_replica_holds_it_and_ref
         reservation = ledger.claim("acct", "k3", "fp")
         with pytest.raises(StorageError, match="reached 1 of the 2 replicas"):
             ledger.complete(reservation, 201, {}, b"z")
+
+
+@pytest.fixture
+def password_server() -> Iterator[str]:
+    yield from (s.url.replace("redis://", "redis://:s3cret-pw@") for s in own_server("--requirepass", "s3cret-pw"))
+
+
+def test_doctor_and_the_cli_never_print_the_urls_password(password_server, monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from idemctl.cli import app
+    from tests.helpers import clean_env
+
+    clean_env(monkeypatch, tmp_path)
+    runner = CliRunner()
+    assert runner.invoke(app, ["init", "--db", password_server]).exit_code == 0
+    doctor = runner.invoke(app, ["doctor", "--db", password_server])
+    as_json = runner.invoke(app, ["doctor", "--db", password_server, "--json"])
+    wrong = runner.invoke(app, ["stats", "--db", password_server.replace("s3cret-pw", "wrong-pw")])
+    assert (doctor.exit_code, as_json.exit_code) == (1, 1)  # appendonly is no: a warning
+    assert "appendonly is no" in doctor.stdout and ":***@" in doctor.stdout
+    assert wrong.exit_code != 0 and "refused the credentials" in wrong.stderr
+    for result in (doctor, as_json, wrong):
+        assert "s3cret-pw" not in result.output and "wrong-pw" not in result.output
