@@ -31,6 +31,10 @@ class RedisOperatorStatements(Store):
     engine: RedisEngine
     layout: Layout
     retention_ms: int
+    # A copy's walk: the buckets that held rows when it began, and the
+    # sorted members of the bucket it is in (read once, not once a page).
+    _copy_buckets: Sequence[int] = range(BUCKETS)
+    _copy_names: tuple[int, list[bytes]] | None = None
 
     def decode_row(self, values: tuple[Any, ...]) -> StoredRow:
         row = stored_row(values)
@@ -207,12 +211,12 @@ class RedisOperatorStatements(Store):
             start, last = 0, b""
             cards = self.engine.many([("card", {"keys": [lay.rows_by_time(b)]}) for b in range(BUCKETS)])
             self._copy_buckets = [b for b, n in enumerate(cards) if int(n)]
-            self._copy_names: tuple[int, list[bytes]] | None = None
+            self._copy_names = None
         else:
             start, last, _ = self._place(*after)
         page: list[LedgerRow] = []
-        for b in (b for b in getattr(self, "_copy_buckets", range(BUCKETS)) if b >= start):
-            cached = getattr(self, "_copy_names", None)
+        for b in (b for b in self._copy_buckets if b >= start):
+            cached = self._copy_names
             if cached is None or cached[0] != b:
                 names = self.engine.run_one("range", {"keys": [lay.rows_by_time(b)], "args": [0, -1]})
                 cached = self._copy_names = (b, sorted(bytes(m) for m, _ in names))

@@ -56,8 +56,6 @@ def issue(target: Any, op: str, params: Params) -> Any:
         return target.hget(keys[0], "version")
     if op == "time":
         return target.time()
-    if op == "wait":
-        return target.execute_command("WAIT", int(args[0]), int(args[1]))
     raise StorageError(f"no Redis operation named {op!r}")
 
 
