@@ -1,8 +1,8 @@
 """The engine boundary, held as tests: every engine-specific import and
 branch lives under `idemctl/storage/`. Outside it no module imports a
 database driver, imports an engine's own module, or tells engines apart by
-comparing a URL scheme or an engine's name: it asks the registry
-(`idemctl.storage.registry`). docs/engines.md says how an engine is added."""
+comparing a URL scheme or an engine's name or by probing an engine for a
+capability's method: it asks the registry (`idemctl.storage.registry`). docs/engines.md says how an engine is added."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 
 import idemctl
 from idemctl.storage import kinds
+from idemctl.storage.capabilities import CAPABILITY_METHODS
 
 PACKAGE = Path(idemctl.__file__).parent
 STORAGE = PACKAGE / "storage"
@@ -91,7 +92,9 @@ def _absolute(module: str, node: ast.ImportFrom, is_package: bool) -> str:
 
 def boundary_crossings(module: str, source: str, *, is_package: bool = False) -> list[str]:
     """What in `source` (the text of `module`) belongs inside storage/: each
-    as "driver X", "engine module X", "engine name X" or "scheme string 'S'"."""
+    as "driver X", "engine module X", "engine name X", "scheme string 'S'"
+    or "capability probe M" (getattr or hasattr of an engine's capability
+    method: the registry's capability queries say whether it has one)."""
     found: set[str] = set()
     tree = ast.parse(source)
     exempt = {
@@ -129,6 +132,9 @@ def boundary_crossings(module: str, source: str, *, is_package: bool = False) ->
             if isinstance(func, ast.Attribute) and func.attr in SCHEME_READERS:
                 for arg in node.args:
                     found.update(f"scheme string {s!r}" for s in _constants(arg) if _engine_word(s))
+            if isinstance(func, ast.Name) and func.id in ("getattr", "hasattr") and len(node.args) > 1:
+                probed = _constants(node.args[1])
+                found.update(f"capability probe {m}" for m in probed if m in CAPABILITY_METHODS.values())
             is_import = isinstance(func, ast.Attribute) and func.attr == "import_module"
             if is_import or (isinstance(func, ast.Name) and func.id in ("import_module", "__import__")):
                 for arg in node.args[:1]:
@@ -207,6 +213,8 @@ def test_every_allowed_exception_is_still_needed():
         ("ok = kind.name != 'postgres'\n", "scheme string 'postgres'"),
         ("ok = scheme.lower() in ('mysql', 'mariadb')\n", "scheme string 'mariadb'"),
         ("scheme = target.split('://', 1)[0]\n", "scheme string '://'"),
+        ("opener = getattr(store.engine, 'open_async', None)\n", "capability probe open_async"),
+        ("ok = hasattr(engine, 'failover_facts')\n", "capability probe failover_facts"),
         ("ok = url.partition(':')[0] == 'rediss+cluster'\n", "scheme string 'rediss+cluster'"),
     ],
 )
