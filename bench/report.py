@@ -1002,6 +1002,11 @@ def render(r: dict[str, Any]) -> str:
     if "renewal" in b:  # measured in a run of its own: python -m bench.renewal
         gap = _gap("renewal", b["renewal"])
         parts += ([gap] if gap else renewal_table(b["renewal"])) + [""]
+    if "redis_peers" in b:  # measured in a run of its own: python -m bench.redis_peers
+        from .redis_peers import table as redis_peers_table
+
+        gap = _gap("redis_peers", b["redis_peers"])
+        parts += ([gap] if gap else redis_peers_table(b["redis_peers"])) + [""]
     return "\n".join(parts).rstrip() + "\n"
 
 

@@ -12,26 +12,40 @@ from pathlib import Path
 import pytest
 
 from idemctl import Ledger, Policy
-from tests import galera
+from tests import galera, redis_servers
 from tests.galera import GaleraCluster
 from tests.helpers import FakeClock, missing_driver, mysql_test_database, postgres_test_schema, skip_or_fail
 from tests.pgbouncer import PgBouncer, start_or_skip
 
 # The suite runs with --doctest-modules (for the library's examples); these
 # are support modules, not tests, and some start servers' apps on import.
-collect_ignore = ["helpers.py", "galera.py", "pgbouncer.py"]
+collect_ignore = ["helpers.py", "galera.py", "pgbouncer.py", "redis_servers.py"]
 
-BACKENDS = ["sqlite", "postgres", "mysql"]
+BACKENDS = ["sqlite", "postgres", "mysql", "redis", "redis-cluster"]
+# The engines whose tests start servers of their own (tests/redis_servers.py):
+# slow-marked wherever a test is parametrised over engines.
+SERVER_BACKENDS = ("redis", "redis-cluster")
+# A Redis Cluster runs the same scripts as one server, each on the primary
+# of its slot: every engine-independent test on it would add as much time as
+# the standalone run again. It runs the modules that set ON_REDIS_CLUSTER =
+# True (the ledger's contract and the adapters' table; the state machine
+# names it itself) and the tests whose `engines` mark names it.
+CLUSTER_OPT_IN = "ON_REDIS_CLUSTER"
 # PostgreSQL through PgBouncer in its default configuration, by pool mode:
 # the modules that set THROUGH_PGBOUNCER = True run their PostgreSQL tests
 # through these too (slow: they start PgBouncer).
 PGBOUNCER_BACKENDS = ["pgbouncer-session", "pgbouncer-transaction"]
 
 
+def engine_params(names: list[str]) -> list[object]:
+    """`names` (engines), those that start servers of their own slow-marked."""
+    return [pytest.param(name, marks=pytest.mark.slow) if name in SERVER_BACKENDS else name for name in names]
+
+
 def pgbouncer_params(names: list[str]) -> list[object]:
     """`names` (engines) plus the PgBouncer variants of PostgreSQL, slow-marked."""
     extra = [pytest.param(name, marks=pytest.mark.slow) for name in PGBOUNCER_BACKENDS] if "postgres" in names else []
-    return [*names, *extra]
+    return [*engine_params(names), *extra]
 
 
 # The PostgreSQL half runs against this server; CI fails when it is missing,
@@ -69,10 +83,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     marker = metafunc.definition.get_closest_marker("engines")
     names = list(marker.args) if marker else BACKENDS
+    if not marker and not getattr(metafunc.module, CLUSTER_OPT_IN, False):
+        names = [name for name in names if name != "redis-cluster"]
     if getattr(metafunc.module, "THROUGH_PGBOUNCER", False):
         metafunc.parametrize("backend_name", pgbouncer_params(names))
     else:
-        metafunc.parametrize("backend_name", names)
+        metafunc.parametrize("backend_name", engine_params(names))
 
 
 @pytest.fixture(scope="session")
@@ -142,6 +158,38 @@ def redis_server() -> str:
     return url
 
 
+def _redis_servers_or_skip() -> None:
+    reason = redis_servers.missing()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs the Redis engine's tests: {reason}", pytrace=False)
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def redis_standalone() -> Iterator[redis_servers.Standalone]:
+    """A standalone redis-server of the suite's own, on a free port in a
+    temporary directory, for the session (never the machine's 6379)."""
+    _redis_servers_or_skip()
+    server = redis_servers.Standalone()
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[redis_servers.Cluster]:
+    """A Redis Cluster of three primaries and three replicas of the suite's
+    own, for the session."""
+    _redis_servers_or_skip()
+    cluster = redis_servers.Cluster()
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
 @pytest.fixture(scope="session")
 def mysql_server() -> str:
     """The MariaDB/MySQL test server's URL (its database is only used to
@@ -179,6 +227,10 @@ def ledger_target(
         yield from mysql_test_database(request.getfixturevalue("mysql_server"), monkeypatch)
     elif backend_name == "d1":  # only where a module asks for it (tests/d1/): it starts miniflare
         yield request.getfixturevalue("d1")(monkeypatch)
+    elif backend_name in SERVER_BACKENDS:
+        servers = request.getfixturevalue("redis_standalone" if backend_name == "redis" else "redis_cluster")
+        servers.flush()  # each test starts from an empty ledger
+        yield servers.url
     else:  # pragma: no cover
         raise AssertionError(backend_name)
 

@@ -63,6 +63,8 @@ class LedgerCore:
     def __init__(self, store: Store, *, policy: Policy | None = None, clock: Clock | str | None = None) -> None:
         self.store = store
         self.policy = policy if policy is not None else Policy()
+        # An engine whose rows expire on their own sets their expiry from it.
+        store.keep_rows_for(self.policy.retention_ms)
         if clock == "database":
             # Every host sharing the ledger asks the database what time it is,
             # so skewed host clocks still agree on TTL, takeover and sweep.

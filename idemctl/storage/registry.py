@@ -268,7 +268,7 @@ def accepted_urls() -> str:
     first scheme, in registration order).
 
     >>> accepted_urls()
-    'a postgresql://, a mysql:// or a d1:// URL'
+    'a postgresql://, a mysql://, a d1:// or a redis:// URL'
     """
     shown = [f"a {k.schemes[0]}://" for k in kinds() if k.server and k.schemes]
     return f"{_plain_join(shown)} URL" if shown else "no URL"
@@ -481,6 +481,21 @@ D1_KIND = register(
         extra="d1",
         # Its facts for doctor are the token's reach, a call's latency and
         # the schema: Cloudflare runs the replication (docs/d1.md).
+        replicates=True,
+    )
+)
+# Redis (and Valkey, wire-compatible): a store of its own, whose steps are
+# Lua scripts (storage/redis/); a cluster is recognised from any node's URL.
+REDIS_KIND = register(
+    EngineKind(
+        name="redis",
+        title="Redis",
+        schemes=("redis", "rediss", "redis+sentinel", "rediss+sentinel"),
+        location="a redis:// URL",
+        engine="idemctl.storage.redis.engine:RedisEngine",
+        extra="redis",
+        store="idemctl.storage.redis.store:RedisStore",
+        native_async=True,
         replicates=True,
     )
 )

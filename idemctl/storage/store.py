@@ -50,10 +50,13 @@ P = ParamSpec("P")
 def runs(build: Callable[Concatenate[S, P], Statement[R]]) -> Callable[Concatenate[S, P], R]:
     """A thin synchronous method over a `*_statement` builder, for the CLI,
     operators and scripts: ``store.claim(...)`` is ``store.run(store.claim_statement(...))``.
-    The request path yields the statements themselves to its driver."""
+    The request path yields the statements themselves to its driver. The
+    builder is looked up on the store, so a subclass's own (RedisStore's) is
+    the one its wrapper runs."""
+    name = build.__name__
 
     def step(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return self.run(build(self, *args, **kwargs))
+        return self.run(getattr(self, name)(*args, **kwargs))  # type: ignore[no-any-return]
 
     step.__doc__ = build.__doc__
     step.__name__ = step.__qualname__ = build.__name__.removesuffix("_statement")
@@ -62,10 +65,12 @@ def runs(build: Callable[Concatenate[S, P], Statement[R]]) -> Callable[Concatena
 
 def runs_steps(build: Callable[Concatenate[S, P], StoreSteps[R]]) -> Callable[Concatenate[S, P], R]:
     """A thin synchronous method over a `*_steps` builder (an operation of
-    several statements), its steps run by `Store.run_steps`."""
+    several statements), its steps run by `Store.run_steps`; the builder is
+    looked up on the store, as in `runs`."""
+    name = build.__name__
 
     def step(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        return self.run_steps(build(self, *args, **kwargs))
+        return self.run_steps(getattr(self, name)(*args, **kwargs))  # type: ignore[no-any-return]
 
     step.__doc__ = build.__doc__
     step.__name__ = step.__qualname__ = build.__name__.removesuffix("_steps")

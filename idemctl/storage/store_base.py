@@ -100,8 +100,10 @@ def _duplicate(exc: Exception) -> bool:
 # for its guard on every field; a Statement is read once, by the store that runs it.
 @dataclass(slots=True)
 class Statement(Generic[R]):
-    """One statement ready to run: spelled for `store`'s engine, bound, and
-    how its rows decode. A `write` runs only after the store's schema guard."""
+    """One step ready to run: spelled for `store`'s engine, bound, and how
+    its rows decode. `sql` is what the engine runs: a SQL statement, or on
+    Redis the name of the operation (a Lua script) whose keys and arguments
+    are `params`. A `write` runs only after the store's schema guard."""
 
     store: StoreBase
     sql: str
@@ -196,6 +198,11 @@ class StoreBase:
 
     def describe(self) -> str:
         return self.engine.describe()
+
+    def keep_rows_for(self, retention_ms: int) -> None:
+        """How long the ledger's policy keeps a row. The SQL engines keep
+        every row until the sweep deletes it; an engine whose rows expire on
+        their own (Redis) sets their expiry from it."""
 
     def close(self) -> None:
         self.engine.close()

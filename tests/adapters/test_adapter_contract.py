@@ -27,6 +27,9 @@ from idemctl.flask import idempotent
 from idemctl.wsgi import IdempotencyMiddleware as WsgiMiddleware
 from tests.adapters.django_site import Site, setup
 
+# A Redis Cluster runs this module too (tests/conftest.py, CLUSTER_OPT_IN).
+ON_REDIS_CLUSTER = True
+
 # The FastAPI route class, DRF's view mixin and the Flask view decorator take
 # the same contract options except the middleware-only ones (exempt,
 # key_optional): a router or a view opts in instead.

@@ -182,23 +182,23 @@ def test_an_unknown_scenario_names_the_built_in_ones():
         (["sweep", "--fenced-retention", "0s"], "error: --fenced-retention must be longer than 0 s, got 0s"),
         (
             ["--db", "", "stats"],
-            "error: --db is empty: give a ledger file path, a postgresql://, a mysql:// or a d1:// URL",
+            "error: --db is empty: give a ledger file path, a postgresql://, a mysql://, a d1:// or a redis:// URL",
         ),
         (
             ["stats", "--db", " "],
-            "error: --db is empty: give a ledger file path, a postgresql://, a mysql:// or a d1:// URL",
+            "error: --db is empty: give a ledger file path, a postgresql://, a mysql://, a d1:// or a redis:// URL",
         ),
         (
             ["init", "--db", ""],
-            "error: --db is empty: give a ledger file path, a postgresql://, a mysql:// or a d1:// URL",
+            "error: --db is empty: give a ledger file path, a postgresql://, a mysql://, a d1:// or a redis:// URL",
         ),
         (
             ["simulate", "happy", "--db", ""],
-            "error: --db is empty: give a ledger file path, a postgresql://, a mysql:// or a d1:// URL",
+            "error: --db is empty: give a ledger file path, a postgresql://, a mysql://, a d1:// or a redis:// URL",
         ),
         (
             ["--db", "oracle://x/y", "stats"],
-            "error: unsupported ledger URL oracle://…: use a file path, postgresql://, mysql:// or d1://",
+            "error: unsupported ledger URL oracle://…: use a file path, postgresql://, mysql://, d1:// or redis://",
         ),
     ],
     ids=lambda v: v if isinstance(v, str) else " ".join(v[:2]),

@@ -11,6 +11,9 @@ from idemctl import Outcome, Policy, State, Status, fingerprint
 from idemctl.errors import InvalidBodyError
 from tests.helpers import wrap_store_run
 
+# A Redis Cluster runs this module too (tests/conftest.py, CLUSTER_OPT_IN).
+ON_REDIS_CLUSTER = True
+
 # The PostgreSQL tests run through PgBouncer (session and transaction pooling) too.
 THROUGH_PGBOUNCER = True
 

@@ -47,7 +47,7 @@ from hypothesis.stateful import (
 from idemctl import Ledger, Outcome, Policy, Reservation, State, Status, StoredRow, fingerprint
 from idemctl.outcomes import PurgeOutcome
 from idemctl.storage import SqliteOptions, Store
-from tests.conftest import pgbouncer_params
+from tests.conftest import engine_params, pgbouncer_params
 from tests.helpers import EveryWriteInOneTransaction, FakeClock
 
 # The PostgreSQL tests run through PgBouncer (session and transaction pooling) too.
@@ -542,6 +542,9 @@ SETTINGS = {
         # Through PgBouncer: the same machine, fewer examples (each costs a pooler round trip more).
         ("pgbouncer-session", 40),
         ("pgbouncer-transaction", 40),
+        # Redis: one round trip a step, as PostgreSQL; the cluster's steps go to three primaries.
+        ("redis", 40),
+        ("redis-cluster", 20),
     )
 }
 
@@ -583,7 +586,10 @@ MUST_HAVE_SEEN = {
 SCRIPTED_FOR_SHORT_RUNS = {"a replay": 40, "a sweep that deleted": 100}
 
 
-@pytest.mark.parametrize("backend_name", ["sqlite", "sqlite-group", *pgbouncer_params(["postgres"]), "mysql"])
+@pytest.mark.parametrize(
+    "backend_name",
+    ["sqlite", "sqlite-group", *pgbouncer_params(["postgres"]), "mysql", *engine_params(["redis", "redis-cluster"])],
+)
 def test_ledger_agrees_with_the_contract_model_under_random_claims_takeovers_completions_releases_purges_and_sweeps(
     backend_name: str, ledger_target: str
 ) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from idemctl import Ledger, Outcome, Policy, PolicyError
 from idemctl.storage.dialect import SQLITE
-from idemctl.storage.statements import SWEEP_FENCED
+from idemctl.storage.statements import OLDEST, OLDEST_WITH_FENCED, SWEEP_FENCED
 from idemctl.storage.store import Statement
 
 SQL_SWEEP, SQL_SWEEP_FENCED = SQLITE.sweep_keys, SWEEP_FENCED
@@ -151,7 +151,7 @@ def test_after_response_logs_and_swallows_storage_errors(ledger, clock, caplog, 
     def locked(op):
         # The sweep's first statement, its probe of the oldest timestamps (a
         # Tables question before it is the schema's, not the sweep's own).
-        if type(op) is Statement and "min(updated_at)" in op.sql:
+        if type(op) is Statement and op.sql in (ledger.store.sql(OLDEST), ledger.store.sql(OLDEST_WITH_FENCED)):
             raise DatabaseLockedError("database x is locked")
         return real_run(op)
 

@@ -383,7 +383,7 @@ SETTINGS = {
         report_multiple_bugs=False,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     )
-    for backend, examples in (("sqlite", 150), ("postgres", 60), ("mysql", 40))
+    for backend, examples in (("sqlite", 150), ("postgres", 60), ("mysql", 40), ("redis", 15))
 }
 
 

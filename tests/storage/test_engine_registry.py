@@ -77,6 +77,7 @@ def test_the_built_in_kinds_their_order_and_capabilities():
         ("postgres", "PostgreSQL", ("postgresql", "postgres")),
         ("mysql", "MariaDB/MySQL", ("mysql", "mariadb")),
         ("d1", "Cloudflare D1", ("d1",)),
+        ("redis", "Redis", ("redis", "rediss", "redis+sentinel", "rediss+sentinel")),
         ("sqlite", "SQLite", ()),
     ]
     capabilities = {
@@ -86,6 +87,7 @@ def test_the_built_in_kinds_their_order_and_capabilities():
         "postgres": (True, True, True, True, False),
         "mysql": (True, False, True, True, True),
         "d1": (True, False, False, True, True),
+        "redis": (True, True, False, True, True),
         "sqlite": (False, False, False, False, True),
     }
 
@@ -115,7 +117,8 @@ def test_the_promise_check_finds_a_kind_that_promises_too_much():
 
 def test_a_url_of_no_kind_is_refused_naming_what_is_accepted():
     with pytest.raises(
-        StorageError, match=r"^unsupported ledger URL oracle://…: use a file path, postgresql://, mysql:// or d1://$"
+        StorageError,
+        match=r"^unsupported ledger URL oracle://…: use a file path, postgresql://, mysql://, d1:// or redis://$",
     ):
         kind_of("oracle://db/x")
     assert not is_file_location("oracle://db/x")
@@ -131,7 +134,7 @@ def test_a_target_that_is_no_location_is_refused_naming_every_kind():
         open_engine(42)  # type: ignore[arg-type]
     assert str(caught.value) == (
         "a ledger is a file path, a postgresql:// URL or connection string, a mysql:// URL,"
-        " or a d1://ACCOUNT_ID/DATABASE_ID URL, got int"
+        " a d1://ACCOUNT_ID/DATABASE_ID URL, or a redis:// URL, got int"
     )
 
 
@@ -159,7 +162,7 @@ def test_a_second_fallback_or_a_taken_scheme_is_refused(scratch_registry: None):
     clash = EngineKind("pg2", "PG2", ("pg2", "postgres"), "a pg2:// URL", "x:Y")
     with pytest.raises(StorageError, match=r"^engine kind pg2: scheme postgres:// is postgres's already$"):
         register(clash)
-    assert [k.name for k in kinds()] == ["postgres", "mysql", "d1", "sqlite"]
+    assert [k.name for k in kinds()] == ["postgres", "mysql", "d1", "redis", "sqlite"]
 
 
 def test_a_missing_driver_names_the_extra_that_brings_it(scratch_registry: None):
@@ -172,14 +175,14 @@ def test_a_missing_driver_names_the_extra_that_brings_it(scratch_registry: None)
     # The list of what is accepted grows with the kinds registered.
     with pytest.raises(
         StorageError,
-        match=r"^unsupported ledger URL x://…: use a file path, postgresql://, mysql://, d1:// or nodb://$",
+        match=r"^unsupported ledger URL x://…: use a file path, postgresql://, mysql://, d1://, redis:// or nodb://$",
     ):
         kind_of("x://y")
-    assert accepted_urls() == "a postgresql://, a mysql://, a d1:// or a nodb:// URL"
+    assert accepted_urls() == "a postgresql://, a mysql://, a d1://, a redis:// or a nodb:// URL"
     empty = CliRunner().invoke(app, ["--db", "", "stats"])
     assert (empty.exit_code, empty.stderr) == (
         2,
-        "error: --db is empty: give a ledger file path, a postgresql://, a mysql://, a d1:// or a nodb:// URL\n",
+        "error: --db is empty: give a ledger file path, a postgresql://, a mysql://, a d1://, a redis:// or a nodb:// URL\n",
     )
 
 

@@ -77,7 +77,8 @@ def test_missing_parent_directory_is_a_clear_error(tmp_path):
 
 def test_unknown_url_scheme_is_a_storage_error(tmp_path):
     with pytest.raises(
-        StorageError, match=r"^unsupported ledger URL oracle://…: use a file path, postgresql://, mysql:// or d1://$"
+        StorageError,
+        match=r"^unsupported ledger URL oracle://…: use a file path, postgresql://, mysql://, d1:// or redis://$",
     ):
         Ledger.open("oracle://root@localhost/db")
 
