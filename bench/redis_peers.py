@@ -21,8 +21,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
+from . import report
 from .peers_systems import PRINCIPAL, STORED_1K, call_wsgi, wsgi_app
 
 
@@ -82,36 +82,6 @@ def measure(url: str, n: int) -> dict[str, dict[str, float]]:
     return results
 
 
-def table(res: dict[str, Any]) -> list[str]:
-    """(13) The page's table: medians, and each as a ratio to the floor of the same run."""
-    got = res["results"]
-    floor = got["floor"]
-    names = {
-        "floor": "raw redis-py (the floor: SET NX + SET XX; GET)",
-        "idemctl": "idemctl, `IdempotencyMiddleware`",
-        "idemkit": "idemkit, `WSGIIdempotencyMiddleware` + `RedisBackend`",
-    }
-    lines = [
-        "(13) Redis, one request at a time through WSGI (1 KiB answer): median µs a request, × the floor",
-        "",
-        "| system | first call | replay |",
-        "|---|---|---|",
-    ]
-    for name, row in got.items():
-        cells = [f"{row[k]:.0f} µs ({row[k] / floor[k]:.1f}×)" for k in ("first", "replay")]
-        lines.append(f"| {names.get(name, name)} | {cells[0]} | {cells[1]} |")
-    lines += [
-        "",
-        f"Measured in a run of its own (`python -m bench.redis_peers`), {res['started_utc']}, at commit "
-        f"`{res['commit']}`, load average {res['load']}, {res['n']} requests each, on one redis-server "
-        f"{res['server']} started on loopback. idemctl sends the floor's round trips (two scripts a first call; "
-        "a replay is the claim, which hands back the row in its way); the rest is its Python per request "
-        "and EVALSHA's cost over a plain SET. idemkit's WSGI middleware runs its asyncio backend through a "
-        "bridge. Instruction counts (0) are SQLite's only.",
-    ]
-    return lines
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.redis_peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=1000, help="requests per measurement (default 1000)")
@@ -144,11 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(res))
     else:
-        print("\n".join(table(res)))
+        print("\n".join(report.redis_peers_table(res)))
     if args.no_merge:
         return 0
-    from . import report
-    from .__main__ import LATEST, PAGE
+    from .common import LATEST, PAGE
 
     with open(LATEST, encoding="utf-8") as f:
         latest = json.load(f)

@@ -1003,8 +1003,6 @@ def render(r: dict[str, Any]) -> str:
         gap = _gap("renewal", b["renewal"])
         parts += ([gap] if gap else renewal_table(b["renewal"])) + [""]
     if "redis_peers" in b:  # measured in a run of its own: python -m bench.redis_peers
-        from .redis_peers import table as redis_peers_table
-
         gap = _gap("redis_peers", b["redis_peers"])
         parts += ([gap] if gap else redis_peers_table(b["redis_peers"])) + [""]
     return "\n".join(parts).rstrip() + "\n"
@@ -1680,3 +1678,33 @@ def render_page(r: dict[str, Any]) -> str:
 def write_page(path: str, results: dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(render_page(results))
+
+
+def redis_peers_table(res: dict[str, Any]) -> list[str]:
+    """(13) The page's table: medians, and each as a ratio to the floor of the same run."""
+    got = res["results"]
+    floor = got["floor"]
+    names = {
+        "floor": "raw redis-py (the floor: SET NX + SET XX; GET)",
+        "idemctl": "idemctl, `IdempotencyMiddleware`",
+        "idemkit": "idemkit, `WSGIIdempotencyMiddleware` + `RedisBackend`",
+    }
+    lines = [
+        "(13) Redis, one request at a time through WSGI (1 KiB answer): median µs a request, × the floor",
+        "",
+        "| system | first call | replay |",
+        "|---|---|---|",
+    ]
+    for name, row in got.items():
+        cells = [f"{row[k]:.0f} µs ({row[k] / floor[k]:.1f}×)" for k in ("first", "replay")]
+        lines.append(f"| {names.get(name, name)} | {cells[0]} | {cells[1]} |")
+    lines += [
+        "",
+        f"Measured in a run of its own (`python -m bench.redis_peers`), {res['started_utc']}, at commit "
+        f"`{res['commit']}`, load average {res['load']}, {res['n']} requests each, on one redis-server "
+        f"{res['server']} started on loopback. idemctl sends the floor's round trips (two scripts a first call; "
+        "a replay is the claim, which hands back the row in its way); the rest is its Python per request "
+        "and EVALSHA's cost over a plain SET. idemkit's WSGI middleware runs its asyncio backend through a "
+        "bridge. Instruction counts (0) are SQLite's only.",
+    ]
+    return lines
