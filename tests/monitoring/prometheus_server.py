@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.galera import free_ports
+from tests.ports import free_ports
 
 
 def debian_prometheus_tool(name: str, needed_for: str) -> str:
