@@ -4,9 +4,9 @@ nodes, Prometheus, uvicorn), safe while pytest-xdist runs several workers.
 Asking the kernel for port 0 and closing the socket hands the port back:
 another worker asking a moment later may be given the same one before the
 first worker's server has bound it. Here each worker picks from its own
-slice of ports, so two workers never hand out the same port, and every port
-is handed out once per process (a server that has not bound its port yet is
-not given away twice). The slices lie below the kernel's ephemeral range
+slice of ports, so two workers never hand out the same port, and a process
+hands out every port of its slice once before any again (a server that has
+not bound its port yet is not given away twice). The slices lie below the kernel's ephemeral range
 (32768 and up by default), where the kernel never puts the client end of a
 connection or a port-0 bind of its own. Each port is still checked with a
 bind before it is handed out (another program may hold it), and the walk
@@ -48,7 +48,8 @@ def _bindable(port: int) -> bool:
 
 def free_ports(n: int) -> list[int]:
     """`n` distinct loopback ports that nothing listens on and that no other
-    worker of this run (nor an earlier call in this process) is given."""
+    worker of this run is given, nor (until the slice is used up) an earlier
+    call in this process."""
     start = FIRST + (worker_index() % SLICES) * SLICE
     offset = random.randrange(SLICE)
     ports: list[int] = []
