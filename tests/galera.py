@@ -17,13 +17,14 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tests.ports import free_ports
 
 MARIADBD = "/usr/sbin/mariadbd"
 GALERA = "/usr/lib/galera/libgalera_smm.so"
@@ -44,19 +45,6 @@ def missing() -> str | None:
         if shutil.which(tool) is None:
             return f"{tool} is missing (apt-get install galera-4 mariadb-server rsync)"
     return None
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import secrets
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -26,6 +27,16 @@ from idemctl.storage.sqlite import SqliteEngine
 # Test data lives inside the checkout, so a clone anywhere runs the suite.
 # The checkout the suite runs from: docs, examples and bench are read from it.
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def interruptible() -> None:
+    """`preexec_fn` for a child that a test sends Ctrl-C (SIGINT): its SIGINT
+    as a terminal gives it. A program started from a shell without job
+    control (a background `&` in a script) inherits SIGINT ignored, and
+    Python then keeps ignoring it: Ctrl-C would never reach the command."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 VECTORS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vectors")
 
 # The environment variables idemctl.config reads (the CLI's defaults), and the

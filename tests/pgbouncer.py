@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tests.helpers import skip_or_fail
+from tests.ports import free_port
 
 POOL_MODES = ("session", "transaction", "statement")
 # The user PgBouncer runs as when the tests run as root.
@@ -51,12 +52,6 @@ def missing_reason() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def running_pgbouncer(
     mode: str, server_url: str, *, ignore_options: bool = False, any_database: bool = False, check: bool = True
@@ -75,7 +70,7 @@ def running_pgbouncer(
     params = conninfo_to_dict(server_url.split("?", 1)[0])
     user = str(params.get("user") or "postgres")
     directory = Path(tempfile.mkdtemp(prefix=f"idemctl-pgbouncer-{mode}-"))
-    port = _free_port()
+    port = free_port()
     (directory / "users.txt").write_text(f'"{user}" ""\n')
     (directory / "pgbouncer.ini").write_text(
         "[databases]\n"

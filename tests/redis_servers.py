@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from tests import ports
 
 
 def missing() -> str | None:
@@ -27,22 +28,12 @@ def missing() -> str | None:
     return None
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port(*, bus: bool = False) -> int:
-    """A free loopback port (and its cluster bus port, 10000 above, when `bus`)."""
+    """A free loopback port of this worker's slice (tests/ports.py), and
+    its cluster bus port, 10000 above, free too when `bus`."""
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port + 10000 < 65536 and (not bus or _free(port + 10000)):
+        port = ports.free_port()
+        if not bus or ports.bindable(port + 10000):
             return port
 
 

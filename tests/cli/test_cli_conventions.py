@@ -21,7 +21,7 @@ from idemctl import Ledger, wall_clock_ms
 from idemctl.cli import app
 from idemctl.cli.documents import stats_prometheus
 from idemctl.ledger import Operator
-from tests.helpers import FakeClock, read_terminal
+from tests.helpers import FakeClock, interruptible, read_terminal
 
 IDEMCTL = Path(sys.executable).with_name("idemctl")
 HOUR = 3_600_000
@@ -228,6 +228,7 @@ def test_ctrl_c_on_stats_watch_exits_130_quietly(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=interruptible,
     )
     try:
         assert proc.stdout is not None

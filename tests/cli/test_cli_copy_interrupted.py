@@ -12,6 +12,7 @@ import time
 import pytest
 
 from idemctl import Ledger
+from tests.helpers import interruptible
 
 psycopg = pytest.importorskip("psycopg")
 from psycopg.conninfo import conninfo_to_dict  # noqa: E402
@@ -48,6 +49,7 @@ def test_ctrl_c_while_a_copy_waits_on_postgres_prints_one_line_and_exits_130(led
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=interruptible,
         )
         try:
             deadline = time.monotonic() + 30

@@ -246,6 +246,7 @@ def test_doctor_on_a_plain_mariadb_server_names_it_and_checks_its_replication(my
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("galera")  # on the worker that runs the cluster (tests/storage/test_galera.py)
 def test_doctor_on_a_galera_node_checks_the_cluster_and_the_ledgers_causal_reads(
     galera_cluster, galera_database
 ) -> None:

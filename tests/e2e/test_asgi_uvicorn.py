@@ -17,7 +17,8 @@ import pytest
 
 from tests.e2e.uvicorn_server import UvicornServer
 
-pytestmark = pytest.mark.slow
+# The module's servers are started once: its tests stay on one worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_asgi_uvicorn")]
 
 ORDER = json.dumps({"sku": "tea", "qty": 2}, separators=(",", ":")).encode()
 A = {"X-Api-Key": "demo-key-A", "Content-Type": "application/json"}

@@ -13,7 +13,8 @@ import requests
 
 from tests.e2e.django_server import PASSWORD, USERS, DjangoGunicornServer
 
-pytestmark = pytest.mark.slow
+# The module's servers are started once: its tests stay on one worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_django_gunicorn")]
 
 UNAUTHENTICATED = {"error": "unauthenticated", "message": "No authenticated principal for this request."}
 

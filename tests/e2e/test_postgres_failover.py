@@ -31,6 +31,10 @@ import psycopg  # noqa: E402  (after the skip: the postgres extra brings it)
 
 from idemctl.storage.postgres import engine as postgres_engine  # noqa: E402
 
+# The shared pair and the table of measurements the module prints at its end:
+# its tests stay on one worker.
+pytestmark = pytest.mark.xdist_group("test_postgres_failover")
+
 MEASURED: list[FailoverRun] = []
 
 

@@ -39,7 +39,8 @@ COMMIT_TIMEOUT_S = 1.0
 SLACK_S = 4.0
 TTL_MS = 2000
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+# The module's servers are started once: its tests stay on one worker.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60), pytest.mark.xdist_group("test_postgres_synchronous_standby")]
 
 JSON = {"content-type": "application/json"}
 

@@ -20,7 +20,8 @@ import requests
 from idemctl import State, Status
 from tests.e2e.gunicorn_server import GunicornServer
 
-pytestmark = pytest.mark.slow
+# The module's servers are started once: its tests stay on one worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_wsgi_gunicorn")]
 
 ACCOUNT_A = {"X-Api-Key": "demo-key-A"}
 ACCOUNT_B = {"X-Api-Key": "demo-key-B"}

@@ -5,24 +5,18 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import sys
 from pathlib import Path
 
 import httpx
 
 from idemctl import Ledger, Policy
+from tests.ports import free_port
 
 from .server import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 _STARTED = re.compile(r"Application startup complete")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class UvicornServer(ServerProcess):

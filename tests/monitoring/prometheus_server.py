@@ -14,8 +14,8 @@ from typing import Any
 import requests
 
 from tests.e2e.server import StartedProcess
-from tests.galera import free_ports
 from tests.helpers import skip_or_fail
+from tests.ports import free_ports
 
 
 def debian_prometheus_tool(name: str, needed_for: str) -> str:

@@ -13,7 +13,8 @@ import pytest
 
 from tests.helpers import ROOT
 
-pytestmark = pytest.mark.slow
+# The module's servers are started once: its tests stay on one worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_packaging")]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ from idemctl.outcomes import InitAction
 from idemctl.storage.mysql import GALERA_SYNC_WAIT
 from tests.galera import GaleraCluster
 
-pytestmark = pytest.mark.slow
+# One worker starts the session's cluster and runs every test that uses it.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("galera")]
 
 HEADERS = {"content-type": "application/json"}
 BODY = b'{"amount": 100}'
