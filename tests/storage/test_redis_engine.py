@@ -132,8 +132,8 @@ def test_a_row_expires_at_the_end_of_its_retention_and_its_old_owner_stays_fence
         assert (row.status, row.body_bytes) == (Status.COMPLETED, b"new")
         # The sweep removes the index entries expiry left behind, nothing else.
         time.sleep(0.5)
-        assert ledger.sweep().keys_deleted == 1  # the index entry of the key, expired again
-        assert ledger.stats().total == 0
+        assert ledger.operator.sweep().keys_deleted == 1  # the index entry of the key, expired again
+        assert ledger.operator.stats().total == 0
     finally:
         client.close()
         ledger.close()
