@@ -292,3 +292,13 @@ class ResultNotSerializableError(ResultNotStoredError, TypeError):
         self.type_name = type_name
         reason = f"the serializer cannot write a {type_name}" + (f" ({detail})" if detail else "")
         super().__init__(principal, key, reason)
+
+
+def missing_extra(needs: str, extra: str, exc: ImportError) -> ModuleNotFoundError:
+    """The error of a module whose optional dependency is not installed:
+    `needs` says what it needs, `extra` is the extra that brings it.
+
+    >>> str(missing_extra("idemctl.otel needs the OpenTelemetry API", "otel", ImportError(name="opentelemetry")))
+    "idemctl.otel needs the OpenTelemetry API: pip install 'idemctl[otel]' (opentelemetry is missing)"
+    """
+    return ModuleNotFoundError(f"{needs}: pip install 'idemctl[{extra}]' ({exc.name} is missing)", name=exc.name)

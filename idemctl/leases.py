@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from .errors import IdemctlError
 from .outcomes import Reservation
+from .subscribers import Subscribers
 
 log = logging.getLogger("idemctl")
 
@@ -92,7 +93,7 @@ class LeaseTick:
 TickListener = Callable[[LeaseTick], object]
 
 
-class LeaseKeeper:
+class LeaseKeeper(Subscribers[TickListener]):
     """This process's live reservations of one ledger, renewed together."""
 
     def __init__(self, renew: Renew, *, interval_s: float, max_s: float, ttl_s: float | None = None) -> None:
@@ -126,14 +127,7 @@ class LeaseKeeper:
         >>> stop = keeper.subscribe(seen.append)
         >>> stop(); keeper.close()
         """
-        with self._lock:
-            self._listeners = (*self._listeners, listener)
-
-        def unsubscribe() -> None:
-            with self._lock:
-                self._listeners = tuple(x for x in self._listeners if x is not listener)
-
-        return unsubscribe
+        return super().subscribe(listener)
 
     def hold(self, reservation: Reservation) -> None:
         """Renew `reservation` from now on, until it is dropped or too old."""

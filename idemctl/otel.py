@@ -49,18 +49,17 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Final
+
+from .errors import missing_extra
 
 try:
     from opentelemetry import context, metrics, trace
     from opentelemetry.util.types import AttributeValue
 except ImportError as exc:  # the API lives behind an extra, as the engines' drivers do
-    raise ModuleNotFoundError(
-        f"idemctl.otel needs the OpenTelemetry API: pip install 'idemctl[otel]' ({exc.name} is missing)",
-        name=exc.name,
-    ) from exc
+    raise missing_extra("idemctl.otel needs the OpenTelemetry API", "otel", exc) from exc
 
 from .leases import LeaseKeeper, LeaseTick
 from .ledger import Ledger
@@ -136,29 +135,23 @@ class Telemetry:
         self.record_key = record_key
         self.record_principal = record_principal
         self.decisions = meter.create_counter("idemctl.decisions", "{decision}", "Idempotency decisions by outcome")
-        self.ledger_duration = meter.create_histogram(
-            "idemctl.ledger.duration",
-            "s",
-            "Time spent in the ledger's statements per request",
-            explicit_bucket_boundaries_advisory=LEDGER_BUCKETS,
+
+        def seconds(name: str, description: str, buckets: Sequence[float]) -> metrics.Histogram:
+            return meter.create_histogram(name, "s", description, explicit_bucket_boundaries_advisory=buckets)
+
+        self.ledger_duration = seconds(
+            "idemctl.ledger.duration", "Time spent in the ledger's statements per request", LEDGER_BUCKETS
         )
-        self.app_duration = meter.create_histogram(
-            "idemctl.app.duration",
-            "s",
-            "Time the mutation took, for requests that ran it",
-            explicit_bucket_boundaries_advisory=APP_BUCKETS,
+        self.app_duration = seconds(
+            "idemctl.app.duration", "Time the mutation took, for requests that ran it", APP_BUCKETS
         )
-        self.lease_renewal_duration = meter.create_histogram(
-            "idemctl.lease.renewal.duration",
-            "s",
-            "Time each lease renewal took",
-            explicit_bucket_boundaries_advisory=LEDGER_BUCKETS,
+        self.lease_renewal_duration = seconds(
+            "idemctl.lease.renewal.duration", "Time each lease renewal took", LEDGER_BUCKETS
         )
-        self.lease_lapse = meter.create_histogram(
+        self.lease_lapse = seconds(
             "idemctl.lease.lapse",
-            "s",
             "How long reservations had gone without renewal when a renewal landed",
-            explicit_bucket_boundaries_advisory=LAPSE_BUCKETS,
+            LAPSE_BUCKETS,
         )
         self.lease_late = meter.create_counter(
             "idemctl.lease.late", "{renewal}", "Lease renewals that came late (over half the TTL)"

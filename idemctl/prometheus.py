@@ -55,16 +55,14 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
+from .errors import IdemctlError, missing_extra
+
 try:
     from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
     from prometheus_client import multiprocess as _multiprocess
 except ImportError as exc:  # the client lives behind an extra, as the engines' drivers do
-    raise ModuleNotFoundError(
-        f"idemctl.prometheus needs the Prometheus client: pip install 'idemctl[prometheus]' ({exc.name} is missing)",
-        name=exc.name,
-    ) from exc
+    raise missing_extra("idemctl.prometheus needs the Prometheus client", "prometheus", exc) from exc
 
-from .errors import IdemctlError
 from .leases import LeaseKeeper, LeaseTick
 from .ledger import Ledger
 from .outcomes import Event, Outcome

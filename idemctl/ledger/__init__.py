@@ -20,9 +20,9 @@ from .. import functions
 from ..call_values import SerializerLike
 from ..outcomes import Event, InitResult, Outcome
 from ..policy import DEFAULT_BUSY_TIMEOUT_MS, Policy
-from ..storage import DEFAULT_FILE_MODE, SqliteOptions, Store
+from ..storage import DEFAULT_FILE_MODE, SqliteOptions, Store, open_store
 from ..storage.aio import AsyncStore
-from .core import Clock, LedgerCore, open_store, wall_clock_ms
+from .core import Clock, LedgerCore, wall_clock_ms
 from .deprecated import operator_alias, warn_once
 from .face import RequestFace
 from .housekeeping import Housekeeping

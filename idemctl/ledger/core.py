@@ -7,7 +7,6 @@ operator's side and the function shortcuts are objects built on one core
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 import weakref
@@ -17,8 +16,8 @@ from .. import decision, storage
 from ..errors import PolicyError, SchemaMissingError
 from ..leases import LeaseKeeper
 from ..outcomes import Event, InitResult, Reservation
-from ..policy import DEFAULT_BUSY_TIMEOUT_MS, Policy
-from ..storage import SQLITE_DEFAULTS, SqliteOptions, Store
+from ..policy import Policy
+from ..storage import Store
 from ..storage.aio import AsyncStore
 from .events import EventHub
 
@@ -34,28 +33,13 @@ def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def open_store(
-    target: str | os.PathLike[str],
-    *,
-    readonly: bool = False,
-    busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS,
-    sqlite: SqliteOptions = SQLITE_DEFAULTS,
-) -> Store:
-    """The store of a ledger at `target` (see :meth:`idemctl.Ledger.open`).
-
-    >>> open_store(":memory:").describe()
-    ':memory:'
-    """
-    return storage.open_store(target, readonly=readonly, busy_timeout_ms=busy_timeout_ms, sqlite=sqlite)
-
-
 class LedgerCore:
     """The state one ledger's parts share: its store, policy, clock,
     listeners, live reservations and asynchronous stores. Every job object
     of :class:`~idemctl.Ledger` (request flow, housekeeping, operator) is
     built on one core; `store` and `policy` never change after opening.
 
-    >>> core = LedgerCore(open_store(":memory:"), clock=lambda: 7)
+    >>> core = LedgerCore(storage.open_store(":memory:"), clock=lambda: 7)
     >>> core.now(), core.init().describe(), core.describe()
     (7, 'created (schema version 3)', ':memory:')
     """

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 
 from ..outcomes import Event, Outcome
+from ..subscribers import Subscribers
 
 log = logging.getLogger("idemctl")
 # One structured line per non-trivial decision; the fields ride in `extra`
@@ -20,7 +21,7 @@ LOUD = frozenset({Outcome.FENCED_OUT, Outcome.NOT_STORED, Outcome.UNAVAILABLE})
 Listener = Callable[[Event], object]
 
 
-class EventHub:
+class EventHub(Subscribers[Listener]):
     """The listeners of one ledger, and its log line per event.
 
     >>> hub = EventHub()
@@ -33,17 +34,6 @@ class EventHub:
     def __init__(self) -> None:
         self._listeners: tuple[Listener, ...] = ()
         self._lock = threading.Lock()
-
-    def subscribe(self, listener: Listener) -> Callable[[], None]:
-        """Add a listener; returns the function that removes it."""
-        with self._lock:
-            self._listeners = (*self._listeners, listener)
-
-        def unsubscribe() -> None:
-            with self._lock:
-                self._listeners = tuple(x for x in self._listeners if x is not listener)
-
-        return unsubscribe
 
     def heard(self, outcome: Outcome) -> bool:
         """Whether an event of this outcome reaches anyone: a listener, or

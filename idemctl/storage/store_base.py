@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
 
 from ..errors import SchemaOutdatedError, SchemaTooNewError, StorageError
+from ..fingerprint import stored_key_identity
 from ..outcomes import FencedEvent, InitAction, InitResult, StoredRow, SweepResult
 from ..schema import SCHEMA_VERSION, schema_files
 from .engine import Engine, Rows, SchemaTx
@@ -54,23 +55,8 @@ class KeyStoredTwiceError(StorageError):
 QUOTED_KEYS = "SELECT principal, key FROM idempotency_keys WHERE substr(key, 1, 1) = '\"'"
 _PAIRS_AT_ONCE = 100
 
-
-def key_id(stored: str) -> str:
-    r"""The key a stored value names, as schema 3's key_id column computes it:
-    the string inside a value that begins with a double quote (backslash
-    escapes undone, anything after the closing quote ignored), any other
-    value as it is.
-
-    >>> key_id('"k"'), key_id("k"), key_id('"a\\"b" tail'), key_id('"open')
-    ('k', 'k', 'a"b', '"open')
-    """
-    if not stored.startswith('"'):
-        return stored
-    inner = stored[1:].replace("\\\\", "\x01").replace('\\"', "\x02")
-    end = inner.find('"')
-    if end < 0:
-        return stored
-    return inner[:end].replace("\x01", "\\").replace("\x02", '"')
+# The key a stored value names, as schema 3's key_id column computes it.
+key_id = stored_key_identity
 
 
 def _text(value: object) -> str:

@@ -104,6 +104,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "idemctl.fingerprint",
             "idemctl.call_values",
             "idemctl.leases",
+            "idemctl.subscribers",
         ),
     ),
     ("storage", ("idemctl.storage",)),

@@ -8,7 +8,7 @@ completions of its retention."""
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...fingerprint import stored_key_identity
@@ -236,24 +236,24 @@ class RedisOperatorStatements(Store):
         return {row.where: row for row in found if row is not None}
 
     def copy_insert(self, rows: Sequence[LedgerRow]) -> set[tuple[str, str]]:
-        if not rows:
-            return set()
-        self._guard()
-        calls = []
-        for row in rows:
-            _, name, keys = self._place(row.principal, row.key)
-            calls.append(("copy_insert", {"keys": keys, "args": [name, self.retention_ms, *row_fields(row)]}))
-        return {row.where for row, done in zip(rows, self.engine.many(calls), strict=True) if int(done)}
+        return self._copy("copy_insert", rows, lambda row: [])
 
     def copy_update(self, rows: Sequence[LedgerRow]) -> set[tuple[str, str]]:
+        return self._copy(
+            "copy_update", rows, lambda row: [row.fingerprint, row.generation, row.status, row.updated_at, row.key]
+        )
+
+    def _copy(self, op: str, rows: Sequence[LedgerRow], head: Callable[[LedgerRow], list[Any]]) -> set[tuple[str, str]]:
+        """The places of `rows` that script `op` wrote, one call a row in one
+        round trip; `head` gives what the script reads before the row's fields."""
         if not rows:
             return set()
         self._guard()
         calls = []
         for row in rows:
             _, name, keys = self._place(row.principal, row.key)
-            head = [name, self.retention_ms, row.fingerprint, row.generation, row.status, row.updated_at, row.key]
-            calls.append(("copy_update", {"keys": keys, "args": [*head, *row_fields(row)]}))
+            args = [name, self.retention_ms, *head(row), *row_fields(row)]
+            calls.append((op, {"keys": keys, "args": args}))
         return {row.where for row, done in zip(rows, self.engine.many(calls), strict=True) if int(done)}
 
     def fenced_page(self, after: int, limit: int) -> list[FencedEvent]:
