@@ -140,7 +140,7 @@ class Housekeeping:
         where it locks only the expired rows it deletes.
 
         >>> from idemctl import Ledger
-        >>> Ledger.open(":memory:").drain_batch
+        >>> Ledger.open(":memory:").operator.drain_batch
         250
         """
         return self.store.drain_batch
