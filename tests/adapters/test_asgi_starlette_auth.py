@@ -22,14 +22,23 @@ from idemctl.asgi import IdempotencyMiddleware
 from tests.helpers import ROOT
 
 
+class Customer(SimpleUser):
+    """A user whose `identity` is its name: an app's user class implements
+    `BaseUser.identity` (older Starlettes' SimpleUser does not)."""
+
+    @property
+    def identity(self) -> str:
+        return self.username
+
+
 class BearerNames(AuthenticationBackend):
     """`Authorization: Bearer NAME` signs in NAME; no header, nobody."""
 
-    async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, SimpleUser] | None:
+    async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, Customer] | None:
         given = conn.headers.get("Authorization", "")
         if not given.startswith("Bearer "):
             return None
-        return AuthCredentials(["authenticated"]), SimpleUser(given.removeprefix("Bearer "))
+        return AuthCredentials(["authenticated"]), Customer(given.removeprefix("Bearer "))
 
 
 def documented_principal():  # type: ignore[no-untyped-def]
@@ -97,6 +106,6 @@ def test_returning_the_unauthenticated_user_object_itself_is_401_and_a_signed_in
     with TestClient(app, raise_server_exceptions=True) as http:
         nobody = http.post("/orders", headers={"Idempotency-Key": "k1"}, content=b"{}")
         assert nobody.status_code == 401
-        with pytest.raises(TypeError, match=r"got SimpleUser \(return the user's identity, e\.g\. user\.identity\)"):
+        with pytest.raises(TypeError, match=r"got Customer \(return the user's identity, e\.g\. user\.identity\)"):
             http.post("/orders", headers={"Idempotency-Key": "k1", "Authorization": "Bearer bob"}, content=b"{}")
     ledger.close()
