@@ -55,8 +55,6 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
     from idemctl import Ledger, Policy, decision
     from idemctl.fingerprint import fingerprint, parse_key, request_digest
     from idemctl.ledger import check_principal, check_request_line
-    from idemctl.ledger.requests import RequestFlow
-    from idemctl.ledger.steps import SingleSteps
     from idemctl.outcomes import Outcome, Reservation, Ticket
     from idemctl.storage.statements import new_token
 
@@ -155,15 +153,14 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
         for i in range(count):
             held[f"{prefix}{i}"] = ledger.claim(principal, f"{prefix}{i}", fp)
 
-    # The ledger's own parts, built on its core as the ledger builds them.
-    steps = SingleSteps(ledger.core)
-    flow = RequestFlow(ledger.core, steps)
+    # The ledger is its request flow, built on its single steps.
+    steps = flow = ledger
 
     def phase_store(key: str) -> None:
         reservation = held[key]
-        stored = steps.prepare(reservation, 201, RESPONSE_HEADERS, STORED_1K)
+        stored = steps._prepare(reservation, 201, RESPONSE_HEADERS, STORED_1K)
         # Steps: driven here, as finish drives them.
-        decision.run(steps.store_answer(reservation, stored, now + 1))
+        decision.run(steps._store_answer(reservation, stored, now + 1))
 
     segment("phase_store", phase_store, what="to_store + the answer + Store.complete")
 

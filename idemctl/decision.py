@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Generator
@@ -297,6 +298,13 @@ def blocking(steps: Callable[Concatenate[S, P], Steps[T]]) -> Callable[Concatena
     call.__name__, call.__qualname__ = name, steps.__qualname__.removesuffix("_steps")
     call.__module__ = steps.__module__
     call.__doc__ = f"Run :meth:`{steps.__name__}` in the calling thread.\n\n{steps.__doc__ or ''}"
+    # What help(), inspect and documentation generators show: the steps'
+    # parameters, returning what the steps return.
+    made = inspect.signature(steps)
+    returned = made.return_annotation
+    if isinstance(returned, str) and returned.removeprefix("decision.").startswith("Steps["):
+        returned = returned.removeprefix("decision.")[len("Steps[") : -1]
+    call.__signature__ = made.replace(return_annotation=returned)  # type: ignore[attr-defined]
     return call
 
 
