@@ -26,6 +26,7 @@ from idemctl.fastapi import idempotent_route
 from idemctl.flask import idempotent
 from idemctl.wsgi import IdempotencyMiddleware as WsgiMiddleware
 from tests.adapters.django_site import Site, setup
+from tests.helpers import Reply, asgi_exchange
 
 # A Redis Cluster runs this module too (tests/conftest.py, CLUSTER_OPT_IN).
 ON_REDIS_CLUSTER = True
@@ -36,21 +37,6 @@ ON_REDIS_CLUSTER = True
 ADAPTERS = ["wsgi", "asgi", "fastapi", "django", "drf", "flask-view"]
 MIDDLEWARE = ["wsgi", "asgi", "django"]
 ORDER = b'{"sku":"tea","qty":2}'
-
-
-@dataclass
-class Reply:
-    status: int
-    headers: list[tuple[str, str]]
-    body: bytes
-
-    def header(self, name: str) -> str | None:
-        values = [v for k, v in self.headers if k.lower() == name.lower()]
-        return values[0] if values else None
-
-    @property
-    def lowered(self) -> list[tuple[str, str]]:
-        return [(k.lower(), v) for k, v in self.headers]
 
 
 @dataclass
@@ -231,18 +217,7 @@ def _asgi_call(app, method: str, path: str, body: bytes, headers: list[tuple[str
         "query_string": query.encode(),
         "headers": [(k.lower().encode(), v) for k, v in headers] + [(b"content-length", str(len(body)).encode())],
     }
-    sent: list[dict] = []
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive():  # type: ignore[no-untyped-def]
-        if pending:
-            return pending.pop()
-        await asyncio.sleep(3600)
-
-    async def send(message):  # type: ignore[no-untyped-def]
-        sent.append(message)
-
-    asyncio.run(app(scope, receive, send))
+    sent = asyncio.run(asgi_exchange(app, scope, body))
     start = sent[0]
     return Reply(
         start["status"],
