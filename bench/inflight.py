@@ -83,6 +83,7 @@ def _group(filename: str, name: str) -> str:
         ("/idemctl/", "idemctl"),
         ("/psycopg_pool/", "psycopg_pool"),
         ("/psycopg/", "psycopg"),
+        ("/redis/", "redis-py"),
         ("/asyncio/", "asyncio"),
         ("/bench/", "the bench's caller and app"),
     ):

@@ -1,0 +1,41 @@
+"""The Redis peers benchmark still runs: `python -m bench.redis_peers
+--quick` drives idemctl, idemkit and the raw redis-py floor through WSGI
+threads and ASGI tasks at 1, 10 and 50 in flight on a redis-server of its
+own, and its table renders. It asserts the shape of what was measured,
+never how fast."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench import report
+from tests import redis_servers
+from tests.helpers import quick_bench
+
+pytestmark = pytest.mark.slow
+
+
+def test_quick_redis_peers_benchmark_measures_every_door_level_and_kind_and_renders(tmp_path):
+    reason = redis_servers.missing()
+    if reason is not None:
+        assert not os.environ.get("CI"), reason
+        pytest.skip(reason)
+    res = quick_bench("redis_peers", tmp_path / "work")
+    assert (res["rounds"], res["requests_per_round"], res["idemkit_missing"]) == (2, 40, None)
+    assert [(r["door"], r["level"], r["kind"]) for r in res["rows"]] == [
+        (door, level, kind) for door in ("wsgi", "asgi") for level in (1, 10, 50) for kind in ("first", "replay")
+    ]
+    for row in res["rows"]:
+        for figure in ("floor", "idemctl", "idemkit", "idemctl_vs_floor", "idemkit_vs_floor", "idemctl_vs_idemkit"):
+            assert row[figure]["n"] == 2 and row[figure]["min"] > 0, (row["door"], row["level"], figure)
+    assert set(res["profile"]) == {"wsgi_first_1", "wsgi_replay_1", "asgi_first_10", "asgi_replay_10"}
+    assert res["profile"]["asgi_first_10"]["share"]["idemctl"] > 0
+    table = report.redis_peers_table(res)
+    assert table[0] == (
+        "| (13) Redis | in flight | kind | raw redis-py floor/s | idemctl/s | ÷ floor | idemkit/s | ÷ floor "
+        "| idemctl ÷ idemkit |"
+    )
+    assert sum(line.startswith(("| WSGI, threads | ", "| ASGI, tasks | ")) for line in table) == 12
+    assert any(line.startswith("Where idemctl's time goes (cProfile") for line in table)
