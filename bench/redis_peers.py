@@ -3,9 +3,9 @@ floor, on one standalone redis-server started here (tests/redis_servers.py),
 through WSGI and ASGI, first calls and replays, with 1, 10 and 50 requests in
 flight, all in one run.
 
-    python -m bench.redis_peers              # about 4 minutes; merged into bench/results/latest.json, page rendered
-    python -m bench.redis_peers --no-merge   # print the table only
-    python -m bench.redis_peers --quick      # tiny sizes, JSON out: proves the harness runs, says nothing of speed
+    python -m bench.redis_peers              # about 4 minutes on 2 cores; merged into bench/results/latest.json, page rendered
+    python -m bench.redis_peers --no-merge   # print the tables only
+    python -m bench.redis_peers --quick      # tiny sizes, JSON out (half a minute, most of it callgrind starting Python)
 
 Every system serves the same app, keys and 1 KiB answer. WSGI: the
 middleware called from that many threads at once (each sending its next
@@ -21,7 +21,12 @@ Every variant runs once per round, in rotating order, so that drift hits all
 of them; each ratio is taken within a round, and the figure is the median
 round with the min-max of the rounds. Between rounds the server is flushed
 and the keys replays read are written again, so every round starts from the
-same data."""
+same data.
+
+After the rounds: where idemctl's time goes (cProfile, bench/inflight.py's
+grouping by package), and the instructions of one first call and one replay
+through the WSGI door, for each system, counted by callgrind as
+bench/instructions.py counts them (`--no-instructions` leaves them out)."""
 
 from __future__ import annotations
 
@@ -29,7 +34,9 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -209,7 +216,7 @@ def _wsgi_profile(n: int, one: Callable[[int], object]) -> dict[str, Any]:
 
 def measure(ctx: Context, url: str) -> dict[str, Any]:
     n = ctx.shared.get("n") or ctx.size(1000, 40)
-    reps = ctx.shared.get("rounds") or ctx.size(7, 2)
+    reps = ctx.shared.get("rounds") or ctx.size(9, 2)
     seeds = ctx.size(100, 5)
     loop = asyncio.new_event_loop()
     v = Variants(url, loop, seeds)
@@ -266,6 +273,57 @@ def measure(ctx: Context, url: str) -> dict[str, Any]:
         loop.close()
 
 
+# -- instructions: callgrind over the WSGI door, one request at a time ----------------------
+def _callgrind_child(url: str, n: int, quick: bool, manifest: str) -> None:
+    """Under callgrind: the floor's, idemctl's and idemkit's first calls and
+    replays through the WSGI door, one segment each (bench/instructions.py)."""
+    from .instructions import QUICK_WARM_UP, WARM_UP, Segments
+
+    loop = asyncio.new_event_loop()
+    v = Variants(url, loop, 5)
+    v.reset()
+    counted = Segments(n, QUICK_WARM_UP if quick else WARM_UP)
+    for system in v.systems():
+        for kind in KINDS:
+            go = v.blocking[f"{system}_{kind}"]
+
+            def one(key: str, go: Blocking = go) -> None:
+                tag, _, i = key.rpartition("-")  # a segment's keys: name-w0, name-w1, ..., name-m0, ...
+                go(int(i[1:]), f"{tag}-{i[0]}")
+
+            counted.segment(f"{system}_{kind}", one, what=f"{system}, {kind}")
+    v.close()
+    loop.close()
+    counted.write(manifest)
+
+
+def count_instructions(ctx: Context, url: str) -> dict[str, Any]:
+    """Instructions per request of this Python process (redis-server's are
+    not counted) through the WSGI door, as ratios to the floor's."""
+    from . import instructions
+
+    missing = instructions.available()
+    if missing:
+        return {"missing": missing}
+    n = ctx.size(instructions.FULL_N, instructions.QUICK_N)
+    out_dir = os.path.join(ctx.workdir or tempfile.mkdtemp(prefix="idemctl-bench-"), "callgrind-redis")
+    ctx.log(f"  [redis_peers] callgrind over {n} requests a segment")
+    child = ["bench.redis_peers", "--callgrind-child", url, str(n), "quick" if ctx.quick else "full"]
+    segments, dumps = instructions.callgrind(out_dir, child)
+    per = {seg["name"]: instructions._total(dumps[seg["name"]]) / seg["requests"] for seg in segments}
+    shutil.rmtree(out_dir, ignore_errors=True)
+    rows = [
+        {
+            "system": seg["name"].rsplit("_", 1)[0],
+            "kind": seg["name"].rsplit("_", 1)[1],
+            "instructions": round(per[seg["name"]]),
+            "vs_floor": round(per[seg["name"]] / per[f"floor_{seg['name'].rsplit('_', 1)[1]}"], 2),
+        }
+        for seg in segments
+    ]
+    return {"requests_per_segment": n, "rows": rows}
+
+
 def run(ctx: Context) -> dict[str, Any]:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tests.redis_servers import Standalone, missing
@@ -280,6 +338,8 @@ def run(ctx: Context) -> dict[str, Any]:
     try:
         version = server.server.cli("info", "server").split("redis_version:")[1].split()[0]
         out = measure(ctx, server.url)
+        if not ctx.shared.get("no_instructions"):
+            out["instructions"] = count_instructions(ctx, server.url)
     finally:
         server.stop()
     return {
@@ -296,18 +356,28 @@ def run(ctx: Context) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--callgrind-child"]:  # url, n, quick|full, manifest: run by count_instructions
+        _callgrind_child(argv[1], int(argv[2]), argv[3] == "quick", argv[4])
+        return 0
     p = argparse.ArgumentParser(prog="python -m bench.redis_peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, JSON out: checks the harness, nothing else")
     p.add_argument("--dir", default=None, help="unused (the redis-server keeps its files in a temp dir of its own)")
     p.add_argument("--n", type=int, default=0, help="requests per variant and round (default 1000; --quick 40)")
-    p.add_argument("--rounds", type=int, default=0, help="rounds (default 7; --quick 2)")
+    p.add_argument("--rounds", type=int, default=0, help="rounds (default 9; --quick 2)")
+    p.add_argument("--no-instructions", action="store_true", help="leave out the callgrind counts (0.5 min of a run)")
     p.add_argument("--no-merge", action="store_true", help="print the table; leave latest.json and the page alone")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
 
     def log(msg: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
 
-    ctx = Context(workdir=args.dir or "", quick=args.quick, log=log, shared={"n": args.n, "rounds": args.rounds})
+    ctx = Context(
+        workdir=args.dir or "",
+        quick=args.quick,
+        log=log,
+        shared={"n": args.n, "rounds": args.rounds, "no_instructions": args.no_instructions},
+    )
     res = run(ctx)
     if "missing" in res:
         print(f"cannot run: {res['missing']}", file=sys.stderr)

@@ -1725,6 +1725,40 @@ def redis_peers_table(res: dict[str, Any]) -> list[str]:
         ]
     if "profile" in res:
         lines += ["", _redis_profile(res["profile"])]
+    return lines + _redis_instructions(res.get("instructions"))
+
+
+def _redis_instructions(ins: dict[str, Any] | None) -> list[str]:
+    """(13) instructions: one request at a time through the WSGI door, callgrind."""
+    if not ins:
+        return []
+    if "missing" in ins:
+        return ["", f"(13) instructions: not counted ({ins['missing']})."]
+    names = {
+        "floor": "raw redis-py (SET NX + SET XX; GET)",
+        "idemctl": "idemctl, WSGI `IdempotencyMiddleware`",
+        "idemkit": "idemkit, `WSGIIdempotencyMiddleware` + `RedisBackend`",
+    }
+    lines = [
+        "",
+        "| (13) instructions a request, WSGI on Redis (callgrind) | first call | ÷ floor | replay | ÷ floor |",
+        "|---|---|---|---|---|",
+    ]
+    by = {(r["system"], r["kind"]): r for r in ins["rows"]}
+    for system, label in names.items():
+        if (system, "first") in by:
+            first, replay = by[(system, "first")], by[(system, "replay")]
+            lines.append(
+                f"| {label} | {_n(first['instructions'])} | {first['vs_floor']:.2f} "
+                f"| {_n(replay['instructions'])} | {replay['vs_floor']:.2f} |"
+            )
+    lines += [
+        "",
+        f"Counted by valgrind's callgrind in the same run, {ins['requests_per_segment']} requests a segment after a "
+        "warm-up, one at a time: the instructions of the Python process only (the client's side: redis-server's "
+        "own work is not counted), so they hold on a busy machine. idemkit's count includes its bridge's "
+        "background event loop, which runs its backend for the WSGI middleware.",
+    ]
     return lines
 
 
