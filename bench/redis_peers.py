@@ -53,6 +53,8 @@ KINDS = ("first", "replay")
 AIM = 1.5  # idemctl's rate over idemkit's on every row
 TTL_S = 30.0
 DAY_MS = 86_400_000
+# The profile sets the store apart from the rest of idemctl, and names idemkit's own code.
+PROFILE_GROUPS = (("/idemctl/storage/", "idemctl's store"), ("/idemkit/", "idemkit"))
 Blocking = Callable[[int, str], object]
 Awaiting = Callable[[int, str], Awaitable[object]]
 
@@ -211,7 +213,7 @@ def _wsgi_profile(n: int, one: Callable[[int], object]) -> dict[str, Any]:
     async def serial(i: int) -> None:
         one(i)
 
-    return asyncio.run(_profile(n, 1, serial))
+    return asyncio.run(_profile(n, 1, serial, PROFILE_GROUPS))
 
 
 def measure(ctx: Context, url: str) -> dict[str, Any]:
@@ -239,13 +241,14 @@ def measure(ctx: Context, url: str) -> dict[str, Any]:
         profile = {
             "wsgi_first_1": _wsgi_profile(n, lambda i: v.blocking["idemctl_first"](i, "profile")),
             "wsgi_replay_1": _wsgi_profile(n, lambda i: v.blocking["idemctl_replay"](i, "profile")),
-            "asgi_first_10": loop.run_until_complete(
-                _profile(n, 10, lambda i: v.awaiting["idemctl_first"](i, "profile"))
-            ),
-            "asgi_replay_10": loop.run_until_complete(
-                _profile(n, 10, lambda i: v.awaiting["idemctl_replay"](i, "profile"))
-            ),
         }
+        for system in systems[1:]:
+            for kind in KINDS:
+                go = v.awaiting[f"{system}_{kind}"]
+                name = f"asgi_{kind}_10" + ("" if system == "idemctl" else f"_{system}")
+                profile[name] = loop.run_until_complete(
+                    _profile(n, 10, lambda i, go=go: go(i, "profile"), PROFILE_GROUPS)
+                )
         rows: list[dict[str, Any]] = []
         for door in DOORS:
             for level in LEVELS:

@@ -32,15 +32,26 @@ def test_quick_redis_peers_benchmark_measures_every_door_level_and_kind_and_rend
     for row in res["rows"]:
         for figure in ("floor", "idemctl", "idemkit", "idemctl_vs_floor", "idemkit_vs_floor", "idemctl_vs_idemkit"):
             assert row[figure]["n"] == 2 and row[figure]["min"] > 0, (row["door"], row["level"], figure)
-    assert set(res["profile"]) == {"wsgi_first_1", "wsgi_replay_1", "asgi_first_10", "asgi_replay_10"}
-    assert res["profile"]["asgi_first_10"]["share"]["idemctl"] > 0
+    assert set(res["profile"]) == {
+        "wsgi_first_1",
+        "wsgi_replay_1",
+        "asgi_first_10",
+        "asgi_replay_10",
+        "asgi_first_10_idemkit",
+        "asgi_replay_10_idemkit",
+    }
+    for name, shares in ((n, p["share"]) for n, p in res["profile"].items()):
+        assert ("idemkit" in shares) == name.endswith("_idemkit"), (name, shares)
+        assert (shares.get("idemctl's store", 0) > 0) == (not name.endswith("_idemkit")), (name, shares)
     table = report.redis_peers_table(res)
     assert table[0] == (
         "| (13) Redis | in flight | kind | raw redis-py floor/s | idemctl/s | ÷ floor | idemkit/s | ÷ floor "
         "| idemctl ÷ idemkit |"
     )
     assert sum(line.startswith(("| WSGI, threads | ", "| ASGI, tasks | ")) for line in table) == 12
-    assert any(line.startswith("Where idemctl's time goes (cProfile") for line in table)
+    assert any(
+        line.startswith("Where the time goes (cProfile") and "On ASGI a first call spends" in line for line in table
+    )
 
 
 def test_the_redis_instruction_counts_render_as_ratios_to_the_floor_or_say_why_they_are_missing():
