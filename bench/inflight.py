@@ -84,7 +84,7 @@ def _group(filename: str, name: str, first: Sequence[tuple[str, str]] = ()) -> s
         ("/idemctl/", "idemctl"),
         ("/psycopg_pool/", "psycopg_pool"),
         ("/psycopg/", "psycopg"),
-        ("/redis/", "redis-py"),
+        ("-packages/redis/", "redis-py"),  # site- or dist-packages: not a checkout's folder named redis
         ("/asyncio/", "asyncio"),
         ("/bench/", "the bench's caller and app"),
     ):
