@@ -22,7 +22,8 @@ from tests import redis_servers
 
 from .test_cli_commands import FP, HOUR, JSON_HEADERS, MINUTE, SECOND, at, cli, one_line, taken_over_row
 
-pytestmark = pytest.mark.slow
+# One worker: the module's tests share that worker's cluster rather than start one each.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_cli_on_redis_cluster")]
 
 redis = pytest.importorskip("redis")
 
