@@ -193,12 +193,12 @@ class Variants:
         return out
 
     def close(self) -> None:
-        from idemkit.core.sync_bridge import run_sync
-
         self.loop.run_until_complete(self.ours_asgi.wait_idle())
         self.loop.run_until_complete(self.ledger.aclose())
         self.ledger.close()
         if self.kit_backends is not None:
+            from idemkit.core.sync_bridge import run_sync
+
             run_sync(self.kit_backends[0].aclose())  # on the bridge's loop, where its pool lives
             self.loop.run_until_complete(self.kit_backends[1].aclose())
         self.loop.run_until_complete(self.afloor.aclose())
