@@ -72,11 +72,11 @@ def read_terminal(master: int, on_output: Callable[[bytes], object] | None = Non
     return seen
 
 
-def quick_bench(module: str, workdir: Path) -> Any:
-    """What ``python -m bench.<module> --quick`` prints (its JSON), run
-    from the checkout with its files under `workdir`; it must exit 0."""
+def quick_bench(module: str, workdir: Path, *extra: str) -> Any:
+    """What ``python -m bench.<module> --quick [extra...]`` prints (its
+    JSON), run from the checkout with its files under `workdir`; it must exit 0."""
     proc = subprocess.run(
-        [sys.executable, "-m", f"bench.{module}", "--quick", "--dir", str(workdir)],
+        [sys.executable, "-m", f"bench.{module}", "--quick", "--dir", str(workdir), *extra],
         cwd=ROOT,
         capture_output=True,
         text=True,
