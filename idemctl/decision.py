@@ -349,6 +349,7 @@ async def through_async(
     in_thread: InThread,
     store: AsyncStore | None = None,
     orphaned: Callable[[Any], object] | None = None,
+    shielded: bool = False,
 ) -> Any:
     """Run `op` (None: the steps' next operation) and every store operation
     and pause the steps yield after it, from an event loop, up to the first
@@ -366,9 +367,14 @@ async def through_async(
     which `orphaned(landed)` is given (to release a claim nobody will use);
     it may return steps (the release), driven the same way. Steps not at
     their end are then closed. Without it, what lands for a cancelled
-    caller is left as it is (a completion, a release, a sweep)."""
+    caller is left as it is (a completion, a release, a sweep).
+
+    `shielded` says the caller runs in a task of its own that a request's
+    cancellation never reaches (the door's shielded mutation): its writes
+    are awaited as they are, with no task and no shield of their own."""
     if store is not None:
-        return await _through_on(steps, _next(steps, None, None) if op is None else op, store, orphaned, in_thread)
+        first = _next(steps, None, None) if op is None else op
+        return await _through_on(steps, first, store, orphaned, in_thread, shielded)
     while True:
         if op is None or type(op) is Pause:
             if op is not None:
@@ -394,7 +400,12 @@ async def through_async(
 
 
 async def _through_on(
-    steps: Steps[Any], op: Any, store: AsyncStore, orphaned: Callable[[Any], object] | None, in_thread: InThread
+    steps: Steps[Any],
+    op: Any,
+    store: AsyncStore,
+    orphaned: Callable[[Any], object] | None,
+    in_thread: InThread,
+    shielded: bool,
 ) -> Any:
     while True:
         kind = type(op)
@@ -403,9 +414,10 @@ async def _through_on(
             value, error = None, None
         elif kind not in STORE_OPS:
             return op
-        elif kind is Tables or (kind is Statement and not op.write):
-            # A read cut off by a cancellation leaves nothing behind: no
-            # shield (and no task of its own) needed.
+        elif shielded or kind is Tables or (kind is Statement and not op.write):
+            # A read cut off by a cancellation leaves nothing behind, and a
+            # shielded caller's writes are never cut off: no shield (and no
+            # task of its own) needed.
             value, error = await _outcome_async(op, store)
         else:
             # Shielded: a cancelled caller does not cut a write off half-way
