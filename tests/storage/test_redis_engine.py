@@ -217,6 +217,55 @@ def test_redis_down_is_a_503_with_retry_after_in_bounded_time():
     ledger.close()
 
 
+@pytest.fixture
+def frozen_server() -> Iterator[redis_servers.Standalone]:
+    yield from own_server()
+
+
+def test_a_redis_that_stops_answering_is_a_503_within_the_bound_on_the_event_loop_then_serves_again(frozen_server):
+    # The asyncio client's sockets have no timeout of their own: the engine
+    # bounds each operation (idemctl.storage.deadlines). A server stopped
+    # with SIGSTOP keeps its connections open and never answers.
+    import asyncio
+    import signal
+
+    from idemctl.asgi import IdempotencyMiddleware as AsgiMiddleware
+    from tests.helpers import asgi_exchange, post_scope
+
+    async def made(scope, receive, send):  # type: ignore[no-untyped-def]
+        await send({"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"made"})
+
+    ledger = Ledger.open(frozen_server.url, busy_timeout_ms=400)
+    ledger.init()
+    app = AsgiMiddleware(made, ledger, principal=lambda scope: "acct")
+    pid = frozen_server.server.process.pid
+
+    async def go() -> list[tuple[int, float]]:
+        seen = []
+        for key, freeze in (("before", False), ("frozen", True), ("after", False)):
+            if freeze:
+                os.kill(pid, signal.SIGSTOP)
+            started = time.monotonic()
+            try:
+                sent = await asgi_exchange(app, post_scope(key))
+            finally:
+                if freeze:
+                    os.kill(pid, signal.SIGCONT)
+            seen.append((sent[0]["status"], time.monotonic() - started))
+        await ledger.aclose()
+        return seen
+
+    (first, _), (frozen, waited), (after, _) = asyncio.run(go())
+    assert (first, frozen, after) == (201, 503, 201)
+    assert 0.35 < waited < 2.0
+    # Whether the claim reached the server before it froze is unknown to the
+    # client, as after a crash: never completed, at most a pending reservation.
+    row = ledger.lookup("acct", "frozen")
+    assert row is None or row.status is Status.PENDING
+    ledger.close()
+
+
 def test_any_node_of_a_cluster_is_recognised_and_serves_the_ledger_a_replica_included(cluster):
     replica = cluster.replicas()[0]
     ledger = Ledger.open(replica.url)

@@ -9,7 +9,8 @@ import contextlib
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
-from ...errors import StorageError
+from ...errors import ConnectionFailedError, StorageError
+from ..deadlines import Deadlines
 from ..engine import Params, Rows
 from ..statements import TABLES
 from .clients import CLUSTER, async_client, closed
@@ -30,6 +31,7 @@ class AsyncRedisEngine:
         self.timeout_s = timeout_s
         self.kind = kind
         self._client: Any = None
+        self._deadlines = Deadlines()
 
     def describe(self) -> str:
         return self.location.shown
@@ -51,6 +53,19 @@ class AsyncRedisEngine:
         return self._client
 
     async def execute(self, sql: str, params: Params) -> Rows:
+        # The client's sockets have no timeout of their own (clients.timeouts):
+        # the whole operation, its connect and any retry included, is bounded here.
+        bound = self.timeout_s + (self.location.wait_timeout_ms / 1000 if sql.startswith("wait_") else 0)
+        try:
+            return await self._deadlines.within(bound, self._execute(sql, params))
+        except TimeoutError as exc:
+            if isinstance(exc, StorageError):
+                raise
+            raise ConnectionFailedError(
+                f"cannot reach Redis at {self.location.shown}: no answer within {bound:g} s"
+            ) from exc
+
+    async def _execute(self, sql: str, params: Params) -> Rows:
         import redis
 
         client = await self.client()
@@ -118,11 +133,14 @@ class AsyncRedisEngine:
     async def write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[Rows]:
         import redis
 
-        client = await self.client()
         try:
-            return [[(reply,)] for reply in await self._pipeline(client, statements)]
+            return await self._deadlines.within(self.timeout_s, self._write_turn(statements))
         except (redis.RedisError, OSError) as exc:
             self._fail(exc)
+
+    async def _write_turn(self, statements: Sequence[tuple[str, Params]]) -> list[Rows]:
+        client = await self.client()
+        return [[(reply,)] for reply in await self._pipeline(client, statements)]
 
     async def table_names(self, names: Iterable[str]) -> set[str]:
         rows = await self.execute("hgetall", {"keys": [Layout(self.location.prefix).marker]})
