@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 from ...errors import StorageError
+from ..server import number_option
 
 SCHEMES = ("redis://", "rediss://", "redis+sentinel://", "rediss+sentinel://")
 DEFAULT_PREFIX = "idemctl"
@@ -56,19 +57,6 @@ class RedisLocation:
     options: dict[str, str] = field(default_factory=dict)
 
 
-def _int_option(options: dict[str, str], name: str, default: int, shown: str) -> int:
-    raw = options.pop(name, None)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise StorageError(f"{shown}: {name} must be a whole number, got {raw!r}") from None
-    if value < 0:
-        raise StorageError(f"{shown}: {name} must be >= 0, got {value}")
-    return value
-
-
 def parse(target: str) -> RedisLocation:
     """Read a Redis ledger URL; a malformed one is a StorageError whose
     message holds no password.
@@ -88,12 +76,13 @@ def parse(target: str) -> RedisLocation:
         if secret:
             secrets += (secret,)
             shown = shown.replace(quote(secret, safe=""), "***").replace(secret, "***")
-    prefix = options.pop("prefix", DEFAULT_PREFIX)
+    own = {name: options.pop(name) for name in _OWN_OPTIONS if name in options}
+    prefix = own.get("prefix", DEFAULT_PREFIX)
     if not _PREFIX.fullmatch(prefix):
         raise StorageError(f"{shown}: prefix must be 1 to 64 of A-Z a-z 0-9 _ . : -, got {prefix!r}")
-    wait_replicas = _int_option(options, "wait_replicas", 0, shown)
-    wait_timeout_ms = _int_option(options, "wait_timeout_ms", 1000, shown)
-    sentinel_password = options.pop("sentinel_password", None)
+    wait_replicas = number_option(own, "wait_replicas", 0, int, 0, shown)
+    wait_timeout_ms = number_option(own, "wait_timeout_ms", 1000, int, 0, shown)
+    sentinel_password = own.get("sentinel_password")
     rest = urlencode([(k, v) for k, v in pairs if k not in _OWN_OPTIONS])
     tls = parts.scheme.startswith("rediss")
     if "+sentinel" in parts.scheme:
