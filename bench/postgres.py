@@ -194,7 +194,7 @@ def _batch_profile(raw, cutoff: int) -> dict[str, Any]:  # type: ignore[no-untyp
     the floor's DELETE still finds every row."""
     from idemctl.storage.dialect import POSTGRES
 
-    sql = POSTGRES.params(POSTGRES.sweep_keys)
+    sql = POSTGRES.params(POSTGRES.sweep.statement)
     params = {"after": -(2**62), "cutoff": cutoff, "limit": POSTGRES.drain_batch}
     raw.execute("BEGIN")
     try:

@@ -179,7 +179,7 @@ class Store(CopyStatements, OperatorStatements):
             "generation": generation,
             "token": token,
             "status": status,
-            "body": self.dialect.bind_body(body),
+            "body": self.dialect.body.bind(body),
             "headers": headers_json,
             "now": now,
         }
@@ -207,7 +207,7 @@ class Store(CopyStatements, OperatorStatements):
             "generation": generation,
             "token": token,
             "status": status,
-            "body": self.dialect.bind_body(body),
+            "body": self.dialect.body.bind(body),
             "no_body": 1 if body is None else 0,
             "headers": headers_json,
         }
@@ -363,11 +363,11 @@ class Store(CopyStatements, OperatorStatements):
         fenced-out log's when `fenced_cutoff` is given, in one turn; it
         remembers where the rows' batch ended."""
         batch = {"after": after, "cutoff": cutoff, "limit": limit}
-        statements: list[tuple[str, Mapping[str, Any]]] = [(self.sql(self.dialect.sweep_keys), batch)]
+        statements: list[tuple[str, Mapping[str, Any]]] = [(self.sql(self.dialect.sweep.statement), batch)]
         if fenced_cutoff is not None:
             statements.append(self._fenced_batch(fenced_cutoff, limit))
         results = yield Turn(self, statements)
-        keys, newest = self.dialect.sweep_tally(results[0])
+        keys, newest = self.dialect.sweep.tally(results[0])
         if newest is not None:
             self._sweep_from = newest
         self._draining = keys >= limit

@@ -195,7 +195,7 @@ class StoreBase:
 
     @property
     def drain_batch(self) -> int:
-        return self.dialect.drain_batch
+        return self.dialect.sweep.drain_batch
 
     @overload
     def run(self, op: Statement[R]) -> R: ...

@@ -164,7 +164,7 @@ class RedisStore(RedisOperatorStatements):
         now: int,
     ) -> Statement[bool]:
         _, name, keys = self.layout.where(principal, key)
-        raw = self.dialect.bind_body(body)
+        raw = self.dialect.body.bind(body)
         fence = "" if token is None else token
         args: list[Any] = [name, generation, fence, status, headers_json, now, self.retention_ms]
         args += ["0", b""] if raw is None else ["1", cast(bytes, raw)]
@@ -181,7 +181,7 @@ class RedisStore(RedisOperatorStatements):
         headers_json: str,
     ) -> Statement[bool]:
         _, _, keys = self.layout.where(principal, key)
-        raw = self.dialect.bind_body(body)
+        raw = self.dialect.body.bind(body)
         args: list[Any] = [generation, "" if token is None else token, status, headers_json]
         args += ["0", b""] if raw is None else ["1", cast(bytes, raw)]
         return Statement(self, self._completed_as_op, {"keys": keys[:1], "args": args}, _flag, False)
