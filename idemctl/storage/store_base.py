@@ -219,11 +219,18 @@ class StoreBase:
     def run_steps(self, steps: StoreSteps[R]) -> R:
         """A multi-statement operation's steps, each run here in turn (the
         synchronous twin of `AsyncStore.run_steps`). An operation's error is
-        raised inside the steps, where it happened. The driver is the
-        request path's own (`decision.run`): one loop serves both."""
-        from ..decision import run  # the decision loop imports the store
-
-        return run(steps)
+        raised inside the steps, where it happened."""
+        try:
+            op = steps.send(None)
+            while True:
+                try:
+                    value = op.store.run(op)
+                except Exception as exc:
+                    op = steps.throw(exc)
+                else:
+                    op = steps.send(value)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
     def database_now_statement(self) -> Statement[int]:
         return Statement(self, self.sql(self.dialect.now_sql), {}, database_ms, False)
