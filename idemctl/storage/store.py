@@ -221,7 +221,7 @@ class Store(CopyStatements, OperatorStatements):
             "body": self.dialect.body.bind(body),
             "headers": headers_json,
         }
-        if text is COMPLETED_AS:
+        if text == COMPLETED_AS:
             params["no_body"] = 1 if body is None else 0
             return Statement(self, self.sql(COMPLETED_AS), params, any_row, False)
         params["now"] = now

@@ -162,7 +162,7 @@ class RedisStore(RedisOperatorStatements):
         raw = self.dialect.body.bind(body)
         fence = "" if token is None else token
         stored: list[Any] = ["0", b""] if raw is None else ["1", cast(bytes, raw)]
-        if text is statements.COMPLETED_AS:
+        if text == statements.COMPLETED_AS:
             args = [generation, fence, status, headers_json, *stored]
             return Statement(self, self._completed_as_op, {"keys": keys[:1], "args": args}, _flag, False)
         args = [name, generation, fence, status, headers_json, now, self.retention_ms, *stored]
