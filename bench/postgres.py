@@ -194,8 +194,8 @@ def _batch_profile(raw, cutoff: int) -> dict[str, Any]:  # type: ignore[no-untyp
     the floor's DELETE still finds every row."""
     from idemctl.storage.dialect import POSTGRES
 
-    sql = POSTGRES.params(POSTGRES.sweep_keys)
-    params = {"after": -(2**62), "cutoff": cutoff, "limit": POSTGRES.drain_batch}
+    sql = POSTGRES.params(POSTGRES.sweep.statement)
+    params = {"after": -(2**62), "cutoff": cutoff, "limit": POSTGRES.sweep.drain_batch}
     raw.execute("BEGIN")
     try:
         (plan,) = raw.execute("EXPLAIN (ANALYZE, BUFFERS, WAL, FORMAT JSON) " + sql, params).fetchone()[0]
@@ -211,7 +211,7 @@ def _batch_profile(raw, cutoff: int) -> dict[str, Any]:  # type: ignore[no-untyp
         elif node["Node Type"] == "Limit":
             found["collect_ms"] = node["Actual Total Time"]
     return {
-        "batch": POSTGRES.drain_batch,
+        "batch": POSTGRES.sweep.drain_batch,
         "rows": found.get("rows"),
         "execution_ms": round(plan["Execution Time"], 3),
         "planning_ms": round(plan["Planning Time"], 3),

@@ -41,7 +41,7 @@ def default_cli_batch() -> int:
     """What `idemctl sweep` uses on SQLite when --batch-size is not given."""
     from idemctl.storage.dialect import SQLITE
 
-    return SQLITE.drain_batch
+    return SQLITE.sweep.drain_batch
 
 
 def _copy(src: str, dst: str) -> None:

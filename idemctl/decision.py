@@ -36,6 +36,7 @@ from .outcomes import Outcome, Reservation, Status, StoredRow, quick_init
 from .policy import Policy
 from .storage import Store
 from .storage.store import Statement, StoreOp, Tables, Turn, new_token
+from .storage.store_base import ran
 
 if TYPE_CHECKING:
     from .storage.aio import AsyncStore
@@ -308,20 +309,13 @@ def blocking(steps: Callable[Concatenate[S, P], Steps[T]]) -> Callable[Concatena
     return call
 
 
-def _ran(op: Any) -> tuple[Any, Exception | None]:
-    try:
-        return op.store.run(op), None
-    except Exception as exc:
-        return None, exc
-
-
 def _through(steps: Steps[Any], op: Any) -> Any:
     """In a worker thread: `op`, then each store operation the steps yield
     after it, up to the first other thing they yield (a Pause, or a need of
     their caller's), their End, or their own exception (a _Raised)."""
     try:
         while type(op) in STORE_OPS:
-            value, error = _ran(op)
+            value, error = ran(op)
             # An operation's error is raised inside the steps, where it happened.
             op = steps.send(value) if error is None else steps.throw(error)
         return op

@@ -93,6 +93,27 @@ class LeaseTick:
 TickListener = Callable[[LeaseTick], object]
 
 
+class HeldShare:
+    """One metrics observer's share of a gauge of held reservations that
+    several lease keepers may feed (the gauge is their sum): what each
+    finished tick moves the gauge by.
+
+    >>> share = HeldShare()
+    >>> share.moved(LeaseTick(3, 3, 0.002, 1000.0, 3000)), share.moved(LeaseTick(1, 1, 0.002, 1000.0, 3000))
+    (3, -2)
+    """
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held = 0
+
+    def moved(self, tick: LeaseTick) -> int:
+        change = tick.reservations - self.held
+        self.held = tick.reservations
+        return change
+
+
 class LeaseKeeper(Subscribers[TickListener]):
     """This process's live reservations of one ledger, renewed together."""
 

@@ -61,7 +61,7 @@ try:
 except ImportError as exc:  # the API lives behind an extra, as the engines' drivers do
     raise missing_extra("idemctl.otel needs the OpenTelemetry API", "otel", exc) from exc
 
-from .leases import LeaseKeeper, LeaseTick
+from .leases import HeldShare, LeaseKeeper, LeaseTick
 from .ledger import Ledger
 from .outcomes import Event, Outcome
 
@@ -160,7 +160,7 @@ class Telemetry:
         self.leases_held = meter.create_up_down_counter(
             "idemctl.lease.held", "{reservation}", "Reservations this process renews"
         )
-        self._held = 0  # this ledger's share of idemctl.lease.held
+        self._held = HeldShare()  # this ledger's share of idemctl.lease.held
         self._stops: list[Callable[[], None]] = []
 
     def attributes(self, event: Event) -> dict[str, AttributeValue]:
@@ -229,9 +229,8 @@ class Telemetry:
             self._lease_span(tick)
         if not tick.done:
             return
-        if tick.reservations != self._held:
-            self.leases_held.add(tick.reservations - self._held)
-            self._held = tick.reservations
+        if moved := self._held.moved(tick):
+            self.leases_held.add(moved)
         if tick.error is not None:
             self.lease_failures.add(1)
             return

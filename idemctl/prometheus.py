@@ -63,7 +63,7 @@ try:
 except ImportError as exc:  # the client lives behind an extra, as the engines' drivers do
     raise missing_extra("idemctl.prometheus needs the Prometheus client", "prometheus", exc) from exc
 
-from .leases import LeaseKeeper, LeaseTick
+from .leases import HeldShare, LeaseKeeper, LeaseTick
 from .ledger import Ledger
 from .outcomes import Event, Outcome
 
@@ -204,16 +204,15 @@ class LeaseMetrics:
         self.late = shared.late
         self.failures = shared.failures
         self.held = shared.held
-        self._held = 0  # this keeper's share of the shared gauge
+        self._held = HeldShare()  # this keeper's share of the shared gauge
 
     def observe(self, tick: LeaseTick) -> None:
         if tick.late:
             self.late.labels("done" if tick.done else "running").inc()
         if not tick.done:
             return
-        if tick.reservations != self._held:
-            self.held.inc(tick.reservations - self._held)
-            self._held = tick.reservations
+        if moved := self._held.moved(tick):
+            self.held.inc(moved)
         if tick.error is not None:
             self.failures.inc()
             return

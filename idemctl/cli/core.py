@@ -33,7 +33,7 @@ from .hints import (
     LEDGER_IN_FORCE,
     with_hint,
 )
-from .options import Given, env_help, given_option
+from .options import Given, app_policy_option, env_help, given_option
 from .output import emit_json, say_error, say_no
 
 # Exit codes: part of the interface, documented in `idemctl --help` and docs/cli.md.
@@ -340,21 +340,9 @@ def _global(
             show_default=False,
         ),
     ] = None,
-    ttl: Annotated[
-        Given | None,
-        given_option(
-            "--ttl",
-            help="Pending TTL the application uses, e.g. 30s (default: the Policy's 30 s).",
-            env=config.ENV_PENDING_TTL,
-        ),
-    ] = None,
+    ttl: Annotated[Given | None, app_policy_option("--ttl", "Pending TTL", "30 s", config.ENV_PENDING_TTL)] = None,
     retention: Annotated[
-        Given | None,
-        given_option(
-            "--retention",
-            help="Retention the application uses, e.g. 24h (default: the Policy's 24 h).",
-            env=config.ENV_RETENTION,
-        ),
+        Given | None, app_policy_option("--retention", "Retention", "24 h", config.ENV_RETENTION)
     ] = None,
     busy_timeout: Annotated[
         Given | None,

@@ -94,6 +94,15 @@ def given_option(*names: str, help: str, env: str | None = None, env_default: st
     return typer.Option(*names, metavar="DURATION", parser=given_param, help=help, show_default=False)
 
 
+def app_policy_option(name: str, setting: str, policy_default: str, env: str) -> Any:
+    """A global option for one of the application's Policy settings (a
+    DURATION), whose help gives `policy_default` ("30 s") as its example
+    and its default, and names the environment variable `env`."""
+    example = policy_default.replace(" ", "")
+    help = f"{setting} the application uses, e.g. {example} (default: the Policy's {policy_default})."
+    return given_option(name, help=help, env=env)
+
+
 def from_command_line(ctx: typer.Context, name: str) -> bool:
     """Whether the parameter `name` was given on the command line (not by its default)."""
     source = ctx.get_parameter_source(name)

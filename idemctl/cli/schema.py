@@ -76,7 +76,7 @@ def init(
             try:
                 result = ledger.init(dry_run=True)
             except LedgerNotFoundError:
-                if not storage.kind_of(target).creates_database:
+                if not storage.kind_of(target).capabilities.creates_database:
                     raise
                 typer.echo(f"{where}: would create the database, then the ledger tables; nothing written")
                 return

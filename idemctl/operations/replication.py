@@ -50,5 +50,5 @@ def check_failover(ledger: OpenLedger) -> FailoverCheck:
     """
     engine = ledger.store.engine
     facts = failover_facts(engine)
-    settings = facts if engine_kind(engine).replicates else None
+    settings = facts if engine_kind(engine).capabilities.replicates else None
     return FailoverCheck(ledger.describe(), facts.product, settings, facts.assess())

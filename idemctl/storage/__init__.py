@@ -18,7 +18,9 @@ from .capabilities import DatabaseCreated, DatabaseNotCreatedError
 from .engine import Engine
 from .locations import keyword_dsn
 from .registry import (
+    Capabilities,
     EngineKind,
+    Locations,
     accepted_urls,
     async_opener,
     create_database,
@@ -70,7 +72,7 @@ def is_server_url(target: str | os.PathLike[str]) -> bool:
     if not isinstance(target, (str, os.PathLike)):
         return False
     try:
-        return kind_of(target).server
+        return kind_of(target).capabilities.server
     except StorageError:
         return False
 
@@ -78,10 +80,12 @@ def is_server_url(target: str | os.PathLike[str]) -> bool:
 __all__ = [
     "DEFAULT_FILE_MODE",
     "SQLITE_DEFAULTS",
+    "Capabilities",
     "DatabaseCreated",
     "DatabaseNotCreatedError",
     "Engine",
     "EngineKind",
+    "Locations",
     "SqliteOptions",
     "Store",
     "accepted_urls",

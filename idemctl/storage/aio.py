@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar, overload
 from .engine import Params, Rows
 from .statements import FENCED_TABLE, TABLES, VERSION
 from .store import Store
-from .store_base import Statement, StoreOp, StoreSteps, Tables, Turn, reads_version, version_in
+from .store_base import Done, Statement, StoreOp, StoreSteps, Tables, Turn, next_op, reads_version, version_in
 
 R = TypeVar("R")
 
@@ -78,17 +78,16 @@ class AsyncStore:
         """A multi-statement operation's steps (`Store.record_fenced_steps`,
         `Store.sweep_steps`, ...), each awaited here: the asynchronous twin
         of `Store.run_steps`."""
+        op = next_op(steps)
+        while not isinstance(op, Done):
+            op = next_op(steps, *(await self._ran(op)))
+        return op.value  # type: ignore[no-any-return]
+
+    async def _ran(self, op: StoreOp) -> tuple[Any, Exception | None]:
         try:
-            op = steps.send(None)
-            while True:
-                try:
-                    value = await self.run(op)
-                except Exception as exc:
-                    op = steps.throw(exc)
-                else:
-                    op = steps.send(value)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            return await self.run(op), None
+        except Exception as exc:
+            return None, exc
 
     # -- schema: Store.tables / check_not_newer, awaited -----------------------------
     async def _guard(self) -> None:

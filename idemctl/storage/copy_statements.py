@@ -202,14 +202,14 @@ class CopyStatements(StoreBase):
             # an answer it cannot hold gets (ledger/steps.py): replays fail
             # loudly, and the mutation never runs again.
             params[f"response_status{suffix}"], body = _SENTINEL_STATUS, None
-        params[f"response_body{suffix}"] = self.dialect.bind_body(body)
+        params[f"response_body{suffix}"] = self.dialect.body.bind(body)
         return params
 
     def _columns(self, rows: Sequence[LedgerRow]) -> dict[str, Any]:
         """The rows as one list per column (Dialect.batch_arrays)."""
         by_column = zip(*rows, strict=True)
         columns: dict[str, Any] = {name: list(c) for name, c in zip(COPY_COLUMNS, by_column, strict=True)}
-        bind = self.dialect.bind_body
+        bind = self.dialect.body.bind
         columns["response_body"] = [bind(as_stored(body)) for body in columns["response_body"]]
         return columns
 

@@ -71,6 +71,36 @@ def _body_text_or_bytes(value: object) -> object:
     return value
 
 
+@dataclass(frozen=True)
+class BodyCodec:
+    """How an engine binds a response body (text, bytes or None) and how it
+    reads one back (text when it is UTF-8, else bytes).
+
+    >>> UTF8_OR_BYTES.bind("é"), UTF8_OR_BYTES.read(b"\\xc3\\xa9")
+    (b'\\xc3\\xa9', 'é')
+    """
+
+    bind: Callable[[str | bytes | None], object]
+    read: Callable[[object], object]
+
+
+# SQLite stores text as TEXT and bytes as a BLOB, and hands each back as it is.
+AS_STORED = BodyCodec(_body_as_is, _body_as_is)
+# Bodies as the exact bytes (BYTEA, LONGBLOB, a Redis string).
+UTF8_OR_BYTES = BodyCodec(_body_as_bytes, _body_text_or_bytes)
+
+
+@dataclass(frozen=True)
+class SweepForm:
+    """How an engine deletes one batch of expired rows: the statement, what
+    its rows say as (rows deleted, newest updated_at deleted), and how many
+    rows one batch deletes when an operator drains a backlog (`idemctl sweep`)."""
+
+    statement: str
+    tally: Callable[[list[tuple[Any, ...]]], tuple[int, int | None]]
+    drain_batch: int
+
+
 # SQLite has no DELETE … LIMIT: bound the batch through a rowid subquery that
 # walks idx_idempotency_keys_updated_at oldest first, from `:after` (a lower
 # bound of the oldest row: where the walk can start). The deleted rows'
@@ -138,16 +168,13 @@ class Dialect:
     """One SQL engine's spelling of idemctl's statements."""
 
     name: str  # also the folder of its DDL under schema/
-    params: Callable[[str], str]  # turns ``:name`` parameters into the driver's style
-    sweep_keys: str
-    # The sweep_keys statement's rows as (rows deleted, newest updated_at deleted).
-    sweep_tally: Callable[[list[tuple[Any, ...]]], tuple[int, int | None]]
-    bind_body: Callable[[str | bytes | None], object]
-    read_body: Callable[[object], object]
-    # Rows per DELETE when an operator drains a backlog (`idemctl sweep`).
-    drain_batch: int
+    sweep: SweepForm
+    body: BodyCodec
     # The database's own clock, in ms since the epoch.
     now_sql: str
+    # Turns ``:name`` parameters into the driver's style (by default, as
+    # written: SQLite's, and a Redis operation's names).
+    params: Callable[[str], str] = _keep
     # How a statement carries a batch of rows (`idemctl copy`): False, one
     # VALUES tuple or OR test per row, which every engine takes; True, one
     # array per column that the server unnests, where parsing and planning
@@ -191,15 +218,11 @@ class Dialect:
 
 SQLITE = Dialect(
     name="sqlite",
-    params=_keep,
-    sweep_keys=_SQLITE_SWEEP_KEYS,
-    sweep_tally=_tally_returned,
-    bind_body=_body_as_is,
-    read_body=_body_as_is,
     # A batch holds the one database-wide write lock that every claim waits
     # for: 250 rows keep a concurrent claimer's p99 low on a large backlog
     # (docs/performance.md, sweep table) at no cost in drain time.
-    drain_batch=250,
+    sweep=SweepForm(_SQLITE_SWEEP_KEYS, _tally_returned, drain_batch=250),
+    body=AS_STORED,
     now_sql="SELECT CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)",
     # One primary-key UPDATE per reservation, one transaction: the VALUES
     # form is a SCAN of the table (EXPLAIN QUERY PLAN), 0.1 s a tick at 10^6 rows.
@@ -209,14 +232,11 @@ SQLITE = Dialect(
 POSTGRES = Dialect(
     name="postgres",
     params=_pyformat,
-    sweep_keys=_POSTGRES_SWEEP_KEYS,
-    sweep_tally=_tally_row,
-    bind_body=_body_as_bytes,
-    read_body=_body_text_or_bytes,
     # Row locks: a batch blocks only claims of the expired keys it deletes,
     # for the few ms it runs; a batch's fixed cost (round trip, plan,
     # commit) shrinks with its size (docs/performance.md, sweep table).
-    drain_batch=5000,
+    sweep=SweepForm(_POSTGRES_SWEEP_KEYS, _tally_row, drain_batch=5000),
+    body=UTF8_OR_BYTES,
     now_sql="SELECT CAST(floor(extract(epoch FROM clock_timestamp()) * 1000) AS BIGINT)",
     # 500 OR tests cost PostgreSQL's planner ~0.1 s a statement, and psycopg
     # as long to parse 5,500 placeholders; two arrays cost neither.
@@ -230,8 +250,7 @@ MYSQL = replace(
     POSTGRES,
     name="mysql",
     params=_mysql_spelling,
-    sweep_keys=_MYSQL_SWEEP_KEYS,
-    sweep_tally=_tally_affected,
+    sweep=replace(POSTGRES.sweep, statement=_MYSQL_SWEEP_KEYS, tally=_tally_affected),
     # The session's time zone is UTC (storage/mysql.py): no DST fold.
     now_sql="SELECT CAST(FLOOR(UNIX_TIMESTAMP(NOW(3)) * 1000) AS SIGNED)",
     batch_arrays=False,
@@ -262,10 +281,10 @@ D1 = replace(
     SQLITE,
     name="d1",
     ddl="sqlite",
-    read_body=_body_from_d1,
+    body=replace(AS_STORED, read=_body_from_d1),
     # JSON carries no bytes, and the recipe's Worker cannot replay a BLOB.
     binary_bodies=False,
     max_params=100,
     # A batch is one API call and one transaction; D1 runs one at a time.
-    drain_batch=250,
+    sweep=replace(SQLITE.sweep, drain_batch=250),
 )

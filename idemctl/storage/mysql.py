@@ -65,7 +65,7 @@ from .engine import Params, Rows
 from .failover.mysql import MysqlFacts
 from .mysql_admin import create_database, read_failover_facts
 from .mysql_schema import MysqlTx, existing_tables
-from .server import checked_busy_timeout, missing_table, scrub
+from .server import checked_busy_timeout, missing_table, number_option, scrub
 
 log = logging.getLogger("idemctl")
 T = TypeVar("T")
@@ -73,6 +73,8 @@ T = TypeVar("T")
 DEFAULT_PORT = 3306
 DEFAULT_POOL_MAX_SIZE = 10
 DEFAULT_CONNECT_TIMEOUT_S = 5
+# How a malformed URL's messages begin (they never show the password).
+_BAD_URL = "bad MySQL URL"
 # A deadlock victim's statement did nothing; these many runs in all.
 DEADLOCK_TRIES = 5
 # A connection idle this long is pinged before use: the server may have
@@ -205,12 +207,12 @@ class MysqlEngine:
             params[name] = value
         if not self.host and "unix_socket" not in params:
             self.host = "127.0.0.1"
-        self.pool_max_size = self._number(params, "pool_max_size", DEFAULT_POOL_MAX_SIZE, int, 1)
+        self.pool_max_size = number_option(params, "pool_max_size", DEFAULT_POOL_MAX_SIZE, int, 1, _BAD_URL)
         default_wait = max(self.busy_timeout_ms / 1000, 0.1)
-        self.pool_timeout_s = self._number(params, "pool_timeout", default_wait, float, 0.001)
-        self.connect_timeout_s = self._number(params, "connect_timeout", DEFAULT_CONNECT_TIMEOUT_S, int, 1)
+        self.pool_timeout_s = number_option(params, "pool_timeout", default_wait, float, 0.001, _BAD_URL)
+        self.connect_timeout_s = number_option(params, "connect_timeout", DEFAULT_CONNECT_TIMEOUT_S, int, 1, _BAD_URL)
         self.lock_wait_s = max(1, math.ceil(self.busy_timeout_ms / 1000))
-        forced = self._number(params, "wsrep_sync_wait", None, int, 0)
+        forced = number_option(params, "wsrep_sync_wait", None, int, 0, _BAD_URL)
         if forced is not None and forced > 15:
             raise StorageError(f"bad MySQL URL: wsrep_sync_wait is a bitmask from 0 to 15, got {forced}")
         self.forced_sync_wait: int | None = forced
@@ -245,19 +247,6 @@ class MysqlEngine:
         self._inherited: list[_Pooled] = []
         # Statements run again after losing a deadlock (for tests and curious operators).
         self.deadlock_retries = 0
-
-    @staticmethod
-    def _number(params: dict[str, str], name: str, default: Any, kind: Callable[[str], Any], floor: Any) -> Any:
-        raw = params.get(name)
-        if raw is None:
-            return default
-        try:
-            value = kind(raw)
-        except ValueError:
-            raise StorageError(f"bad MySQL URL: {name}={raw!r} is not a number") from None
-        if value < floor:
-            raise StorageError(f"bad MySQL URL: {name} must be >= {floor}, got {raw}")
-        return value
 
     # -- describing without secrets -------------------------------------------------
     def describe(self) -> str:

@@ -3,7 +3,7 @@ fenced-out events listed, the counts of `stats`, purging one row."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..outcomes import FencedEvent, PurgeOutcome, PurgeResult, Stats
@@ -86,6 +86,12 @@ class OperatorStatements(StoreBase):
     def stats(self, now: int, stale_before: int, expired_before: int) -> Stats:
         counts = self._read(STATS, {"stale_before": stale_before, "expired_before": expired_before})[0]
         fenced = int(self._read(COUNT_FENCED)[0][0]) if self.has_fenced_log() else 0
+        return self._stats(now, counts, fenced, self.engine.storage_bytes(TABLES))
+
+    def _stats(self, now: int, counts: Sequence[Any], fenced: int, storage_bytes: int | None) -> Stats:
+        """The Stats of `counts` as STATS reads them (total, fresh, stale,
+        completed, expired, expired pending, taken over, then the oldest
+        pending, completed and any row's created_at), whatever store counted them."""
         total, fresh, stale, completed, expired, expired_pending, taken, oldest_p, oldest_c, oldest = counts
         return Stats(
             now=now,
@@ -100,7 +106,7 @@ class OperatorStatements(StoreBase):
             oldest_pending_at=None if oldest_p is None else int(oldest_p),
             oldest_completed_at=None if oldest_c is None else int(oldest_c),
             oldest_row_at=None if oldest is None else int(oldest),
-            storage_bytes=self.engine.storage_bytes(TABLES),
+            storage_bytes=storage_bytes,
             schema_version=self.schema_version() or 0,
         )
 

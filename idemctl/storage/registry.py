@@ -4,8 +4,8 @@ name lives under `idemctl/storage/`; the rest of the package (CLI,
 operations, ledger, adapters) asks this module, never a scheme string.
 
 An engine is described by one :class:`EngineKind` and added with
-:func:`register` (the three built-in kinds are registered at the end of this
-module: SQLite, PostgreSQL, MariaDB/MySQL). Its fields:
+:func:`register` (the built-in kinds are registered at the end of this
+module: SQLite, PostgreSQL, MariaDB/MySQL, Cloudflare D1, Redis). Its fields:
 
 - ``name``: the kind's name, equal to its engine's ``dialect.name``
   (``"sqlite"``, ``"postgres"``, ``"mysql"``); :func:`engine_kind` finds a
@@ -13,14 +13,23 @@ module: SQLite, PostgreSQL, MariaDB/MySQL). Its fields:
   ``dialect`` whose ``name`` is its kind's. Its modules under storage/ are
   named for it (the boundary test knows an engine's modules by that).
 - ``title``: how messages name it (``"PostgreSQL"``, ``"MariaDB/MySQL"``).
-- ``schemes``: its URL schemes, without ``://`` (``("postgresql", "postgres")``);
-  the first is the one messages show. Matched case-sensitively at the start
-  of a string location.
-- ``location``: how a message describes its locations (``"a mysql:// URL"``).
+- ``locations``: which locations are its own, a :class:`Locations`:
+
+  - ``schemes``: its URL schemes, without ``://`` (``("postgresql", "postgres")``);
+    the first is the one messages show. Matched case-sensitively at the start
+    of a string location.
+  - ``described``: how a message describes them (``"a mysql:// URL"``).
+  - ``recognises``: a predicate for locations that carry none of its schemes
+    (PostgreSQL: a libpq ``host=… dbname=…`` string); ``locate`` turns such a
+    location into what the engine class is given (that string's URL).
+  - ``fallback``: the kind of every location no other kind claims and that is
+    no URL (SQLite: a file path, ``":memory:"``, any ``os.PathLike``). One kind
+    at most; it is tried last.
+
 - ``engine``: ``"module:Class"`` of the engine, imported on first use. The
   class is called ``Class(location, readonly=..., busy_timeout_ms=...)``
   (and ``options=SqliteOptions`` when ``sqlite_options``); it connects to
-  nothing before its first statement when ``server`` is True.
+  nothing before its first statement when its ``server`` capability is True.
 - ``extra``: the ``pip install 'idemctl[extra]'`` that brings its driver, named
   in the error when importing ``engine`` fails; None when the driver ships
   with Python.
@@ -29,31 +38,24 @@ module: SQLite, PostgreSQL, MariaDB/MySQL). Its fields:
   A non-SQL engine brings a store class of its own with the same vocabulary
   (the Store's methods and operation builders, ``check_not_newer``,
   ``close``), called ``Class(engine)``.
-- ``recognises``: a predicate for locations that carry none of its schemes
-  (PostgreSQL: a libpq ``host=… dbname=…`` string); ``locate`` turns such a
-  location into what the engine class is given (that string's URL).
-- ``fallback``: the kind of every location no other kind claims and that is
-  no URL (SQLite: a file path, ``":memory:"``, any ``os.PathLike``). One kind
-  at most; it is tried last.
 - ``missing_database``: whether an error from opening may mean that the
   database the URL names is not there (default: a LedgerNotFoundError).
+- ``capabilities``: a :class:`Capabilities`, each a promise about the engine class:
 
-Capabilities, each a promise about the engine class:
-
-- ``server``: nothing connects at open (a URL); False: a file, whose schema
-  is checked at open (:func:`open_store` calls ``store.check_not_newer()``).
-- ``native_async``: the engine has ``open_async()``, an asynchronous engine
-  for :class:`~idemctl.storage.aio.AsyncStore` (else the asynchronous
-  path runs the synchronous one in worker threads).
-- ``creates_database``: the engine has ``create_database()`` returning a
-  :class:`~idemctl.storage.capabilities.DatabaseCreated` or raising
-  :class:`~idemctl.storage.capabilities.DatabaseNotCreatedError`.
-- ``replicates``: the engine has ``failover_facts()`` returning a value that
-  follows :class:`~idemctl.storage.failover.FailoverFacts`; a kind that
-  does not is described by :class:`~idemctl.storage.failover.SingleHost`.
-- ``readonly_reaches_writer``: a read-only opening reaches the server the
-  request path writes to (False for PostgreSQL, where a multi-host URL
-  opened read-only may land on a standby).
+  - ``server``: nothing connects at open (a URL); False: a file, whose schema
+    is checked at open (:func:`open_store` calls ``store.check_not_newer()``).
+  - ``native_async``: the engine has ``open_async()``, an asynchronous engine
+    for :class:`~idemctl.storage.aio.AsyncStore` (else the asynchronous
+    path runs the synchronous one in worker threads).
+  - ``creates_database``: the engine has ``create_database()`` returning a
+    :class:`~idemctl.storage.capabilities.DatabaseCreated` or raising
+    :class:`~idemctl.storage.capabilities.DatabaseNotCreatedError`.
+  - ``replicates``: the engine has ``failover_facts()`` returning a value that
+    follows :class:`~idemctl.storage.failover.FailoverFacts`; a kind that
+    does not is described by :class:`~idemctl.storage.failover.SingleHost`.
+  - ``readonly_reaches_writer``: a read-only opening reaches the server the
+    request path writes to (False for PostgreSQL, where a multi-host URL
+    opened read-only may land on a standby).
 
 The functions (all re-exported by :mod:`idemctl.storage`):
 
@@ -107,37 +109,61 @@ def _not_found(exc: BaseException) -> bool:
 
 
 @dataclass(frozen=True)
-class EngineKind:
-    """One engine idemctl can open (the module's docstring says what each
-    field promises).
+class Locations:
+    """Which ledger locations are an engine kind's, and how messages
+    describe them (the module's docstring says what each field promises).
 
-    >>> kind_named("mysql").schemes
-    ('mysql', 'mariadb')
+    >>> Locations(("mysql", "mariadb"), "a mysql:// URL").claims("mariadb://app@db/x")
+    True
     """
 
-    name: str
-    title: str
     schemes: tuple[str, ...]
-    location: str
-    engine: str
-    extra: str | None = None
-    store: str = "idemctl.storage.store:Store"
+    described: str
     recognises: Callable[[str], bool] | None = None
     locate: Callable[[str], str] | None = None
     fallback: bool = False
-    sqlite_options: bool = False
-    missing_database: Callable[[BaseException], bool] = _not_found
+
+    def claims(self, target: str) -> bool:
+        """Whether the string location `target` is one of these."""
+        if any(target.startswith(f"{scheme}://") for scheme in self.schemes):
+            return True
+        return self.recognises is not None and self.recognises(target)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine class promises beyond running statements (the
+    module's docstring says each); the defaults are a server that has none.
+
+    >>> Capabilities(replicates=True).server
+    True
+    """
+
     server: bool = True
     native_async: bool = False
     creates_database: bool = False
     replicates: bool = False
     readonly_reaches_writer: bool = True
 
-    def claims(self, target: str) -> bool:
-        """Whether the string location `target` is one of this kind's."""
-        if any(target.startswith(f"{scheme}://") for scheme in self.schemes):
-            return True
-        return self.recognises is not None and self.recognises(target)
+
+@dataclass(frozen=True)
+class EngineKind:
+    """One engine idemctl can open (the module's docstring says what each
+    field promises).
+
+    >>> kind_named("mysql").locations.schemes
+    ('mysql', 'mariadb')
+    """
+
+    name: str
+    title: str
+    locations: Locations
+    engine: str
+    extra: str | None = None
+    store: str = "idemctl.storage.store:Store"
+    sqlite_options: bool = False
+    missing_database: Callable[[BaseException], bool] = _not_found
+    capabilities: Capabilities = Capabilities()
 
     def engine_class(self) -> Callable[..., Engine]:
         """The engine class, imported now; a missing driver is a StorageError
@@ -169,10 +195,10 @@ def register(kind: EngineKind) -> EngineKind:
     >>> register(kind_named("sqlite")) is kind_named("sqlite")
     True
     """
-    if kind.fallback and any(k.fallback and k.name != kind.name for k in _KINDS.values()):
+    if kind.locations.fallback and any(k.locations.fallback and k.name != kind.name for k in _KINDS.values()):
         raise StorageError(f"engine kind {kind.name}: another kind is the fallback already")
-    taken = {s: k.name for k in _KINDS.values() if k.name != kind.name for s in k.schemes}
-    clashing = sorted(s for s in kind.schemes if s in taken)
+    taken = {s: k.name for k in _KINDS.values() if k.name != kind.name for s in k.locations.schemes}
+    clashing = sorted(s for s in kind.locations.schemes if s in taken)
     if clashing:
         raise StorageError(f"engine kind {kind.name}: scheme {clashing[0]}:// is {taken[clashing[0]]}'s already")
     _KINDS[kind.name] = kind
@@ -181,7 +207,7 @@ def register(kind: EngineKind) -> EngineKind:
 
 def kinds() -> tuple[EngineKind, ...]:
     """Every registered kind, in the order locations are tried."""
-    ordered = sorted(_KINDS.values(), key=lambda k: k.fallback)
+    ordered = sorted(_KINDS.values(), key=lambda k: k.locations.fallback)
     return tuple(ordered)
 
 
@@ -204,11 +230,11 @@ def engine_kind(engine: object) -> EngineKind:
 
 def _find(target: str | os.PathLike[str]) -> EngineKind | None:
     """The kind claiming `target`; None for a URL no kind knows."""
-    fallback = next((k for k in _KINDS.values() if k.fallback), None)
+    fallback = next((k for k in _KINDS.values() if k.locations.fallback), None)
     if not isinstance(target, str):
         return fallback
     for kind in kinds():
-        if not kind.fallback and kind.claims(target):
+        if not kind.locations.fallback and kind.locations.claims(target):
             return kind
     return None if "://" in target else fallback
 
@@ -217,14 +243,18 @@ def kind_of(target: str | os.PathLike[str]) -> EngineKind:
     """The kind of the ledger at `target`; a URL of no registered kind, or
     a target that is no location at all, is a StorageError."""
     if not isinstance(target, (str, os.PathLike)):
-        raise StorageError(f"a ledger is {_or_join([k.location for k in _described()])}, got {type(target).__name__}")
+        raise StorageError(
+            f"a ledger is {_or_join([k.locations.described for k in _described()])}, got {type(target).__name__}"
+        )
     kind = _find(target)
     if kind is None:
         assert isinstance(target, str)
         scheme = target.split("://", 1)[0]
-        shown = [k.location if k.fallback else f"{k.schemes[0]}://" for k in _described()]
+        shown = [
+            k.locations.described if k.locations.fallback else f"{k.locations.schemes[0]}://" for k in _described()
+        ]
         raise StorageError(f"unsupported ledger URL {scheme}://…: use {_plain_join(shown)}")
-    if kind.fallback and isinstance(target, str) and (typo := _mistyped_scheme(target)) is not None:
+    if kind.locations.fallback and isinstance(target, str) and (typo := _mistyped_scheme(target)) is not None:
         raise StorageError(typo)
     return kind
 
@@ -243,7 +273,7 @@ def _mistyped_scheme(target: str) -> str | None:
     head, colon, rest = target.partition(":")
     if not colon or rest.startswith("//"):
         return None
-    kind = next((k for k in kinds() if head.lower() in k.schemes), None)
+    kind = next((k for k in kinds() if head.lower() in k.locations.schemes), None)
     if kind is None:
         return None
     given = f"{head}:{'/' if rest.startswith('/') else ''}"
@@ -252,7 +282,7 @@ def _mistyped_scheme(target: str) -> str | None:
 
 def _described() -> list[EngineKind]:
     """The kinds in the order messages list them: the fallback (a file) first."""
-    return sorted(_KINDS.values(), key=lambda k: not k.fallback)
+    return sorted(_KINDS.values(), key=lambda k: not k.locations.fallback)
 
 
 def _or_join(words: list[str]) -> str:
@@ -270,7 +300,7 @@ def accepted_urls() -> str:
     >>> accepted_urls()
     'a postgresql://, a mysql://, a d1:// or a redis:// URL'
     """
-    shown = [f"a {k.schemes[0]}://" for k in kinds() if k.server and k.schemes]
+    shown = [f"a {k.locations.schemes[0]}://" for k in kinds() if k.capabilities.server and k.locations.schemes]
     return f"{_plain_join(shown)} URL" if shown else "no URL"
 
 
@@ -285,7 +315,7 @@ def is_file_location(target: str | os.PathLike[str]) -> bool:
     if isinstance(target, str) and "://" in target:
         return False
     kind = _find(target) if isinstance(target, (str, os.PathLike)) else None
-    return kind is not None and kind.fallback
+    return kind is not None and kind.locations.fallback
 
 
 def open_engine(
@@ -304,9 +334,10 @@ def open_engine(
     kind = kind_of(target)
     build = kind.engine_class()
     location: str | os.PathLike[str] = target
-    if kind.locate is not None and isinstance(target, str):
-        location = kind.locate(target)
-    elif kind.server:
+    locate = kind.locations.locate
+    if locate is not None and isinstance(target, str):
+        location = locate(target)
+    elif kind.capabilities.server:
         location = str(target)
     if kind.sqlite_options:
         return build(location, readonly=readonly, busy_timeout_ms=busy_timeout_ms, options=sqlite)
@@ -331,7 +362,7 @@ def open_store(
     engine = open_engine(target, readonly=readonly, busy_timeout_ms=busy_timeout_ms, sqlite=sqlite)
     try:
         store: Store = _imported(kind.store)(engine)
-        if not kind.server:
+        if not kind.capabilities.server:
             store.check_not_newer()
     except BaseException:
         engine.close()
@@ -351,7 +382,7 @@ def create_database(target: str, *, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_
     True
     """
     kind = kind_of(target)
-    if not kind.creates_database:
+    if not kind.capabilities.creates_database:
         return None
     engine = open_engine(target, busy_timeout_ms=busy_timeout_ms)
     try:
@@ -383,9 +414,9 @@ def failover_facts(engine: object) -> FailoverFacts:
     'SQLite'
     """
     kind = engine_kind(engine)
-    if kind.replicates:
+    if kind.capabilities.replicates:
         return cast(ReadsFailoverFacts, engine).failover_facts()
-    return SingleHost(kind.title, file=not kind.server)
+    return SingleHost(kind.title, file=not kind.capabilities.server)
 
 
 def async_opener(engine: object) -> Callable[[], Any] | None:
@@ -395,7 +426,7 @@ def async_opener(engine: object) -> Callable[[], Any] | None:
     >>> async_opener(open_engine(":memory:")) is None
     True
     """
-    if not engine_kind(engine).native_async:
+    if not engine_kind(engine).capabilities.native_async:
         return None
     return cast(OpensAsync, engine).open_async
 
@@ -408,7 +439,7 @@ def reads_where_it_writes(target: str | os.PathLike[str]) -> bool:
     >>> reads_where_it_writes("ledger.db"), reads_where_it_writes("postgresql://db1,db2/payments")
     (True, False)
     """
-    return kind_of(target).readonly_reaches_writer
+    return kind_of(target).capabilities.readonly_reaches_writer
 
 
 # -- the built-in kinds ------------------------------------------------------------------
@@ -434,54 +465,50 @@ SQLITE_KIND = register(
     EngineKind(
         name="sqlite",
         title="SQLite",
-        schemes=(),
-        location="a file path",
+        locations=Locations((), "a file path", fallback=True),
         engine="idemctl.storage.sqlite:SqliteEngine",
-        fallback=True,
         sqlite_options=True,
-        server=False,
+        capabilities=Capabilities(server=False),
     )
 )
 POSTGRES_KIND = register(
     EngineKind(
         name="postgres",
         title="PostgreSQL",
-        schemes=("postgresql", "postgres"),
-        location="a postgresql:// URL or connection string",
+        locations=Locations(
+            ("postgresql", "postgres"),
+            "a postgresql:// URL or connection string",
+            recognises=_is_keyword_dsn,
+            locate=_dsn_as_url,
+        ),
         engine="idemctl.storage.postgres:PostgresEngine",
         extra="postgres",
-        recognises=_is_keyword_dsn,
-        locate=_dsn_as_url,
-        native_async=True,
-        creates_database=True,
-        replicates=True,
-        readonly_reaches_writer=False,
+        capabilities=Capabilities(
+            native_async=True, creates_database=True, replicates=True, readonly_reaches_writer=False
+        ),
     )
 )
 MYSQL_KIND = register(
     EngineKind(
         name="mysql",
         title="MariaDB/MySQL",
-        schemes=("mysql", "mariadb"),
-        location="a mysql:// URL",
+        locations=Locations(("mysql", "mariadb"), "a mysql:// URL"),
         engine="idemctl.storage.mysql:MysqlEngine",
         extra="mysql",
         missing_database=_mysql_database_missing,
-        creates_database=True,
-        replicates=True,
+        capabilities=Capabilities(creates_database=True, replicates=True),
     )
 )
 D1_KIND = register(
     EngineKind(
         name="d1",
         title="Cloudflare D1",
-        schemes=("d1",),
-        location="a d1://ACCOUNT_ID/DATABASE_ID URL",
+        locations=Locations(("d1",), "a d1://ACCOUNT_ID/DATABASE_ID URL"),
         engine="idemctl.storage.d1:D1Engine",
         extra="d1",
         # Its facts for doctor are the token's reach, a call's latency and
         # the schema: Cloudflare runs the replication (docs/d1.md).
-        replicates=True,
+        capabilities=Capabilities(replicates=True),
     )
 )
 # Redis (and Valkey, wire-compatible): a store of its own, whose steps are
@@ -490,12 +517,10 @@ REDIS_KIND = register(
     EngineKind(
         name="redis",
         title="Redis",
-        schemes=("redis", "rediss", "redis+sentinel", "rediss+sentinel"),
-        location="a redis:// URL",
+        locations=Locations(("redis", "rediss", "redis+sentinel", "rediss+sentinel"), "a redis:// URL"),
         engine="idemctl.storage.redis.engine:RedisEngine",
         extra="redis",
         store="idemctl.storage.redis.store:RedisStore",
-        native_async=True,
-        replicates=True,
+        capabilities=Capabilities(native_async=True, replicates=True),
     )
 )

@@ -135,7 +135,7 @@ def decode_row(dialect: Dialect, values: tuple[Any, ...]) -> StoredRow:
     """
     principal, key, fp, status, generation, rstatus, rbody, rheaders, created, updated = values
     if type(rbody) is bytes:
-        rbody = dialect.read_body(rbody)  # PostgreSQL: text again when it is UTF-8
+        rbody = dialect.body.read(rbody)  # PostgreSQL: text again when it is UTF-8
     state = _STATUS.get(status) if type(status) is str else None
     # Every replay decodes a row: the common case is checked in one
     # expression, the detailed checks (and their messages) only run when it fails.
@@ -169,7 +169,7 @@ def _decode_row_checked(dialect: Dialect, values: tuple[Any, ...]) -> StoredRow:
         raise MalformedRowError(principal, key, f"fingerprint {fp!r} is not text")
     if rheaders is not None and not isinstance(rheaders, str):
         raise MalformedRowError(principal, key, f"response_headers {rheaders!r} is not text")
-    body = dialect.read_body(rbody)
+    body = dialect.body.read(rbody)
     if body is not None and not isinstance(body, (str, bytes)):
         raise MalformedRowError(principal, key, f"response_body {rbody!r} is neither text nor bytes")
     return StoredRow(

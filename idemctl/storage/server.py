@@ -1,11 +1,13 @@
 """What the engines of a database server (PostgreSQL, MariaDB/MySQL) share:
-the busy timeout's check, the URL's password kept out of every message,
+the busy timeout's check, the numbers a URL's options carry, the URL's
+password kept out of every message,
 what a missing table means, and the words of the errors both translate
 their drivers' errors into, so an operator reads the same line on either."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
 
 from ..errors import (
     ConnectionFailedError,
@@ -15,6 +17,9 @@ from ..errors import (
     SchemaOutdatedError,
     StorageError,
 )
+
+N = TypeVar("N", int, float)
+D = TypeVar("D")
 
 
 def checked_busy_timeout(busy_timeout_ms: int) -> int:
@@ -26,6 +31,31 @@ def checked_busy_timeout(busy_timeout_ms: int) -> int:
     value = int(busy_timeout_ms)
     if value < 0:
         raise StorageError(f"busy timeout must be >= 0 ms, got {busy_timeout_ms}")
+    return value
+
+
+def number_option(
+    options: Mapping[str, str], name: str, default: D, kind: Callable[[str], N], floor: N, bad_url: str
+) -> N | D:
+    """The URL option `name` as a number of `kind` no smaller than `floor`,
+    `default` when the URL does not give it; a malformed one is a
+    StorageError that begins with `bad_url` (how the engine names its URL
+    in messages, never with its password).
+
+    >>> number_option({"pool_max_size": "4"}, "pool_max_size", 10, int, 1, "bad MySQL URL")
+    4
+    >>> number_option({}, "pool_timeout", None, float, 0.001, "bad MySQL URL") is None
+    True
+    """
+    raw = options.get(name)
+    if raw is None:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise StorageError(f"{bad_url}: {name}={raw!r} is not a number") from None
+    if value < floor:
+        raise StorageError(f"{bad_url}: {name} must be >= {floor}, got {raw}")
     return value
 
 

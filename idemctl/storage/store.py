@@ -46,6 +46,11 @@ R = TypeVar("R")
 S = TypeVar("S", bound=StoreBase)
 P = ParamSpec("P")
 
+#: A reservation's row as a statement finds it: principal, key, generation, token.
+Held = tuple[str, str, int, int | None]
+#: An answer as it is stored: status, body, headers as JSON.
+Answer = tuple[int, str | bytes | None, str]
+
 
 def runs(build: Callable[Concatenate[S, P], Statement[R]]) -> Callable[Concatenate[S, P], R]:
     """A thin synchronous method over a `*_statement` builder, for the CLI,
@@ -173,17 +178,7 @@ class Store(CopyStatements, OperatorStatements):
         headers_json: str,
         now: int,
     ) -> Statement[bool]:
-        params = {
-            "principal": principal,
-            "key": key,
-            "generation": generation,
-            "token": token,
-            "status": status,
-            "body": self.dialect.bind_body(body),
-            "headers": headers_json,
-            "now": now,
-        }
-        return Statement(self, self.sql(COMPLETE), params, any_row, True)
+        return self.answer_statement(COMPLETE, (principal, key, generation, token), (status, body, headers_json), now)
 
     complete = runs(complete_statement)
 
@@ -201,19 +196,36 @@ class Store(CopyStatements, OperatorStatements):
         generation and token (COMPLETED_AS): a completion whose connection
         was lost committed after all. Read only after COMPLETE found the row
         no longer pending under them."""
+        return self.answer_statement(COMPLETED_AS, (principal, key, generation, token), (status, body, headers_json))
+
+    completed_as = runs(completed_as_statement)
+
+    def answer_statement(self, text: str, held: Held, answer: Answer, now: int = 0) -> Statement[bool]:
+        """COMPLETE (at `now`) or COMPLETED_AS of `answer` for the row `held`
+        under its generation and token: the one place a store spells an
+        answer's statement (a store of another kind overrides this alone).
+
+        >>> from idemctl.storage import open_engine
+        >>> store = Store(open_engine(":memory:"))
+        >>> sorted(store.answer_statement(COMPLETED_AS, ("acct", "k", 1, 7), (201, None, "{}")).params)
+        ['body', 'generation', 'headers', 'key', 'no_body', 'principal', 'status', 'token']
+        """
+        principal, key, generation, token = held
+        status, body, headers_json = answer
         params = {
             "principal": principal,
             "key": key,
             "generation": generation,
             "token": token,
             "status": status,
-            "body": self.dialect.bind_body(body),
-            "no_body": 1 if body is None else 0,
+            "body": self.dialect.body.bind(body),
             "headers": headers_json,
         }
-        return Statement(self, self.sql(COMPLETED_AS), params, any_row, False)
-
-    completed_as = runs(completed_as_statement)
+        if text == COMPLETED_AS:
+            params["no_body"] = 1 if body is None else 0
+            return Statement(self, self.sql(COMPLETED_AS), params, any_row, False)
+        params["now"] = now
+        return Statement(self, self.sql(COMPLETE), params, any_row, True)
 
     def release_statement(self, principal: str, key: str, generation: int, token: int | None) -> Statement[bool]:
         params = {"principal": principal, "key": key, "generation": generation, "token": token}
@@ -228,7 +240,7 @@ class Store(CopyStatements, OperatorStatements):
         params = {"principal": principal, "key": key, "generation": generation, "status": computed_status, "now": now}
         return Statement(self, self.sql(RECORD_FENCED), params, fenced_event, True)
 
-    def renew(self, held: Sequence[tuple[str, str, int, int | None]], now: int) -> int:
+    def renew(self, held: Sequence[Held], now: int) -> int:
         """Move `updated_at` to `now` for every (principal, key, generation,
         token) still pending as held; how many rows were renewed (on
         MariaDB/MySQL, rows whose `updated_at` changed). Every row is reached
@@ -250,9 +262,7 @@ class Store(CopyStatements, OperatorStatements):
             raise failed  # the next tick renews them all again
         return sum(len(rows) for rows in outcomes)
 
-    def renew_statements(
-        self, held: Sequence[tuple[str, str, int, int | None]], now: int
-    ) -> list[tuple[str, dict[str, Any]]]:
+    def renew_statements(self, held: Sequence[Held], now: int) -> list[tuple[str, dict[str, Any]]]:
         """The statements `renew` runs for `held`, as this engine spells
         them (what EXPLAIN should be asked about).
 
@@ -363,11 +373,11 @@ class Store(CopyStatements, OperatorStatements):
         fenced-out log's when `fenced_cutoff` is given, in one turn; it
         remembers where the rows' batch ended."""
         batch = {"after": after, "cutoff": cutoff, "limit": limit}
-        statements: list[tuple[str, Mapping[str, Any]]] = [(self.sql(self.dialect.sweep_keys), batch)]
+        statements: list[tuple[str, Mapping[str, Any]]] = [(self.sql(self.dialect.sweep.statement), batch)]
         if fenced_cutoff is not None:
             statements.append(self._fenced_batch(fenced_cutoff, limit))
         results = yield Turn(self, statements)
-        keys, newest = self.dialect.sweep_tally(results[0])
+        keys, newest = self.dialect.sweep.tally(results[0])
         if newest is not None:
             self._sweep_from = newest
         self._draining = keys >= limit

@@ -125,6 +125,34 @@ StoreSteps = Generator[StoreOp, Any, R]
 SweepSteps = StoreSteps[SweepResult]
 
 
+class Done:
+    """What steps returned, once they returned (StopIteration made a value)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def next_op(steps: StoreSteps[Any], value: Any = None, error: Exception | None = None) -> StoreOp | Done:
+    """The steps' next operation, sent `value`, the last one's result, or
+    with `error`, the last one's, raised inside them where it happened;
+    Done, with their result, once they return. What both stores' step
+    drivers (`Store.run_steps`, `AsyncStore.run_steps`) advance by."""
+    try:
+        return steps.throw(error) if error is not None else steps.send(value)
+    except StopIteration as done:
+        return Done(done.value)
+
+
+def ran(op: StoreOp) -> tuple[Any, Exception | None]:
+    """`op` run on the store that built it: its result, or the error it raised."""
+    try:
+        return op.store.run(op), None
+    except Exception as exc:
+        return None, exc
+
+
 def reads_version(tables: Collection[str]) -> bool:
     """Whether a ledger with these tables has a schema version to read (VERSION)."""
     return LEDGER_TABLE in tables and VERSION_TABLE in tables
@@ -195,7 +223,7 @@ class StoreBase:
 
     @property
     def drain_batch(self) -> int:
-        return self.dialect.drain_batch
+        return self.dialect.sweep.drain_batch
 
     @overload
     def run(self, op: Statement[R]) -> R: ...
@@ -220,17 +248,10 @@ class StoreBase:
         """A multi-statement operation's steps, each run here in turn (the
         synchronous twin of `AsyncStore.run_steps`). An operation's error is
         raised inside the steps, where it happened."""
-        try:
-            op = steps.send(None)
-            while True:
-                try:
-                    value = op.store.run(op)
-                except Exception as exc:
-                    op = steps.throw(exc)
-                else:
-                    op = steps.send(value)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+        op = next_op(steps)
+        while not isinstance(op, Done):
+            op = next_op(steps, *ran(op))
+        return op.value  # type: ignore[no-any-return]
 
     def database_now_statement(self) -> Statement[int]:
         return Statement(self, self.sql(self.dialect.now_sql), {}, database_ms, False)

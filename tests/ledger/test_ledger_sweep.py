@@ -11,7 +11,7 @@ from idemctl.storage.dialect import SQLITE
 from idemctl.storage.statements import OLDEST, OLDEST_WITH_FENCED, SWEEP_FENCED
 from idemctl.storage.store import Statement
 
-SQL_SWEEP, SQL_SWEEP_FENCED = SQLITE.sweep_keys, SWEEP_FENCED
+SQL_SWEEP, SQL_SWEEP_FENCED = SQLITE.sweep.statement, SWEEP_FENCED
 
 DAY = 86_400_000
 

@@ -25,7 +25,7 @@ DRIVERS = frozenset({"psycopg", "psycopg_pool", "pymysql", "sqlite3", "redis", "
 ENGINE_WORDS = frozenset(
     {"sqlite", "sqlite3", "postgres", "postgresql", "mysql", "mariadb", "redis", "rediss", "d1", "cloudflare"}
     | {kind.name for kind in kinds()}
-    | {scheme for kind in kinds() for scheme in kind.schemes}
+    | {scheme for kind in kinds() for scheme in kind.locations.schemes}
 )
 # String methods that, given a scheme or "://", read a location's scheme.
 SCHEME_READERS = frozenset(
@@ -239,7 +239,7 @@ def test_the_boundary_check_lets_through_what_asks_the_registry():
     source = (
         "from .. import storage\n"
         "from ..storage import SqliteOptions, kind_of, is_file_location\n"
-        "creates = kind_of(target).creates_database\n"
+        "creates = kind_of(target).capabilities.creates_database\n"
         "message = f'use a file path, a postgresql:// URL or {x}'\n"
         "ok = is_file_location(target) and target.startswith('/srv')\n"
         "word = command == 'init'\n"

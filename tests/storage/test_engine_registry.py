@@ -18,7 +18,9 @@ from idemctl.cli import app
 from idemctl.errors import LedgerNotFoundError, StorageError
 from idemctl.operations.replication import check_failover
 from idemctl.storage import (
+    Capabilities,
     EngineKind,
+    Locations,
     Store,
     accepted_urls,
     create_database,
@@ -73,16 +75,15 @@ def test_a_path_object_is_a_file(tmp_path: Path):
 
 
 def test_the_built_in_kinds_their_order_and_capabilities():
-    assert [(k.name, k.title, k.schemes) for k in kinds()] == [
+    assert [(k.name, k.title, k.locations.schemes) for k in kinds()] == [
         ("postgres", "PostgreSQL", ("postgresql", "postgres")),
         ("mysql", "MariaDB/MySQL", ("mysql", "mariadb")),
         ("d1", "Cloudflare D1", ("d1",)),
         ("redis", "Redis", ("redis", "rediss", "redis+sentinel", "rediss+sentinel")),
         ("sqlite", "SQLite", ()),
     ]
-    capabilities = {
-        k.name: (k.server, k.native_async, k.creates_database, k.replicates, k.readonly_reaches_writer) for k in kinds()
-    }
+    capabilities = {k.name: dataclasses.astuple(k.capabilities) for k in kinds()}
+    # server, native_async, creates_database, replicates, readonly_reaches_writer
     assert capabilities == {
         "postgres": (True, True, True, True, False),
         "mysql": (True, False, True, True, True),
@@ -96,7 +97,7 @@ def _promises(kind: EngineKind) -> tuple[dict[str, bool], dict[str, bool]]:
     """What the kind's engine class has, and what the kind promises it has."""
     engine_class = kind.engine_class()
     has = {capability: hasattr(engine_class, method) for capability, method in CAPABILITY_METHODS.items()}
-    return has, {capability: getattr(kind, capability) for capability in CAPABILITY_METHODS}
+    return has, {capability: getattr(kind.capabilities, capability) for capability in CAPABILITY_METHODS}
 
 
 @pytest.mark.parametrize("kind", kinds(), ids=lambda k: k.name)
@@ -110,7 +111,8 @@ def test_each_kind_s_engine_class_has_what_its_capabilities_promise(kind: Engine
 
 
 def test_the_promise_check_finds_a_kind_that_promises_too_much():
-    lying = dataclasses.replace(kinds()[-1], replicates=True)  # SQLite has no failover facts
+    sqlite = kinds()[-1]  # SQLite has no failover facts
+    lying = dataclasses.replace(sqlite, capabilities=dataclasses.replace(sqlite.capabilities, replicates=True))
     has, promised = _promises(lying)
     assert {k for k in has if has[k] != promised[k]} == {"replicates"}
 
@@ -156,17 +158,21 @@ def test_a_file_kind_creates_no_database(tmp_path: Path):
 
 
 def test_a_second_fallback_or_a_taken_scheme_is_refused(scratch_registry: None):
-    other_file = EngineKind("lmdb", "LMDB", (), "an LMDB path", "x:Y", fallback=True, server=False)
+    other_file = EngineKind(
+        "lmdb", "LMDB", Locations((), "an LMDB path", fallback=True), "x:Y", capabilities=Capabilities(server=False)
+    )
     with pytest.raises(StorageError, match=r"^engine kind lmdb: another kind is the fallback already$"):
         register(other_file)
-    clash = EngineKind("pg2", "PG2", ("pg2", "postgres"), "a pg2:// URL", "x:Y")
+    clash = EngineKind("pg2", "PG2", Locations(("pg2", "postgres"), "a pg2:// URL"), "x:Y")
     with pytest.raises(StorageError, match=r"^engine kind pg2: scheme postgres:// is postgres's already$"):
         register(clash)
     assert [k.name for k in kinds()] == ["postgres", "mysql", "d1", "redis", "sqlite"]
 
 
 def test_a_missing_driver_names_the_extra_that_brings_it(scratch_registry: None):
-    register(EngineKind("nodb", "NoDB", ("nodb",), "a nodb:// URL", "idemctl_no_such_driver:Engine", extra="nodb"))
+    register(
+        EngineKind("nodb", "NoDB", Locations(("nodb",), "a nodb:// URL"), "idemctl_no_such_driver:Engine", extra="nodb")
+    )
     with pytest.raises(StorageError) as caught:
         open_engine("nodb://host/x")
     assert str(caught.value) == (
@@ -216,13 +222,11 @@ def diskfile(scratch_registry: None) -> EngineKind:
         EngineKind(
             "diskfile",
             "DiskFile",
-            ("diskfile",),
-            "a diskfile:// path",
+            Locations(("diskfile",), "a diskfile:// path", locate=_path),
             f"{__name__}:DiskFileEngine",
             store=f"{__name__}:CountingStore",
-            locate=_path,
             sqlite_options=True,
-            server=False,
+            capabilities=Capabilities(server=False),
         )
     )
 
@@ -274,10 +278,8 @@ def test_a_server_kind_without_replication_facts_says_it_cannot_read_them(scratc
         EngineKind(
             "diskfile",
             "RemoteThing",
-            ("remote",),
-            "a remote:// URL",
+            Locations(("remote",), "a remote:// URL", locate=_path),
             f"{__name__}:DiskFileEngine",
-            locate=_path,
             sqlite_options=True,
         )
     )

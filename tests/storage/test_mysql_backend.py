@@ -109,7 +109,7 @@ def test_a_sweep_batch_holding_its_locks_takes_no_gap_lock_that_a_new_claim_wait
         # One of the engine's own pooled connections, with its session settings.
         tx.execute("BEGIN", {})
         batch = {"after": -(2**62), "cutoff": clock() - 60_000, "limit": 100}
-        assert len(tx.execute(MYSQL.params(MYSQL.sweep_keys), batch)) == 5  # one row per row deleted
+        assert len(tx.execute(MYSQL.params(MYSQL.sweep.statement), batch)) == 5  # one row per row deleted
         assert claimer.claim("acct", "new", "fp") is not None
         tx.execute("ROLLBACK", {})
 

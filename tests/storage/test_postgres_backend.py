@@ -25,7 +25,7 @@ from tests.helpers import handled_in_a_forked_child  # noqa: E402
 # Only this engine's half: these checks mean nothing on the others.
 pytestmark = pytest.mark.engines("postgres")
 
-SQL_SWEEP = POSTGRES.params(POSTGRES.sweep_keys)
+SQL_SWEEP = POSTGRES.params(POSTGRES.sweep.statement)
 
 
 @pytest.fixture

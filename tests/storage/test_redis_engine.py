@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from idemctl import Ledger, Outcome, Policy, Status
-from idemctl.errors import ConnectionFailedError, ReadOnlyDatabaseError, SchemaMissingError
+from idemctl.errors import ConnectionFailedError, ReadOnlyDatabaseError, SchemaMissingError, StorageError
 from idemctl.storage.redis.errors import RedisOutOfMemoryError
 from idemctl.storage.redis.keys import BUCKETS, Layout
 from idemctl.storage.redis.url import parse
@@ -194,6 +194,19 @@ def test_urls_as_redis_py_reads_them_with_idemctls_options_taken_out():
         "spw",
     )
     assert "pw" not in sentinel.shown.replace("redis+sentinel", "") and "spw" not in sentinel.shown
+
+
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("wait_replicas=two", "wait_replicas='two' is not a number"),
+        ("wait_timeout_ms=-5", "wait_timeout_ms must be >= 0, got -5"),
+    ],
+)
+def test_a_malformed_number_option_is_refused_naming_the_url_without_its_password(query: str, message: str):
+    with pytest.raises(StorageError) as refused:
+        parse(f"redis://:s3cret@cache:6379/0?{query}")
+    assert str(refused.value) == f"redis://:***@cache:6379/0?{query}: {message}"
 
 
 def test_a_password_never_shows_in_describe_repr_or_the_error_of_an_unreachable_redis():

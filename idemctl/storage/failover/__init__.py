@@ -1,6 +1,6 @@
 """What `idemctl doctor` reads of an engine's replication, and what it means.
 
-An engine whose kind replicates (`EngineKind.replicates`) has a
+An engine whose kind replicates (`Capabilities.replicates`) has a
 ``failover_facts()`` method that reads, through the ledger's own session,
 what decides whether a completion it acknowledged survives a failover, and
 returns a value of its own type that follows :class:`FailoverFacts`: its

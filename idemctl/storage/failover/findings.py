@@ -24,3 +24,28 @@ class Finding:
 
     severity: Severity
     message: str
+
+
+class Findings(list[Finding]):
+    """An assessment's findings in the making, in the order `doctor` shows them.
+
+    >>> found = Findings()
+    >>> found.note("no replica is connected"); found.ok_first("one server"); found.warned
+    False
+    >>> [f.severity.value for f in found]
+    ['ok', 'note']
+    """
+
+    def warning(self, message: str) -> None:
+        self.append(Finding(Severity.WARNING, message))
+
+    def note(self, message: str) -> None:
+        self.append(Finding(Severity.NOTE, message))
+
+    def ok_first(self, message: str) -> None:
+        """The verdict that the setup keeps the promise, shown above the notes."""
+        self.insert(0, Finding(Severity.OK, message))
+
+    @property
+    def warned(self) -> bool:
+        return any(f.severity is Severity.WARNING for f in self)

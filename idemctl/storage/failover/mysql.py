@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .findings import Finding, Severity
+from .findings import Finding, Findings, Severity
 
 
 @dataclass(frozen=True)
@@ -98,172 +98,125 @@ def _assess_galera(facts: MysqlFacts) -> tuple[Finding, ...]:
                 "point the URL at a node of the Primary component",
             ),
         )
-    findings: list[Finding] = []
+    findings = Findings()
     if state != "Synced":
-        findings.append(
-            Finding(
-                Severity.WARNING,
-                f"Galera: this node is {state or 'in an unknown state'}, not Synced: it is behind the cluster "
-                "(causal reads wait for it, statements may be refused); point the URL at a Synced node",
-            )
+        findings.warning(
+            f"Galera: this node is {state or 'in an unknown state'}, not Synced: it is behind the cluster "
+            "(causal reads wait for it, statements may be refused); point the URL at a Synced node"
         )
     if size < 2:
-        findings.append(
-            Finding(
-                Severity.WARNING,
-                f"Galera: a cluster of {size or 'unknown'} node(s): no other node holds the completions this "
-                "one acknowledges, so losing its host loses them; run three nodes",
-            )
+        findings.warning(
+            f"Galera: a cluster of {size or 'unknown'} node(s): no other node holds the completions this "
+            "one acknowledges, so losing its host loses them; run three nodes"
         )
     elif size == 2:
-        findings.append(
-            Finding(
-                Severity.NOTE,
-                "Galera: a cluster of 2 nodes: losing either one leaves the other without a majority, and it "
-                "refuses every statement (503) until an operator bootstraps it; three nodes (or two and a garbd "
-                "arbitrator) keep a majority through one failure",
-            )
+        findings.note(
+            "Galera: a cluster of 2 nodes: losing either one leaves the other without a majority, and it "
+            "refuses every statement (503) until an operator bootstraps it; three nodes (or two and a garbd "
+            "arbitrator) keep a majority through one failure"
         )
     if not wait & 1:
-        findings.append(
-            Finding(
-                Severity.WARNING,
-                f"Galera: wsrep_sync_wait is {wait} for the ledger's session, so its reads are not causal: a "
-                "retry sent to another node right after the completion can read the claim it replaced and "
-                "answer 409 in progress; leave wsrep_sync_wait out of the URL (idemctl sets 3) or include 1",
-            )
+        findings.warning(
+            f"Galera: wsrep_sync_wait is {wait} for the ledger's session, so its reads are not causal: a "
+            "retry sent to another node right after the completion can read the claim it replaced and "
+            "answer 409 in progress; leave wsrep_sync_wait out of the URL (idemctl sets 3) or include 1"
         )
     elif not wait & 2:
-        findings.append(
-            Finding(
-                Severity.NOTE,
-                f"Galera: wsrep_sync_wait is {wait} for the ledger's session: reads are causal, but a completion "
-                "or takeover sent to another node than its claim (a load balancer that spreads one app's "
-                "connections over the nodes) may not find the claim yet; include 2 (idemctl's default is 3)",
-            )
+        findings.note(
+            f"Galera: wsrep_sync_wait is {wait} for the ledger's session: reads are causal, but a completion "
+            "or takeover sent to another node than its claim (a load balancer that spreads one app's "
+            "connections over the nodes) may not find the claim yet; include 2 (idemctl's default is 3)"
         )
-    flush = facts.number("innodb_flush_log_at_trx_commit")
-    if flush is not None and flush != 1:
-        findings.append(
-            Finding(
-                Severity.NOTE,
-                f"innodb_flush_log_at_trx_commit is {flush}: a completion survives as long as one node holds "
-                "it, but a crash of every node at once can lose the last second of them",
-            )
-        )
-    if not any(f.severity is Severity.WARNING for f in findings):
+    _check_flush(facts, findings)
+    if not findings.warned:
         name = facts.get("wsrep_cluster_name")
-        findings.insert(
-            0,
-            Finding(
-                Severity.OK,
-                f"Galera cluster{f' {name!r}' if name else ''} of {size} nodes, this node Synced in the Primary "
-                f"component, wsrep_sync_wait={wait} for the ledger's session: every node certifies a completion "
-                "before it is acknowledged, and the ledger's reads wait for the cluster's earlier commits",
-            ),
+        findings.ok_first(
+            f"Galera cluster{f' {name!r}' if name else ''} of {size} nodes, this node Synced in the Primary "
+            f"component, wsrep_sync_wait={wait} for the ledger's session: every node certifies a completion "
+            "before it is acknowledged, and the ledger's reads wait for the cluster's earlier commits"
         )
     return tuple(findings)
 
 
+def _check_flush(facts: MysqlFacts, findings: Findings) -> None:
+    """innodb_flush_log_at_trx_commit other than 1: a commit acknowledged
+    before it is on disk. On a Galera node another node holds it; on a
+    single server it is lost with the host."""
+    flush = facts.number("innodb_flush_log_at_trx_commit")
+    if flush is None or flush == 1:
+        return
+    if facts.galera:
+        findings.note(
+            f"innodb_flush_log_at_trx_commit is {flush}: a completion survives as long as one node holds "
+            "it, but a crash of every node at once can lose the last second of them"
+        )
+    else:
+        findings.warning(
+            f"innodb_flush_log_at_trx_commit is {flush}: a crash of this server's host can lose the last "
+            "second of acknowledged completions, and their retries run the mutation again; set it to 1"
+        )
+
+
 def _assess_single(facts: MysqlFacts) -> tuple[Finding, ...]:
-    findings: list[Finding] = []
+    findings = Findings()
     if (facts.number("slaves_running") or 0) > 0:
-        findings.append(
-            Finding(
-                Severity.WARNING,
-                "this server is a replica (its replication threads are running): the ledger must live on the "
-                "primary, where every client's claims meet; point the URL at the primary",
-            )
+        findings.warning(
+            "this server is a replica (its replication threads are running): the ledger must live on the "
+            "primary, where every client's claims meet; point the URL at the primary"
         )
     if facts.on("read_only"):
-        findings.append(
-            Finding(
-                Severity.WARNING,
-                "read_only is ON: this server refuses the ledger's writes, so every request that needs the ledger "
-                "is refused with 503; point the URL at the primary",
-            )
+        findings.warning(
+            "read_only is ON: this server refuses the ledger's writes, so every request that needs the ledger "
+            "is refused with 503; point the URL at the primary"
         )
     binlog = facts.on("log_bin")
     if binlog and facts.get("binlog_format").upper() == "STATEMENT":
-        findings.append(
-            Finding(
-                Severity.WARNING,
-                "binlog_format is STATEMENT: the server refuses writes under READ COMMITTED, which the ledger's "
-                "sessions use, so every claim fails; set it to ROW or MIXED",
-            )
+        findings.warning(
+            "binlog_format is STATEMENT: the server refuses writes under READ COMMITTED, which the ledger's "
+            "sessions use, so every claim fails; set it to ROW or MIXED"
         )
-    flush = facts.number("innodb_flush_log_at_trx_commit")
-    if flush is not None and flush != 1:
-        findings.append(
-            Finding(
-                Severity.WARNING,
-                f"innodb_flush_log_at_trx_commit is {flush}: a crash of this server's host can lose the last "
-                "second of acknowledged completions, and their retries run the mutation again; set it to 1",
-            )
-        )
+    _check_flush(facts, findings)
     replicas = facts.number("slaves_connected")
     semi_sync = facts.on("rpl_semi_sync_master_enabled")
     if not binlog:
-        findings.append(
-            Finding(
-                Severity.NOTE,
-                "the binary log is off, so no replica can follow this server: the ledger lives on this one "
-                "server and its backups; for a failover without lost completions, run Galera or replicas fed "
-                "semi-synchronously",
-            )
+        findings.note(
+            "the binary log is off, so no replica can follow this server: the ledger lives on this one "
+            "server and its backups; for a failover without lost completions, run Galera or replicas fed "
+            "semi-synchronously"
         )
     elif not replicas:
-        findings.append(
-            Finding(
-                Severity.NOTE,
-                "no replica is connected to this server: a failover to a replica added later, or restored from a "
-                "backup, can miss completions acknowledged here; with replicas, enable semi-synchronous "
-                "replication (rpl_semi_sync_master_enabled=ON, rpl_semi_sync_master_wait_point=AFTER_SYNC)",
-            )
+        findings.note(
+            "no replica is connected to this server: a failover to a replica added later, or restored from a "
+            "backup, can miss completions acknowledged here; with replicas, enable semi-synchronous "
+            "replication (rpl_semi_sync_master_enabled=ON, rpl_semi_sync_master_wait_point=AFTER_SYNC)"
         )
     elif not semi_sync:
-        findings.append(
-            Finding(
-                Severity.WARNING,
-                f"replication is asynchronous ({replicas} replica(s) connected, rpl_semi_sync_master_enabled=OFF): "
-                "a promoted replica can miss completions this server acknowledged, and their retries run the "
-                "mutation again; enable semi-synchronous replication with wait point AFTER_SYNC, or run Galera",
-            )
+        findings.warning(
+            f"replication is asynchronous ({replicas} replica(s) connected, rpl_semi_sync_master_enabled=OFF): "
+            "a promoted replica can miss completions this server acknowledged, and their retries run the "
+            "mutation again; enable semi-synchronous replication with wait point AFTER_SYNC, or run Galera"
         )
     elif not facts.on("rpl_semi_sync_master_status"):
-        findings.append(
-            Finding(
-                Severity.WARNING,
-                "semi-synchronous replication is enabled but inactive (no replica acknowledged within "
-                "rpl_semi_sync_master_timeout): commits are acknowledged without any replica holding them",
-            )
+        findings.warning(
+            "semi-synchronous replication is enabled but inactive (no replica acknowledged within "
+            "rpl_semi_sync_master_timeout): commits are acknowledged without any replica holding them"
         )
     else:
         point = facts.get("rpl_semi_sync_master_wait_point", "AFTER_COMMIT").upper()
         if point != "AFTER_SYNC":
-            findings.append(
-                Finding(
-                    Severity.NOTE,
-                    f"rpl_semi_sync_master_wait_point is {point}: another session can read a completion before "
-                    "a replica has it, and lose it at a failover; AFTER_SYNC waits first",
-                )
+            findings.note(
+                f"rpl_semi_sync_master_wait_point is {point}: another session can read a completion before "
+                "a replica has it, and lose it at a failover; AFTER_SYNC waits first"
             )
-        findings.insert(
-            0,
-            Finding(
-                Severity.OK,
-                f"semi-synchronous replication ({replicas} replica(s) connected): a completion is acknowledged "
-                "only once a replica has received it",
-            ),
+        findings.ok_first(
+            f"semi-synchronous replication ({replicas} replica(s) connected): a completion is acknowledged "
+            "only once a replica has received it"
         )
     if binlog:
         sync_binlog = facts.number("sync_binlog")
         if sync_binlog is not None and sync_binlog != 1:
-            findings.append(
-                Finding(
-                    Severity.NOTE,
-                    f"sync_binlog is {sync_binlog}: after a crash of this server's host its binary log can lack "
-                    "commits InnoDB kept, and a replica then misses them; set it to 1",
-                )
+            findings.note(
+                f"sync_binlog is {sync_binlog}: after a crash of this server's host its binary log can lack "
+                "commits InnoDB kept, and a replica then misses them; set it to 1"
             )
     return tuple(findings)

@@ -20,7 +20,7 @@ from typing import Any, NoReturn, TypeVar
 import redis  # the driver: a missing one is named when the engine is chosen
 
 from ...errors import ReadOnlyDatabaseError, StorageError
-from ..dialect import Dialect
+from ..dialect import UTF8_OR_BYTES, Dialect, SweepForm
 from ..engine import Params, Rows, SchemaTx
 from ..statements import TABLES
 from .clients import CLUSTER, sync_client
@@ -32,36 +32,15 @@ from .url import RedisLocation, parse
 T = TypeVar("T")
 
 
-def _keep(text: str) -> str:
-    return text
-
-
 def _unused_tally(rows: list[tuple[Any, ...]]) -> tuple[int, int | None]:
     return len(rows), None
 
 
-def _body_text_or_bytes(value: object) -> object:
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError:
-            return value
-    return value
-
-
-def _body_as_bytes(body: str | bytes | None) -> object:
-    return body.encode("utf-8") if isinstance(body, str) else body
-
-
 REDIS = Dialect(
     name="redis",
-    params=_keep,
-    sweep_keys="sweep_rows",
-    sweep_tally=_unused_tally,
-    bind_body=_body_as_bytes,
-    read_body=_body_text_or_bytes,
     # Rows per bucket a sweep batch removes at most.
-    drain_batch=1000,
+    sweep=SweepForm("sweep_rows", _unused_tally, drain_batch=1000),
+    body=UTF8_OR_BYTES,
     now_sql="time",
     claim_reads_row=True,
 )

@@ -103,22 +103,9 @@ class RedisOperatorStatements(Store):
             for name in (status, "any"):
                 oldest[name] = min(oldest.get(name, created), created)
         fenced = self._sum("hlen", self.layout.events) if self.has_fenced_log() else 0
-        return Stats(
-            now=now,
-            total=total,
-            pending_fresh=fresh,
-            pending_stale=stale,
-            completed=completed,
-            expired=expired,
-            expired_pending=expired_pending,
-            taken_over=taken,
-            fenced_out_events=fenced,
-            oldest_pending_at=oldest.get("pending"),
-            oldest_completed_at=oldest.get("completed"),
-            oldest_row_at=oldest.get("any"),
-            storage_bytes=None,
-            schema_version=self.schema_version() or 0,
-        )
+        oldest_at = (oldest.get("pending"), oldest.get("completed"), oldest.get("any"))
+        counts = (total, fresh, stale, completed, expired, expired_pending, taken, *oldest_at)
+        return self._stats(now, counts, fenced, None)  # Redis reports no storage size
 
     def _states(self) -> Iterator[list[Any]]:
         """(status, generation, created_at, updated_at) of every row, bucket by bucket."""

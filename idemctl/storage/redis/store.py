@@ -1,5 +1,5 @@
 """The ledger's steps on Redis: a Store whose builders (`claim_or_read_statement`,
-`takeover_statement`, `complete_statement`, `record_fenced_steps`,
+`takeover_statement`, `answer_statement`, `record_fenced_steps`,
 `sweep_steps`, ...) make operations of scripts.py instead of SQL, so the
 decision loop, the ledger and both drivers run them unchanged: a Statement's
 text is the name of the operation, its parameters its keys and arguments
@@ -19,6 +19,7 @@ from ...schema import SCHEMA_VERSION
 from .. import statements
 from ..engine import Rows
 from ..statements import FENCED_TABLE
+from ..store import Answer, Held
 from ..store_base import Statement, StoreSteps, SweepSteps, Tables, Turn
 from .engine import RedisEngine
 from .keys import BUCKETS, Layout
@@ -152,39 +153,20 @@ class RedisStore(RedisOperatorStatements):
         args = [name, fingerprint, token, now, stale_before, expired_before, self.retention_ms]
         return Statement(self, "takeover", {"keys": keys, "args": args}, _generation, True)
 
-    def complete_statement(
-        self,
-        principal: str,
-        key: str,
-        generation: int,
-        token: int | None,
-        status: int,
-        body: str | bytes | None,
-        headers_json: str,
-        now: int,
-    ) -> Statement[bool]:
+    def answer_statement(self, text: str, held: Held, answer: Answer, now: int = 0) -> Statement[bool]:
+        """The completion's script (or, for COMPLETED_AS, the check after a
+        lost one, which reads the row alone)."""
+        principal, key, generation, token = held
+        status, body, headers_json = answer
         _, name, keys = self.layout.where(principal, key)
-        raw = self.dialect.bind_body(body)
+        raw = self.dialect.body.bind(body)
         fence = "" if token is None else token
-        args: list[Any] = [name, generation, fence, status, headers_json, now, self.retention_ms]
-        args += ["0", b""] if raw is None else ["1", cast(bytes, raw)]
+        stored: list[Any] = ["0", b""] if raw is None else ["1", cast(bytes, raw)]
+        if text == statements.COMPLETED_AS:
+            args = [generation, fence, status, headers_json, *stored]
+            return Statement(self, self._completed_as_op, {"keys": keys[:1], "args": args}, _flag, False)
+        args = [name, generation, fence, status, headers_json, now, self.retention_ms, *stored]
         return Statement(self, self._complete_op, {"keys": keys, "args": args}, _flag, True)
-
-    def completed_as_statement(
-        self,
-        principal: str,
-        key: str,
-        generation: int,
-        token: int | None,
-        status: int,
-        body: str | bytes | None,
-        headers_json: str,
-    ) -> Statement[bool]:
-        _, _, keys = self.layout.where(principal, key)
-        raw = self.dialect.bind_body(body)
-        args: list[Any] = [generation, "" if token is None else token, status, headers_json]
-        args += ["0", b""] if raw is None else ["1", cast(bytes, raw)]
-        return Statement(self, self._completed_as_op, {"keys": keys[:1], "args": args}, _flag, False)
 
     def release_statement(self, principal: str, key: str, generation: int, token: int | None) -> Statement[bool]:
         _, name, keys = self.layout.where(principal, key)
@@ -217,9 +199,7 @@ class RedisStore(RedisOperatorStatements):
     def database_now_statement(self) -> Statement[int]:
         return Statement(self, "time", {}, _now_ms, False)
 
-    def renew_statements(
-        self, held: Sequence[tuple[str, str, int, int | None]], now: int
-    ) -> list[tuple[str, dict[str, Any]]]:
+    def renew_statements(self, held: Sequence[Held], now: int) -> list[tuple[str, dict[str, Any]]]:
         """One script per reservation (each its own slot), pipelined by `renew`."""
         out: list[tuple[str, dict[str, Any]]] = []
         for principal, key, generation, token in held:
@@ -228,7 +208,7 @@ class RedisStore(RedisOperatorStatements):
             out.append(("renew", {"keys": keys, "args": args}))
         return out
 
-    def renew(self, held: Sequence[tuple[str, str, int, int | None]], now: int) -> int:
+    def renew(self, held: Sequence[Held], now: int) -> int:
         self._guard()
         if not held:
             return 0

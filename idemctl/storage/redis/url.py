@@ -15,10 +15,11 @@ the sentinels'). idemctl's options in the query of any form:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
+from dataclasses import dataclass, field, replace
+from urllib.parse import SplitResult, parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 from ...errors import StorageError
+from ..server import number_option
 
 SCHEMES = ("redis://", "rediss://", "redis+sentinel://", "rediss+sentinel://")
 DEFAULT_PREFIX = "idemctl"
@@ -56,19 +57,6 @@ class RedisLocation:
     options: dict[str, str] = field(default_factory=dict)
 
 
-def _int_option(options: dict[str, str], name: str, default: int, shown: str) -> int:
-    raw = options.pop(name, None)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise StorageError(f"{shown}: {name} must be a whole number, got {raw!r}") from None
-    if value < 0:
-        raise StorageError(f"{shown}: {name} must be >= 0, got {value}")
-    return value
-
-
 def parse(target: str) -> RedisLocation:
     """Read a Redis ledger URL; a malformed one is a StorageError whose
     message holds no password.
@@ -88,39 +76,31 @@ def parse(target: str) -> RedisLocation:
         if secret:
             secrets += (secret,)
             shown = shown.replace(quote(secret, safe=""), "***").replace(secret, "***")
-    prefix = options.pop("prefix", DEFAULT_PREFIX)
+    own = {name: options.pop(name) for name in _OWN_OPTIONS if name in options}
+    prefix = own.get("prefix", DEFAULT_PREFIX)
     if not _PREFIX.fullmatch(prefix):
         raise StorageError(f"{shown}: prefix must be 1 to 64 of A-Z a-z 0-9 _ . : -, got {prefix!r}")
-    wait_replicas = _int_option(options, "wait_replicas", 0, shown)
-    wait_timeout_ms = _int_option(options, "wait_timeout_ms", 1000, shown)
-    sentinel_password = options.pop("sentinel_password", None)
-    rest = urlencode([(k, v) for k, v in pairs if k not in _OWN_OPTIONS])
-    tls = parts.scheme.startswith("rediss")
+    wait_replicas = number_option(own, "wait_replicas", 0, int, 0, shown)
+    wait_timeout_ms = number_option(own, "wait_timeout_ms", 1000, int, 0, shown)
+    # What both forms share: idemctl's own options and the URL as shown.
+    common = RedisLocation(
+        "", shown, secrets, prefix, wait_replicas, wait_timeout_ms, tls=parts.scheme.startswith("rediss")
+    )
     if "+sentinel" in parts.scheme:
-        return _sentinel(parts, shown, secrets, prefix, wait_replicas, wait_timeout_ms, sentinel_password, options)
+        return _sentinel(parts, common, own.get("sentinel_password"), options)
+    rest = urlencode([(k, v) for k, v in pairs if k not in _OWN_OPTIONS])
     url = urlunsplit((parts.scheme, parts.netloc, parts.path, rest, ""))
     try:
         db = int(parts.path.strip("/") or 0)
     except ValueError:
         raise StorageError(f"{shown}: the database must be a number, got {parts.path.strip('/')!r}") from None
-    return RedisLocation(
-        url, shown, secrets, prefix, wait_replicas, wait_timeout_ms, db=db, password=parts.password, tls=tls
-    )
+    return replace(common, url=url, db=db, password=parts.password)
 
 
 def _sentinel(
-    parts: object,
-    shown: str,
-    secrets: tuple[str, ...],
-    prefix: str,
-    wait_replicas: int,
-    wait_timeout_ms: int,
-    sentinel_password: str | None,
-    options: dict[str, str],
+    parts: SplitResult, common: RedisLocation, sentinel_password: str | None, options: dict[str, str]
 ) -> RedisLocation:
-    from urllib.parse import SplitResult
-
-    assert isinstance(parts, SplitResult)
+    shown = common.shown
     hosts = parts.netloc.rpartition("@")[2]
     sentinels: list[tuple[str, int]] = []
     for one in hosts.split(","):
@@ -139,21 +119,14 @@ def _sentinel(
     except ValueError:
         raise StorageError(f"{shown}: the database must be a number, got {path[1]!r}") from None
     password = unquote(parts.password) if parts.password else None
-    username = unquote(parts.username) if parts.username else None
-    return RedisLocation(
-        url="",
-        shown=shown,
-        secrets=secrets,
-        prefix=prefix,
-        wait_replicas=wait_replicas,
-        wait_timeout_ms=wait_timeout_ms,
+    return replace(
+        common,
         sentinels=tuple(sentinels),
         service=path[0],
         db=db,
         password=password,
-        username=username,
-        sentinel_password=sentinel_password if sentinel_password is not None else password,
-        tls=parts.scheme.startswith("rediss"),
+        username=unquote(parts.username) if parts.username else None,
+        sentinel_password=password if sentinel_password is None else sentinel_password,
         options=options,
     )
 
