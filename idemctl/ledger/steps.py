@@ -169,9 +169,8 @@ class SingleSteps:
         """Whether the answer was stored; when fenced out, the event recorded."""
         store, r = self.store, reservation
         try:
-            ok = yield store.complete_statement(
-                r.principal, r.key, r.generation, r.token, stored.status, stored.body, stored.headers_json, stamp
-            )
+            held = (r.principal, r.key, r.generation, r.token)
+            ok = yield store.complete_statement(held, (stored.status, stored.body, stored.headers_json), stamp)
         except ConnectionFailedError as lost:
             ok = yield from _on_a_fresh_connection(lambda: self._store_again(r, stored, stamp), lost, r)
         event = None
@@ -195,10 +194,10 @@ class SingleSteps:
         our generation and token, either the lost try committed (the row
         holds this answer under them: stored) or a takeover fenced us out."""
         store = self.store
-        answer = (r.token, stored.status, stored.body, stored.headers_json)
-        if (yield store.complete_statement(r.principal, r.key, r.generation, *answer, stamp)):
+        held, answer = (r.principal, r.key, r.generation, r.token), (stored.status, stored.body, stored.headers_json)
+        if (yield store.complete_statement(held, answer, stamp)):
             return True
-        return bool((yield store.completed_as_statement(r.principal, r.key, r.generation, *answer)))
+        return bool((yield store.completed_as_statement(held, answer)))
 
     def _stamp_steps(self, reservation: Reservation) -> decision.Steps[int]:
         """The completion's timestamp; the database's clock is asked again

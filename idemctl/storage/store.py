@@ -63,9 +63,7 @@ def runs(build: Callable[Concatenate[S, P], Statement[R]]) -> Callable[Concatena
     def step(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return self.run(getattr(self, name)(*args, **kwargs))  # type: ignore[no-any-return]
 
-    step.__doc__ = build.__doc__
-    step.__name__ = step.__qualname__ = build.__name__.removesuffix("_statement")
-    return step
+    return _named_after(step, build, "_statement")
 
 
 def runs_steps(build: Callable[Concatenate[S, P], StoreSteps[R]]) -> Callable[Concatenate[S, P], R]:
@@ -77,8 +75,15 @@ def runs_steps(build: Callable[Concatenate[S, P], StoreSteps[R]]) -> Callable[Co
     def step(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return self.run_steps(getattr(self, name)(*args, **kwargs))  # type: ignore[no-any-return]
 
+    return _named_after(step, build, "_steps")
+
+
+def _named_after(
+    step: Callable[Concatenate[S, P], R], build: Callable[..., object], suffix: str
+) -> Callable[Concatenate[S, P], R]:
+    # The wrapper carries its builder's documentation, under the step's own name.
     step.__doc__ = build.__doc__
-    step.__name__ = step.__qualname__ = build.__name__.removesuffix("_steps")
+    step.__name__ = step.__qualname__ = build.__name__.removesuffix(suffix)
     return step
 
 
@@ -167,36 +172,20 @@ class Store(CopyStatements, OperatorStatements):
 
     takeover = runs(takeover_statement)
 
-    def complete_statement(
-        self,
-        principal: str,
-        key: str,
-        generation: int,
-        token: int | None,
-        status: int,
-        body: str | bytes | None,
-        headers_json: str,
-        now: int,
-    ) -> Statement[bool]:
-        return self.answer_statement(COMPLETE, (principal, key, generation, token), (status, body, headers_json), now)
+    def complete_statement(self, held: Held, answer: Answer, now: int) -> Statement[bool]:
+        """Store `answer` (status, body, headers as JSON) at `now` in the row
+        `held` (principal, key, generation, token) while it is still pending
+        under that generation and token (COMPLETE): whether it was stored."""
+        return self.answer_statement(COMPLETE, held, answer, now)
 
     complete = runs(complete_statement)
 
-    def completed_as_statement(
-        self,
-        principal: str,
-        key: str,
-        generation: int,
-        token: int | None,
-        status: int,
-        body: str | bytes | None,
-        headers_json: str,
-    ) -> Statement[bool]:
+    def completed_as_statement(self, held: Held, answer: Answer) -> Statement[bool]:
         """Whether the row holds this very answer, completed under this
         generation and token (COMPLETED_AS): a completion whose connection
         was lost committed after all. Read only after COMPLETE found the row
         no longer pending under them."""
-        return self.answer_statement(COMPLETED_AS, (principal, key, generation, token), (status, body, headers_json))
+        return self.answer_statement(COMPLETED_AS, held, answer)
 
     completed_as = runs(completed_as_statement)
 

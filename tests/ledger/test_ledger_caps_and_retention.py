@@ -293,7 +293,7 @@ def test_any_repeated_header_keeps_each_field_through_begin_and_finish(make_ledg
 def test_a_row_with_the_recipes_one_string_per_header_still_replays(make_ledger):
     ledger = make_ledger()
     reservation = ledger.claim("acct_A", "k1", "fp")
-    ledger.store.complete("acct_A", "k1", 1, reservation.token, 201, "ok", '{"location":"/o/1, /o/2"}', 0)
+    ledger.store.complete(("acct_A", "k1", 1, reservation.token), (201, "ok", '{"location":"/o/1, /o/2"}'), 0)
     row = ledger.lookup("acct_A", "k1")
     from idemctl.responses import from_stored
 
