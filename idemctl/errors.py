@@ -151,8 +151,7 @@ class CommitTimeoutError(LedgerUnavailableError):
     """
 
     def __init__(self, where: str, timeout_s: float) -> None:
-        self.where = where
-        self.timeout_s = timeout_s
+        self.where, self.timeout_s = where, timeout_s
         super().__init__(
             f"a statement on {where} did not commit within the commit timeout ({timeout_s:g} s) and was "
             "cancelled: no synchronous standby acknowledged it, or the server did not answer; what it wrote may "
@@ -236,8 +235,7 @@ class UnserializableArgumentsError(IdemctlError, TypeError):
     """
 
     def __init__(self, path: str, problem: str) -> None:
-        self.path = path
-        self.problem = problem
+        self.path, self.problem = path, problem
         super().__init__(
             f"cannot fingerprint the call: {path} is {problem}, not JSON; choose the arguments that "
             "identify the call with args=[names], or map them to JSON with args=lambda ...: {...}"
