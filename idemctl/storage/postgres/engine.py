@@ -9,8 +9,8 @@ Connections come from a psycopg_pool.ConnectionPool that is opened on first
 use and belongs to one process: after a fork the child builds its own pool
 and never touches the parent's sockets. An event loop gets its own
 AsyncConnectionPool (aio.py's AsyncPostgresEngine) for the asynchronous
-request path (on asyncpg when it is installed: asyncpg_engine.py). errors.py turns what psycopg raises into idemctl's errors;
-schema.py holds the schema transactions."""
+request path (on asyncpg when it is installed: asyncpg_engine.py).
+errors.py turns what psycopg raises into idemctl's errors; schema.py holds the schema transactions."""
 
 from __future__ import annotations
 
