@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -44,7 +45,8 @@ from ..engine import Params, Rows
 from ..server import unreachable
 from .aio import AsyncPostgresEngine
 from .errors import Translator
-from .pooler import MARKER_QUERY, adetect, honoured, options_lost, settings_sql
+from . import pooler as pooling
+from .pooler import adetect, honoured, options_lost, settings_sql
 from .schema import EXISTING, existing_tables
 from .url import MARKER_SETTING, ServerSettings, default_commit_timeout_s
 from .watch import CANCEL_GRACE_S
@@ -225,6 +227,9 @@ class AsyncpgEngine:
         # Behind transaction or statement pooling: psycopg's engine serves.
         self._psycopg: AsyncPostgresEngine | None = None
         self._texts: dict[str, tuple[str, tuple[str, ...]]] = {}
+        # As AsyncPostgresEngine._options_lost: a new direct connection came
+        # without its startup options (a pooler now stands in between).
+        self._options_lost = False
         self._closed = False
 
     def describe(self) -> str:
@@ -265,7 +270,9 @@ class AsyncpgEngine:
                 raise self._error(exc, connecting=True) from exc
             try:
                 if mode == "none":
-                    if not honoured(await conn.fetchval(MARKER_QUERY)):
+                    if not honoured(await conn.fetchval(pooling.MARKER_QUERY)):
+                        # The next statement detects what the URL leads to now.
+                        self._options_lost = True
                         raise options_lost(where)
                 elif session:
                     await conn.execute(session)
@@ -289,7 +296,11 @@ class AsyncpgEngine:
             return self._translate(exc, connecting=connecting or (state or "").startswith("08"))
         # The socket, not the server, failed: a refused or lost connection
         # (OSError, asyncpg's "connection is closed"), or no answer.
-        reason = self._translate.scrub(single_line(str(exc) or type(exc).__name__))
+        if isinstance(exc, OSError) and exc.errno:
+            # As libpq words it ("Connection refused"), not the socket call that failed.
+            reason = os.strerror(exc.errno)
+        else:
+            reason = self._translate.scrub(single_line(str(exc) or type(exc).__name__))
         return unreachable("PostgreSQL", self.describe(), reason)
 
     async def _checkout(self) -> tuple[_Pool, asyncpg.Connection]:
@@ -300,6 +311,11 @@ class AsyncpgEngine:
                 raise _Delegated
         try:
             return pool, await pool.get(self._acquire_s)
+        except StorageError:
+            if self._options_lost and self._pool is pool:
+                self._pool, self._options_lost = None, False
+                pool.abandon()
+            raise
         except TimeoutError:
             raise LedgerUnavailableError(
                 f"no connection to {self.describe()} within {self._acquire_s:g} s: "
