@@ -19,8 +19,11 @@ pytest.importorskip("asyncpg")
 from idemctl import Ledger, decision  # noqa: E402
 from idemctl.asgi import IdempotencyMiddleware  # noqa: E402
 from idemctl.errors import CommitTimeoutError, ConnectionFailedError, DatabaseLockedError  # noqa: E402
-from idemctl.storage.postgres import AsyncPostgresEngine, PostgresEngine  # noqa: E402
-from idemctl.storage.postgres import asyncpg_engine  # noqa: E402
+from idemctl.storage.postgres import (  # noqa: E402
+    AsyncPostgresEngine,
+    PostgresEngine,
+    asyncpg_engine,
+)
 from idemctl.storage.postgres.asyncpg_engine import AsyncpgEngine, positional  # noqa: E402
 from tests.adapters.test_gate import call, scope_for  # noqa: E402
 

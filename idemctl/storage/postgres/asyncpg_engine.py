@@ -43,9 +43,9 @@ from ...text import single_line
 from ..dialect import POSTGRES
 from ..engine import Params, Rows
 from ..server import unreachable
+from . import pooler as pooling
 from .aio import AsyncPostgresEngine
 from .errors import Translator
-from . import pooler as pooling
 from .pooler import adetect, honoured, options_lost, settings_sql
 from .schema import EXISTING, existing_tables
 from .url import MARKER_SETTING, ServerSettings, default_commit_timeout_s
