@@ -18,7 +18,12 @@ pytest.importorskip("asyncpg")
 
 from idemctl import Ledger, decision  # noqa: E402
 from idemctl.asgi import IdempotencyMiddleware  # noqa: E402
-from idemctl.errors import CommitTimeoutError, ConnectionFailedError, DatabaseLockedError  # noqa: E402
+from idemctl.errors import (  # noqa: E402
+    CommitTimeoutError,
+    ConnectionFailedError,
+    DatabaseLockedError,
+    LedgerUnavailableError,
+)
 from idemctl.storage.postgres import (  # noqa: E402
     AsyncPostgresEngine,
     PostgresEngine,
@@ -267,3 +272,32 @@ def test_the_psycopg_engine_is_still_what_open_async_gives_for_psycopg() -> None
     engine = PostgresEngine("postgresql://app@db/payments?async_driver=psycopg")
     assert isinstance(engine.open_async(), AsyncPostgresEngine)
     engine.close()
+
+
+def test_callers_beyond_the_pool_size_wait_their_turn_and_past_the_pool_timeout_get_ledger_unavailable(
+    ledger_target: str,
+) -> None:
+    engine = PostgresEngine(ledger_target + "&pool_max_size=2&pool_timeout=0.5&commit_timeout=5")
+
+    async def scenario() -> tuple[set[int], float]:
+        aio = engine.open_async()
+        try:
+            sleepers = [aio.execute("SELECT pg_backend_pid() FROM pg_sleep(0.05)", {}) for _ in range(6)]
+            pids = {rows[0][0] for rows in await asyncio.gather(*sleepers)}
+            held = [asyncio.ensure_future(aio.execute("SELECT pg_sleep(1.5)", {})) for _ in range(2)]
+            await asyncio.sleep(0.1)
+            started = time.monotonic()
+            with pytest.raises(LedgerUnavailableError):
+                await aio.execute("SELECT 1", {})
+            waited = time.monotonic() - started
+            await asyncio.gather(*held)
+            return pids, waited
+        finally:
+            await aio.aclose()
+
+    try:
+        pids, waited = asyncio.run(scenario())
+    finally:
+        engine.close()
+    assert len(pids) <= 2
+    assert 0.45 <= waited < 1.4

@@ -120,13 +120,21 @@ class _Pool:
         self._waiting: deque[asyncio.Future[asyncpg.Connection | None]] = deque()
         self.closed = False
 
-    async def get(self, timeout_s: float) -> asyncpg.Connection:
+    def take(self) -> asyncpg.Connection | None:
+        """An idle connection, or None: the request path's checkout, without
+        a coroutine of its own."""
         idle = self._idle
         while idle:
             conn = idle.pop()
             if not conn.is_closed():
                 return conn
             self._count -= 1  # the server closed it while idle
+        return None
+
+    async def get(self, timeout_s: float) -> asyncpg.Connection:
+        conn = self.take()
+        if conn is not None:
+            return conn
         if self._count >= self._size:
             fut: asyncio.Future[asyncpg.Connection | None] = asyncio.get_running_loop().create_future()
             self._waiting.append(fut)
@@ -353,10 +361,13 @@ class AsyncpgEngine:
     # -- statements --------------------------------------------------------------------
     async def execute(self, sql: str, params: Params) -> Rows:
         """One auto-committed statement (read or write); its rows."""
-        try:
-            pool, conn = await self._checkout()
-        except _Delegated:
-            return await self._delegate().execute(sql, params)
+        pool = self._pool
+        conn = pool.take() if pool is not None else None
+        if pool is None or conn is None:
+            try:
+                pool, conn = await self._checkout()
+            except _Delegated:
+                return await self._delegate().execute(sql, params)
         try:
             return await self._fetch(conn, sql, params)
         finally:
