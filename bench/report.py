@@ -325,8 +325,22 @@ def aims(b: dict[str, Any], cores: int = 2) -> str:
             0.95,
             False,
         ),
-        ("PostgreSQL replay ÷ raw PK SELECT", "(7)", ("postgres", "cycle", "replay", "ratio", "median"), 0.6, False),
     ]
+    pg_cycle = (b.get("postgres") or {}).get("cycle") or {}
+    if "claim_or_read" in pg_cycle:
+        seconds.append(
+            (
+                "PostgreSQL replay ÷ raw claim that reads its row",
+                "(7)",
+                ("postgres", "cycle", "replay", "ratio", "median"),
+                0.8,
+                False,
+            )
+        )
+    else:
+        seconds.append(
+            ("PostgreSQL replay ÷ raw PK SELECT", "(7)", ("postgres", "cycle", "replay", "ratio", "median"), 0.6, False)
+        )
     for label, where, path, bound, at_most in seconds:
         rows.append((label, where, _get(b, *path), bound, at_most))
     out = [
@@ -620,10 +634,20 @@ def _postgres(res: dict[str, Any]) -> list[str]:
             f"| `handle` + `after_response` | {_n(c['handle_after']['ops_per_s']['median'])}/s "
             f"| {_n(c['floor']['ops_per_s']['median'])} pairs/s | {_sp(c['handle_after']['ratio'])} |"
         )
-    out += [
-        f"| replay | {_n(c['replay']['ops_per_s']['median'])}/s | {_n(c['pk_select']['ops_per_s']['median'])} PK SELECTs/s "
-        f"| {_sp(c['replay']['ratio'])} |",
-    ]
+    if "claim_or_read" in c:  # the replay's floor: its one statement, raw
+        out.append(
+            f"| replay | {_n(c['replay']['ops_per_s']['median'])}/s | {_n(c['claim_or_read']['ops_per_s']['median'])} "
+            f"claims that read the row/s | {_sp(c['replay']['ratio'])} |"
+        )
+        out.append(
+            f"| replay | {_n(c['replay']['ops_per_s']['median'])}/s | {_n(c['pk_select']['ops_per_s']['median'])} PK "
+            f"SELECTs/s | {_sp(c['replay']['ratio_vs_pk_select'])} |"
+        )
+    else:
+        out.append(
+            f"| replay | {_n(c['replay']['ops_per_s']['median'])}/s | {_n(c['pk_select']['ops_per_s']['median'])} PK "
+            f"SELECTs/s | {_sp(c['replay']['ratio'])} |"
+        )
     sw = res["sweep"]
     out.append(
         f"| `idemctl sweep` of {_n(sw['expired_rows'])} rows (batch {sw['cli']['batch_size']}) | {sw['cli']['sweep_s']:.1f} s "
