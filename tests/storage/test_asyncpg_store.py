@@ -301,3 +301,36 @@ def test_callers_beyond_the_pool_size_wait_their_turn_and_past_the_pool_timeout_
         engine.close()
     assert len(pids) <= 2
     assert 0.45 <= waited < 1.4
+
+
+def _settings(url: str) -> Any:
+    from idemctl.storage.postgres.url import ServerSettings
+
+    return ServerSettings.parse(
+        url, readonly=False, busy_timeout_ms=5000, pool_min_size=None, pool_max_size=None, pool_timeout_s=None
+    )
+
+
+def test_a_multi_host_url_becomes_asyncpgs_host_and_port_lists_with_the_settings_as_startup_parameters() -> None:
+    url = "postgresql://app:pw@10.0.0.1:5001,10.0.0.2:5002/pay?target_session_attrs=read-write&commit_timeout=2"
+    assert asyncpg_engine.connect_arguments(_settings(url), "none") == {
+        "host": ["10.0.0.1", "10.0.0.2"],
+        "port": [5001, 5002],
+        "user": "app",
+        "password": "pw",
+        "database": "pay",
+        "timeout": 5.0,
+        "target_session_attrs": "read-write",
+        "server_settings": {"lock_timeout": "5000", "idemctl.startup_options": "on"},
+    }
+    # Behind session pooling the settings are made per connection, not sent at startup.
+    assert asyncpg_engine.connect_arguments(_settings(url), "session")["server_settings"] == {}  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["postgresql://app@db/pay?sslrootcert=/etc/ca.pem", "postgresql://app@db/pay?options=-B%2016"],
+    ids=["a-libpq-only-parameter", "options-other-than-settings"],
+)
+def test_a_url_only_libpq_understands_is_served_by_psycopg(url: str) -> None:
+    assert asyncpg_engine.connect_arguments(_settings(url), "none") is None
