@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import pytest
 
@@ -33,6 +34,7 @@ from idemctl.storage.postgres.asyncpg_engine import AsyncpgEngine, positional  #
 from tests.adapters.test_gate import call, scope_for  # noqa: E402
 
 pytestmark = pytest.mark.engines("postgres")
+T = TypeVar("T")
 
 # Bytes that are not UTF-8, every byte value once, and a NUL.
 BINARY = bytes(range(256)) + b"\xff\xfe\x00"
@@ -47,17 +49,31 @@ def binary_app(body: bytes) -> Any:
     return app
 
 
-def on_loop(engine: PostgresEngine, sql: str, params: dict[str, Any] | None = None) -> Any:
-    """`sql`'s rows on a new asynchronous engine of `engine`, closed after."""
+def on_the_loop(url: str, body: Callable[[Any], Awaitable[T]]) -> T:
+    """`body(aio)` on a new asynchronous engine of a PostgresEngine for
+    `url`; both closed after."""
+    engine = PostgresEngine(url)
 
-    async def scenario() -> Any:
+    async def scenario() -> T:
         aio = engine.open_async()
         try:
-            return type(aio).__name__, await aio.execute(sql, params or {})
+            return await body(aio)
         finally:
             await aio.aclose()
 
-    return asyncio.run(scenario())
+    try:
+        return asyncio.run(scenario())
+    finally:
+        engine.close()
+
+
+def on_loop(url: str, sql: str, params: dict[str, Any] | None = None) -> tuple[str, Any]:
+    """The engine's class and `sql`'s rows, on the loop."""
+
+    async def body(aio: Any) -> tuple[str, Any]:
+        return type(aio).__name__, await aio.execute(sql, params or {})
+
+    return on_the_loop(url, body)
 
 
 def test_statements_are_renumbered_once_from_the_dialects_text() -> None:
@@ -66,34 +82,21 @@ def test_statements_are_renumbered_once_from_the_dialects_text() -> None:
 
 
 def test_asyncpg_serves_when_installed_and_the_url_can_keep_psycopg(ledger_target: str) -> None:
-    chosen = PostgresEngine(ledger_target)
-    kept = PostgresEngine(ledger_target + "&async_driver=psycopg")
-    try:
-        assert on_loop(chosen, "SELECT %(n)s::int + 1", {"n": 41}) == ("AsyncpgEngine", [(42,)])
-        assert on_loop(kept, "SELECT %(n)s::int + 1", {"n": 41}) == ("AsyncPostgresEngine", [(42,)])
-    finally:
-        chosen.close()
-        kept.close()
+    assert on_loop(ledger_target, "SELECT %(n)s::int + 1", {"n": 41}) == ("AsyncpgEngine", [(42,)])
+    kept = ledger_target + "&async_driver=psycopg"
+    assert on_loop(kept, "SELECT %(n)s::int + 1", {"n": 41}) == ("AsyncPostgresEngine", [(42,)])
 
 
 def test_the_urls_settings_and_idemctls_lock_timeout_hold_on_every_asyncpg_connection(ledger_target: str) -> None:
-    engine = PostgresEngine(ledger_target)
     schema = ledger_target.split("search_path%3D", 1)[1].split("&", 1)[0]
-    try:
-        rows = on_loop(engine, "SELECT current_setting('lock_timeout'), current_schemas(false)")
-        assert rows == ("AsyncpgEngine", [("5s", [schema])])
-    finally:
-        engine.close()
+    rows = on_loop(ledger_target, "SELECT current_setting('lock_timeout'), current_schemas(false)")
+    assert rows == ("AsyncpgEngine", [("5s", [schema])])
 
 
 def test_an_unreachable_server_is_connection_failed_within_the_connect_timeout() -> None:
-    engine = PostgresEngine("postgresql://postgres@127.0.0.1:1/test?connect_timeout=2")
     started = time.monotonic()
-    try:
-        with pytest.raises(ConnectionFailedError) as failed:
-            on_loop(engine, "SELECT 1")
-    finally:
-        engine.close()
+    with pytest.raises(ConnectionFailedError) as failed:
+        on_loop("postgresql://postgres@127.0.0.1:1/test?connect_timeout=2", "SELECT 1")
     assert time.monotonic() - started < 5
     assert str(failed.value) == "cannot reach PostgreSQL at postgresql://postgres@127.0.0.1:1/test: Connection refused"
 
@@ -109,37 +112,24 @@ def test_asyncpgs_own_refused_connection_is_connection_failed_in_libpqs_words(
         return {**real(settings, mode), "port": 1, "password": "s3cret"}
 
     monkeypatch.setattr(asyncpg_engine, "connect_arguments", gone)
-    engine = PostgresEngine(ledger_target)
-    try:
-        with pytest.raises(ConnectionFailedError) as failed:
-            on_loop(engine, "SELECT 1")
-    finally:
-        engine.close()
+    with pytest.raises(ConnectionFailedError) as failed:
+        on_loop(ledger_target, "SELECT 1")
     assert str(failed.value) == (f"cannot reach PostgreSQL at {ledger_target.split('?')[0]}: Connection refused")
 
 
 def test_an_idle_connection_the_server_ended_is_dropped_and_the_next_statement_runs_on_a_new_one(
     ledger_target: str, postgres_server: str
 ) -> None:
-    engine = PostgresEngine(ledger_target)
     app = ledger_target.rsplit("application_name=", 1)[1]
 
-    async def scenario() -> list[object]:
-        aio = engine.open_async()
+    async def body(aio: Any) -> list[object]:
         pid = (await aio.execute("SELECT pg_backend_pid()", {}))[0][0]
-        seen: list[object] = [type(aio).__name__]
         with psycopg.connect(postgres_server, autocommit=True) as admin:
             admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s", (app,))
         await asyncio.sleep(0.2)
-        seen.append((await aio.execute("SELECT pg_backend_pid() <> %(was)s", {"was": pid}))[0][0])
-        await aio.aclose()
-        return seen
+        return [type(aio).__name__, (await aio.execute("SELECT pg_backend_pid() <> %(was)s", {"was": pid}))[0][0]]
 
-    try:
-        seen = asyncio.run(scenario())
-    finally:
-        engine.close()
-    assert seen == ["AsyncpgEngine", True]
+    assert on_the_loop(ledger_target, body) == ["AsyncpgEngine", True]
 
 
 def test_a_row_locked_past_the_busy_timeout_is_database_locked_on_asyncpg(make_ledger, ledger_target: str) -> None:
@@ -170,26 +160,18 @@ def test_a_row_locked_past_the_busy_timeout_is_database_locked_on_asyncpg(make_l
 def test_a_statement_past_the_commit_timeout_is_cancelled_on_the_server_and_its_connection_closed(
     ledger_target: str, postgres_server: str
 ) -> None:
-    engine = PostgresEngine(ledger_target + "&commit_timeout=0.3&pool_max_size=1")
     app = ledger_target.rsplit("application_name=", 1)[1]
 
-    async def scenario() -> tuple[float, int, int]:
-        aio = engine.open_async()
+    async def body(aio: Any) -> tuple[float, int, int]:
         assert isinstance(aio, AsyncpgEngine)
-        try:
-            first = (await aio.execute("SELECT pg_backend_pid()", {}))[0][0]
-            started = time.monotonic()
-            with pytest.raises(CommitTimeoutError):
-                await aio.execute("SELECT pg_sleep(30)", {})
-            took = time.monotonic() - started
-            return took, first, (await aio.execute("SELECT pg_backend_pid()", {}))[0][0]
-        finally:
-            await aio.aclose()
+        first = (await aio.execute("SELECT pg_backend_pid()", {}))[0][0]
+        started = time.monotonic()
+        with pytest.raises(CommitTimeoutError):
+            await aio.execute("SELECT pg_sleep(30)", {})
+        took = time.monotonic() - started
+        return took, first, (await aio.execute("SELECT pg_backend_pid()", {}))[0][0]
 
-    try:
-        took, first, then = asyncio.run(scenario())
-    finally:
-        engine.close()
+    took, first, then = on_the_loop(ledger_target + "&commit_timeout=0.3&pool_max_size=1", body)
     assert 0.28 <= took < 3.3
     assert then != first  # the cancelled statement's connection is not used again
     with psycopg.connect(postgres_server, autocommit=True) as admin:
@@ -207,22 +189,13 @@ def test_a_pooler_named_in_the_url_is_served_with_the_settings_in_place(ledger_t
     # on asyncpg with the settings made once per connection; transaction
     # pooling, where every statement must carry them in one simple query
     # (asyncpg cannot send one with parameters), on psycopg.
-    engine = PostgresEngine(ledger_target + f"&pooler={mode}")
     schema = ledger_target.split("search_path%3D", 1)[1].split("&", 1)[0]
 
-    async def scenario() -> tuple[object, ...]:
-        aio = engine.open_async()
-        try:
-            rows = await aio.execute("SELECT current_setting('lock_timeout'), current_schemas(false)", {})
-            served_by = getattr(aio, "_psycopg", None)
-            return rows, aio.pooler, type(served_by).__name__  # type: ignore[attr-defined]
-        finally:
-            await aio.aclose()
+    async def body(aio: Any) -> tuple[object, ...]:
+        rows = await aio.execute("SELECT current_setting('lock_timeout'), current_schemas(false)", {})
+        return rows, aio.pooler, type(getattr(aio, "_psycopg", None)).__name__
 
-    try:
-        rows, pooler, delegate = asyncio.run(scenario())
-    finally:
-        engine.close()
+    rows, pooler, delegate = on_the_loop(ledger_target + f"&pooler={mode}", body)
     assert rows == [("5s", [schema])] and pooler == mode
     assert delegate == ("AsyncPostgresEngine" if mode == "transaction" else "NoneType")
 
@@ -277,28 +250,19 @@ def test_the_psycopg_engine_is_still_what_open_async_gives_for_psycopg() -> None
 def test_callers_beyond_the_pool_size_wait_their_turn_and_past_the_pool_timeout_get_ledger_unavailable(
     ledger_target: str,
 ) -> None:
-    engine = PostgresEngine(ledger_target + "&pool_max_size=2&pool_timeout=0.5&commit_timeout=5")
+    async def body(aio: Any) -> tuple[set[int], float]:
+        sleepers = [aio.execute("SELECT pg_backend_pid() FROM pg_sleep(0.05)", {}) for _ in range(6)]
+        pids = {rows[0][0] for rows in await asyncio.gather(*sleepers)}
+        held = [asyncio.ensure_future(aio.execute("SELECT pg_sleep(1.5)", {})) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        with pytest.raises(LedgerUnavailableError):
+            await aio.execute("SELECT 1", {})
+        waited = time.monotonic() - started
+        await asyncio.gather(*held)
+        return pids, waited
 
-    async def scenario() -> tuple[set[int], float]:
-        aio = engine.open_async()
-        try:
-            sleepers = [aio.execute("SELECT pg_backend_pid() FROM pg_sleep(0.05)", {}) for _ in range(6)]
-            pids = {rows[0][0] for rows in await asyncio.gather(*sleepers)}
-            held = [asyncio.ensure_future(aio.execute("SELECT pg_sleep(1.5)", {})) for _ in range(2)]
-            await asyncio.sleep(0.1)
-            started = time.monotonic()
-            with pytest.raises(LedgerUnavailableError):
-                await aio.execute("SELECT 1", {})
-            waited = time.monotonic() - started
-            await asyncio.gather(*held)
-            return pids, waited
-        finally:
-            await aio.aclose()
-
-    try:
-        pids, waited = asyncio.run(scenario())
-    finally:
-        engine.close()
+    pids, waited = on_the_loop(ledger_target + "&pool_max_size=2&pool_timeout=0.5&commit_timeout=5", body)
     assert len(pids) <= 2
     assert 0.45 <= waited < 1.4
 

@@ -40,15 +40,13 @@ from psycopg.conninfo import conninfo_to_dict
 
 from ...errors import CommitTimeoutError, LedgerUnavailableError, StorageError
 from ...text import single_line
-from ..dialect import POSTGRES
 from ..engine import Params, Rows
 from ..server import unreachable
 from . import pooler as pooling
-from .aio import AsyncPostgresEngine
-from .errors import Translator
+from .aio import AsyncPostgresEngine, LoopEngine, within_acquire
 from .pooler import adetect, honoured, options_lost, settings_sql
 from .schema import EXISTING, existing_tables
-from .url import MARKER_SETTING, ServerSettings, default_commit_timeout_s
+from .url import MARKER_SETTING, ServerSettings
 from .watch import CANCEL_GRACE_S
 
 _PYFORMAT = re.compile(r"%\((\w+)\)s|%%")
@@ -203,33 +201,13 @@ class _Pool:
                 conn.terminate()
 
 
-class AsyncpgEngine:
+class AsyncpgEngine(LoopEngine):
     """The request path of a PostgresEngine on one event loop, on asyncpg
     (see the module's docstring). Nothing connects until the first
     statement; `aclose` closes the connections."""
 
-    dialect = POSTGRES
-
-    def __init__(
-        self,
-        settings: ServerSettings,
-        translate: Translator,
-        pooler: str | None = None,
-        commit_timeout_s: float | None = None,
-    ) -> None:
-        self._settings = settings
-        if commit_timeout_s is None:
-            commit_timeout_s = default_commit_timeout_s(translate.busy_timeout_ms)
-        self._commit_timeout_s = commit_timeout_s
-        self._grace_s = min(CANCEL_GRACE_S, commit_timeout_s)
-        # As AsyncPostgresEngine: no wait for a connection outlasts the commit timeout.
-        self._acquire_s = min(translate.pool_timeout_s, commit_timeout_s)
-        if self._acquire_s < translate.pool_timeout_s:
-            translate = Translator(
-                translate.where, translate.scrub, translate.busy_timeout_ms, self._acquire_s, translate.pool_max_size
-            )
-        self._translate = translate
-        self.pooler = pooler
+    def _start(self) -> None:
+        self._grace_s = min(CANCEL_GRACE_S, self._commit_timeout_s)
         self._pool: _Pool | None = None
         self._opening: asyncio.Lock | None = None
         # Behind transaction or statement pooling: psycopg's engine serves.
@@ -240,9 +218,6 @@ class AsyncpgEngine:
         self._options_lost = False
         self._closed = False
 
-    def describe(self) -> str:
-        return self._translate.where
-
     # -- connections -------------------------------------------------------------------
     async def _open(self) -> _Pool | None:
         if self._closed:
@@ -251,12 +226,7 @@ class AsyncpgEngine:
             self._opening = asyncio.Lock()
         async with self._opening:
             if self._pool is None and self._psycopg is None:
-                try:
-                    mode = await asyncio.wait_for(adetect(self._settings, self._translate), self._acquire_s)
-                except TimeoutError:
-                    raise unreachable(
-                        "PostgreSQL", self.describe(), f"no answer within {self._acquire_s:g} s (the commit timeout)"
-                    ) from None
+                mode = await within_acquire(adetect(self._settings, self._translate), self._acquire_s, self.describe())
                 self.pooler = mode
                 arguments = connect_arguments(self._settings, mode)
                 if arguments is None or mode not in ("none", "session"):
