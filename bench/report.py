@@ -1309,6 +1309,7 @@ This page is written by `python -m bench --report` from
 ```sh
 python -m bench            # the whole suite, about 11 minutes on 2 cores; writes bench/results/latest.json
 python -m bench --peers    # the same, then idemctl beside idemkit and Powertools (10): pip install -e '.[bench]'
+python -m bench --only postgres,inflight --peers --merge  # PostgreSQL alone: (7), (10) and (8)/(10) in flight with both drivers' floors, about 6 minutes; merged, page re-rendered
 python -m bench --report   # renders this page from bench/results/latest.json
 python -m bench --instructions  # (0) alone, with valgrind: merged into latest.json, page re-rendered
 python -m bench --quick    # every benchmark at tiny sizes, about 2 minutes (valgrind starting Python is most of it): checks the harness only
