@@ -298,3 +298,28 @@ def test_a_multi_host_url_becomes_asyncpgs_host_and_port_lists_with_the_settings
 )
 def test_a_url_only_libpq_understands_is_served_by_psycopg(url: str) -> None:
     assert asyncpg_engine.connect_arguments(_settings(url), "none") is None
+
+
+def test_a_readonly_ledger_on_asyncpg_reads_and_every_write_is_read_only_error(ledger_target: str) -> None:
+    from idemctl.errors import ReadOnlyDatabaseError
+
+    with Ledger.open(ledger_target) as writer:
+        writer.init()
+    engine = PostgresEngine(ledger_target, readonly=True)
+
+    async def scenario() -> tuple[str, Any, type[BaseException] | None]:
+        aio = engine.open_async()
+        try:
+            read = await aio.execute("SELECT count(*) FROM idempotency_keys", {})
+            try:
+                await aio.execute("DELETE FROM idempotency_keys", {})
+            except ReadOnlyDatabaseError as exc:
+                return type(aio).__name__, read, type(exc)
+            return type(aio).__name__, read, None
+        finally:
+            await aio.aclose()
+
+    try:
+        assert asyncio.run(scenario()) == ("AsyncpgEngine", [(0,)], ReadOnlyDatabaseError)
+    finally:
+        engine.close()
