@@ -32,6 +32,7 @@ from idemctl.storage.postgres import (  # noqa: E402
 )
 from idemctl.storage.postgres.asyncpg_engine import AsyncpgEngine, positional  # noqa: E402
 from tests.adapters.test_gate import call, scope_for  # noqa: E402
+from tests.helpers import drained  # noqa: E402
 
 pytestmark = pytest.mark.engines("postgres")
 T = TypeVar("T")
@@ -323,3 +324,36 @@ def test_a_readonly_ledger_on_asyncpg_reads_and_every_write_is_read_only_error(l
         assert asyncio.run(scenario()) == ("AsyncpgEngine", [(0,)], ReadOnlyDatabaseError)
     finally:
         engine.close()
+
+
+def test_a_loop_that_ended_without_aclose_leaves_no_server_connection_once_the_ledger_closes(
+    ledger_target: str, postgres_server: str
+) -> None:
+    import gc
+
+    app_name = ledger_target.rsplit("application_name=", 1)[1]
+    ledger = Ledger.open(ledger_target)
+    ledger.init()
+    app = IdempotencyMiddleware(binary_app(b"ok"), ledger, principal=lambda scope: scope["user"])
+
+    async def request() -> tuple[int, bytes]:
+        reply = await call(app, scope_for("k1"))
+        await app.wait_idle()
+        return reply
+
+    def connections() -> int:
+        with psycopg.connect(postgres_server, autocommit=True) as admin:
+            row = admin.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (app_name,)
+            ).fetchone()
+        return int(row[0])
+
+    # Nothing the collector would close on its own: the ledger closes them.
+    gc.disable()
+    try:
+        assert asyncio.run(request()) == (201, b"ok")  # the loop is gone, its connections open
+        assert connections() >= 1
+        ledger.close()
+        assert drained(connections, 3) == 0
+    finally:
+        gc.enable()

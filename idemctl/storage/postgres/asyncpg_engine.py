@@ -31,6 +31,8 @@ import asyncio
 import contextlib
 import os
 import re
+import socket
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
@@ -106,6 +108,19 @@ def connect_arguments(settings: ServerSettings, mode: str) -> dict[str, Any] | N
     return out
 
 
+def _end_without_the_loop(conn: asyncpg.Connection) -> None:
+    """End `conn`'s server session with its event loop gone: asyncpg's
+    terminate() needs the loop, so the socket is shut down first (the
+    server sees the client leave at once)."""
+    transport = getattr(conn, "_transport", None)
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(Exception):
+        conn.terminate()
+
+
 class _Pool:
     """At most `size` connections on one loop: the idle ones in a list, the
     callers waiting for one in a queue of futures."""
@@ -116,6 +131,9 @@ class _Pool:
         self._count = 0
         self._idle: list[asyncpg.Connection] = []
         self._waiting: deque[asyncio.Future[asyncpg.Connection | None]] = deque()
+        # Every connection made, in use or idle: `abandon` ends them all
+        # once their loop is gone.
+        self._made: weakref.WeakSet[asyncpg.Connection] = weakref.WeakSet()
         self.closed = False
 
     def take(self) -> asyncpg.Connection | None:
@@ -154,11 +172,13 @@ class _Pool:
         else:
             self._count += 1
         try:
-            return await self._connect()
+            conn = await self._connect()
         except BaseException:
             self._count -= 1
             self._hand_on()
             raise
+        self._made.add(conn)
+        return conn
 
     def put(self, conn: asyncpg.Connection) -> None:
         if conn.is_closed() or self.closed:
@@ -195,10 +215,11 @@ class _Pool:
 
     def abandon(self) -> None:
         self.closed = True
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            with contextlib.suppress(Exception):
-                conn.terminate()
+        # Held here first: the idle list was the last reference to some.
+        made = list(self._made)
+        self._idle = []
+        for conn in made:
+            _end_without_the_loop(conn)
 
 
 class AsyncpgEngine(LoopEngine):
