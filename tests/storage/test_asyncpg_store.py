@@ -24,6 +24,7 @@ from idemctl.errors import (  # noqa: E402
     ConnectionFailedError,
     DatabaseLockedError,
     LedgerUnavailableError,
+    StorageError,
 )
 from idemctl.storage.postgres import (  # noqa: E402
     AsyncPostgresEngine,
@@ -357,3 +358,10 @@ def test_a_loop_that_ended_without_aclose_leaves_no_server_connection_once_the_l
         assert drained(connections, 3) == 0
     finally:
         gc.enable()
+
+
+def test_a_value_asyncpg_cannot_send_is_a_storage_error_not_an_unreachable_server(ledger_target: str) -> None:
+    with pytest.raises(StorageError) as failed:
+        on_loop(ledger_target, "SELECT %(n)s::int", {"n": 2**40})
+    assert not isinstance(failed.value, ConnectionFailedError)
+    assert "out of int32 range" in str(failed.value)

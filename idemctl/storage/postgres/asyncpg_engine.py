@@ -42,6 +42,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from ...errors import CommitTimeoutError, LedgerUnavailableError, StorageError
 from ...text import single_line
+from .. import server
 from ..engine import Params, Rows
 from ..server import unreachable
 from . import pooler as pooling
@@ -121,6 +122,11 @@ def _end_without_the_loop(conn: asyncpg.Connection) -> None:
         conn.terminate()
 
 
+# What asyncpg raises, outside the server's own errors, when there is no
+# usable connection.
+_CONNECTION_LOST = (OSError, TimeoutError, asyncpg.InterfaceError, asyncpg.exceptions.TargetServerAttributeNotMatched)
+
+
 class _Pool:
     """At most `size` connections on one loop: the idle ones in a list, the
     callers waiting for one in a queue of futures."""
@@ -145,6 +151,7 @@ class _Pool:
             if not conn.is_closed():
                 return conn
             self._count -= 1  # the server closed it while idle
+            self._hand_on()
         return None
 
     async def get(self, timeout_s: float) -> asyncpg.Connection:
@@ -293,13 +300,15 @@ class AsyncpgEngine(LoopEngine):
             if state == "22021" and "0x00" in str(exc):
                 return StorageError(f"PostgreSQL cannot store a NUL character in a text column ({exc})")
             return self._translate(exc, connecting=connecting or (state or "").startswith("08"))
+        reason = self._translate.scrub(single_line(str(exc) or type(exc).__name__))
+        if not isinstance(exc, _CONNECTION_LOST):
+            return server.database_error(self.describe(), reason)
         # The socket, not the server, failed: a refused or lost connection
-        # (OSError, asyncpg's "connection is closed"), or no answer.
+        # (OSError, asyncpg's "connection is closed"), no answer, or no
+        # host of the URL that takes writes.
         if isinstance(exc, OSError) and exc.errno:
             # As libpq words it ("Connection refused"), not the socket call that failed.
             reason = os.strerror(exc.errno)
-        else:
-            reason = self._translate.scrub(single_line(str(exc) or type(exc).__name__))
         return unreachable("PostgreSQL", self.describe(), reason)
 
     async def _checkout(self) -> tuple[_Pool, asyncpg.Connection]:
