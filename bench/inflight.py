@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from idemctl import Ledger
@@ -82,14 +82,16 @@ async def _lag_under(level: int, n: int, one: Go) -> dict[str, float]:
     return {"p50_ms": percentile(lags, 50), "p99_ms": percentile(lags, 99), "max_ms": lags[-1] if lags else 0.0}
 
 
-def _group(filename: str, name: str) -> str:
+def _group(filename: str, name: str, first: Sequence[tuple[str, str]] = ()) -> str:
     if filename == "~" and ("epoll" in name or "select" in name):
         return "waiting for the server (epoll)"
     for part, group in (
+        *first,
         ("/idemctl/", "idemctl"),
         ("/psycopg_pool/", "psycopg_pool"),
         ("/psycopg/", "psycopg"),
         ("/asyncpg/", "asyncpg"),
+        ("-packages/redis/", "redis-py"),  # site- or dist-packages: not a checkout's folder named redis
         ("/asyncio/", "asyncio"),
         ("/bench/", "the bench's caller and app"),
     ):
@@ -98,9 +100,10 @@ def _group(filename: str, name: str) -> str:
     return "C calls and the rest" if filename == "~" else "other Python"
 
 
-async def _profile(n: int, level: int, one: Go) -> dict[str, Any]:
+async def _profile(n: int, level: int, one: Go, first: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
     """Where the time of `n` requests at `level` in flight goes (cProfile,
-    internal time by package), and idemctl's own heaviest functions."""
+    internal time by package; `first`: (path part, group) pairs tried before
+    the usual ones), and idemctl's own heaviest functions."""
     import cProfile
     import pstats
 
@@ -113,9 +116,9 @@ async def _profile(n: int, level: int, one: Go) -> dict[str, Any]:
     groups: dict[str, float] = {}
     ours: list[tuple[float, str]] = []
     for (filename, line, name), (_, _, tt, _, _) in stats.items():
-        group = _group(filename, name)
+        group = _group(filename, name, first)
         groups[group] = groups.get(group, 0.0) + tt
-        if group == "idemctl":
+        if "/idemctl/" in filename:
             ours.append((tt, f"{filename.rsplit('/idemctl/', 1)[-1]}:{line}({name})"))
     ours.sort(reverse=True)
     return {

@@ -48,6 +48,33 @@ def available() -> str | None:
 
 
 # -- the child: the workload under callgrind ------------------------------------------
+class Segments:
+    """A child's segments: each warms up, then runs `n` requests between
+    two markers (a dump each), and the manifest says which dump is whose."""
+
+    def __init__(self, n: int, warm_up: int) -> None:
+        self.n, self.warm_up = n, warm_up
+        self.segments: list[dict[str, Any]] = []
+        self.dumps = 0
+
+    def mark(self) -> None:
+        os.getpgrp()
+        self.dumps += 1
+
+    def segment(self, name: str, one: Callable[[str], object], *, what: str) -> None:
+        for i in range(self.warm_up):
+            one(f"{name}-w{i}")
+        self.mark()  # everything before: set-up and warm-up
+        for i in range(self.n):
+            one(f"{name}-m{i}")
+        self.mark()
+        self.segments.append({"name": name, "dump": self.dumps, "requests": self.n, "what": what})
+
+    def write(self, manifest: str) -> None:
+        with open(manifest, "w", encoding="utf-8") as f:
+            json.dump({"segments": self.segments, "dumps": self.dumps}, f)
+
+
 def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = True) -> None:
     import asyncio
     import io
@@ -55,8 +82,6 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
     from idemctl import Ledger, Policy, decision
     from idemctl.fingerprint import fingerprint, parse_key, request_digest
     from idemctl.ledger import check_principal, check_request_line
-    from idemctl.ledger.requests import RequestFlow
-    from idemctl.ledger.steps import SingleSteps
     from idemctl.outcomes import Outcome, Reservation, Ticket
     from idemctl.storage.statements import new_token
 
@@ -87,23 +112,9 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
     raw = raw_connect(path, "OFF")
     policy: Policy = ledger.policy
     principal = "acct_bench"
-    segments: list[dict[str, Any]] = []
-    dumps = 0
     warm_up = QUICK_WARM_UP if quick else WARM_UP
-
-    def mark() -> None:
-        nonlocal dumps
-        os.getpgrp()
-        dumps += 1
-
-    def segment(name: str, one: Callable[[str], object], *, what: str) -> None:
-        for i in range(warm_up):
-            one(f"{name}-w{i}")
-        mark()  # everything before: set-up and warm-up
-        for i in range(n):
-            one(f"{name}-m{i}")
-        mark()
-        segments.append({"name": name, "dump": dumps, "requests": n, "what": what})
+    counted = Segments(n, warm_up)
+    segment = counted.segment
 
     # -- the raw floors
     now = now_ms()
@@ -155,15 +166,14 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
         for i in range(count):
             held[f"{prefix}{i}"] = ledger.claim(principal, f"{prefix}{i}", fp)
 
-    # The ledger's own parts, built on its core as the ledger builds them.
-    steps = SingleSteps(ledger.core)
-    flow = RequestFlow(ledger.core, steps)
+    # The ledger is its request flow, built on its single steps.
+    steps = flow = ledger
 
     def phase_store(key: str) -> None:
         reservation = held[key]
-        stored = steps.prepare(reservation, 201, RESPONSE_HEADERS, STORED_1K)
+        stored = steps._prepare(reservation, 201, RESPONSE_HEADERS, STORED_1K)
         # Steps: driven here, as finish drives them.
-        decision.run(steps.store_answer(reservation, stored, now + 1))
+        decision.run(steps._store_answer(reservation, stored, now + 1))
 
     segment("phase_store", phase_store, what="to_store + the answer + Store.complete")
 
@@ -192,8 +202,7 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
     segment("raw_complete", raw_complete, what="raw fenced completion statement")
 
     if not adapters:
-        with open(manifest, "w", encoding="utf-8") as f:
-            json.dump({"segments": segments, "dumps": dumps}, f)
+        counted.write(manifest)
         return
 
     # -- the adapters: each around the least app of its framework, and that app alone
@@ -246,8 +255,7 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
     if not quick:
         _frameworks(ledger, principal, adapter, segment, wsgi_call, loop, through, STORED_1K, io)
     loop.close()
-    with open(manifest, "w", encoding="utf-8") as f:
-        json.dump({"segments": segments, "dumps": dumps}, f)
+    counted.write(manifest)
 
 
 RESPONSE_HEADERS = {"content-type": "application/json"}
@@ -382,12 +390,11 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 2) if b else None
 
 
-def run(ctx: Context) -> dict[str, Any]:
-    missing = available()
-    if missing:
-        return {"missing": missing}
-    n = QUICK_N if ctx.quick else FULL_N
-    out_dir = os.path.join(ctx.workdir, "callgrind")
+def callgrind(out_dir: str, child: list[str]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Run ``python -m <child...> MANIFEST`` under callgrind, in a fresh
+    `out_dir`: the child marks each segment's edges with getpgrp() and
+    writes the manifest ({"segments": [...], "dumps": n}). Returns its
+    segments and each one's dump file (the caller removes `out_dir`)."""
     shutil.rmtree(out_dir, ignore_errors=True)
     os.makedirs(out_dir)
     manifest = os.path.join(out_dir, "segments.json")
@@ -400,13 +407,9 @@ def run(ctx: Context) -> dict[str, Any]:
         f"--callgrind-out-file={os.path.join(out_dir, 'cg.out')}",
         sys.executable,
         "-m",
-        "bench.instructions",
-        ctx.workdir,
-        str(n),
-        "quick" if ctx.quick else "full",
+        *child,
         manifest,
     ]
-    ctx.log(f"[instructions] callgrind over {n} requests a segment")
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"the callgrind child failed: {proc.stderr[-2000:]}")
@@ -417,16 +420,26 @@ def run(ctx: Context) -> dict[str, Any]:
         os.path.join(out_dir, f"cg.out.{plan['dumps'] + 1}")
     ):
         raise RuntimeError("callgrind's dumps do not match the segments: something else called getpgrp()")
+    return plan["segments"], {seg["name"]: dump_files[seg["dump"] - 1] for seg in plan["segments"]}
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    missing = available()
+    if missing:
+        return {"missing": missing}
+    n = QUICK_N if ctx.quick else FULL_N
+    out_dir = os.path.join(ctx.workdir, "callgrind")
+    ctx.log(f"[instructions] callgrind over {n} requests a segment")
+    segments, dumps = callgrind(out_dir, ["bench.instructions", ctx.workdir, str(n), "quick" if ctx.quick else "full"])
     per: dict[str, float] = {}
     sqlite_share: dict[str, float] = {}
-    for seg in plan["segments"]:
-        dump = dump_files[seg["dump"] - 1]
-        per[seg["name"]] = _total(dump) / seg["requests"]
+    for seg in segments:
+        per[seg["name"]] = _total(dumps[seg["name"]]) / seg["requests"]
         if seg["name"] in ("raw_first", "raw_replay", "handle_first", "handle_replay"):
-            inc = _inclusive(dump, SQLITE_FUNCTIONS)
+            inc = _inclusive(dumps[seg["name"]], SQLITE_FUNCTIONS)
             sqlite_share[seg["name"]] = sum(inc.values()) / seg["requests"]
     shutil.rmtree(out_dir, ignore_errors=True)
-    return _summarise(per, sqlite_share, plan["segments"], n)
+    return _summarise(per, sqlite_share, segments, n)
 
 
 def _summarise(

@@ -317,18 +317,11 @@ class IdemkitWsgi(System):
     ttl_default_s = 30.0
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        from idemkit import HttpConfig, PostgresBackend, WSGIIdempotencyMiddleware
+        from idemkit import PostgresBackend
 
         self.spec = spec
         self.backend = PostgresBackend.from_url(asyncpg_url(spec["pg_base"], spec["schema"]))
-        self.config = HttpConfig(
-            scope=lambda req: req.environ.get("REMOTE_USER"),
-            lease_ttl_seconds=spec["ttl_s"],
-            # Its default (10 s) makes a duplicate wait for the first attempt; a
-            # test that polls for the end of a lease shortens it.
-            wait_timeout_seconds=spec.get("wait_s"),
-        )
-        self.app = WSGIIdempotencyMiddleware(wsgi_app, backend=self.backend, config=self.config)
+        self.app = idemkit_wsgi_on(self.backend, spec["ttl_s"], spec.get("wait_s"))
 
     def call(self, key: str, handler: Handler | None = None) -> Reply:
         run, ran = _counted(handler)
@@ -457,11 +450,34 @@ def idemctl_asgi(ledger: Ledger) -> Any:
 
 def idemkit_asgi(spec: dict[str, Any]) -> tuple[Any, Any]:
     """Its ASGI middleware and the backend, whose pool opens on the calling loop."""
-    from idemkit import HttpConfig, IdempotencyMiddleware, PostgresBackend
+    from idemkit import PostgresBackend
 
     backend = PostgresBackend.from_url(asyncpg_url(spec["pg_base"], spec["schema"]))
-    config = HttpConfig(scope=lambda req: req.headers.get("x-account"), lease_ttl_seconds=spec["ttl_s"])
-    return IdempotencyMiddleware(asgi_app, backend=backend, config=config, manage_backend=False), backend
+    return idemkit_asgi_on(backend, spec["ttl_s"]), backend
+
+
+def idemkit_asgi_on(backend: Any, ttl_s: float) -> Any:
+    """idemkit's ASGI middleware on any of its backends (PostgreSQL, Redis),
+    the principal taken from the header an auth layer would have set."""
+    from idemkit import HttpConfig, IdempotencyMiddleware
+
+    config = HttpConfig(scope=lambda req: req.headers.get("x-account"), lease_ttl_seconds=ttl_s)
+    return IdempotencyMiddleware(asgi_app, backend=backend, config=config, manage_backend=False)
+
+
+def idemkit_wsgi_on(backend: Any, ttl_s: float, wait_s: float | None = None) -> Any:
+    """idemkit's WSGI middleware on any of its backends, the principal the
+    environ's REMOTE_USER."""
+    from idemkit import HttpConfig, WSGIIdempotencyMiddleware
+
+    config = HttpConfig(
+        scope=lambda req: req.environ.get("REMOTE_USER"),
+        lease_ttl_seconds=ttl_s,
+        # Its default (10 s) makes a duplicate wait for the first attempt; a
+        # test that polls for the end of a lease shortens it.
+        wait_timeout_seconds=wait_s,
+    )
+    return WSGIIdempotencyMiddleware(wsgi_app, backend=backend, config=config)
 
 
 def idemctl_function(ledger: Ledger) -> Callable[..., Any]:

@@ -1158,6 +1158,12 @@ def move_table(res: dict[str, Any]) -> list[str]:
     return out
 
 
+def _beside_idemkit(first: list[str], kit: bool) -> list[str]:
+    """The head and rule of a table of idemctl beside a floor (and idemkit, when measured)."""
+    cols = [*first, "idemctl/s", "÷ floor", *(("idemkit/s", "÷ floor", "idemctl ÷ idemkit") if kit else ())]
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+
 # The in-flight systems, as the table names them (a run from before the
 # asyncpg floor had only "idemctl" and "idemkit", against psycopg's floor).
 INFLIGHT_SYSTEMS = (
@@ -1740,30 +1746,121 @@ def write_page(path: str, results: dict[str, Any]) -> None:
 
 
 def redis_peers_table(res: dict[str, Any]) -> list[str]:
-    """(13) The page's table: medians, and each as a ratio to the floor of the same run."""
-    got = res["results"]
-    floor = got["floor"]
+    """(13) The page's table: requests per second of each system through
+    each door and level, as a ratio to the floor and idemctl's to idemkit's
+    (each ratio taken within a round; median and min–max of the rounds)."""
+    if "rows" not in res:  # results from before the doors and levels: one request at a time
+        return [
+            "(13) Redis: the published results predate the run through both doors at 1, 10 and 50 in flight; "
+            "run `python -m bench.redis_peers`."
+        ]
+    kit = "idemctl_vs_idemkit" in res["rows"][0]
+    lines = _beside_idemkit(["(13) Redis", "in flight", "kind", "raw redis-py floor/s"], kit)
+    missed = []
+    for c in res["rows"]:
+        door = "WSGI, threads" if c["door"] == "wsgi" else "ASGI, tasks"
+        kind = "first calls" if c["kind"] == "first" else "replays"
+        cells = [door, str(c["level"]), kind, _sp(c["floor"], 0), _sp(c["idemctl"], 0), _sp(c["idemctl_vs_floor"])]
+        if kit:
+            cells += [_sp(c["idemkit"], 0), _sp(c["idemkit_vs_floor"]), _sp(c["idemctl_vs_idemkit"])]
+            if c["idemctl_vs_idemkit"]["median"] < res["aim"]:
+                missed.append(f"{c['door'].upper()} {kind} at {c['level']}")
+        lines.append("| " + " | ".join(cells) + " |")
+    v = res["versions"]
+    lines += [
+        "",
+        f"Measured in a run of its own (`python -m bench.redis_peers`, {res['elapsed_s']:.0f} s), {res['started_utc']}, "
+        f"at commit `{res['commit']}`, load average {res['load']} at the start and {res['load_end']} at the end, "
+        f"{res['nproc']} cores; redis-server {res['server']} on loopback, redis-py {v.get('redis')}, "
+        f"idemctl {v.get('idemctl')}" + (f", idemkit {v.get('idemkit')}" if kit else "") + ". "
+        f"{res['rounds']} alternated rounds of {res['requests_per_round']} requests per variant "
+        "(median and min–max; each ratio within a round). WSGI: the middleware called from that many threads; "
+        "ASGI: that many tasks on one event loop. The floor is what any Redis ledger sends: SET NX + SET XX "
+        "for a first call, one GET for a replay (redis-py's synchronous client for WSGI, `redis.asyncio` for ASGI). "
+        "idemctl sends the floor's round trips (two scripts a first call; a replay is the claim, which hands back "
+        "the row in its way); the rest is its Python per request and EVALSHA's cost over a plain SET. idemkit's "
+        "WSGI middleware runs its asyncio backend on a loop of its own through a bridge.",
+    ]
+    if kit:
+        lines += [
+            "",
+            f"The aim is idemctl ≥ {res['aim']}× idemkit on every row: "
+            + (f"missed on {', '.join(missed)}." if missed else "met on every row."),
+        ]
+    if "profile" in res:
+        lines += ["", _redis_profile(res["profile"])]
+    return lines + _redis_instructions(res.get("instructions"))
+
+
+def _redis_instructions(ins: dict[str, Any] | None) -> list[str]:
+    """(13) instructions: one request at a time through the WSGI door, callgrind."""
+    if not ins:
+        return []
+    if "missing" in ins:
+        return ["", f"(13) instructions: not counted ({ins['missing']})."]
     names = {
-        "floor": "raw redis-py (the floor: SET NX + SET XX; GET)",
-        "idemctl": "idemctl, `IdempotencyMiddleware`",
+        "floor": "raw redis-py (SET NX + SET XX; GET)",
+        "idemctl": "idemctl, WSGI `IdempotencyMiddleware`",
         "idemkit": "idemkit, `WSGIIdempotencyMiddleware` + `RedisBackend`",
     }
     lines = [
-        "(13) Redis, one request at a time through WSGI (1 KiB answer): median µs a request, × the floor",
         "",
-        "| system | first call | replay |",
-        "|---|---|---|",
+        "| (13) instructions a request, WSGI on Redis (callgrind) | first call | ÷ floor | replay | ÷ floor |",
+        "|---|---|---|---|---|",
     ]
-    for name, row in got.items():
-        cells = [f"{row[k]:.0f} µs ({row[k] / floor[k]:.1f}×)" for k in ("first", "replay")]
-        lines.append(f"| {names.get(name, name)} | {cells[0]} | {cells[1]} |")
+    by = {(r["system"], r["kind"]): r for r in ins["rows"]}
+    for system, label in names.items():
+        if (system, "first") in by:
+            first, replay = by[(system, "first")], by[(system, "replay")]
+            lines.append(
+                f"| {label} | {_n(first['instructions'])} | {first['vs_floor']:.2f} "
+                f"| {_n(replay['instructions'])} | {replay['vs_floor']:.2f} |"
+            )
     lines += [
         "",
-        f"Measured in a run of its own (`python -m bench.redis_peers`), {res['started_utc']}, at commit "
-        f"`{res['commit']}`, load average {res['load']}, {res['n']} requests each, on one redis-server "
-        f"{res['server']} started on loopback. idemctl sends the floor's round trips (two scripts a first call; "
-        "a replay is the claim, which hands back the row in its way); the rest is its Python per request "
-        "and EVALSHA's cost over a plain SET. idemkit's WSGI middleware runs its asyncio backend through a "
-        "bridge. Instruction counts (0) are SQLite's only.",
+        f"Counted by valgrind's callgrind in the same run, {ins['requests_per_segment']} requests a segment after a "
+        "warm-up, one at a time: the instructions of the Python process only (the client's side: redis-server's "
+        "own work is not counted), so they hold on a busy machine. idemkit's count includes its bridge's "
+        "background event loop, which runs its backend for the WSGI middleware.",
     ]
     return lines
+
+
+def _redis_profile(profile: dict[str, Any]) -> str:
+    """Where idemctl's (and idemkit's) time goes on Redis, from the run's cProfile passes."""
+    names = {
+        "wsgi_first_1": "idemctl, WSGI first call, 1 in flight",
+        "wsgi_replay_1": "idemctl, WSGI replay, 1 in flight",
+        "asgi_first_10": "idemctl, ASGI first call, 10 in flight",
+        "asgi_replay_10": "idemctl, ASGI replay, 10 in flight",
+        "asgi_first_10_idemkit": "idemkit, ASGI first call, 10 in flight",
+        "asgi_replay_10_idemkit": "idemkit, ASGI replay, 10 in flight",
+    }
+    groups = ("idemctl's store", "idemctl", "idemkit", "redis-py", "asyncio", "C calls and the rest")
+    shown = {"idemctl": "the rest of idemctl", "idemkit": "idemkit's own"}
+    parts = []
+    for key, label in names.items():
+        p = profile.get(key)
+        if p:
+            share = p["share"]
+            cells = ", ".join(f"{shown.get(g, g)} {share[g] * 100:.0f}%" for g in groups if g in share)
+            parts.append(f"{label}: {p['us_per_request']:.0f} µs ({cells})")
+    text = (
+        "Where the time goes (cProfile's internal time by package, after the rounds; the profiler slows "
+        "every call, so compare shares, not µs with the table): " + "; ".join(parts) + "."
+    )
+
+    def own(key: str, groups: tuple[str, ...]) -> float:
+        p = profile[key]
+        return float(sum(p["share"].get(g, 0.0) for g in groups) * p["us_per_request"])
+
+    if "asgi_first_10" in profile and "asgi_first_10_idemkit" in profile:
+        ours, theirs = own("asgi_first_10", ("idemctl", "idemctl's store")), own("asgi_first_10_idemkit", ("idemkit",))
+        store = own("asgi_first_10", ("idemctl's store",))
+        text += (
+            f" On ASGI a first call spends {ours:.0f} µs (under the profiler) in idemctl's own Python, "
+            f"{store:.0f} µs of it in the store, against {theirs:.0f} µs in idemkit's: the gap is the request "
+            "machinery every engine shares (the exchange, the decision loop, the fingerprint, the task that "
+            "shields each write from a cancelled request), not the Redis store."
+        )
+    return text

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Generator
@@ -297,6 +298,13 @@ def blocking(steps: Callable[Concatenate[S, P], Steps[T]]) -> Callable[Concatena
     call.__name__, call.__qualname__ = name, steps.__qualname__.removesuffix("_steps")
     call.__module__ = steps.__module__
     call.__doc__ = f"Run :meth:`{steps.__name__}` in the calling thread.\n\n{steps.__doc__ or ''}"
+    # What help(), inspect and documentation generators show: the steps'
+    # parameters, returning what the steps return.
+    made = inspect.signature(steps)
+    returned = made.return_annotation
+    if isinstance(returned, str) and returned.removeprefix("decision.").startswith("Steps["):
+        returned = returned.removeprefix("decision.")[len("Steps[") : -1]
+    call.__signature__ = made.replace(return_annotation=returned)  # type: ignore[attr-defined]
     return call
 
 
@@ -341,6 +349,7 @@ async def through_async(
     in_thread: InThread,
     store: AsyncStore | None = None,
     orphaned: Callable[[Any], object] | None = None,
+    shielded: bool = False,
 ) -> Any:
     """Run `op` (None: the steps' next operation) and every store operation
     and pause the steps yield after it, from an event loop, up to the first
@@ -358,9 +367,14 @@ async def through_async(
     which `orphaned(landed)` is given (to release a claim nobody will use);
     it may return steps (the release), driven the same way. Steps not at
     their end are then closed. Without it, what lands for a cancelled
-    caller is left as it is (a completion, a release, a sweep)."""
+    caller is left as it is (a completion, a release, a sweep).
+
+    `shielded` says the caller runs in a task of its own that a request's
+    cancellation never reaches (the door's shielded mutation): its writes
+    are awaited as they are, with no task and no shield of their own."""
     if store is not None:
-        return await _through_on(steps, _next(steps, None, None) if op is None else op, store, orphaned, in_thread)
+        first = _next(steps, None, None) if op is None else op
+        return await _through_on(steps, first, store, orphaned, in_thread, shielded)
     while True:
         if op is None or type(op) is Pause:
             if op is not None:
@@ -386,7 +400,12 @@ async def through_async(
 
 
 async def _through_on(
-    steps: Steps[Any], op: Any, store: AsyncStore, orphaned: Callable[[Any], object] | None, in_thread: InThread
+    steps: Steps[Any],
+    op: Any,
+    store: AsyncStore,
+    orphaned: Callable[[Any], object] | None,
+    in_thread: InThread,
+    shielded: bool,
 ) -> Any:
     while True:
         kind = type(op)
@@ -395,9 +414,10 @@ async def _through_on(
             value, error = None, None
         elif kind not in STORE_OPS:
             return op
-        elif kind is Tables or (kind is Statement and not op.write):
-            # A read cut off by a cancellation leaves nothing behind: no
-            # shield (and no task of its own) needed.
+        elif shielded or kind is Tables or (kind is Statement and not op.write):
+            # A read cut off by a cancellation leaves nothing behind, and a
+            # shielded caller's writes are never cut off: no shield (and no
+            # task of its own) needed.
             value, error = await _outcome_async(op, store)
         else:
             # Shielded: a cancelled caller does not cut a write off half-way

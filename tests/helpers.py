@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import json
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -71,11 +73,11 @@ def read_terminal(master: int, on_output: Callable[[bytes], object] | None = Non
     return seen
 
 
-def quick_bench(module: str, workdir: Path) -> Any:
-    """What ``python -m bench.<module> --quick`` prints (its JSON), run
-    from the checkout with its files under `workdir`; it must exit 0."""
+def quick_bench(module: str, workdir: Path, *extra: str) -> Any:
+    """What ``python -m bench.<module> --quick [extra...]`` prints (its
+    JSON), run from the checkout with its files under `workdir`; it must exit 0."""
     proc = subprocess.run(
-        [sys.executable, "-m", f"bench.{module}", "--quick", "--dir", str(workdir)],
+        [sys.executable, "-m", f"bench.{module}", "--quick", "--dir", str(workdir), *extra],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -435,3 +437,85 @@ def drained(count: Callable[[], int], within_s: float) -> int:
     while (left := count()) and time.monotonic() < deadline:
         time.sleep(0.02)
     return left
+
+
+def handled_in_a_forked_child(ledger: Ledger, key: str, probe: Callable[[Ledger], int]) -> tuple[int, int]:
+    """Fork; the child runs one request for `key` on the parent's ledger,
+    reports `probe(ledger)` (which connection it used) and the answer's
+    status, closes its copy of the ledger and exits. Returns what the child
+    reported, once it has exited cleanly."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            answer = ledger.handle("acct", key, "POST", "/o", {}, b"{}", lambda body: (201, {}, b"{}"))
+            os.write(write_end, json.dumps([probe(ledger), answer.status]).encode())
+            ledger.close()  # closes the child's connections only
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    _, status = os.waitpid(child, 0)
+    report = os.read(read_end, 1000)
+    os.close(read_end)
+    assert os.waitstatus_to_exitcode(status) == 0
+    child_probe, child_status = json.loads(report)
+    return child_probe, child_status
+
+
+def post_scope(key: str, *, path: str = "/orders", body_length: int = 2, **more: Any) -> dict[str, Any]:
+    """The ASGI scope of one POST carrying an Idempotency-Key (and `more` keys)."""
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [(b"idempotency-key", key.encode()), (b"content-length", str(body_length).encode())],
+        **more,
+    }
+
+
+async def asgi_exchange(app: Any, scope: dict[str, Any], body: bytes = b"{}") -> list[dict[str, Any]]:
+    """Run `app` for one request whose body is `body` in one message; every
+    message it sent. A further receive waits, as a client that stays does."""
+    sent: list[dict[str, Any]] = []
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent
+
+
+@dataclass
+class Reply:
+    """An answer as a test's client saw it: the status as its server gives
+    it (a WSGI status line, or a number), header pairs, the body."""
+
+    status: int | str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        values = [v for k, v in self.headers if k.lower() == name.lower()]
+        return values[0] if values else None
+
+    @property
+    def lowered(self) -> list[tuple[str, str]]:
+        return [(k.lower(), v) for k, v in self.headers]
+
+    @property
+    def code(self) -> int:
+        return int(str(self.status)[:3])
+
+    def json(self) -> Any:
+        return json.loads(self.body)

@@ -265,7 +265,7 @@ async def _run_and_store(gate: Gate, steps: Exchange, run: Run, door: AsyncDoor,
     if type(need) in _STORE_WORK:
         if store is _UNKNOWN:
             store = gate.ledger.async_store()
-        need = await decision.through_async(steps, need, door.in_thread, store)
+        need = await decision.through_async(steps, need, door.in_thread, store, shielded=True)
     return None if type(need) is End else need
 
 

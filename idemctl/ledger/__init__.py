@@ -3,12 +3,12 @@
 `Ledger` is the front door apps use; ``ledger.operator`` is the one
 operators use. Both are made of parts, one module each, all built on one
 `core` (store, policy, clock, events, leases, opening and the schema):
-`steps` (one statement each), `requests` (begin, finish, abandon, handle),
+`steps` (one statement each) and `requests` (begin, finish, abandon,
+handle), which `Ledger` is built on, so their methods are its own;
 `housekeeping` (the post-response sweep, sweep, drain), `operator` (what
-operators read and change), `shortcuts` (idempotent functions), `events`
-(listeners and the event log), `inputs` (what a principal and a request
-line may hold). `face` declares the request path's methods of `Ledger`
-(signatures and documentation), `deprecated` the operator's old names on it."""
+operators read and change), `events` (listeners and the event log),
+`inputs` (what a principal and a request line may hold); `deprecated`
+holds the operator's old names on the ledger."""
 
 from __future__ import annotations
 
@@ -16,24 +16,22 @@ import os
 from collections.abc import Callable
 from typing import Self
 
-from .. import functions
+from .. import decision, functions
 from ..call_values import SerializerLike
-from ..outcomes import Event, InitResult, Outcome
+from ..outcomes import Answer, Event, InitResult, Outcome, SweepResult
 from ..policy import DEFAULT_BUSY_TIMEOUT_MS, Policy
 from ..storage import DEFAULT_FILE_MODE, SqliteOptions, Store, open_store
 from ..storage.aio import AsyncStore
 from .core import Clock, LedgerCore, wall_clock_ms
 from .deprecated import operator_alias, warn_once
-from .face import RequestFace
 from .housekeeping import Housekeeping
 from .inputs import MAX_PATH_BYTES, MAX_PRINCIPAL_BYTES, check_principal, check_request_line
 from .operator import Operator
 from .requests import Mutation, RequestFlow, RunResult
-from .shortcuts import FunctionShortcuts
-from .steps import SingleSteps
 
-# What apps call, by the part whose own method it is. `Ledger.__init__`
-# binds each part's method on the instance under its name.
+# What apps call that is the core's or the housekeeping's own method:
+# `Ledger.__init__` binds each on the instance under its name (the request
+# flow's and the single steps' are the ledger's own, by inheritance).
 CORE_NAMES = (
     "subscribe",
     "publish",
@@ -47,24 +45,10 @@ CORE_NAMES = (
     "has_fenced_log",
     "require_schema",
 )
-FLOW_NAMES = (
-    "begin_steps",
-    "begin",
-    "finish_steps",
-    "finish",
-    "abandon_steps",
-    "abandon",
-    "handle",
-    "decide",
-    "refuse",
-    "shape",
-)
-STEP_NAMES = ("claim", "lookup", "takeover", "complete_steps", "complete", "release_steps", "release")
 CHORE_NAMES = ("sweep_due", "after_response_steps", "after_response")
-CALL_NAMES = ("idempotent", "idempotent_call")
 
 
-class Ledger(RequestFace):
+class Ledger(RequestFlow):
     """An idempotency ledger. Safe to share between threads; each thread (and
     each forked process) gets its own database connection.
 
@@ -90,28 +74,19 @@ class Ledger(RequestFace):
 
     def __init__(self, store: Store, *, policy: Policy | None = None, clock: Clock | str | None = None) -> None:
         #: The state every part shares: store, policy, clock, listeners, leases.
-        self.core = core = LedgerCore(store, policy=policy, clock=clock)
-        steps = SingleSteps(core)
-        flow = RequestFlow(core, steps)
+        core = LedgerCore(store, policy=policy, clock=clock)
+        super().__init__(core)
         chores = Housekeeping(core)
-        calls = FunctionShortcuts(core, steps, flow, chores)
         #: What operators call: reads, purge, sweep, drain, copy.
         self.operator = Operator(core, chores)
-        # Fixed at opening: plain attributes, read on every request.
-        self.store, self.policy, self.leases = core.store, core.policy, core.leases
-        # What apps call is each part's own method, bound once here on the
-        # instance, where it shadows the class's method of the same name (a
-        # function, so the instance's attribute wins): a request goes through
-        # no layer of the ledger's own, and the class's methods below are
-        # what help(), documentation generators and type checkers read.
+        self.leases = core.leases
+        # The core's and the housekeeping's methods, bound once here on the
+        # instance, where each shadows the class's method of the same name
+        # (a function, so the instance's attribute wins): a call goes
+        # through no layer of the ledger's own, and the class's methods
+        # below are what help(), documentation generators and type checkers read.
         own = vars(self)
-        for part, names in (
-            (core, CORE_NAMES),
-            (flow, FLOW_NAMES),
-            (steps, STEP_NAMES),
-            (chores, CHORE_NAMES),
-            (calls, CALL_NAMES),
-        ):
+        for part, names in ((core, CORE_NAMES), (chores, CHORE_NAMES)):
             for name in names:
                 own[name] = getattr(part, name)
         own["heard"] = core.events.heard
@@ -178,9 +153,10 @@ class Ledger(RequestFace):
     def clock(self, clock: Clock) -> None:
         self.core.clock = clock
 
-    # -- what apps call (the request path's own are RequestFace's) ------------------
+    # -- what apps call of the core and the housekeeping ------------------------
     # Shadowed on every instance by the part's own method that __init__
-    # binds under the same name: a body here calls that (see idemctl.ledger.face).
+    # binds under the same name: a body here calls that, and runs only when
+    # reached through the class (``Ledger.init(ledger)``).
 
     def init(self, *, dry_run: bool = False) -> InitResult:
         """Create or upgrade the schema; safe to run any number of times.
@@ -313,6 +289,42 @@ class Ledger(RequestFace):
         """
         return await self.aclose()
 
+    def sweep_due(self, answer: Answer) -> bool:
+        """Whether `after_response(answer)` would run a statement: only for
+        answers that ran the mutation, and not while the last probe showed
+        nothing can expire yet. No I/O, so an async adapter can skip the
+        hand-off to a thread.
+
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> first = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b""))
+        >>> ledger.sweep_due(first), ledger.after_response(first).quiet_for_ms > 0, ledger.sweep_due(first)
+        (True, True, False)
+        """
+        return self.sweep_due(answer)
+
+    def after_response_steps(self, answer: Answer) -> decision.Steps[SweepResult | None]:
+        """:meth:`after_response` as steps, for a driver that does its I/O
+        its own way (see :meth:`begin_steps`).
+
+        >>> ledger = Ledger.open(":memory:", clock=lambda: 1_700_000_000_000); _ = ledger.init()
+        >>> answer = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b""))
+        >>> decision.run(ledger.after_response_steps(answer)).deleted
+        0
+        """
+        return self.after_response_steps(answer)
+
+    def after_response(self, answer: Answer) -> SweepResult | None:
+        """The post-response housekeeping of SPEC §4.9: one bounded sweep batch
+        at the request's own `now`. Call it after the answer has been sent.
+        It never raises: a failed sweep is logged and retried by the next request.
+
+        >>> ledger = Ledger.open(":memory:", clock=lambda: 1_700_000_000_000); _ = ledger.init()
+        >>> answer = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b""))
+        >>> ledger.after_response(answer).deleted
+        0
+        """
+        return self.after_response(answer)
+
     def idempotent(
         self,
         *,
@@ -364,14 +376,8 @@ class Ledger(RequestFace):
         >>> settle("pay_2", "12.50"), settle("pay_2", "12.50")
         (Receipt(payment_id='pay_2', amount='12.50'), Receipt(payment_id='pay_2', amount='12.50'))
         """
-        return self.idempotent(
-            key=key,
-            principal=principal,
-            args=args,
-            name=name,
-            serializer=serializer,
-            release_on_error=release_on_error,
-        )
+        settings = functions.CallSettings(name, serializer, release_on_error)
+        return functions.IdempotentDecorator(self, key=key, principal=principal, args=args, settings=settings)
 
     def idempotent_call(
         self,
@@ -398,14 +404,8 @@ class Ledger(RequestFace):
         1 executed {'charged': 500}
         2 replayed {'charged': 500}
         """
-        return self.idempotent_call(
-            principal=principal,
-            key=key,
-            args=args,
-            name=name,
-            serializer=serializer,
-            release_on_error=release_on_error,
-        )
+        settings = functions.CallSettings(name, serializer, release_on_error)
+        return functions.IdempotentCall(self, principal=principal, key=key, args=args, settings=settings)
 
     # -- the operator's methods under their old names: deprecated ------------------
     get = operator_alias(Operator.get)

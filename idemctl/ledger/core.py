@@ -1,8 +1,8 @@
 """The ledger's core: the state every job of the ledger shares (its store,
 policy, clock, listeners, live reservations and asynchronous stores), and
-opening, closing and the schema. The request flow, housekeeping, the
-operator's side and the function shortcuts are objects built on one core
-(see `idemctl.ledger`)."""
+opening, closing and the schema. The ledger (its request flow),
+housekeeping and the operator's side are built on one core (see
+`idemctl.ledger`)."""
 
 from __future__ import annotations
 

@@ -47,26 +47,25 @@ _OWN_ANSWERS = frozenset(
 )
 
 
-class RequestFlow:
+class RequestFlow(SingleSteps):
     """Two phases, so that every adapter (WSGI, ASGI, Django, functions) runs
     the app itself between them and the contract lives here alone: `begin`
     decides (one claim, and at most a lookup and a takeover), `finish`
     stores the answer with one fenced statement and returns what was stored.
     Built on a ledger's core and its single steps; :class:`~idemctl.Ledger`
-    hands its methods to apps as they are.
+    is one, so these methods are the ledger's own.
 
     >>> from idemctl import Ledger
     >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
-    >>> flow = RequestFlow(ledger.core, SingleSteps(ledger.core))
+    >>> flow = RequestFlow(ledger.core)
     >>> flow.handle("acct_1", "k1", "POST", "/orders", {}, b"", lambda body: (201, {}, b"")).status
     201
     """
 
-    def __init__(self, core: LedgerCore, steps: SingleSteps) -> None:
-        self.core, self.steps = core, steps
+    def __init__(self, core: LedgerCore) -> None:
+        super().__init__(core)
         # Fixed at opening: read straight off this object on the request path.
-        self.store, self.policy, self.events = core.store, core.policy, core.events
-        self._hold, self._drop = core.hold, core.drop
+        self.events, self._hold = core.events, core.hold
 
     def begin_steps(
         self,
@@ -77,7 +76,25 @@ class RequestFlow:
         headers: HeadersLike | None,
         body: bytes | bytearray | memoryview,
     ) -> decision.Steps[Answer | Ticket]:
-        """Decide one request, as steps: see :meth:`idemctl.Ledger.begin_steps`."""
+        """Decide one request (SPEC §1 and §4): an :class:`Answer` to send as it
+        is (a replay, 400, 401, 409), or a :class:`Ticket` that says: run the
+        mutation once with ``ticket.body``, then call :meth:`finish` (or
+        :meth:`abandon` if it raised). :meth:`begin` runs these steps in the
+        calling thread (`idemctl.decision.run`); a driver that does its I/O
+        its own way runs them itself (`idemctl.decision.run_async` from an
+        event loop): they yield the store operations they need and the
+        pauses between the polls of an in-progress wait.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> ticket = ledger.begin("acct_1", "k1", "POST", "/orders", {}, b'{"sku":"x"}')
+        >>> ticket.outcome, ticket.reservation.generation
+        (<Outcome.EXECUTED: 'executed'>, 1)
+        >>> ledger.finish(ticket, 201, {"content-type": "application/json"}, b'{"id":7}').status
+        201
+        >>> decision.run(ledger.begin_steps("acct_1", "k1", "POST", "/orders", {}, b'{"sku":"x"}')).outcome
+        <Outcome.REPLAYED: 'replayed'>
+        """
         policy = self.policy
         raw = as_body_bytes(body, "request body")
         if not policy.protects(method):
@@ -125,7 +142,19 @@ class RequestFlow:
     begin = decision.blocking(begin_steps)
 
     def decide(self, principal: str, key: str, fingerprint: str) -> decision.Steps[decision.Decision]:
-        """The decision loop itself, as steps: see :meth:`idemctl.Ledger.decide`."""
+        """The decision loop itself, for integrations with their own request
+        shape (idempotent functions): claim, or look up and branch, with the
+        policy's in-progress wait. Drive it with `idemctl.decision.run` (or
+        `run_async`); a :class:`~idemctl.decision.Claimed` result owns the
+        reservation.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> decision.run(ledger.decide("billing", "pay_1", "fp")).outcome
+        <Outcome.EXECUTED: 'executed'>
+        >>> type(decision.run(ledger.decide("billing", "pay_1", "other"))).__name__
+        'Reused'
+        """
         check_principal(principal)
         key = check_key(key)
         return self._decide_and_hold(principal, key, fingerprint)
@@ -191,7 +220,14 @@ class RequestFlow:
         return answer
 
     def shape(self, answer: tuple[int, responses.Headers, bytes]) -> tuple[int, responses.Headers, bytes]:
-        """One of idemctl's own error answers as the policy wants it: see :meth:`idemctl.Ledger.shape`."""
+        """One of idemctl's own error answers as the policy wants it: the
+        recipe's ``{"error": ...}`` JSON, or RFC 9457 problem details with
+        ``Policy(problem_details=True)``.
+
+        >>> from idemctl import Ledger, Policy
+        >>> Ledger.open(":memory:", policy=Policy(problem_details=True)).shape(responses.key_required())[1]
+        (('content-type', 'application/problem+json'),)
+        """
         return responses.as_problem(answer) if self.policy.problem_details else answer
 
     def refuse(
@@ -204,8 +240,19 @@ class RequestFlow:
         method: str,
         path: str,
     ) -> Answer:
-        """An answer an adapter makes before the ledger is asked, published as an event:
-        see :meth:`idemctl.Ledger.refuse`."""
+        """An answer an adapter makes before the ledger is asked (401, a body
+        it cannot read, a repeated key field), published as an event like
+        every decision of the ledger's own.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> seen = []; _ = ledger.subscribe(seen.append)
+        >>> ledger.refuse(responses.unauthenticated(), Outcome.UNAUTHENTICATED,
+        ...               principal=None, key="k1", method="POST", path="/orders").status
+        401
+        >>> seen[0].outcome.value, seen[0].key
+        ('unauthenticated', 'k1')
+        """
         answer = Answer(*self.shape(refusal), outcome)
         if self.events.heard(outcome):
             event = Event(outcome, principal, key, None, method, path, answer.status, 0.0, None, wall_clock_ms())
@@ -219,7 +266,24 @@ class RequestFlow:
         headers: HeadersLike | None,
         body: bytes | bytearray | memoryview | str | responses.OversizeBody,
     ) -> decision.Steps[Answer]:
-        """Store the mutation's answer with one fenced statement, as steps: see :meth:`idemctl.Ledger.finish_steps`."""
+        """Store the mutation's answer with one fenced statement and return the
+        answer built from what was stored (equal to every later replay). A
+        late owner is fenced out: it still gets the answer it computed, and
+        the event is recorded. If the store fails, AnswerNotStoredError
+        carries the answer the app computed, shaped as a stored one.
+        :meth:`finish` runs these steps in the calling thread (see
+        :meth:`begin_steps`).
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> ticket = ledger.begin("acct_1", "k2", "POST", "/orders", {}, b"{}")
+        >>> answer = ledger.finish(ticket, 201, {"location": "/orders/8"}, b"ok")
+        >>> answer.outcome, answer.header("location"), answer.body
+        (<Outcome.EXECUTED: 'executed'>, '/orders/8', b'ok')
+        >>> ticket = ledger.begin("acct_1", "k3", "POST", "/orders", {}, b"{}")
+        >>> decision.run(ledger.finish_steps(ticket, 201, {}, b"ok")).body
+        b'ok'
+        """
         reservation = ticket.reservation
         if reservation is None:
             if isinstance(body, responses.OversizeBody):
@@ -229,8 +293,7 @@ class RequestFlow:
         self._drop(reservation)
         app_ms = (time.perf_counter() - ticket.issued) * 1000 if ticket.issued else None
         mark = time.perf_counter()
-        steps = self.steps
-        stored = steps.prepare(reservation, status, headers, body)
+        stored = self._prepare(reservation, status, headers, body)
         computed = self._shape_stored(stored.answer)
         keep = self.policy.keep_answer
         # keep_answer judges what the app answered (its status and the
@@ -238,7 +301,7 @@ class RequestFlow:
         # ledger's own, and is stored like any kept answer.
         if keep is not None and not keep(status, stored.wire_headers):
             # Not an answer to keep (say a 503): release, so the retry runs again.
-            yield from steps.release_quietly(reservation)
+            yield from self._release_quietly(reservation)
             answer = Answer(*computed, Outcome.NOT_KEPT, reservation.generation, ticket.started_at)
             self._finished(ticket, answer.outcome, answer.status, mark, app_ms)
             return answer
@@ -247,8 +310,8 @@ class RequestFlow:
             # statement too, and any storage failure after the mutation ran
             # must hand back the answer it computed.
             clock = self.core.clock
-            stamp = int(clock()) if clock != self.store.database_now else (yield from steps.stamp_steps(reservation))
-            stored_ok, _ = yield from steps.store_answer(reservation, stored, stamp)
+            stamp = int(clock()) if clock != self.store.database_now else (yield from self._stamp_steps(reservation))
+            stored_ok, _ = yield from self._store_answer(reservation, stored, stamp)
         except StorageError as exc:
             answer = Answer(*computed, ticket.outcome, reservation.generation, ticket.started_at)
             self._finished(ticket, Outcome.NOT_STORED, answer.status, mark, app_ms)
@@ -290,7 +353,19 @@ class RequestFlow:
         )
 
     def abandon_steps(self, ticket: Ticket, *, release: bool = False) -> decision.Steps[None]:
-        """Give up a reservation whose mutation raised, as steps: see :meth:`idemctl.Ledger.abandon_steps`."""
+        """The mutation raised. By default the reservation stays pending and a
+        retry takes it over after the TTL; ``release=True`` (for mutations
+        known to have rolled back) deletes it so a retry runs at once. Never
+        raises: a failed release is logged. :meth:`abandon` runs these steps
+        in the calling thread (see :meth:`begin_steps`).
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> ticket = ledger.begin("acct_1", "k3", "POST", "/orders", {}, b"{}")
+        >>> ledger.abandon(ticket, release=True)
+        >>> ledger.lookup("acct_1", "k3") is None
+        True
+        """
         reservation = ticket.reservation
         if reservation is None:
             return
@@ -298,7 +373,7 @@ class RequestFlow:
         app_ms = (time.perf_counter() - ticket.issued) * 1000 if ticket.issued else None
         mark = time.perf_counter()
         if release:
-            yield from self.steps.release_quietly(reservation)
+            yield from self._release_quietly(reservation)
         self._finished(ticket, Outcome.FAILED, None, mark, app_ms)
 
     abandon = decision.blocking(abandon_steps)
@@ -315,7 +390,20 @@ class RequestFlow:
         *,
         release_on_error: bool = False,
     ) -> Answer:
-        """Run one request under the Idempotency-Key contract: see :meth:`idemctl.Ledger.handle`."""
+        """Run one request under the Idempotency-Key contract: :meth:`begin`,
+        then `run(body)` at most once when this caller owns the reservation,
+        then :meth:`finish`. `run` returns ``(status, headers, body)``. Call
+        :meth:`after_response` once the answer has been sent.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> order = lambda body: (201, {"content-type": "application/json"}, b'{"id":7}')
+        >>> answer = ledger.handle("acct_1", "k1", "POST", "/orders", {}, b'{"sku":"x"}', order)
+        >>> answer.status, answer.outcome
+        (201, <Outcome.EXECUTED: 'executed'>)
+        >>> ledger.handle("acct_1", "k1", "POST", "/orders", {}, b'{"sku":"x"}', order).outcome
+        <Outcome.REPLAYED: 'replayed'>
+        """
         decided = self.begin(principal, key, method, path_and_query, headers, body)
         if isinstance(decided, Answer):
             return decided

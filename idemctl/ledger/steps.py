@@ -1,6 +1,7 @@
 """Single steps of the contract, one statement each: claim, lookup,
-takeover, complete, release. The request flow is built from them; scripts
-and tests may call them directly (`Ledger.claim`, ...)."""
+takeover, complete, release. The request flow is built on them, and a
+`Ledger` is one: scripts and tests may call them directly
+(`Ledger.claim`, ...)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ STORE_RETRY_WITHIN_S = 2.0
 
 
 class SingleSteps:
-    """One statement per step, on a ledger's core.
+    """One statement per step, on a ledger's core: the base of the request
+    flow (:class:`~idemctl.ledger.requests.RequestFlow`), and so of
+    :class:`~idemctl.Ledger`.
 
     >>> from idemctl import Ledger
     >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
@@ -48,7 +51,13 @@ class SingleSteps:
         self._drop = core.drop
 
     def claim(self, principal: str, key: str, fingerprint: str, *, now: int | None = None) -> Reservation | None:
-        """Atomically claim (principal, key) as generation 1; None if it exists: see :meth:`idemctl.Ledger.claim`."""
+        """Atomically claim (principal, key) as generation 1; None if it exists.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> ledger.claim("acct_1", "k1", "fp").generation, ledger.claim("acct_1", "k1", "fp")
+        (1, None)
+        """
         check_principal(principal)
         key = check_key(key)
         now = self.core.now() if now is None else now
@@ -57,12 +66,30 @@ class SingleSteps:
         return None if generation is None else Reservation(principal, key, generation, fingerprint, token)
 
     def lookup(self, principal: str, key: str) -> StoredRow | None:
-        """The stored row, or None: see :meth:`idemctl.Ledger.lookup`."""
+        """The stored row, or None.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> _ = ledger.claim("acct_1", "k1", "fp")
+        >>> ledger.lookup("acct_1", "k1").status
+        <Status.PENDING: 'pending'>
+        """
         return self.store.lookup(principal, parse_key(key) or key)
 
     def takeover(self, principal: str, key: str, fingerprint: str, *, now: int | None = None) -> Reservation | None:
-        """Take over a stale pending row, or one past retention, as the next generation:
-        see :meth:`idemctl.Ledger.takeover`."""
+        """Take over a pending row older than the TTL, or any row past
+        retention (which counts as absent), as the next generation; None if
+        it is fresh, completed within retention, gone or for another request.
+
+        >>> from idemctl import Ledger
+        >>> t = [0]; ledger = Ledger.open(":memory:", clock=lambda: t[0]); _ = ledger.init()
+        >>> _ = ledger.claim("acct_1", "k1", "fp")
+        >>> ledger.takeover("acct_1", "k1", "fp") is None  # still fresh
+        True
+        >>> t[0] += ledger.policy.pending_ttl_ms + 1
+        >>> ledger.takeover("acct_1", "k1", "fp").generation
+        2
+        """
         check_principal(principal)
         key = check_key(key)
         now = self.core.now() if now is None else now
@@ -82,17 +109,29 @@ class SingleSteps:
         *,
         now: int | None = None,
     ) -> decision.Steps[Completion]:
-        """Store the answer if `reservation` still holds the current generation, as steps:
-        see :meth:`idemctl.Ledger.complete_steps`."""
+        """Store the answer if `reservation` still holds the current generation.
+        When fenced out, the event is recorded and logged at ERROR, and the
+        caller still gets the answer it computed. :meth:`complete` runs these
+        steps in the calling thread; a driver that does its I/O its own way
+        runs them itself (see :meth:`begin_steps`).
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> reservation = ledger.claim("acct_1", "k1", "fp")
+        >>> ledger.complete(reservation, 201, {"content-type": "text/plain"}, b"ok").stored
+        True
+        >>> decision.run(ledger.complete_steps(reservation, 201, {}, b"again")).stored  # already completed
+        False
+        """
         self._drop(reservation)
-        stored = self.prepare(reservation, status, headers, body)
-        stamp = (yield from self.stamp_steps(reservation)) if now is None else now
-        ok, event = yield from self.store_answer(reservation, stored, stamp)
+        stored = self._prepare(reservation, status, headers, body)
+        stamp = (yield from self._stamp_steps(reservation)) if now is None else now
+        ok, event = yield from self._store_answer(reservation, stored, stamp)
         return Completion(ok, *stored.answer, stored.oversize, event)
 
     complete = decision.blocking(complete_steps)
 
-    def prepare(
+    def _prepare(
         self,
         reservation: Reservation,
         status: int,
@@ -124,7 +163,7 @@ class SingleSteps:
             )
         return stored
 
-    def store_answer(
+    def _store_answer(
         self, reservation: Reservation, stored: responses.ToStore, stamp: int
     ) -> decision.Steps[tuple[bool, FencedEvent | None]]:
         """Whether the answer was stored; when fenced out, the event recorded."""
@@ -161,7 +200,7 @@ class SingleSteps:
             return True
         return bool((yield store.completed_as_statement(r.principal, r.key, r.generation, *answer)))
 
-    def stamp_steps(self, reservation: Reservation) -> decision.Steps[int]:
+    def _stamp_steps(self, reservation: Reservation) -> decision.Steps[int]:
         """The completion's timestamp; the database's clock is asked again
         on a fresh connection, within the same bound as the completion."""
         try:
@@ -170,15 +209,25 @@ class SingleSteps:
             return (yield from _on_a_fresh_connection(self.core.now_steps, lost, reservation))
 
     def release_steps(self, reservation: Reservation) -> decision.Steps[bool]:
-        """Delete a pending reservation while it is still this one's, as steps:
-        see :meth:`idemctl.Ledger.release_steps`."""
+        """Opt-in: delete a pending reservation whose mutation is known to have
+        rolled back, so the client's retry runs again at once. Fenced like a
+        completion: it deletes the row only while it is still this
+        reservation's (generation and token), never a newer owner's.
+        :meth:`release` runs these steps in the calling thread.
+
+        >>> from idemctl import Ledger
+        >>> ledger = Ledger.open(":memory:"); _ = ledger.init()
+        >>> reservation = ledger.claim("acct_1", "k1", "fp")
+        >>> ledger.release(reservation), decision.run(ledger.release_steps(reservation))
+        (True, False)
+        """
         self._drop(reservation)
         r = reservation
         return bool((yield self.store.release_statement(r.principal, r.key, r.generation, r.token)))
 
     release = decision.blocking(release_steps)
 
-    def release_quietly(self, reservation: Reservation) -> decision.Steps[None]:
+    def _release_quietly(self, reservation: Reservation) -> decision.Steps[None]:
         try:
             yield from self.release_steps(reservation)
         except IdemctlError as exc:

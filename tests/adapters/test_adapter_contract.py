@@ -26,6 +26,7 @@ from idemctl.fastapi import idempotent_route
 from idemctl.flask import idempotent
 from idemctl.wsgi import IdempotencyMiddleware as WsgiMiddleware
 from tests.adapters.django_site import Site, setup
+from tests.helpers import Reply, asgi_exchange
 
 # A Redis Cluster runs this module too (tests/conftest.py, CLUSTER_OPT_IN).
 ON_REDIS_CLUSTER = True
@@ -36,21 +37,6 @@ ON_REDIS_CLUSTER = True
 ADAPTERS = ["wsgi", "asgi", "fastapi", "django", "drf", "flask-view"]
 MIDDLEWARE = ["wsgi", "asgi", "django"]
 ORDER = b'{"sku":"tea","qty":2}'
-
-
-@dataclass
-class Reply:
-    status: int
-    headers: list[tuple[str, str]]
-    body: bytes
-
-    def header(self, name: str) -> str | None:
-        values = [v for k, v in self.headers if k.lower() == name.lower()]
-        return values[0] if values else None
-
-    @property
-    def lowered(self) -> list[tuple[str, str]]:
-        return [(k.lower(), v) for k, v in self.headers]
 
 
 @dataclass
@@ -231,18 +217,7 @@ def _asgi_call(app, method: str, path: str, body: bytes, headers: list[tuple[str
         "query_string": query.encode(),
         "headers": [(k.lower().encode(), v) for k, v in headers] + [(b"content-length", str(len(body)).encode())],
     }
-    sent: list[dict] = []
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive():  # type: ignore[no-untyped-def]
-        if pending:
-            return pending.pop()
-        await asyncio.sleep(3600)
-
-    async def send(message):  # type: ignore[no-untyped-def]
-        sent.append(message)
-
-    asyncio.run(app(scope, receive, send))
+    sent = asyncio.run(asgi_exchange(app, scope, body))
     start = sent[0]
     return Reply(
         start["status"],
@@ -444,10 +419,11 @@ def test_reuse_status_422_is_a_policy_choice(client_for):
     assert post(client, body=b"{}").status == 422
 
 
-def test_a_duplicate_while_the_first_runs_is_409_in_progress_with_retry_after(client_for):
-    gate = threading.Event()
-    orders = Orders(gate=gate)
-    client, _ = client_for(orders)
+def sent_while_the_first_runs(client, orders: Orders) -> tuple[Reply, Reply]:  # type: ignore[no-untyped-def]
+    """A second POST of the same request, sent while the first one's
+    mutation is held inside the app (at `orders`' gate): the replies to
+    the first, once it has been let go and has finished, and to the second."""
+    assert orders.gate is not None
     first: list[Reply] = []
     runner = threading.Thread(target=lambda: first.append(post(client)))
     runner.start()
@@ -456,16 +432,23 @@ def test_a_duplicate_while_the_first_runs_is_409_in_progress_with_retry_after(cl
             if orders.runs:
                 break
             threading.Event().wait(0.01)
-        dup = post(client)
+        second = post(client)
     finally:
-        gate.set()
+        orders.gate.set()
         runner.join(10)
+    return first[0], second
+
+
+def test_a_duplicate_while_the_first_runs_is_409_in_progress_with_retry_after(client_for):
+    orders = Orders(gate=threading.Event())
+    client, _ = client_for(orders)
+    first, dup = sent_while_the_first_runs(client, orders)
     assert (dup.status, dup.header("Retry-After"), dup.body) == (
         409,
         "30",
         b'{"error":"idempotency_key_in_progress","retry_after_ms":30000}',
     )
-    assert first[0].status == 201 and len(orders.runs) == 1
+    assert first.status == 201 and len(orders.runs) == 1
 
 
 def test_a_stale_reservation_is_taken_over_and_runs_again(client_for, clock):
@@ -831,21 +814,10 @@ def test_with_problem_details_every_refusal_is_problem_json(client_for, kwargs, 
 
 
 def test_with_problem_details_409s_keep_retry_after_and_their_members(client_for):
-    gate = threading.Event()
-    orders = Orders(gate=gate)
+    orders = Orders(gate=threading.Event())
     client, _ = client_for(orders, policy=Policy(problem_details=True))
-    first: list[Reply] = []
-    runner = threading.Thread(target=lambda: first.append(post(client)))
-    runner.start()
-    try:
-        for _ in range(200):
-            if orders.runs:
-                break
-            threading.Event().wait(0.01)
-        busy = post(client)
-    finally:
-        gate.set()
-        runner.join(10)
+    first, busy = sent_while_the_first_runs(client, orders)
+    assert first.status == 201
     reused = post(client, body=b'{"sku":"coffee"}')
     replay = post(client)
     assert (busy.status, busy.header("Retry-After"), busy.header("Content-Type")) == (

@@ -25,6 +25,7 @@ from idemctl.asgi import IdempotencyMiddleware as AsgiMiddleware
 from idemctl.fastapi import idempotent_route
 from idemctl.flask import idempotent
 from tests.adapters.django_site import Site
+from tests.helpers import asgi_exchange, post_scope
 
 # Dependency scopes (`Depends(..., scope="function")`) came with a later
 # FastAPI than the lowest one idemctl supports; where the installed one has
@@ -194,27 +195,7 @@ def test_fastapi_waiting_duplicates_beyond_anyios_thread_pool_all_get_the_replay
 # -- ASGI: an app that sends trailer fields ------------------------------------------------
 async def asgi_post(app, key: str = "k-1") -> list[dict]:  # type: ignore[no-untyped-def]
     """One POST through an ASGI app: every message it sent."""
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/orders",
-        "raw_path": b"/orders",
-        "query_string": b"",
-        "headers": [(b"idempotency-key", key.encode()), (b"content-length", b"2")],
-        "extensions": {"http.response.trailers": {}},
-    }
-    pending = [{"type": "http.request", "body": b"{}", "more_body": False}]
-    sent: list[dict] = []
-
-    async def receive():  # type: ignore[no-untyped-def]
-        if pending:
-            return pending.pop()
-        await asyncio.sleep(3600)
-
-    async def send(message):  # type: ignore[no-untyped-def]
-        sent.append(message)
-
-    await app(scope, receive, send)
+    sent = await asgi_exchange(app, post_scope(key, extensions={"http.response.trailers": {}}))
     await app.wait_idle()
     return sent
 

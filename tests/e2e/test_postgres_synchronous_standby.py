@@ -28,7 +28,7 @@ from idemctl import Answer, AnswerNotStoredError, Ledger, Outcome, Policy, Ticke
 from idemctl.asgi import IdempotencyMiddleware as AsgiMiddleware
 from idemctl.errors import CommitTimeoutError
 from idemctl.wsgi import IdempotencyMiddleware as WsgiMiddleware
-from tests.helpers import FakeClock, skip_or_fail
+from tests.helpers import FakeClock, asgi_exchange, post_scope, skip_or_fail
 
 pytest.importorskip("idemctl.storage.postgres", reason="these tests need the postgres extra")
 
@@ -206,30 +206,8 @@ def test_a_completion_no_standby_acknowledged_is_not_reported_stored_and_replays
 
 
 async def asgi_post(app: AsgiMiddleware, key: str) -> tuple[int, dict[bytes, bytes], bytes, float]:
-    sent: list[dict[str, Any]] = []
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": b"{}", "more_body": False}
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/orders",
-        "raw_path": b"/orders",
-        "query_string": b"",
-        "headers": [(b"idempotency-key", key.encode()), (b"content-length", b"2")],
-    }
     started = time.monotonic()
-    await app(scope, receive, send)
+    sent = await asgi_exchange(app, post_scope(key))
     elapsed = time.monotonic() - started
     return sent[0]["status"], dict(sent[0]["headers"]), b"".join(m.get("body", b"") for m in sent[1:]), elapsed
 

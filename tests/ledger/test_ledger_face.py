@@ -1,8 +1,9 @@
-"""What apps call is declared on `Ledger` itself, with the parts' own
-signatures and a docstring each (what help(), documentation generators
-and type checkers read), while an instance still carries each part's own
-method under the same name, so a request goes through no layer of the
-ledger's own."""
+"""What apps call is declared on `Ledger` itself with a signature and a
+docstring each (what help(), documentation generators and type checkers
+read): the request flow's and the single steps' methods are the class's
+own, by inheritance; the core's and the housekeeping's are declared on the
+class and an instance carries each part's own method under the same name,
+so a call goes through no layer of the ledger's own."""
 
 from __future__ import annotations
 
@@ -13,10 +14,21 @@ from typing import Any
 import pytest
 
 from idemctl import Ledger
-from idemctl.ledger import CALL_NAMES, CHORE_NAMES, CORE_NAMES, FLOW_NAMES, STEP_NAMES
+from idemctl.ledger import CHORE_NAMES, CORE_NAMES
+from idemctl.ledger.requests import RequestFlow
+from idemctl.ledger.steps import SingleSteps
 from idemctl.outcomes import Answer, Outcome, Ticket
 
-FACE = (*CORE_NAMES, *FLOW_NAMES, *STEP_NAMES, *CHORE_NAMES, *CALL_NAMES, "heard")
+# Bound on each instance from the core and the housekeeping.
+BOUND = (*CORE_NAMES, *CHORE_NAMES, "heard")
+# The class's own, from the request flow and the single steps (and the
+# idempotent functions, made on the ledger itself).
+OWN = (
+    *("begin_steps", "begin", "finish_steps", "finish", "abandon_steps", "abandon", "handle"),
+    *("decide", "refuse", "shape", "claim", "lookup", "takeover", "complete_steps", "complete"),
+    *("release_steps", "release", "idempotent", "idempotent_call"),
+)
+FACE = (*BOUND, *OWN)
 
 
 def part_signature(ledger: Ledger, name: str) -> inspect.Signature:
@@ -43,24 +55,20 @@ def drifted(cls: type, ledger: Ledger, names: tuple[str, ...]) -> dict[str, tupl
     return found
 
 
-def test_every_app_facing_method_is_declared_on_the_class_with_the_parts_signature():
+def test_every_bound_method_is_declared_on_the_class_with_the_parts_signature():
     ledger = Ledger.open(":memory:")
-    assert drifted(Ledger, ledger, FACE) == {}
+    assert drifted(Ledger, ledger, BOUND) == {}
 
 
 def test_the_signature_check_finds_a_method_that_drifted():
-    # The check above must be able to fail: a face whose claim lost `now`.
+    # The check above must be able to fail: a face whose init lost `dry_run`.
     class Drifted(Ledger):
-        def claim(self, principal: str, key: str, fingerprint: str) -> Any:  # type: ignore[override]
+        def init(self) -> Any:  # type: ignore[override]
             raise AssertionError("never called")
 
     ledger = Ledger.open(":memory:")
-    assert drifted(Drifted, ledger, ("claim", "lookup")) == {
-        "claim": (
-            "(self, principal: 'str', key: 'str', fingerprint: 'str') -> 'Any'",
-            "(self, principal: 'str', key: 'str', fingerprint: 'str', *, now: 'int | None' = None) "
-            "-> 'Reservation | None'",
-        )
+    assert drifted(Drifted, ledger, ("init", "describe")) == {
+        "init": ("(self) -> 'Any'", "(self, *, dry_run: 'bool' = False) -> 'InitResult'")
     }
 
 
@@ -75,9 +83,26 @@ def test_dir_and_help_of_the_class_list_every_app_facing_method_with_its_example
 
 def test_an_instance_carries_each_parts_own_method_not_the_classs():
     ledger = Ledger.open(":memory:")
-    carried = {name: getattr(ledger, name) for name in FACE}
+    carried = {name: getattr(ledger, name) for name in BOUND}
     assert {name for name, method in carried.items() if getattr(method, "__self__", None) is ledger} == set()
     assert {name for name, method in carried.items() if method.__func__ is getattr(Ledger, name)} == set()
+
+
+def test_the_request_path_is_the_classs_own_methods_with_nothing_shadowing_them():
+    ledger = Ledger.open(":memory:")
+    assert [name for name in OWN if name in vars(ledger)] == []
+    assert [name for name in OWN if getattr(ledger, name).__func__ is not getattr(Ledger, name)] == []
+    assert [name for name in OWN[:17] if getattr(Ledger, name) is not getattr(RequestFlow, name)] == []
+    assert SingleSteps.claim is Ledger.claim
+
+
+def test_a_blocking_method_shows_the_signature_of_its_steps_returning_what_they_return():
+    shown = str(inspect.signature(Ledger.begin))
+    assert shown == (
+        "(self, principal: 'str | None', key: 'str | None', method: 'str', path_and_query: 'str', "
+        "headers: 'HeadersLike | None', body: 'bytes | bytearray | memoryview') -> 'Answer | Ticket'"
+    )
+    assert str(inspect.signature(Ledger.release)) == "(self, reservation: 'Reservation') -> 'bool'"
 
 
 def test_a_method_reached_through_the_class_runs_the_parts_own():
@@ -95,7 +120,7 @@ def test_a_method_reached_through_the_class_runs_the_parts_own():
     assert (Ledger.now(ledger), Ledger.describe(ledger), Ledger.schema_version(ledger)) == (1_000, ":memory:", 3)
 
 
-@pytest.mark.parametrize("name", FACE)
+@pytest.mark.parametrize("name", BOUND)
 def test_each_class_method_calls_the_part_it_documents(name: str, monkeypatch: pytest.MonkeyPatch):
     # The body of each declared method hands its arguments on unchanged.
     ledger = Ledger.open(":memory:")

@@ -1,5 +1,7 @@
-"""The ledger is made of parts, not of base classes: what apps call is on
-`Ledger` (each the part's own method, with no layer between), what
+"""The ledger is its request flow, built on the single steps, and carries
+its other parts: what apps call is on `Ledger` (the flow's and the steps'
+own methods, or the core's and the housekeeping's bound on the instance,
+with no layer between), what
 operators call is on `ledger.operator` (the CLI's side), and the old
 operator names on the ledger, deprecated, warn once and answer exactly
 what the operator answers."""
@@ -18,7 +20,6 @@ from typer.testing import CliRunner
 from idemctl import Ledger, Policy
 from idemctl.cli import app
 from idemctl.ledger import LedgerCore, Operator, deprecated
-from idemctl.ledger.face import RequestFace
 from idemctl.ledger.housekeeping import Housekeeping
 from idemctl.ledger.requests import RequestFlow
 from idemctl.ledger.steps import SingleSteps
@@ -88,12 +89,12 @@ def a_ledger_with_every_state(clock: list[int]) -> Ledger:
     return ledger
 
 
-def test_the_ledger_has_no_base_class_but_its_documented_request_methods():
-    # RequestFace declares the request path's methods (their signatures and
-    # documentation) and holds no state: the work is the parts'.
-    assert Ledger.__mro__ == (Ledger, RequestFace, object)
-    assert [n for n, v in vars(RequestFace).items() if not n.startswith("__") and not inspect.isfunction(v)] == []
-    assert "__init__" not in vars(RequestFace)
+def test_the_ledger_is_its_request_flow_built_on_the_single_steps_and_nothing_else():
+    assert Ledger.__mro__ == (Ledger, RequestFlow, SingleSteps, object)
+    # The operator's side, the housekeeping and the core stay parts it holds.
+    ledger = Ledger.open(":memory:")
+    assert [type(part) for part in (ledger.core, ledger.operator)] == [LedgerCore, Operator]
+    assert not isinstance(ledger, (LedgerCore, Operator, Housekeeping))
 
 
 def test_what_the_gate_calls_is_on_the_ledger_as_each_parts_own_method():
@@ -249,7 +250,7 @@ def test_the_cli_reads_through_the_ledgers_operator(tmp_path: Path, monkeypatch:
 def test_parts_built_on_one_core_share_its_state():
     core = LedgerCore(Ledger.open(":memory:").store, clock=lambda: T0)
     core.init()
-    flow = RequestFlow(core, SingleSteps(core))
+    flow = RequestFlow(core)
     operator = Operator(core, Housekeeping(core))
     flow.handle("acct_1", "k1", "POST", "/orders", {}, b"", made(b"x"))
     assert operator.get("acct_1", "k1").row.response_body == "x"  # type: ignore[union-attr]

@@ -24,8 +24,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from idemctl import Answer, Ledger, Outcome, Policy, Status, Ticket, decision
-from idemctl.ledger.requests import RequestFlow
-from idemctl.ledger.steps import SingleSteps
 from idemctl.outcomes import FencedEvent, StoredRow, SweepResult
 from idemctl.storage import open_engine
 from idemctl.storage.aio import AsyncStore
@@ -231,9 +229,9 @@ class ThreadlessAsyncStore(AsyncStore):
         return self.store.run(op)
 
 
-class DriverFlow(RequestFlow):
-    """A request flow whose begin, finish and abandon drive their steps
-    through one chosen driver ("sync", "async"); ``handle`` goes through them."""
+class DriverLedger(Ledger):
+    """A Ledger whose begin, finish and abandon drive their steps through
+    one chosen driver ("sync", "async"); ``handle`` goes through them."""
 
     driver = "sync"
 
@@ -254,25 +252,6 @@ class DriverFlow(RequestFlow):
 
     def abandon(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
         self._drive(self.abandon_steps(*args, **kwargs))
-
-
-class DriverLedger(Ledger):
-    """A Ledger whose request flow is a DriverFlow: its app-facing methods
-    are the flow's, so ``begin``, ``finish``, ``abandon`` and ``handle`` all
-    drive their steps through the chosen driver."""
-
-    def __init__(self, store: Store, **kwargs: Any) -> None:
-        super().__init__(store, **kwargs)
-        self.flow = flow = DriverFlow(self.core, SingleSteps(self.core))
-        self.begin, self.finish, self.abandon, self.handle = flow.begin, flow.finish, flow.abandon, flow.handle
-
-    @property
-    def driver(self) -> str:
-        return self.flow.driver
-
-    @driver.setter
-    def driver(self, driver: str) -> None:
-        self.flow.driver = driver
 
 
 DRIVERS = ("sync", "async", "fake")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -33,7 +32,7 @@ from idemctl.outcomes import InitAction  # noqa: E402
 from idemctl.storage.dialect import MYSQL  # noqa: E402
 from idemctl.storage.mysql import MysqlEngine  # noqa: E402
 from idemctl.wsgi import IdempotencyMiddleware  # noqa: E402
-from tests.helpers import mysql_connect_args  # noqa: E402
+from tests.helpers import handled_in_a_forked_child, mysql_connect_args  # noqa: E402
 
 # Only this engine's half: these checks mean nothing on the others.
 pytestmark = pytest.mark.engines("mysql")
@@ -370,23 +369,7 @@ def test_when_the_server_drops_every_pooled_connection_only_one_statement_fails(
 
 def test_a_forked_child_opens_its_own_connection_and_the_parent_keeps_its_own(ledger: Ledger) -> None:
     parent_thread = thread_id(ledger)
-    read_end, write_end = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - runs in the child
-        code = 1
-        try:
-            answer = ledger.handle("acct", "from-child", "POST", "/o", {}, b"{}", ok())
-            os.write(write_end, json.dumps([thread_id(ledger), answer.status]).encode())
-            ledger.close()  # closes the child's connections only
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    _, status = os.waitpid(child, 0)
-    report = os.read(read_end, 1000)
-    os.close(read_end)
-    assert os.waitstatus_to_exitcode(status) == 0
-    child_thread, child_status = json.loads(report)
+    child_thread, child_status = handled_in_a_forked_child(ledger, "from-child", thread_id)
     assert child_status == 201 and child_thread != parent_thread
     assert thread_id(ledger) == parent_thread
     row = ledger.lookup("acct", "from-child")

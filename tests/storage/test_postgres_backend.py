@@ -6,7 +6,6 @@ the shared suite, which runs against PostgreSQL through `ledger_target`."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
@@ -21,6 +20,7 @@ from idemctl.responses import not_stored  # noqa: E402
 from idemctl.storage import Store  # noqa: E402
 from idemctl.storage.dialect import POSTGRES  # noqa: E402
 from idemctl.storage.postgres import PostgresEngine  # noqa: E402
+from tests.helpers import handled_in_a_forked_child  # noqa: E402
 
 # Only this engine's half: these checks mean nothing on the others.
 pytestmark = pytest.mark.engines("postgres")
@@ -324,23 +324,7 @@ def test_a_forked_child_opens_its_own_pool_and_the_parent_keeps_its_connection(l
     ledger = Ledger.open(ledger_target + "&pool_max_size=1")
     ledger.init()
     parent_server_pid = server_pid(ledger)
-    read_end, write_end = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - runs in the child
-        code = 1
-        try:
-            answer = ledger.handle("acct", "from-child", "POST", "/o", {}, b"{}", ok())
-            os.write(write_end, json.dumps([server_pid(ledger), answer.status]).encode())
-            ledger.close()  # closes the child's pool only
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    _, status = os.waitpid(child, 0)
-    report = os.read(read_end, 1000)
-    os.close(read_end)
-    assert os.waitstatus_to_exitcode(status) == 0
-    child_server_pid, child_status = json.loads(report)
+    child_server_pid, child_status = handled_in_a_forked_child(ledger, "from-child", server_pid)
     assert child_status == 201 and child_server_pid != parent_server_pid
     # The parent's pooled connection survived the child's use and close.
     assert server_pid(ledger) == parent_server_pid
