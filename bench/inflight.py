@@ -2,12 +2,16 @@
 ASGI middleware on the same PostgreSQL, the same app, the same 1 KiB
 requests and answers, driven in-process on one event loop with 1, 10 and 50
 requests in flight (that many callers, each sending its next request as soon
-as its last is answered), against the raw async floor: psycopg's
-AsyncConnection from an AsyncConnectionPool of the same size as idemctl's,
-running the statements idemctl runs (a first call: the claim and the fenced
-completion; a replay: the claim that finds the key and reads its row in the
-same statement). Every variant runs once per round, in rotating order, so that
-drift hits all of them; the figure is the median round.
+as its last is answered), against two raw async floors: idemctl's own
+statements (a first call: the claim and the fenced completion; a replay: the
+claim that finds the key and reads its row in the same statement) on
+psycopg's AsyncConnection from an AsyncConnectionPool, and on asyncpg, each
+with as many connections as idemctl's pool. The faster floor is the limit
+every ratio is taken against. idemctl runs around a bare ASGI app and around
+a FastAPI app, on the driver it chooses (asyncpg when installed), and around
+the bare app on psycopg's store (async_driver=psycopg). Every variant runs
+once per round, in rotating order, so that drift hits all of them; the
+figure is the median round.
 
 Profile: where the time of idemctl's requests and the floor's goes at 10
 in flight (cProfile's internal time by package), after the rounds.
@@ -28,12 +32,14 @@ from idemctl import Ledger
 from .common import FINGERPRINT, RESPONSE_HEADERS_JSON, STORED_1K, Context, percentile, spread
 from .peers_systems import (
     PRINCIPAL,
+    asyncpg_url,
     call_asgi,
     deprovision,
     idemctl_asgi,
     idemkit_asgi,
     missing,
     new_tag,
+    principal_header,
     provision,
     psycopg_url,
     spec_for,
@@ -84,6 +90,7 @@ def _group(filename: str, name: str, first: Sequence[tuple[str, str]] = ()) -> s
         ("/idemctl/", "idemctl"),
         ("/psycopg_pool/", "psycopg_pool"),
         ("/psycopg/", "psycopg"),
+        ("/asyncpg/", "asyncpg"),
         ("-packages/redis/", "redis-py"),  # site- or dist-packages: not a checkout's folder named redis
         ("/asyncio/", "asyncio"),
         ("/bench/", "the bench's caller and app"),
@@ -121,73 +128,148 @@ async def _profile(n: int, level: int, one: Go, first: Sequence[tuple[str, str]]
     }
 
 
+# The drivers whose raw statements are floors, and the systems measured
+# against them: idemctl's ASGI middleware around a bare ASGI app and around a
+# FastAPI app (on the driver idemctl chooses, asyncpg when installed), the
+# same on psycopg's asynchronous store (async_driver=psycopg: the path before
+# asyncpg), and idemkit's ASGI middleware.
+DRIVERS = ("psycopg", "asyncpg")
+KINDS = ("first", "replay")
+
+
+def fastapi_app() -> Any:
+    """A FastAPI app answering the measured request as the bare app does."""
+    from fastapi import FastAPI, Request, Response
+
+    from .common import REQUEST_PATH
+    from .peers_systems import HANDLER_KEY
+
+    app = FastAPI()
+
+    async def create_order(request: Request) -> Response:
+        await request.body()
+        return Response(request.scope[HANDLER_KEY](), status_code=201, media_type="application/json")
+
+    # Resolved here: the module's annotations are strings FastAPI would look up in its globals.
+    create_order.__annotations__ = {"request": Request, "return": Response}
+    app.post(REQUEST_PATH)(create_order)
+    return app
+
+
+class _Floors:
+    """idemctl's own statements, raw, on each driver: a first call is the
+    claim and the fenced completion, a replay the claim that finds the key
+    taken and reads its row. psycopg's AsyncConnection comes from an
+    AsyncConnectionPool; asyncpg's connections from a LIFO queue (the
+    cheapest checkout there is), each statement prepared once per
+    connection by asyncpg's own cache."""
+
+    def __init__(self, url: str, asyncpg_url: str, size: int, seeds: int) -> None:
+        from idemctl.storage.dialect import POSTGRES
+        from idemctl.storage.postgres.asyncpg_engine import positional
+        from idemctl.storage.statements import CLAIM, CLAIM_OR_READ, COMPLETE
+
+        self.url, self.asyncpg_url, self.size, self.seeds = url, asyncpg_url, size, seeds
+        self.claim, self.complete, self.claim_or_read = (POSTGRES.params(s) for s in (CLAIM, COMPLETE, CLAIM_OR_READ))
+        self.dollar = {sql: positional(sql) for sql in (self.claim, self.complete, self.claim_or_read)}
+        self.pool: Any = None
+        self.conns: asyncio.LifoQueue[Any] = asyncio.LifoQueue()
+        self.opened: list[Any] = []
+
+    async def open(self) -> None:
+        import asyncpg
+        from psycopg_pool import AsyncConnectionPool
+
+        self.pool = AsyncConnectionPool(
+            self.url, kwargs={"autocommit": True}, min_size=0, max_size=self.size, open=False
+        )
+        await self.pool.open()
+        for _ in range(self.size):
+            conn = await asyncpg.connect(self.asyncpg_url)
+            self.opened.append(conn)
+            self.conns.put_nowait(conn)
+
+    async def close(self) -> None:
+        await self.pool.close()
+        for conn in self.opened:
+            await conn.close()
+
+    async def _psycopg(self, sql: str, params: dict[str, Any]) -> list[Any]:
+        async with self.pool.connection() as conn:
+            return await (await conn.execute(sql, params)).fetchall()  # type: ignore[no-any-return]
+
+    async def _asyncpg(self, sql: str, params: dict[str, Any]) -> list[Any]:
+        text, names = self.dollar[sql]
+        conn = await self.conns.get()
+        try:
+            return await conn.fetch(text, *[params[n] for n in names])  # type: ignore[no-any-return]
+        finally:
+            self.conns.put_nowait(conn)
+
+    def path(self, driver: str, kind: str) -> Callable[[int, str], Awaitable[None]]:
+        run = self._psycopg if driver == "psycopg" else self._asyncpg
+
+        async def first(i: int, tag: str) -> None:
+            row = {"principal": PRINCIPAL, "key": f"raw-{driver}-{tag}-{i}", "token": i + 1}
+            now = int(time.time() * 1000)
+            gen = (await run(self.claim, {**row, "fingerprint": FINGERPRINT, "now": now}))[0][0]
+            done = {"generation": gen, "status": 201, "body": STORED_1K, "headers": RESPONSE_HEADERS_JSON, "now": now}
+            await run(self.complete, {**row, **done})
+
+        async def replay(i: int, tag: str) -> None:
+            row = {"principal": PRINCIPAL, "key": f"raw-{driver}-seed-{i % self.seeds}"}
+            claim = {**row, "token": 1, "fingerprint": FINGERPRINT, "now": int(time.time() * 1000)}
+            found = await run(self.claim_or_read, claim)
+            assert found and found[0][0] is None, "the floor's replay claimed a new key"
+
+        return first if kind == "first" else replay
+
+
 async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    import psycopg
-    from psycopg_pool import AsyncConnectionPool
+    from idemctl.asgi import IdempotencyMiddleware
 
-    from idemctl.storage.dialect import POSTGRES
-    from idemctl.storage.statements import CLAIM, CLAIM_OR_READ, COMPLETE
-
-    sql_claim, sql_complete, sql_claim_or_read = (POSTGRES.params(s) for s in (CLAIM, COMPLETE, CLAIM_OR_READ))
-    n, reps, seeds = ctx.size(600, 30), ctx.size(5, 1), ctx.size(100, 10)
+    n, reps, seeds = ctx.size(600, 30), ctx.size(7, 1), ctx.size(100, 10)
     spec = specs["idemctl"]
-    ledger = Ledger.open(psycopg_url(spec["pg_base"], spec["schema"]))
+    url = psycopg_url(spec["pg_base"], spec["schema"])
+    ledger = Ledger.open(url)
     ledger.init()
+    # The same ledger (its own schema) on psycopg's asynchronous store.
+    on_psycopg = Ledger.open(url + "&async_driver=psycopg")
     ours = idemctl_asgi(ledger)
+    systems: dict[str, Any] = {
+        "idemctl": ours,
+        "idemctl_fastapi": IdempotencyMiddleware(fastapi_app(), ledger, principal=principal_header),
+        "idemctl_psycopg": idemctl_asgi(on_psycopg),
+    }
     pool_size = ledger.store.engine.pool_max_size  # type: ignore[attr-defined]
-    floor_pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] = AsyncConnectionPool(
-        psycopg_url(spec["pg_base"], spec["schema"]),
-        kwargs={"autocommit": True},
-        min_size=0,
-        max_size=pool_size,
-        open=False,
-    )
-    await floor_pool.open()
+    floors = _Floors(url, asyncpg_url(spec["pg_base"], spec["schema"]), pool_size, seeds)
+    await floors.open()
     kit = kit_backend = None
     if "idemkit" in specs:
         kit, kit_backend = idemkit_asgi(specs["idemkit"])
+        systems["idemkit"] = kit
     try:
-        # `tag` names the round and level: every first call has a key of its own.
-        async def floor_first(i: int, tag: str) -> None:
-            row = {"principal": PRINCIPAL, "key": f"raw-{tag}-{i}", "token": i + 1}
-            now = int(time.time() * 1000)
-            async with floor_pool.connection() as conn:
-                cur = await conn.execute(sql_claim, {**row, "fingerprint": FINGERPRINT, "now": now})
-                gen = (await cur.fetchall())[0][0]
-            done = {"generation": gen, "status": 201, "body": STORED_1K, "headers": RESPONSE_HEADERS_JSON, "now": now}
-            async with floor_pool.connection() as conn:
-                await (await conn.execute(sql_complete, {**row, **done})).fetchall()
-
-        async def floor_replay(i: int, tag: str) -> None:
-            row = {"principal": PRINCIPAL, "key": f"raw-seed-{i % seeds}"}
-            now = int(time.time() * 1000)
-            async with floor_pool.connection() as conn:
-                claim = {**row, "token": 1, "fingerprint": FINGERPRINT, "now": now}
-                found = await (await conn.execute(sql_claim_or_read, claim)).fetchall()
-            assert found and found[0][0] is None, "the floor's replay claimed a new key"
 
         async def via(app: Any, key: str) -> None:
             status, body = await call_asgi(app, key, lambda: STORED_1K)
             if status != 201 or body != STORED_1K:
                 raise AssertionError(f"{key}: {status} {body[:80]!r}")
 
+        # `tag` names the round and level: every first call has a key of its own.
         paths: dict[str, Callable[[int, str], Awaitable[None]]] = {}
-        systems: dict[str, Any] = {"idemctl": ours}
-        if kit is not None:
-            systems["idemkit"] = kit
         for name, app in systems.items():
             for i in range(seeds):
                 await via(app, f"{name}-seed-{i}")
             paths[f"{name}_first"] = lambda i, tag, app=app, name=name: via(app, f"{name}-{tag}-{i}")
             paths[f"{name}_replay"] = lambda i, tag, app=app, name=name: via(app, f"{name}-seed-{i % seeds}")
-        for i in range(seeds):
-            await floor_first(i, "seed")  # the keys raw-seed-i the replay floor finds
-        paths["floor_first"] = floor_first
-        paths["floor_replay"] = floor_replay
+        for driver in DRIVERS:
+            for i in range(seeds):
+                await floors.path(driver, "first")(i, "seed")  # the keys the replay floor finds
+            for kind in KINDS:
+                paths[f"{driver}_{kind}"] = floors.path(driver, kind)
 
-        names = [
-            f"{base}_{kind}@{level}" for level in LEVELS for base in ("floor", *systems) for kind in ("first", "replay")
-        ]
+        bases = [*DRIVERS, *systems]
+        names = [f"{base}_{kind}@{level}" for level in LEVELS for base in bases for kind in KINDS]
         rates: dict[str, list[float]] = {name: [] for name in names}
         for rep in range(reps):
             ctx.log(f"  [inflight] round {rep + 1}/{reps}")
@@ -200,22 +282,25 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
         profile = {
             "first": await _profile(n, 10, lambda i: via(ours, f"idemctl-profile-{i}")),
             "replay": await _profile(n, 10, lambda i: via(ours, f"idemctl-seed-{i % seeds}")),
-            "floor_first": await _profile(n, 10, lambda i: floor_first(i, "profile")),
-            "floor_replay": await _profile(n, 10, lambda i: floor_replay(i, "profile")),
         }
+        for driver in DRIVERS:
+            for kind in KINDS:
+                go = floors.path(driver, kind)
+                profile[f"{driver}_{kind}"] = await _profile(n, 10, lambda i, go=go: go(i, "profile"))
         await ours.wait_idle()
         lag = await _lag_under(50, n, lambda i: via(ours, f"idemctl-lag-{i}"))
         await ours.wait_idle()
         # The same with the ledger's statements handed to the default
         # executor, as before the asynchronous store existed.
         own_store = ledger.async_store
-        ledger.async_store = lambda: None
+        ledger.async_store = lambda: None  # type: ignore[method-assign]
         lag_threads = await _lag_under(50, n, lambda i: via(ours, f"idemctl-lag-threads-{i}"))
-        ledger.async_store = own_store
+        ledger.async_store = own_store  # type: ignore[method-assign]
         out: dict[str, Any] = {
             "rounds": reps,
             "requests_per_round": n,
             "pool_max_size": pool_size,
+            "driver": type(ledger.async_store().engine).__name__ if ledger.async_store() else "",
             "levels": {},
             "lag_50_first_ms": lag,
             "lag_50_first_threads_ms": lag_threads,
@@ -223,25 +308,37 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
         }
         for level in LEVELS:
             row: dict[str, Any] = {}
-            for kind in ("first", "replay"):
-                floor = rates[f"floor_{kind}@{level}"]
-                cell: dict[str, Any] = {"floor": spread(floor, 1)}
+            for kind in KINDS:
+                cell: dict[str, Any] = {}
+                for driver in DRIVERS:
+                    cell[f"floor_{driver}"] = spread(rates[f"{driver}_{kind}@{level}"], 1)
+                # The limit: the faster driver's floor (its median), each
+                # round's figure divided by that round's limit.
+                limit = max(DRIVERS, key=lambda d: cell[f"floor_{d}"]["median"])
+                floor = rates[f"{limit}_{kind}@{level}"]
+                cell["limit"] = limit
+                cell["floor"] = spread(floor, 1)
                 for system in systems:
                     mine = rates[f"{system}_{kind}@{level}"]
                     cell[system] = spread(mine, 1)
-                    cell[f"{system}_vs_floor"] = spread([a / b for a, b in zip(mine, floor)])
-                if "idemkit" in systems:
-                    cell["idemctl_vs_idemkit"] = spread(
-                        [a / b for a, b in zip(rates[f"idemctl_{kind}@{level}"], rates[f"idemkit_{kind}@{level}"])]
-                    )
+                    cell[f"{system}_vs_floor"] = spread([a / b for a, b in zip(mine, floor, strict=True)])
+                if kit is not None:
+                    theirs = rates[f"idemkit_{kind}@{level}"]
+                    for system in ("idemctl", "idemctl_fastapi"):
+                        mine = rates[f"{system}_{kind}@{level}"]
+                        cell[f"{system}_vs_idemkit"] = spread([a / b for a, b in zip(mine, theirs, strict=True)])
                 row[kind] = cell
             out["levels"][str(level)] = row
         return out
     finally:
-        await ours.wait_idle()
+        for system in systems.values():
+            if hasattr(system, "wait_idle"):
+                await system.wait_idle()
         await ledger.aclose()
         ledger.close()
-        await floor_pool.close()
+        await on_psycopg.aclose()
+        on_psycopg.close()
+        await floors.close()
         if kit_backend is not None:
             await kit_backend.aclose()
 

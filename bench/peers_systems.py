@@ -250,7 +250,7 @@ async def call_asgi(app: Any, key: str, handler: Handler) -> tuple[int, bytes]:
     return await call_asgi_scope(app, asgi_scope(key, headers=account, **{HANDLER_KEY: handler}))
 
 
-def _account_header(scope: Any) -> str | None:
+def principal_header(scope: Any) -> str | None:
     for name, value in scope.get("headers", ()):
         if name == b"x-account":
             return bytes(value).decode("latin-1")
@@ -445,7 +445,7 @@ def build(spec: dict[str, Any]) -> System:
 def idemctl_asgi(ledger: Ledger) -> Any:
     from idemctl.asgi import IdempotencyMiddleware
 
-    return IdempotencyMiddleware(asgi_app, ledger, principal=_account_header)
+    return IdempotencyMiddleware(asgi_app, ledger, principal=principal_header)
 
 
 def idemkit_asgi(spec: dict[str, Any]) -> tuple[Any, Any]:

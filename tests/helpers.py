@@ -13,6 +13,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -427,6 +428,15 @@ def wrap_store_run(store: Any, around: Any) -> Any:
 
     store.run = run
     return real
+
+
+def drained(count: Callable[[], int], within_s: float) -> int:
+    """`count()` once it is 0, or at the end of `within_s` seconds: server
+    connections a client closed leave pg_stat_activity a moment later."""
+    deadline = time.monotonic() + within_s
+    while (left := count()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left
 
 
 def handled_in_a_forked_child(ledger: Ledger, key: str, probe: Callable[[Ledger], int]) -> tuple[int, int]:

@@ -66,8 +66,8 @@ class AsyncStore:
         """One operation built by the Store, awaited: a Statement's rows
         decoded by the Store, a Turn's rows per statement, the tables found."""
         if type(op) is Statement:
-            if op.write:
-                await self._guard()
+            if op.write and not self.store.schema_checked:  # _guard, without a coroutine per statement
+                await self.check_not_newer()
             return op.decode(await self.engine.execute(op.sql, op.params))
         if type(op) is Turn:
             await self._guard()

@@ -316,3 +316,50 @@ def test_with_asynchronous_replication_each_lost_completion_runs_exactly_once_mo
     # acknowledged answer replayed. (How many are lost depends on timing.)
     assert set(run.double_runs) == set(run.lost), run.row()
     assert run.final_outcomes[Outcome.REPLAYED.value] >= len(run.acknowledged) - len(run.lost), run.row()
+
+
+@pytest.mark.slow
+def test_the_asynchronous_path_fails_closed_while_no_host_accepts_writes_then_serves_from_the_promoted_standby(
+    pair: ReplicaPair,
+) -> None:
+    import asyncio
+
+    from idemctl.asgi import IdempotencyMiddleware as AsgiMiddleware
+    from tests.adapters.test_gate import call, scope_for
+
+    ran: list[bytes] = []
+
+    async def orders(scope, receive, send):  # type: ignore[no-untyped-def]
+        ran.append((await receive())["body"])
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"made"})
+
+    with Ledger.open(pair.url()) as ledger:
+        app = AsgiMiddleware(orders, ledger, principal=lambda scope: scope["user"])
+
+        async def scenario() -> tuple[str, list[int], tuple[int, bytes], tuple[int, bytes]]:
+            before = await call(app, scope_for("before"))
+            driver = type(ledger.async_store().engine).__name__  # type: ignore[union-attr]
+            await asyncio.to_thread(pair.wait_caught_up)
+            await asyncio.to_thread(pair.kill_primary)
+            during = [(await call(app, scope_for("during")))[0] for _ in range(3)]
+            await asyncio.to_thread(pair.promote_standby)
+            deadline = time.monotonic() + 15
+            while (served := await call(app, scope_for("during")))[0] == 503:
+                assert time.monotonic() < deadline, "the promoted standby was never reached"
+                await asyncio.sleep(0.05)
+            again = await call(app, scope_for("before"))
+            await app.wait_idle()
+            await ledger.aclose()
+            assert before == (201, b"made")
+            return driver, during, served, again
+
+        driver, during, served, again = asyncio.run(scenario())
+    assert driver == "AsyncpgEngine"
+    assert during == [503, 503, 503]  # fail closed: the app never ran while no host took writes
+    assert served == again == (201, b"made")
+    assert len(ran) == 2
+    assert pair.sql(pair.standby_port, "SELECT key, status FROM idempotency_keys ORDER BY key") == [
+        ("before", "completed"),
+        ("during", "completed"),
+    ]

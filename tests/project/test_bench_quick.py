@@ -153,5 +153,10 @@ def test_quick_in_flight_run_measures_every_level_and_renders_its_tables(tmp_pat
     for row in res["levels"].values():
         assert set(row) == {"first", "replay"}
         assert all(cell["idemctl"]["n"] == res["rounds"] for cell in row.values())
+        for cell in row.values():
+            # Both drivers' floors in the same rounds, the faster one the limit every ratio is taken against.
+            assert cell["limit"] == max(("psycopg", "asyncpg"), key=lambda d: cell[f"floor_{d}"]["median"])
+            assert cell["floor"] == cell[f"floor_{cell['limit']}"]
+            assert {"idemctl_fastapi_vs_floor", "idemctl_psycopg_vs_floor"} <= set(cell)
     for heading in ("| (8)/(10) ASGI + PostgreSQL, in flight |", "| (8) event-loop lag: a 1 ms ticker, 50 first"):
         assert heading in proc.stdout, heading

@@ -1,9 +1,9 @@
 """The asynchronous path on PostgreSQL: the ASGI middleware, the FastAPI
 route class and async idempotent functions run every ledger statement as a
-coroutine on the loop (psycopg's AsyncConnection), never in a worker thread,
-and every contract behaviour holds there: fencing, takeover, waiting
-duplicates, 503 when the pool cannot connect, the not-stored fallback,
-events, and cancellation. Each test makes any hand-off to a thread fail."""
+coroutine on the loop (on asyncpg, and on psycopg's AsyncConnection), never
+in a worker thread, and every contract behaviour holds there: fencing,
+takeover, waiting duplicates, 503 when the pool cannot connect, the
+not-stored fallback, events, and cancellation. Each test makes any hand-off to a thread fail."""
 
 from __future__ import annotations
 
@@ -30,6 +30,19 @@ from tests.helpers import step_of
 
 # PostgreSQL itself, and through PgBouncer (session and transaction pooling).
 pytestmark = pytest.mark.parametrize("backend_name", pgbouncer_params(["postgres"]))
+
+
+@pytest.fixture(autouse=True, params=["asyncpg", "psycopg"])
+def async_driver(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test on both asynchronous engines: asyncpg's (chosen when it is
+    installed) and psycopg's (as where it is not)."""
+    if request.param == "asyncpg":
+        pytest.importorskip("asyncpg")
+    else:
+        from idemctl.storage.postgres import engine
+
+        monkeypatch.setattr(engine, "_asyncpg_installed", lambda: False)
+    return str(request.param)
 
 
 class NoThreads(concurrent.futures.Executor):

@@ -122,7 +122,10 @@ def test_every_statement_of_a_turn_is_bounded(engine: PostgresEngine) -> None:
     assert engine.write_turn([("SELECT 4", {})]) == [[(4,)]]
 
 
-def test_the_asynchronous_path_is_bounded_the_same_way(engine: PostgresEngine) -> None:
+@pytest.mark.parametrize("driver", ["auto", "psycopg"], ids=["asyncpg-when-installed", "psycopg"])
+def test_the_asynchronous_path_is_bounded_the_same_way(ledger_target: str, driver: str) -> None:
+    engine = PostgresEngine(ledger_target + f"&commit_timeout={BOUND_S}&pool_max_size=1&async_driver={driver}")
+
     async def scenario() -> None:
         aio = engine.open_async()
         try:
@@ -138,7 +141,10 @@ def test_the_asynchronous_path_is_bounded_the_same_way(engine: PostgresEngine) -
         finally:
             await aio.aclose()
 
-    asyncio.run(scenario())
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.close()
 
 
 def watchers() -> list[threading.Thread]:

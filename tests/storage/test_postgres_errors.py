@@ -21,6 +21,7 @@ from idemctl.errors import (  # noqa: E402
 )
 from idemctl.storage import Store  # noqa: E402
 from idemctl.storage.postgres import PostgresEngine  # noqa: E402
+from tests.helpers import drained  # noqa: E402
 
 # Only this engine's half: these checks mean nothing on the others.
 pytestmark = pytest.mark.engines("postgres")
@@ -233,10 +234,7 @@ def test_a_closed_ledger_used_again_reconnects_like_sqlite(ledger, pg_count_conn
     ledger.close()
     # The client side closes at once; the server's backend process notices
     # the closed socket and leaves pg_stat_activity a moment later.
-    deadline = time.monotonic() + 5
-    while pg_count_connections() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert pg_count_connections() == 0
+    assert drained(pg_count_connections, 5) == 0
     assert ledger.lookup("acct", "k") is not None
     assert pg_count_connections() >= 1
 

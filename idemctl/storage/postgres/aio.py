@@ -9,8 +9,8 @@ import contextlib
 import logging
 import os
 import weakref
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool
@@ -35,6 +35,7 @@ from .url import ServerSettings, default_commit_timeout_s
 from .watch import AsyncCommitWatch
 
 log = logging.getLogger("idemctl")
+T = TypeVar("T")
 
 
 class _AsyncPooledConnection(psycopg.AsyncConnection[tuple[Any, ...]]):
@@ -45,14 +46,38 @@ class _AsyncPooledConnection(psycopg.AsyncConnection[tuple[Any, ...]]):
     idemctl_settings: StatementSettings | None = None
 
 
-class AsyncPostgresEngine:
-    """The request path of a PostgresEngine on one event loop: psycopg's
-    AsyncConnection in a psycopg_pool.AsyncConnectionPool with the same
-    settings (URL, pool sizes, timeouts, session options) and the same error
-    translation; a statement waits on the loop, never in a thread, and is
-    bounded by the same commit timeout (watch.py). Nothing connects until
-    the first statement; `aclose` closes the pool. `PostgresEngine.open_async`
-    makes one."""
+def loop_bounds(translate: Translator, commit_timeout_s: float | None) -> tuple[Translator, float, float]:
+    """An asynchronous engine's translator, commit timeout (by default
+    from the busy timeout) and how long a request waits for a connection."""
+    if commit_timeout_s is None:
+        commit_timeout_s = default_commit_timeout_s(translate.busy_timeout_ms)
+    # A request waits for a connection (a new one, or a free pooled one)
+    # no longer than a statement may run: with the server frozen, the pool
+    # timeout or libpq's connect_timeout (5 s) would hold the request
+    # past the commit timeout the documentation promises it is answered in.
+    acquire_s = min(translate.pool_timeout_s, commit_timeout_s)
+    if acquire_s < translate.pool_timeout_s:
+        translate = Translator(
+            translate.where, translate.scrub, translate.busy_timeout_ms, acquire_s, translate.pool_max_size
+        )
+    return translate, commit_timeout_s, acquire_s
+
+
+async def within_acquire(opening: Awaitable[T], acquire_s: float, where: str) -> T:
+    """`opening` (a pool's first connection), or ConnectionFailedError once
+    it has taken `acquire_s`."""
+    try:
+        return await asyncio.wait_for(opening, acquire_s)
+    except TimeoutError:
+        raise unreachable("PostgreSQL", where, f"no answer within {acquire_s:g} s (the commit timeout)") from None
+
+
+class LoopEngine:
+    """What both asynchronous engines (psycopg's here, asyncpg's in
+    asyncpg_engine.py) take and share: the URL's settings, the translator,
+    the pooler the synchronous engine found (None: detect it), the commit
+    timeout and how long a request waits for a connection. `_start` sets up
+    the rest."""
 
     dialect = POSTGRES
 
@@ -64,22 +89,30 @@ class AsyncPostgresEngine:
         commit_timeout_s: float | None = None,
     ) -> None:
         self._settings = settings
-        if commit_timeout_s is None:
-            commit_timeout_s = default_commit_timeout_s(translate.busy_timeout_ms)
-        # A request waits for a connection (a new one, or a free pooled one)
-        # no longer than a statement may run: with the server frozen, the pool
-        # timeout or libpq's connect_timeout (5 s) would hold the request
-        # past the commit timeout the documentation promises it is answered in.
-        self._acquire_s = min(translate.pool_timeout_s, commit_timeout_s)
-        if self._acquire_s < translate.pool_timeout_s:
-            translate = Translator(
-                translate.where, translate.scrub, translate.busy_timeout_ms, self._acquire_s, translate.pool_max_size
-            )
-        self._translate = translate
+        self._translate, self._commit_timeout_s, self._acquire_s = loop_bounds(translate, commit_timeout_s)
         # What the URL leads to (see PostgresEngine.pooler): known if the
         # synchronous engine already connected, else detected here.
         self.pooler = pooler
-        self._watch = AsyncCommitWatch(commit_timeout_s, translate.where)
+        self._start()
+
+    def _start(self) -> None:
+        """The engine's own state."""
+
+    def describe(self) -> str:
+        return self._translate.where
+
+
+class AsyncPostgresEngine(LoopEngine):
+    """The request path of a PostgresEngine on one event loop: psycopg's
+    AsyncConnection in a psycopg_pool.AsyncConnectionPool with the same
+    settings (URL, pool sizes, timeouts, session options) and the same error
+    translation; a statement waits on the loop, never in a thread, and is
+    bounded by the same commit timeout (watch.py). Nothing connects until
+    the first statement; `aclose` closes the pool. `PostgresEngine.open_async`
+    makes one."""
+
+    def _start(self) -> None:
+        self._watch = AsyncCommitWatch(self._commit_timeout_s, self.describe())
         self._pool: AsyncConnectionPool[_AsyncPooledConnection] | None = None
         self._opening: asyncio.Lock | None = None
         # Every connection the pool made, so that `abandon` can close their
@@ -89,9 +122,6 @@ class AsyncPostgresEngine:
         self._options_lost = False
         self._closing: set[asyncio.Future[None]] = set()
         self._closed = False
-
-    def describe(self) -> str:
-        return self._translate.where
 
     async def _current_pool(self) -> AsyncConnectionPool[_AsyncPooledConnection]:
         pool = self._pool
@@ -105,12 +135,7 @@ class AsyncPostgresEngine:
             self._opening = asyncio.Lock()
         async with self._opening:
             if self._pool is None:
-                try:
-                    self._pool = await asyncio.wait_for(self._new_pool(), self._acquire_s)
-                except TimeoutError:
-                    raise unreachable(
-                        "PostgreSQL", self.describe(), f"no answer within {self._acquire_s:g} s (the commit timeout)"
-                    ) from None
+                self._pool = await within_acquire(self._new_pool(), self._acquire_s, self.describe())
             return self._pool
 
     async def _new_pool(self) -> AsyncConnectionPool[_AsyncPooledConnection]:

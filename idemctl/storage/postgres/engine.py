@@ -9,12 +9,14 @@ Connections come from a psycopg_pool.ConnectionPool that is opened on first
 use and belongs to one process: after a fork the child builds its own pool
 and never touches the parent's sockets. An event loop gets its own
 AsyncConnectionPool (aio.py's AsyncPostgresEngine) for the asynchronous
-request path. errors.py turns what psycopg raises into idemctl's errors;
-schema.py holds the schema transactions."""
+request path (on asyncpg when it is installed: asyncpg_engine.py).
+errors.py turns what psycopg raises into idemctl's errors; schema.py holds the schema transactions."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import logging
 import os
 import threading
@@ -30,6 +32,7 @@ from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from ...errors import ConnectionFailedError, ReadOnlyDatabaseError, StorageError
 from ...policy import DEFAULT_BUSY_TIMEOUT_MS
+from ..aio import AsyncEngine
 from ..capabilities import DatabaseCreated
 from ..dialect import POSTGRES
 from ..engine import Params, Rows
@@ -153,7 +156,9 @@ class PostgresEngine:
     (``auto``, the default, detects it; ``none``, ``session``,
     ``transaction``, ``statement``: see pooler.py) and ``prepare_threshold``
     is psycopg's (a number, or ``none`` for never; a transaction or
-    statement pooler never prepares). libpq's own parameters
+    statement pooler never prepares). ``async_driver=psycopg`` keeps the
+    asynchronous request path on psycopg when asyncpg is installed (see
+    open_async). libpq's own parameters
     (``connect_timeout``, default 5 s;
     ``options=-csearch_path=…``; ``sslmode``; ...) pass through unchanged.
 
@@ -387,9 +392,15 @@ class PostgresEngine:
         an administrator runs instead."""
         return create_database(self._settings, self.describe(), self._scrub)
 
-    def open_async(self) -> AsyncPostgresEngine:
-        """The request path of this engine for the running event loop (see
-        AsyncPostgresEngine); it connects on its first statement."""
+    def open_async(self) -> AsyncEngine:
+        """The request path of this engine for the running event loop: on
+        asyncpg when it is installed and the URL does not say
+        ``async_driver=psycopg`` (asyncpg_engine.py), else on psycopg
+        (AsyncPostgresEngine); it connects on its first statement."""
+        if self._settings.async_driver == "auto" and _asyncpg_installed():
+            from .asyncpg_engine import AsyncpgEngine
+
+            return AsyncpgEngine(self._settings, self._translate, self.pooler, self.commit_timeout_s)
         return AsyncPostgresEngine(self._settings, self._translate, self.pooler, self.commit_timeout_s)
 
     def close(self) -> None:
@@ -547,6 +558,11 @@ def _interrupted(conn: psycopg.Connection[Any]) -> None:
     if isinstance(conn, _PooledConnection) and conn.pgconn.transaction_status in _CLOSED_BY_THE_POOL:
         conn.statement_cursor = None
         conn.interrupted = True
+
+
+@functools.cache
+def _asyncpg_installed() -> bool:
+    return importlib.util.find_spec("asyncpg") is not None
 
 
 def _close_quietly(pool: ConnectionPool[_PooledConnection]) -> None:

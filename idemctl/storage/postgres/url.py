@@ -22,7 +22,15 @@ from ..server import scrub
 # commit timeout: they are idemctl's, not libpq's, so they are taken out of
 # the URL before it reaches libpq. `prepare_threshold` goes to psycopg's
 # connection.
-POOL_PARAMS = ("pool_min_size", "pool_max_size", "pool_timeout", "commit_timeout", "pooler", "prepare_threshold")
+POOL_PARAMS = (
+    "pool_min_size",
+    "pool_max_size",
+    "pool_timeout",
+    "commit_timeout",
+    "pooler",
+    "prepare_threshold",
+    "async_driver",
+)
 DEFAULT_POOL_MIN_SIZE = 1
 DEFAULT_POOL_MAX_SIZE = 10
 DEFAULT_CONNECT_TIMEOUT_S = 5
@@ -38,6 +46,9 @@ DEFAULT_CONNECT_TIMEOUT_S = 5
 #  statement    between statements (PgBouncer's statement pooling: no
 #               transaction of more than one statement).
 POOLER_MODES = ("auto", "none", "session", "transaction", "statement")
+# Which driver serves the asynchronous request path (the `async_driver` URL
+# parameter): asyncpg when it is installed (auto, the default), or psycopg.
+ASYNC_DRIVERS = ("auto", "psycopg")
 # A custom setting sent with the startup options: a server that ignored them
 # (a pooler with ignore_startup_parameters=options) does not have it.
 MARKER_SETTING = "idemctl.startup_options"
@@ -221,6 +232,7 @@ class ServerSettings:
     # psycopg's prepare_threshold (None: never prepare); unset: psycopg's default.
     prepare_threshold: int | None = 5
     prepare_threshold_set: bool = False
+    async_driver: str = "auto"
 
     def transaction_settings(self) -> list[tuple[str, str]]:
         """`settings` as they apply inside one transaction: each
@@ -275,6 +287,9 @@ class ServerSettings:
         if pooler not in POOLER_MODES:
             raise StorageError(f"bad PostgreSQL URL: pooler={pooler!r} is not one of {', '.join(POOLER_MODES)}")
         threshold, threshold_set = _prepare_threshold(pool_params)
+        driver = pool_params.get("async_driver", "auto").strip().lower()
+        if driver not in ASYNC_DRIVERS:
+            raise StorageError(f"bad PostgreSQL URL: async_driver={driver!r} is not one of {', '.join(ASYNC_DRIVERS)}")
         # Session settings ride in libpq's `options`, ahead of the URL's own,
         # so an explicit `-c lock_timeout=…` in the URL still wins.
         # lock_timeout=0 would mean "wait forever"; a zero busy timeout means
@@ -311,6 +326,7 @@ class ServerSettings:
             settings=settings,
             prepare_threshold=threshold,
             prepare_threshold_set=threshold_set,
+            async_driver=driver,
         )
 
     def describe(self) -> str:
