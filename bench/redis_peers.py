@@ -279,30 +279,37 @@ def measure(ctx: Context, url: str) -> dict[str, Any]:
 # -- instructions: callgrind over the WSGI door, one request at a time ----------------------
 def _callgrind_child(url: str, n: int, quick: bool, manifest: str) -> None:
     """Under callgrind: the floor's, idemctl's and idemkit's first calls and
-    replays through the WSGI door, one segment each (bench/instructions.py)."""
+    replays through the WSGI door and through the ASGI door (each request
+    driven to its end on the loop), one segment each (bench/instructions.py)."""
     from .instructions import QUICK_WARM_UP, WARM_UP, Segments
 
     loop = asyncio.new_event_loop()
     v = Variants(url, loop, 5)
     v.reset()
     counted = Segments(n, QUICK_WARM_UP if quick else WARM_UP)
-    for system in v.systems():
-        for kind in KINDS:
-            go = v.blocking[f"{system}_{kind}"]
+    for door in DOORS:
+        for system in v.systems():
+            for kind in KINDS:
+                name = f"{system}_{kind}"
+                go: Blocking = v.blocking[name] if door == "wsgi" else _on_loop(loop, v.awaiting[name])
 
-            def one(key: str, go: Blocking = go) -> None:
-                tag, _, i = key.rpartition("-")  # a segment's keys: name-w0, name-w1, ..., name-m0, ...
-                go(int(i[1:]), f"{tag}-{i[0]}")
+                def one(key: str, go: Blocking = go) -> None:
+                    tag, _, i = key.rpartition("-")  # a segment's keys: name-w0, name-w1, ..., name-m0, ...
+                    go(int(i[1:]), f"{tag}-{i[0]}")
 
-            counted.segment(f"{system}_{kind}", one, what=f"{system}, {kind}")
+                counted.segment(f"{door}_{name}", one, what=f"{door}: {system}, {kind}")
     v.close()
     loop.close()
     counted.write(manifest)
 
 
+def _on_loop(loop: asyncio.AbstractEventLoop, go: Awaiting) -> Blocking:
+    return lambda i, tag: loop.run_until_complete(go(i, tag))
+
+
 def count_instructions(ctx: Context, url: str) -> dict[str, Any]:
     """Instructions per request of this Python process (redis-server's are
-    not counted) through the WSGI door, as ratios to the floor's."""
+    not counted) through each door, as ratios to that door's floor."""
     from . import instructions
 
     missing = instructions.available()
@@ -315,15 +322,19 @@ def count_instructions(ctx: Context, url: str) -> dict[str, Any]:
     segments, dumps = instructions.callgrind(out_dir, child)
     per = {seg["name"]: instructions._total(dumps[seg["name"]]) / seg["requests"] for seg in segments}
     shutil.rmtree(out_dir, ignore_errors=True)
-    rows = [
-        {
-            "system": seg["name"].rsplit("_", 1)[0],
-            "kind": seg["name"].rsplit("_", 1)[1],
-            "instructions": round(per[seg["name"]]),
-            "vs_floor": round(per[seg["name"]] / per[f"floor_{seg['name'].rsplit('_', 1)[1]}"], 2),
-        }
-        for seg in segments
-    ]
+    rows = []
+    for seg in segments:
+        door, system, kind = seg["name"].split("_")
+        floor = per[f"{door}_floor_{kind}"]
+        rows.append(
+            {
+                "door": door,
+                "system": system,
+                "kind": kind,
+                "instructions": round(per[seg["name"]]),
+                "vs_floor": round(per[seg["name"]] / floor, 2),
+            }
+        )
     return {"requests_per_segment": n, "rows": rows}
 
 

@@ -56,18 +56,39 @@ def test_quick_redis_peers_benchmark_measures_every_door_level_and_kind_and_rend
 
 
 def test_the_redis_instruction_counts_render_as_ratios_to_the_floor_or_say_why_they_are_missing():
+    counts = {
+        ("wsgi", "floor"): (400_000, 160_000),
+        ("wsgi", "idemctl"): (800_000, 640_000),
+        ("asgi", "floor"): (700_000, 300_000),
+        ("asgi", "idemctl"): (1_200_000, 900_000),
+        ("asgi", "idemkit"): (1_200_000, 1_000_000),
+    }
     rows = [
-        {"system": system, "kind": kind, "instructions": count, "vs_floor": round(count / floor, 2)}
-        for system, first, replay in (("floor", 400_000, 160_000), ("idemctl", 800_000, 640_000))
-        for kind, count, floor in (("first", first, 400_000), ("replay", replay, 160_000))
+        {
+            "door": door,
+            "system": system,
+            "kind": kind,
+            "instructions": count,
+            "vs_floor": round(count / counts[door, "floor"][k], 2),
+        }
+        for (door, system), pair in counts.items()
+        for k, (kind, count) in enumerate(zip(("first", "replay"), pair))
     ]
     shown = report._redis_instructions({"requests_per_segment": 50, "rows": rows})
-    assert shown[1:5] == [
-        "| (13) instructions a request, WSGI on Redis (callgrind) | first call | ÷ floor | replay | ÷ floor |",
+    assert shown[1:8] == [
+        "| (13) instructions a request on Redis (callgrind) | first call | ÷ floor | replay | ÷ floor |",
         "|---|---|---|---|---|",
         "| raw redis-py (SET NX + SET XX; GET) | 400 000 | 1.00 | 160 000 | 1.00 |",
         "| idemctl, WSGI `IdempotencyMiddleware` | 800 000 | 2.00 | 640 000 | 4.00 |",
+        "| raw `redis.asyncio` (SET NX + SET XX; GET) | 700 000 | 1.00 | 300 000 | 1.00 |",
+        "| idemctl, ASGI `IdempotencyMiddleware` | 1 200 000 | 1.71 | 900 000 | 3.00 |",
+        "| idemkit, ASGI `IdempotencyMiddleware` + `RedisBackend` | 1 200 000 | 1.71 | 1 000 000 | 3.33 |",
     ]
+    # 1.5x idemkit's rate leaves 1 200 000 / 1.5 - 700 000 above the floor.
+    assert shown[-1].endswith(
+        "would leave 100 000 instructions for everything else (the ASGI exchange, the contract, the request's "
+        "fingerprint), where idemkit spends 500 000."
+    )
     assert report._redis_instructions({"missing": "valgrind is not installed"}) == [
         "",
         "(13) instructions: not counted (valgrind is not installed).",
