@@ -5,6 +5,9 @@ forms stops the upgrade before anything changes."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import pytest
 
 from idemctl import Ledger
@@ -16,6 +19,22 @@ from tests.helpers import RecipeWriter
 # The SQL schema's upgrade to key_id (schema 3), over rows older writers
 # stored: a Redis ledger starts at the current version and has no such rows.
 pytestmark = pytest.mark.engines("sqlite", "postgres", "mysql")
+
+
+@contextlib.contextmanager
+def schema_2_holding(
+    make_ledger: Callable[..., Ledger], target: str, now: int, rows: list[tuple[str, str, str]]
+) -> Iterator[RecipeWriter]:
+    """This test's ledger as schema 2 left it, holding completed `rows`
+    (principal, key as stored, body), through a writer of its own."""
+    make_ledger().close()
+    writer = as_schema_2(target)
+    try:
+        for principal, key, body in rows:
+            writer.insert_completed(principal, key, "fp", 201, "{}", body, now)
+        yield writer
+    finally:
+        writer.close()
 
 
 def as_schema_2(target: str) -> RecipeWriter:
@@ -38,14 +57,10 @@ def stored(writer: RecipeWriter) -> list[tuple[str, str, str]]:
 
 
 def test_upgrading_keeps_the_quoted_rows_and_replays_them(make_ledger, ledger_target, clock):
-    make_ledger().close()
-    writer = as_schema_2(ledger_target)
-    try:
-        writer.insert_completed("acct_1", '"legacy-1"', "fp", 201, "{}", "made", clock.now)
-        writer.insert_completed("acct_1", "bare-1", "fp", 201, "{}", "made too", clock.now)
+    rows = [("acct_1", '"legacy-1"', "made"), ("acct_1", "bare-1", "made too")]
+    with schema_2_holding(make_ledger, ledger_target, clock.now, rows) as writer:
         before = stored(writer)
-        ledger = Ledger.open(ledger_target, clock=clock)
-        try:
+        with Ledger.open(ledger_target, clock=clock) as ledger:
             # Before the upgrade: an operator's read finds the row; requests
             # are refused before anything is claimed (no index guards a claim yet).
             assert ledger.operator.get("acct_1", '"legacy-1"').row.key == '"legacy-1"'
@@ -62,21 +77,13 @@ def test_upgrading_keeps_the_quoted_rows_and_replays_them(make_ledger, ledger_ta
             )
             # The stored fingerprint "fp" is no request's: a reuse, refused, never a run.
             assert (again.status, again.outcome, ran) == (409, Outcome.REUSED, [])
-        finally:
-            ledger.close()
-    finally:
-        writer.close()
 
 
 def test_a_key_stored_in_both_forms_stops_the_upgrade_and_changes_nothing(make_ledger, ledger_target, clock):
-    make_ledger().close()
-    writer = as_schema_2(ledger_target)
-    try:
-        writer.insert_completed("acct_1", '"k"', "fp", 201, "{}", "first", clock.now)
-        writer.insert_completed("acct_1", "k", "fp", 201, "{}", "second", clock.now)
+    rows = [("acct_1", '"k"', "first"), ("acct_1", "k", "second")]
+    with schema_2_holding(make_ledger, ledger_target, clock.now, rows) as writer:
         before = stored(writer)
-        ledger = Ledger.open(ledger_target, clock=clock)
-        try:
+        with Ledger.open(ledger_target, clock=clock) as ledger:
             with pytest.raises(KeyStoredTwiceError, match=r"cannot upgrade to schema 3: a key is stored twice"):
                 ledger.init()
             assert ledger.schema_version() == 2
@@ -84,10 +91,6 @@ def test_a_key_stored_in_both_forms_stops_the_upgrade_and_changes_nothing(make_l
             # Settled (one row deleted by hand, as the runbook says): the upgrade goes through.
             writer._run("DELETE FROM idempotency_keys WHERE principal = ? AND key = ?", ("acct_1", '"k"'))
             assert ledger.init().describe() == "upgraded from 2 to 3"
-        finally:
-            ledger.close()
-    finally:
-        writer.close()
 
 
 def test_the_runbooks_rewrite_gives_quoted_rows_their_bare_key_and_they_stay_one_key(make_ledger, ledger_target, clock):
@@ -144,12 +147,8 @@ def test_init_dry_run_finds_a_key_stored_twice_as_init_does_and_writes_nothing(
     from idemctl.cli import app
     from tests.helpers import clean_env
 
-    make_ledger().close()
-    writer = as_schema_2(ledger_target)
-    try:
-        writer.insert_completed("acct_1", twice[0], "fp", 201, "{}", "first", clock.now)
-        writer.insert_completed("acct_1", twice[1], "fp", 201, "{}", "second", clock.now)
-        writer.insert_completed("acct_2", twice[1], "fp", 201, "{}", "another principal's", clock.now)
+    rows = [("acct_1", twice[0], "first"), ("acct_1", twice[1], "second"), ("acct_2", twice[1], "another principal's")]
+    with schema_2_holding(make_ledger, ledger_target, clock.now, rows) as writer:
         before = stored(writer)
         clean_env(monkeypatch, tmp_path)
         dry = CliRunner().invoke(app, ["--db", ledger_target, "init", "--dry-run"])
@@ -158,23 +157,19 @@ def test_init_dry_run_finds_a_key_stored_twice_as_init_does_and_writes_nothing(
         assert dry.stderr == real.stderr
         assert "cannot upgrade to schema 3: a key is stored twice for one principal" in dry.stderr
         assert stored(writer) == before
-    finally:
-        writer.close()
 
 
 def test_init_dry_run_of_a_ledger_whose_keys_are_each_stored_once_would_upgrade(make_ledger, ledger_target, clock):
-    make_ledger().close()
-    writer = as_schema_2(ledger_target)
-    try:
-        for principal, key in [("acct_1", '"k"'), ("acct_2", "k"), ("acct_1", '"open'), ("acct_1", "open")]:
-            writer.insert_completed(principal, key, "fp", 201, "{}", "made", clock.now)
-        with Ledger.open(ledger_target, clock=clock) as ledger:
-            would = ledger.init(dry_run=True)
-            assert (would.action, would.from_version, would.dry_run) == (InitAction.UPGRADED, 2, True)
-            assert ledger.schema_version() == 2
-            assert ledger.init().describe() == "upgraded from 2 to 3"
-    finally:
-        writer.close()
+    keys = [("acct_1", '"k"'), ("acct_2", "k"), ("acct_1", '"open'), ("acct_1", "open")]
+    rows = [(p, k, "made") for p, k in keys]
+    with (
+        schema_2_holding(make_ledger, ledger_target, clock.now, rows),
+        Ledger.open(ledger_target, clock=clock) as ledger,
+    ):
+        would = ledger.init(dry_run=True)
+        assert (would.action, would.from_version, would.dry_run) == (InitAction.UPGRADED, 2, True)
+        assert ledger.schema_version() == 2
+        assert ledger.init().describe() == "upgraded from 2 to 3"
 
 
 def test_the_dry_runs_key_identity_is_the_databases_key_id(make_ledger, ledger_target, clock):
