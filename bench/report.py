@@ -1211,7 +1211,9 @@ def _inflight(res: dict[str, Any]) -> list[str]:
         load = "/".join(f"{x:.1f}" for x in measured["loadavg_start" if at_start else "loadavg"])
         when = (
             f"Measured {measured['started_utc']} at commit `{measured['commit']}`, load average {load}"
-            f"{'' if at_start else ' at the end'} ({measured['conditions']}). "
+            f"{'' if at_start else ' at the end'}"
+            + (f" ({measured['conditions']})" if measured.get("conditions") else "")
+            + ". "
         )
     if two_floors:
         floors = (
