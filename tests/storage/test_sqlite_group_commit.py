@@ -216,7 +216,7 @@ def test_a_failing_statement_fails_only_its_own_caller_and_its_batch_mates_commi
         batch.add(lambda: store.claim(PRINCIPAL, "a", "fp", 14, 1000))  # a batch-mate already holds it
         batch.add(lambda: store.claim(PRINCIPAL, "b", "fp", 15, 1000))
         batch.add(lambda: engine.write("INSERT INTO no_such_table VALUES (1)", {}))
-        batch.add(lambda: store.complete(PRINCIPAL, "a", 1, 12, 201, b"done", "{}", 1001))
+        batch.add(lambda: store.complete((PRINCIPAL, "a", 1, 12), (201, b"done", "{}"), 1001))
     lead, a, bad, a_again, b, nonsense, completed = batch.wait()
     assert (lead, a, a_again, b, completed) == (1, 1, None, 1, True)
     assert isinstance(bad, StorageError) and "NOT NULL" in str(bad)
@@ -277,17 +277,17 @@ def scripted(store: Any) -> list[Callable[[], object]]:
         lambda: store.claim(PRINCIPAL, "k1", "fp", 1, 1000),
         lambda: store.claim(PRINCIPAL, "k2", "fp", 2, 1000),
         lambda: store.claim(PRINCIPAL, "k1", "fp", 3, 1001),
-        lambda: store.complete(PRINCIPAL, "k1", 1, 99, 201, b"wrong token", "{}", 1002),
-        lambda: store.complete(PRINCIPAL, "k1", 1, 1, 201, b"one", "{}", 1003),
-        lambda: store.complete(PRINCIPAL, "k1", 1, 1, 201, b"twice", "{}", 1004),
+        lambda: store.complete((PRINCIPAL, "k1", 1, 99), (201, b"wrong token", "{}"), 1002),
+        lambda: store.complete((PRINCIPAL, "k1", 1, 1), (201, b"one", "{}"), 1003),
+        lambda: store.complete((PRINCIPAL, "k1", 1, 1), (201, b"twice", "{}"), 1004),
         lambda: store.takeover(PRINCIPAL, "k2", "fp", 4, 5000, 1001, -1),
-        lambda: store.complete(PRINCIPAL, "k2", 1, 2, 201, b"late", "{}", 5001),
+        lambda: store.complete((PRINCIPAL, "k2", 1, 2), (201, b"late", "{}"), 5001),
         lambda: store.record_fenced(PRINCIPAL, "k2", 1, 201, 5002),
         lambda: store.claim(PRINCIPAL, "k3", None, 5, 5003),
         lambda: store.claim(PRINCIPAL, "k4", "fp", 2**70, 5003),  # too big for SQLite: OverflowError
         lambda: store.release(PRINCIPAL, "k2", 2, 4),
         lambda: store.claim(PRINCIPAL, "k2", "fp", 6, 5004),
-        lambda: store.complete(PRINCIPAL, "k2", 1, 6, 200, "text", "{}", 5005),
+        lambda: store.complete((PRINCIPAL, "k2", 1, 6), (200, "text", "{}"), 5005),
         lambda: store.purge(PRINCIPAL, "k1", 0),
     ]
 
