@@ -134,6 +134,37 @@ def test_an_idle_connection_the_server_ended_is_dropped_and_the_next_statement_r
     assert on_the_loop(ledger_target, body) == ["AsyncpgEngine", True]
 
 
+def test_a_statement_on_a_connection_the_server_is_ending_is_a_lost_connection_never_a_database_error(
+    ledger_target: str, postgres_server: str
+) -> None:
+    # The server's farewell is read a loop turn before the close: a statement
+    # taken in between is refused by asyncpg ("another operation is in
+    # progress"). That is the connection failing, so a completion is tried
+    # again on a fresh one (ConnectionFailedError), never an error of the database.
+    app = ledger_target.rsplit("application_name=", 1)[1]
+
+    async def body(aio: Any) -> list[str]:
+        seen = []
+        for turns in range(4):
+            await aio.execute("SELECT 1", {})
+            with psycopg.connect(postgres_server, autocommit=True) as admin:
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s", (app,)
+                )
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            try:
+                await aio.execute("SELECT 1", {})
+                seen.append("ran")
+            except StorageError as exc:
+                seen.append(type(exc).__name__)
+        return seen
+
+    seen = on_the_loop(ledger_target, body)
+    assert set(seen) <= {"ran", "ConnectionFailedError"}, seen
+    assert "ConnectionFailedError" in seen
+
+
 def test_a_row_locked_past_the_busy_timeout_is_database_locked_on_asyncpg(make_ledger, ledger_target: str) -> None:
     ledger = make_ledger(busy_timeout_ms=200)
     with psycopg.connect(ledger_target.split("&application_name=")[0]) as holder:

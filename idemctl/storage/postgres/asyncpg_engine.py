@@ -346,6 +346,13 @@ class AsyncpgEngine(LoopEngine):
             await self._retire(conn)
             raise CommitTimeoutError(self.describe(), self._commit_timeout_s) from None
         except Exception as exc:
+            if conn.is_closed() and not isinstance(exc, asyncpg.PostgresError):
+                # An idle connection the server had just ended (its farewell
+                # read, the close not yet seen: asyncpg refuses the statement
+                # as "another operation is in progress"), or one lost mid-statement:
+                # the connection failed, not the statement, so a completion is
+                # tried again on a fresh one.
+                raise unreachable("PostgreSQL", self.describe(), self._translate.scrub(single_line(str(exc)))) from exc
             raise self._error(exc) from exc
         return [tuple(r) for r in records]
 
