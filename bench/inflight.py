@@ -246,7 +246,7 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
     await floors.open()
     kit = kit_backend = None
     if "idemkit" in specs:
-        kit, kit_backend = idemkit_asgi(specs["idemkit"])
+        kit, kit_backend = idemkit_asgi(specs["idemkit"], pool_size)
         systems["idemkit"] = kit
     try:
 

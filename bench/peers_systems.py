@@ -448,11 +448,14 @@ def idemctl_asgi(ledger: Ledger) -> Any:
     return IdempotencyMiddleware(asgi_app, ledger, principal=principal_header)
 
 
-def idemkit_asgi(spec: dict[str, Any]) -> tuple[Any, Any]:
-    """Its ASGI middleware and the backend, whose pool opens on the calling loop."""
+def idemkit_asgi(spec: dict[str, Any], pool_size: int = 10) -> tuple[Any, Any]:
+    """Its ASGI middleware and the backend, whose pool opens on the calling
+    loop: at most `pool_size` connections, as idemctl's pool and the floors'
+    (idemkit's default is 20, which also crowds a shared test server)."""
     from idemkit import PostgresBackend
 
-    backend = PostgresBackend.from_url(asyncpg_url(spec["pg_base"], spec["schema"]))
+    url = asyncpg_url(spec["pg_base"], spec["schema"])
+    backend = PostgresBackend.from_url(url, min_size=min(4, pool_size), max_size=pool_size)
     return idemkit_asgi_on(backend, spec["ttl_s"]), backend
 
 
