@@ -291,8 +291,13 @@ class AsyncpgEngine(LoopEngine):
 
         return connect
 
-    def _error(self, exc: BaseException, *, connecting: bool = False) -> StorageError:
-        """What asyncpg raised as the error the psycopg engine gives for it."""
+    def _error(self, exc: BaseException, *, connecting: bool = False, lost: bool = False) -> StorageError:
+        """What asyncpg raised as the error the psycopg engine gives for it;
+        `lost`: the statement's connection is closed now. A client-side error
+        on it is the connection failing, not the statement: an idle one the
+        server had just ended (its farewell read, the close not yet seen)
+        makes asyncpg refuse the statement as "another operation is in
+        progress", and a completion must then be tried again on a fresh one."""
         if isinstance(exc, StorageError):
             return exc
         if isinstance(exc, asyncpg.PostgresError):
@@ -301,7 +306,7 @@ class AsyncpgEngine(LoopEngine):
                 return StorageError(f"PostgreSQL cannot store a NUL character in a text column ({exc})")
             return self._translate(exc, connecting=connecting or (state or "").startswith("08"))
         reason = self._translate.scrub(single_line(str(exc) or type(exc).__name__))
-        if not isinstance(exc, _CONNECTION_LOST):
+        if not (lost or isinstance(exc, _CONNECTION_LOST)):
             return server.database_error(self.describe(), reason)
         # The socket, not the server, failed: a refused or lost connection
         # (OSError, asyncpg's "connection is closed"), no answer, or no
@@ -346,14 +351,7 @@ class AsyncpgEngine(LoopEngine):
             await self._retire(conn)
             raise CommitTimeoutError(self.describe(), self._commit_timeout_s) from None
         except Exception as exc:
-            if conn.is_closed() and not isinstance(exc, asyncpg.PostgresError):
-                # An idle connection the server had just ended (its farewell
-                # read, the close not yet seen: asyncpg refuses the statement
-                # as "another operation is in progress"), or one lost mid-statement:
-                # the connection failed, not the statement, so a completion is
-                # tried again on a fresh one.
-                raise unreachable("PostgreSQL", self.describe(), self._translate.scrub(single_line(str(exc)))) from exc
-            raise self._error(exc) from exc
+            raise self._error(exc, lost=conn.is_closed()) from exc
         return [tuple(r) for r in records]
 
     async def _retire(self, conn: asyncpg.Connection) -> None:
