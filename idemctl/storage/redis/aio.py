@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
-from ...errors import ConnectionFailedError, StorageError
+from ...errors import StorageError
 from ..deadlines import Deadlines
 from ..engine import Params, Rows
 from ..statements import TABLES
@@ -58,12 +58,8 @@ class AsyncRedisEngine:
         bound = self.timeout_s + (self.location.wait_timeout_ms / 1000 if sql.startswith("wait_") else 0)
         try:
             return await self._deadlines.within(bound, self._execute(sql, params))
-        except TimeoutError as exc:
-            if isinstance(exc, StorageError):
-                raise
-            raise ConnectionFailedError(
-                f"cannot reach Redis at {self.location.shown}: no answer within {bound:g} s"
-            ) from exc
+        except TimeoutError as exc:  # the bound (storage/deadlines.py): an unreachable Redis, as any lost socket
+            self._fail(exc)
 
     async def _execute(self, sql: str, params: Params) -> Rows:
         import redis
