@@ -170,16 +170,7 @@ def test_copy_both_ways_between_d1_and_sqlite_under_traffic_loses_no_key(served:
     assert len(seeded) == 30 and seeded <= copied
     # Back into a fresh D1 database: the rows of the file, and the Worker replays them.
     engine.write_turn([(f"DELETE FROM {t}", {}) for t in ("idempotency_keys", "idemctl_fenced_out")])
-    env = {k: v for k, v in os.environ.items() if not k.startswith("IDEMCTL_")}
-    env.update(served.env())
-    back = subprocess.run(
-        [sys.executable, "-m", "idemctl", "copy", "--db", local, "--to", served.ledger_url, "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    back = idemctl(served, "copy", "--db", local, "--to", served.ledger_url, "--json")  # --db: the file, not D1
     assert back.returncode == 0, back.stderr
     after = {tuple(r) for r in engine.read("SELECT principal, key, response_body FROM idempotency_keys", {})}
     assert copied == after
@@ -197,16 +188,7 @@ def test_a_binary_answer_copied_into_d1_keeps_its_key_as_the_sentinel(runtime: R
     source.complete(reservation, 200, {}, b"\xff\x00\x80")
     assert source.operator.get("acct_1", "bin").row.response_body == b"\xff\x00\x80"
     source.close()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("IDEMCTL_")}
-    env.update(runtime.env())
-    copied = subprocess.run(
-        [sys.executable, "-m", "idemctl", "copy", "--db", local, "--to", runtime.ledger_url, "--init", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    copied = idemctl(runtime, "copy", "--db", local, "--to", runtime.ledger_url, "--init", "--json")
     assert copied.returncode == 0, copied.stderr
     rows = D1Engine(runtime.ledger_url).read(
         "SELECT status, response_status, response_body FROM idempotency_keys WHERE key = 'bin'", {}
