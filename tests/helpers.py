@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import importlib
 import json
 import os
@@ -17,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import pytest
@@ -240,6 +241,38 @@ def mysql_test_database(base: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[
             cur.execute(f"DROP DATABASE IF EXISTS {name}")
 
     yield from for_one_test(url, mysql.MysqlEngine, monkeypatch, drop)
+
+
+_T = TypeVar("_T")
+
+# One file for every test process on this machine: the MariaDB server is shared.
+_INNODB_TRX_GATE = Path(os.environ.get("TMPDIR", "/tmp")) / "idemctl-tests-innodb-trx.gate"
+_INNODB_TRX_QUIET_S = 0.15
+
+
+def read_innodb_trx(read: Callable[[], _T]) -> _T:
+    """Run `read` (a query on information_schema.innodb_trx) so that it sees fresh rows.
+
+    InnoDB refreshes that table only when nobody has read it for 100 ms, so two
+    workers polling the same server every 150 ms keep it stale for each other
+    forever. Readers take turns through one file lock, each at least 150 ms
+    after the last read by anyone.
+    """
+    with open(_INNODB_TRX_GATE, "a+") as gate:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            gate.seek(0)
+            last = float(gate.read() or 0)
+            time.sleep(max(0.0, last + _INNODB_TRX_QUIET_S - time.monotonic()))
+            try:
+                return read()
+            finally:
+                gate.seek(0)
+                gate.truncate()
+                gate.write(repr(time.monotonic()))
+                gate.flush()
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 def descriptors_of(path: str | os.PathLike[str]) -> list[int]:

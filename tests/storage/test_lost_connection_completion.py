@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from idemctl import AnswerNotStoredError, Ledger, Outcome, Status, StorageError, Ticket, decision
-from tests.helpers import FakeClock, mysql_connect_args, step_of
+from tests.helpers import FakeClock, mysql_connect_args, read_innodb_trx, step_of
 
 BODY = b'{"sku":"x"}'
 HEADERS = {"content-type": "application/json", "location": "/orders/1"}
@@ -73,6 +73,8 @@ class Admin:
             )
         else:
             sql = "SELECT id FROM information_schema.processlist WHERE db = DATABASE() AND id <> CONNECTION_ID()"
+        if waiting_for_a_lock:
+            return [int(r[0]) for r in read_innodb_trx(lambda: self._rows(sql))]
         return [int(r[0]) for r in self._rows(sql)]
 
     def end(self, ids: list[int], *, wait: bool = True) -> None:
@@ -97,8 +99,7 @@ class Admin:
         deadline = time.monotonic() + 20
         while not (waiting := self.ledger_connections(waiting_for_a_lock=True)):
             assert time.monotonic() < deadline, "the completion never waited for the row"
-            # InnoDB refreshes innodb_trx only when nobody read it for 100 ms.
-            time.sleep(0.15 if self.backend == "mysql" else 0.02)
+            time.sleep(0.02)
         (one,) = waiting
         return one
 

@@ -32,7 +32,7 @@ from idemctl.outcomes import InitAction  # noqa: E402
 from idemctl.storage.dialect import MYSQL  # noqa: E402
 from idemctl.storage.mysql import MysqlEngine  # noqa: E402
 from idemctl.wsgi import IdempotencyMiddleware  # noqa: E402
-from tests.helpers import handled_in_a_forked_child, mysql_connect_args  # noqa: E402
+from tests.helpers import handled_in_a_forked_child, mysql_connect_args, read_innodb_trx  # noqa: E402
 
 # Only this engine's half: these checks mean nothing on the others.
 pytestmark = pytest.mark.engines("mysql")
@@ -65,21 +65,22 @@ def ok(status: int = 201, body: bytes | str = b'{"id":1}', ctype: str = "applica
 
 def lock_waiters(cur: pymysql.cursors.Cursor) -> int:
     """Sessions of this test's database waiting for a row lock (the server is shared)."""
-    cur.execute(
-        "SELECT count(*) FROM information_schema.innodb_trx t"
-        " JOIN information_schema.processlist p ON p.id = t.trx_mysql_thread_id"
-        " WHERE t.trx_state = 'LOCK WAIT' AND p.db = DATABASE()"
-    )
-    return int(cur.fetchone()[0])
+    def read() -> int:
+        cur.execute(
+            "SELECT count(*) FROM information_schema.innodb_trx t"
+            " JOIN information_schema.processlist p ON p.id = t.trx_mysql_thread_id"
+            " WHERE t.trx_state = 'LOCK WAIT' AND p.db = DATABASE()"
+        )
+        return int(cur.fetchone()[0])
+
+    return read_innodb_trx(read)
 
 
 def wait_until(predicate, seconds: float = 20.0) -> None:
     deadline = time.monotonic() + seconds
     while not predicate():
         assert time.monotonic() < deadline, "timed out waiting"
-        # InnoDB refreshes information_schema.innodb_trx only when nobody
-        # read it for 100 ms: a faster poll would read a stale table forever.
-        time.sleep(0.15)
+        time.sleep(0.02)
 
 
 # -- sessions: isolation, gap locks, row locks ----------------------------------------------
