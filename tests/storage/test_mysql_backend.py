@@ -65,6 +65,7 @@ def ok(status: int = 201, body: bytes | str = b'{"id":1}', ctype: str = "applica
 
 def lock_waiters(cur: pymysql.cursors.Cursor) -> int:
     """Sessions of this test's database waiting for a row lock (the server is shared)."""
+
     def read() -> int:
         cur.execute(
             "SELECT count(*) FROM information_schema.innodb_trx t"
