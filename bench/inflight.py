@@ -16,6 +16,9 @@ figure is the median round.
 Profile: where the time of idemctl's requests and the floor's goes at 10
 in flight (cProfile's internal time by package), after the rounds.
 
+Instructions: the same paths one request at a time under callgrind
+(bench/pg_instructions.py), with the synchronous `handle` beside them.
+
 Event-loop lag: a ticker coroutine sleeping 1 ms on the same loop, while 50
 first calls are in flight through idemctl's middleware, with the ledger's
 statements awaited on the loop, then handed to the default executor."""
@@ -29,6 +32,7 @@ from typing import Any
 
 from idemctl import Ledger
 
+from . import pg_instructions
 from .common import FINGERPRINT, RESPONSE_HEADERS_JSON, STORED_1K, Context, percentile, spread
 from .peers_systems import (
     PRINCIPAL,
@@ -353,6 +357,8 @@ def run(ctx: Context) -> dict[str, Any]:
         for spec in specs.values():
             provision(spec)
         out = asyncio.run(_measure(ctx, specs))
+        # The same request paths in instructions, which hold on a busy machine too.
+        out["instructions"] = pg_instructions.count(ctx, specs["idemctl"]["pg_base"])
     finally:
         for spec in specs.values():
             try:

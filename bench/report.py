@@ -1244,6 +1244,43 @@ def _inflight(res: dict[str, Any]) -> list[str]:
         f"| statements handed to the default executor | {_n(threads['p50_ms'], 2)} "
         f"| {_n(threads['p99_ms'], 2)} | {_n(threads['max_ms'], 2)} |",
     ]
+    return lines + _postgres_instructions(res.get("instructions"))
+
+
+def _postgres_instructions(ins: dict[str, Any] | None) -> list[str]:
+    """(8)/(10) and (7) in instructions: one request at a time, callgrind."""
+    if not ins:
+        return []
+    if "missing" in ins:
+        return ["", f"(8)/(10) instructions: not counted ({ins['missing']})."]
+    names = {
+        ("asgi", "floor-asyncpg"): "raw statements on asyncpg (the ASGI floor)",
+        ("asgi", "floor-psycopg"): "raw statements on psycopg's AsyncConnection",
+        ("asgi", "idemctl"): "idemctl, ASGI `IdempotencyMiddleware` (asyncpg)",
+        ("asgi", "idemctl-psycopg"): "idemctl, ASGI `IdempotencyMiddleware` on psycopg",
+        ("sync", "floor"): "raw statements on one psycopg connection (the synchronous floor)",
+        ("sync", "handle"): "idemctl, `Ledger.handle`",
+    }
+    lines = [
+        "",
+        "| (8)/(10), (7) instructions a request on PostgreSQL (callgrind) | first call | ÷ floor | replay | ÷ floor |",
+        "|---|---|---|---|---|",
+    ]
+    by = {(r["door"], r["system"], r["kind"]): r for r in ins["rows"]}
+    for (door, system), label in names.items():
+        if (door, system, "first") in by:
+            first, replay = by[(door, system, "first")], by[(door, system, "replay")]
+            lines.append(
+                f"| {label} | {_n(first['instructions'])} | {first['vs_floor']:.2f} "
+                f"| {_n(replay['instructions'])} | {replay['vs_floor']:.2f} |"
+            )
+    lines += [
+        "",
+        f"Counted by valgrind's callgrind in the same run, {ins['requests_per_segment']} requests a segment after a "
+        "warm-up, one at a time (an ASGI request driven to its end on the loop): the instructions of the Python "
+        "process only (PostgreSQL's own work is in its server processes), so they hold on a busy machine. Each "
+        "ASGI row is divided by the asyncpg floor, each synchronous row by the raw psycopg statements.",
+    ]
     return lines
 
 

@@ -158,5 +158,24 @@ def test_quick_in_flight_run_measures_every_level_and_renders_its_tables(tmp_pat
             assert cell["limit"] == max(("psycopg", "asyncpg"), key=lambda d: cell[f"floor_{d}"]["median"])
             assert cell["floor"] == cell[f"floor_{cell['limit']}"]
             assert {"idemctl_fastapi_vs_floor", "idemctl_psycopg_vs_floor"} <= set(cell)
-    for heading in ("| (8)/(10) ASGI + PostgreSQL, in flight |", "| (8) event-loop lag: a 1 ms ticker, 50 first"):
+    # The same paths in instructions: every segment counted, each floor 1.00 of itself.
+    ins = res["instructions"]
+    assert "missing" not in ins or not os.environ.get("CI"), ins
+    if "missing" not in ins:
+        counted = {(r["door"], r["system"], r["kind"]): r for r in ins["rows"]}
+        assert {(door, system) for door, system, _ in counted} == {
+            ("asgi", "floor-asyncpg"),
+            ("asgi", "floor-psycopg"),
+            ("asgi", "idemctl"),
+            ("asgi", "idemctl-psycopg"),
+            ("sync", "floor"),
+            ("sync", "handle"),
+        }
+        assert counted[("asgi", "floor-asyncpg", "first")]["vs_floor"] == 1.0
+        assert counted[("sync", "floor", "replay")]["vs_floor"] == 1.0
+        assert all(r["instructions"] > 0 for r in counted.values())
+    headings = ["| (8)/(10) ASGI + PostgreSQL, in flight |", "| (8) event-loop lag: a 1 ms ticker, 50 first"]
+    if "missing" not in ins:
+        headings.append("| (8)/(10), (7) instructions a request on PostgreSQL (callgrind) |")
+    for heading in headings:
         assert heading in proc.stdout, heading

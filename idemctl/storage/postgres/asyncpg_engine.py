@@ -13,10 +13,11 @@ Chosen by `PostgresEngine.open_async` when asyncpg is installed (the
 - Connections: a small pool of its own (`_Pool`): a checkout is a list pop,
   a return a list append; no task, no reset query (every statement
   autocommits: there is no session state to reset).
-- The commit timeout: asyncpg's own per-statement timeout, which sends the
-  server a cancel request; the connection is then closed once that request
-  is over (or after the grace), and the caller gets CommitTimeoutError, as
-  watch.py does for psycopg.
+- The commit timeout: one watcher per loop (deadlines.py) cancels a
+  statement past it, and asyncpg then sends the server a cancel request;
+  the connection is closed once that request is over (or after the
+  grace), and the caller gets CommitTimeoutError, as watch.py does for
+  psycopg.
 - Poolers: detected as for psycopg (pooler.py). Directly, the settings are
   startup parameters and every new connection checks the marker; in
   session pooling they are set once per connection. Behind transaction or
@@ -43,6 +44,7 @@ from psycopg.conninfo import conninfo_to_dict
 from ...errors import CommitTimeoutError, LedgerUnavailableError, StorageError
 from ...text import single_line
 from .. import server
+from ..deadlines import Deadlines
 from ..engine import Params, Rows
 from ..server import unreachable
 from . import pooler as pooling
@@ -236,6 +238,9 @@ class AsyncpgEngine(LoopEngine):
 
     def _start(self) -> None:
         self._grace_s = min(CANCEL_GRACE_S, self._commit_timeout_s)
+        # The commit timeout of every statement on this loop, kept by one
+        # watcher: asyncpg's own `timeout=` is a timer (a heap entry) per statement.
+        self._deadlines = Deadlines()
         self._pool: _Pool | None = None
         self._opening: asyncio.Lock | None = None
         # Behind transaction or statement pooling: psycopg's engine serves.
@@ -344,10 +349,12 @@ class AsyncpgEngine(LoopEngine):
     async def _fetch(self, conn: asyncpg.Connection, sql: str, params: Params) -> Rows:
         text, names = self._positional(sql)
         try:
-            records = await conn.fetch(text, *[params[name] for name in names], timeout=self._commit_timeout_s)
+            records = await self._deadlines.within(
+                self._commit_timeout_s, conn.fetch(text, *[params[n] for n in names])
+            )
         except TimeoutError:
-            # asyncpg sent a cancel request; whatever the statement did, it
-            # counts as failed, and its connection is not used again.
+            # Cancelled at its bound, asyncpg sent a cancel request; whatever the
+            # statement did, it counts as failed, and its connection is not used again.
             await self._retire(conn)
             raise CommitTimeoutError(self.describe(), self._commit_timeout_s) from None
         except Exception as exc:
