@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 
+from .landing import Landing
 from .outcomes import Outcome, Reservation, Status, StoredRow, quick_init
 from .policy import Policy
 from .storage import Store
@@ -414,16 +415,26 @@ async def _through_on(
             # task of its own) needed.
             value, error = await _outcome_async(op, store)
         else:
-            # Shielded: a cancelled caller does not cut a write off half-way
-            # (a claim's outcome would be unknown, and could not be released).
-            landing = asyncio.ensure_future(store.run(op))
+            # Landed whole: a cancelled caller does not cut a write off half-way
+            # (a claim's outcome would be unknown, and could not be released):
+            # in this task when the engine allows it (landing.py), else in a
+            # task of its own behind a shield.
+            landing = Landing(store.run(op)) if store.lands_in_place else None
+            rest: asyncio.Future[Any] | None = None
             try:
-                value, error = await asyncio.shield(landing), None
-            except asyncio.CancelledError:
-                if orphaned is not None:
-                    _keep(asyncio.ensure_future(_finish_orphan(steps, landing, store, orphaned, in_thread)))
+                if landing is not None:
+                    value, error = await landing, None
                 else:
-                    _keep(landing)
+                    rest = asyncio.ensure_future(store.run(op))
+                    value, error = await asyncio.shield(rest), None
+            except asyncio.CancelledError:
+                if landing is not None:
+                    rest = landing.rest  # cancelled mid-write: it lands in a task of its own
+                if rest is not None:
+                    if orphaned is not None:
+                        _keep(asyncio.ensure_future(_finish_orphan(steps, rest, store, orphaned, in_thread)))
+                    else:
+                        _keep(rest)
                 raise
             except Exception as exc:
                 value, error = None, exc

@@ -23,7 +23,12 @@ R = TypeVar("R")
 
 
 class AsyncEngine(Protocol):
-    """What an AsyncStore needs from an engine: statements, awaited."""
+    """What an AsyncStore needs from an engine: statements, awaited.
+    `lands_in_place`: each statement is marked deadlines.ON_THE_WIRE while
+    sent, and nothing else in it cancels the task, so a write can be
+    awaited in the request's own task (landing.py)."""
+
+    lands_in_place: bool
 
     def describe(self) -> str: ...
 
@@ -49,6 +54,7 @@ class AsyncStore:
     def __init__(self, store: Store, engine: AsyncEngine) -> None:
         self.store = store
         self.engine = engine
+        self.lands_in_place = engine.lands_in_place
         # Set by aclose and abandon: work still holding this store (a
         # post-response sweep) must not open its connections again.
         self.closed = False

@@ -14,11 +14,47 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from contextvars import ContextVar
 from typing import TypeVar
 
 T = TypeVar("T")
 
 TICK_S = 0.05
+# The message of the cancellations the watcher sends: a write that outlives
+# its request's cancellation (landing.py) lets this one through.
+DEADLINE = "idemctl: past its deadline"
+
+
+class Bound:
+    """One awaited operation's deadline, and the task it cancels: the task
+    that awaits it, or the one it was handed to (`hand_over`)."""
+
+    __slots__ = ("due", "entered", "outer", "task")
+
+    def __init__(self, task: asyncio.Task[object], due: float, outer: Bound | None) -> None:
+        self.task, self.due, self.outer = task, due, outer
+        self.entered = task.cancelling()
+
+
+# The innermost bound of the operation this context awaits (None: none).
+_ACTIVE: ContextVar[Bound | None] = ContextVar("idemctl_deadline", default=None)
+
+# Whether this context awaits a statement already sent (or being sent): a
+# cancellation now would leave its outcome unknown. Set by an engine around
+# the statement alone (its pool checkout and connect are cut off safely),
+# set back rather than reset by token, as _ACTIVE.
+ON_THE_WIRE: ContextVar[bool] = ContextVar("idemctl_on_the_wire", default=False)
+
+
+def hand_over(to: asyncio.Task[object]) -> None:
+    """The operations the current task awaits are finished by `to` from now
+    on (landing.py): their bounds cancel `to` when they expire."""
+    current = asyncio.current_task()
+    bound = _ACTIVE.get()
+    while bound is not None:
+        if bound.task is current:
+            bound.task, bound.entered = to, 0
+        bound = bound.outer
 
 
 class Deadlines:
@@ -36,8 +72,8 @@ class Deadlines:
 
     def __init__(self, tick_s: float = TICK_S) -> None:
         self.tick_s = tick_s
-        self._due: dict[asyncio.Task[object], float] = {}
-        self._expired: set[asyncio.Task[object]] = set()
+        self._due: set[Bound] = set()
+        self._expired: set[Bound] = set()
         self._watcher: asyncio.Task[None] | None = None
 
     async def within(self, seconds: float, work: Awaitable[T]) -> T:
@@ -48,33 +84,35 @@ class Deadlines:
         if task is None:  # not in a task: nothing to cancel, so no bound
             return await work
         loop = task.get_loop()
-        outer = self._due.get(task)
-        self._due[task] = loop.time() + seconds
+        outer = _ACTIVE.get()
+        bound = Bound(task, loop.time() + seconds, outer)
+        self._due.add(bound)
+        # Set and set back, never reset by token: the operation may end in
+        # another task (hand_over), whose context is a copy.
+        _ACTIVE.set(bound)
         if self._watcher is None:
             self._watcher = loop.create_task(self._watch(loop))
-        entered = task.cancelling()
         try:
             return await work
         except asyncio.CancelledError:
-            if task in self._expired:
-                self._expired.discard(task)
-                if task.uncancel() <= entered:
+            if bound in self._expired:
+                self._expired.discard(bound)
+                if bound.task.uncancel() <= bound.entered:
                     raise TimeoutError(f"no answer within {seconds:g} s") from None
             raise
         finally:
-            if outer is None:
-                self._due.pop(task, None)
-            else:
-                self._due[task] = outer
+            self._due.discard(bound)
+            self._expired.discard(bound)
+            _ACTIVE.set(outer)
 
     async def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
             while self._due:
                 await asyncio.sleep(self.tick_s)
                 now = loop.time()
-                for task, due in list(self._due.items()):
-                    if due <= now and task not in self._expired:
-                        self._expired.add(task)
-                        task.cancel()
+                for bound in list(self._due):
+                    if bound.due <= now and bound not in self._expired:
+                        self._expired.add(bound)
+                        bound.task.cancel(DEADLINE)
         finally:
             self._watcher = None

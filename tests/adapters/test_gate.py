@@ -20,6 +20,7 @@ from idemctl.asgi import IdempotencyMiddleware
 from idemctl.errors import UnsupportedFunctionError
 from idemctl.fastapi import idempotent_route
 from idemctl.storage.aio import AsyncStore
+from idemctl.storage.deadlines import ON_THE_WIRE
 from tests.helpers import step_of
 
 ORDER = b'{"sku":"tea"}'
@@ -145,6 +146,8 @@ class ClaimsHeld:
         async def slow_async_run(store, op):  # type: ignore[no-untyped-def]
             if step_of(op) not in claims:
                 return await async_run(store, op)
+            # Held as if the claim were sent already: the cancellation must not cut it off.
+            ON_THE_WIRE.set(True)
             self.entered.set()
             await asyncio.get_running_loop().run_in_executor(None, self.proceed.wait, 10)
             try:

@@ -223,6 +223,7 @@ class ThreadlessAsyncStore(AsyncStore):
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self.lands_in_place = True  # writes awaited in the caller's task (idemctl/landing.py)
 
     async def run(self, op: Any) -> Any:  # type: ignore[override]
         await asyncio.sleep(0)

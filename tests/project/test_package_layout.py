@@ -108,9 +108,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("storage", ("idemctl.storage",)),
-    # The decision loop, the answers it stores, and idempotent calls: built
-    # on the store, never on the ledger.
-    ("contract", ("idemctl.decision", "idemctl.responses", "idemctl.functions")),
+    # The decision loop (and how it awaits a write), the answers it stores,
+    # and idempotent calls: built on the store, never on the ledger.
+    ("contract", ("idemctl.decision", "idemctl.landing", "idemctl.responses", "idemctl.functions")),
     # The operator's tools over a store: copying, failover checks.
     ("operations", ("idemctl.operations",)),
     ("ledger", ("idemctl.ledger",)),

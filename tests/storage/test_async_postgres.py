@@ -24,6 +24,7 @@ from idemctl.errors import StorageError
 from idemctl.fastapi import idempotent_route
 from idemctl.outcomes import Answer, Ticket
 from idemctl.storage.aio import AsyncStore
+from idemctl.storage.deadlines import ON_THE_WIRE
 from tests.adapters.test_gate import ORDER, call, scope_for
 from tests.conftest import pgbouncer_params
 from tests.helpers import step_of
@@ -239,6 +240,8 @@ def test_a_request_cancelled_mid_claim_on_the_async_path_leaves_no_claim(make_le
     async def held_claim(self, op):  # type: ignore[no-untyped-def]
         if step_of(op) != "claim_or_read":
             return await real_run(self, op)
+        # Held as if the claim were sent already: the cancellation must not cut it off.
+        ON_THE_WIRE.set(True)
         entered.set()
         assert proceed is not None
         await proceed.wait()

@@ -80,6 +80,9 @@ class LoopEngine:
     the rest."""
 
     dialect = POSTGRES
+    # psycopg's pool waits with asyncio.wait_for, which cancels the task on
+    # Python 3.12 and later: each write keeps a task and a shield of its own.
+    lands_in_place = False
 
     def __init__(
         self,

@@ -44,7 +44,7 @@ from psycopg.conninfo import conninfo_to_dict
 from ...errors import CommitTimeoutError, LedgerUnavailableError, StorageError
 from ...text import single_line
 from .. import server
-from ..deadlines import Deadlines
+from ..deadlines import ON_THE_WIRE, Deadlines
 from ..engine import Params, Rows
 from ..server import unreachable
 from . import pooler as pooling
@@ -236,6 +236,10 @@ class AsyncpgEngine(LoopEngine):
     (see the module's docstring). Nothing connects until the first
     statement; `aclose` closes the connections."""
 
+    # Its statements are marked on the wire and bounded by the deadlines
+    # watcher alone: a write is awaited in the request's task (landing.py).
+    lands_in_place = True
+
     def _start(self) -> None:
         self._grace_s = min(CANCEL_GRACE_S, self._commit_timeout_s)
         # The commit timeout of every statement on this loop, kept by one
@@ -348,6 +352,7 @@ class AsyncpgEngine(LoopEngine):
 
     async def _fetch(self, conn: asyncpg.Connection, sql: str, params: Params) -> Rows:
         text, names = self._positional(sql)
+        ON_THE_WIRE.set(True)
         try:
             records = await self._deadlines.within(
                 self._commit_timeout_s, conn.fetch(text, *[params[n] for n in names])
@@ -359,6 +364,8 @@ class AsyncpgEngine(LoopEngine):
             raise CommitTimeoutError(self.describe(), self._commit_timeout_s) from None
         except Exception as exc:
             raise self._error(exc, lost=conn.is_closed()) from exc
+        finally:
+            ON_THE_WIRE.set(False)
         return [tuple(r) for r in records]
 
     async def _retire(self, conn: asyncpg.Connection) -> None:

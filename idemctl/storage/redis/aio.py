@@ -26,6 +26,10 @@ _NODE_SETTINGS = ("username", "password", "socket_timeout", "socket_connect_time
 class AsyncRedisEngine:
     """What an AsyncStore awaits (storage/aio.py's AsyncEngine), on Redis."""
 
+    # redis-py's client is not known to be free of timeouts that cancel the
+    # task: each write keeps a task and a shield of its own.
+    lands_in_place = False
+
     def __init__(self, location: RedisLocation, timeout_s: float, kind: str | None) -> None:
         self.location = location
         self.timeout_s = timeout_s

@@ -1,0 +1,135 @@
+"""A store's write awaited in the calling task, without a task of its own,
+and still never cut off half-way by a cancelled request.
+
+A claim cut off by a cancelled request would leave its outcome unknown: it
+may have committed, and nobody could release it. Running every write as a
+task of its own behind ``asyncio.shield`` keeps it whole, but costs a task,
+a shield and three more turns of the event loop on every request, though
+almost none is ever cancelled. :class:`Landing` drives the write's
+coroutine itself instead. The task waits on a stand-in future for each
+future the write waits on, so a cancellation reaches the stand-in, never
+the driver's own future (asyncpg would send the server a cancel request).
+While the engine says a statement is on the wire (deadlines.ON_THE_WIRE),
+the rest of the write is then handed to a new task (`rest`), the request's
+cancellation is raised at once, as a shield raises it, and the caller
+settles what lands. Before that (a pool checkout, a connect, their own
+timeouts) a cancellation goes through to the work as it would in a task:
+nothing is sent yet, nothing to settle. A statement's own bound
+(storage/deadlines.py) follows the write into that task; one that expires
+while the request still waits goes through as it would have: the write
+fails with its timeout. Only an engine that marks its statements so
+(`lands_in_place`) is awaited this way; the others keep a task and a
+shield per write.
+
+>>> import asyncio
+>>> from idemctl.storage.deadlines import ON_THE_WIRE
+>>> async def write():
+...     ON_THE_WIRE.set(True)  # as an engine does around a statement
+...     await asyncio.sleep(0.05)
+...     return "landed"
+>>> async def cancel_mid_write():
+...     landing = Landing(write())
+...     request = asyncio.ensure_future(landing.wait())
+...     await asyncio.sleep(0.01)
+...     request.cancel()
+...     try:
+...         await request
+...     except asyncio.CancelledError:
+...         return await landing.rest
+>>> asyncio.run(cancel_mid_write())
+'landed'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Coroutine, Generator
+from typing import Any, Generic, TypeVar
+
+from .storage.deadlines import DEADLINE, ON_THE_WIRE, hand_over
+
+T = TypeVar("T")
+
+
+class Landing(Generic[T]):
+    """`work` driven by whichever task awaits this (see the module); once
+    that task is cancelled mid-way, `rest` is the task that finishes it."""
+
+    __slots__ = ("rest", "work")
+
+    def __init__(self, work: Coroutine[Any, Any, T]) -> None:
+        self.work = work
+        self.rest: asyncio.Future[T] | None = None
+
+    async def wait(self) -> T:
+        """The work's result (the same as awaiting the Landing)."""
+        return await self
+
+    def __await__(self) -> Generator[Any, None, T]:
+        work = self.work
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                waited = work.send(value) if error is None else work.throw(error)
+            except StopIteration as done:
+                result: T = done.value
+                return result
+            value = error = None
+            if waited is None:  # a bare yield: one turn of the loop
+                try:
+                    yield None
+                except asyncio.CancelledError as exc:
+                    if exc.args[:1] != (DEADLINE,) and ON_THE_WIRE.get():
+                        self._hand_over(None)
+                        raise
+                    error = exc  # as a Task would: into the work
+                continue
+            # As a Task would: the work's future is waited on, not handed a result.
+            waited._asyncio_future_blocking = False
+            if waited.done():
+                continue
+            stand_in = waited.get_loop().create_future()
+            waited.add_done_callback(lambda _, stand_in=stand_in: stand_in.done() or stand_in.set_result(None))
+            try:
+                yield from stand_in.__await__()
+            except asyncio.CancelledError as exc:
+                if exc.args[:1] != (DEADLINE,) and ON_THE_WIRE.get():
+                    self._hand_over(waited)
+                    raise
+                # The statement's own bound, or any cancellation before the
+                # statement is sent (an inner timeout, a request cancelled
+                # while waiting for a connection): it reaches the work as it
+                # would have in a task, through the future the work waits on.
+                if not waited.cancel(*exc.args):
+                    error = exc
+
+    def _hand_over(self, waited: asyncio.Future[Any] | None) -> None:
+        rest: asyncio.Task[T] = asyncio.ensure_future(_Resumed(self.work, waited).wait())
+        hand_over(rest)
+        self.rest = rest
+
+
+class _Resumed(Generic[T]):
+    """The rest of a work suspended on `waited` (None: on a bare yield)."""
+
+    __slots__ = ("waited", "work")
+
+    def __init__(self, work: Coroutine[Any, Any, T], waited: asyncio.Future[Any] | None) -> None:
+        self.work, self.waited = work, waited
+
+    async def wait(self) -> T:
+        return await self
+
+    def __await__(self) -> Generator[Any, None, T]:
+        waited = self.waited
+        if waited is not None and not waited.done():
+            # This task's cancellation (the bound) cancels `waited` itself now;
+            # whatever `waited` ends with, the work reads it.
+            with contextlib.suppress(BaseException):
+                yield from waited.__await__()
+        return (yield from self.work.__await__())
+
+
+__all__ = ["Landing"]

@@ -1,0 +1,186 @@
+"""A store's write awaited without a task of its own (idemctl/landing.py):
+it runs in the request's task; a request cancelled while its statement is
+on the wire raises at once while the write lands in a task of its own; a
+cancellation before that reaches the write as in any task; and the
+statement's bound (storage/deadlines.py) holds in either task."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from idemctl.landing import Landing
+from idemctl.storage.deadlines import ON_THE_WIRE, Deadlines
+
+
+def test_a_write_runs_in_the_task_that_awaits_it_and_returns_its_result() -> None:
+    async def scenario() -> tuple[bool, str, int]:
+        tasks: list[asyncio.Task[Any] | None] = []
+
+        async def write() -> str:
+            tasks.append(asyncio.current_task())
+            await asyncio.sleep(0)  # a bare yield
+            await asyncio.sleep(0.01)  # a future
+            tasks.append(asyncio.current_task())
+            return "landed"
+
+        result = await Landing(write())
+        return all(t is asyncio.current_task() for t in tasks), result, len(asyncio.all_tasks())
+
+    assert asyncio.run(scenario()) == (True, "landed", 1)
+
+
+def test_a_write_that_fails_raises_its_own_error_where_it_is_awaited() -> None:
+    async def write() -> None:
+        await asyncio.sleep(0.01)
+        raise ValueError("refused by the server")
+
+    async def scenario() -> None:
+        await Landing(write())
+
+    with pytest.raises(ValueError, match="refused by the server"):
+        asyncio.run(scenario())
+
+
+def test_a_request_cancelled_mid_write_raises_at_once_and_the_write_lands_in_a_task_of_its_own() -> None:
+    async def scenario() -> tuple[float, bool, str, bool]:
+        loop = asyncio.get_running_loop()
+        server: asyncio.Future[str] = loop.create_future()  # what the driver waits on (asyncpg's waiter)
+        finished_in: list[asyncio.Task[Any] | None] = []
+
+        async def write() -> str:
+            ON_THE_WIRE.set(True)  # as an engine does around its statement
+            answer = await server
+            finished_in.append(asyncio.current_task())
+            return answer
+
+        landing = Landing(write())
+        request = asyncio.ensure_future(landing.wait())
+        await asyncio.sleep(0.01)
+        started = time.monotonic()
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        waited = time.monotonic() - started
+        untouched = not server.done()  # the cancellation never reached the driver's future
+        loop.call_later(0.02, server.set_result, "committed")
+        assert landing.rest is not None
+        landed = await landing.rest
+        return waited, untouched, landed, finished_in == [landing.rest]
+
+    waited, untouched, landed, in_rest = asyncio.run(scenario())
+    assert waited < 0.5 and untouched and landed == "committed" and in_rest
+
+
+def test_a_statement_past_its_bound_fails_with_its_timeout_where_the_request_waits() -> None:
+    async def scenario() -> tuple[bool, bool]:
+        loop = asyncio.get_running_loop()
+        deadlines = Deadlines(tick_s=0.01)
+        server: asyncio.Future[str] = loop.create_future()
+        try:
+            await Landing(deadlines.within(0.05, server))
+        except TimeoutError:
+            timed_out = True
+        else:
+            timed_out = False
+        current = asyncio.current_task()
+        assert current is not None
+        return timed_out, server.cancelled() and current.cancelling() == 0
+
+    assert asyncio.run(scenario()) == (True, True)
+
+
+def test_a_statement_bound_follows_the_write_into_the_task_that_finishes_it() -> None:
+    async def scenario() -> tuple[bool, bool, float]:
+        loop = asyncio.get_running_loop()
+        deadlines = Deadlines(tick_s=0.01)
+        server: asyncio.Future[str] = loop.create_future()  # a frozen server: never answers
+        async def statement() -> str:
+            ON_THE_WIRE.set(True)
+            return await deadlines.within(0.2, server)
+
+        landing = Landing(statement())
+        request = asyncio.ensure_future(landing.wait())
+        await asyncio.sleep(0.02)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        assert landing.rest is not None
+        started = time.monotonic()
+        try:
+            await landing.rest
+        except TimeoutError:
+            timed_out = True
+        else:
+            timed_out = False
+        return timed_out, server.cancelled(), time.monotonic() - started
+
+    timed_out, cancelled, waited = asyncio.run(scenario())
+    # The bound cancels the driver's future (asyncpg's cancel request) and the write fails with its timeout.
+    assert timed_out and cancelled and waited < 1.0
+
+
+def test_a_request_cancelled_on_a_bare_yield_hands_the_rest_over_too() -> None:
+    async def scenario() -> str:
+        async def write() -> str:
+            ON_THE_WIRE.set(True)
+            for _ in range(50):
+                await asyncio.sleep(0)
+            return "landed"
+
+        landing = Landing(write())
+        request = asyncio.ensure_future(landing.wait())
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        assert landing.rest is not None
+        return await landing.rest
+
+    assert asyncio.run(scenario()) == "landed"
+
+
+def test_a_cancellation_before_the_statement_is_on_the_wire_reaches_the_write_as_in_any_task() -> None:
+    async def scenario() -> tuple[bool, bool, bool]:
+        loop = asyncio.get_running_loop()
+        pool: asyncio.Future[str] = loop.create_future()  # waiting for a connection: nothing sent yet
+        seen: list[str] = []
+
+        async def write() -> str:
+            try:
+                return await pool
+            except asyncio.CancelledError:
+                seen.append("cancelled")
+                raise
+
+        landing = Landing(write())
+        request = asyncio.ensure_future(landing.wait())
+        await asyncio.sleep(0.01)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        return pool.cancelled(), seen == ["cancelled"], landing.rest is None
+
+    # The future it waited on is cancelled, the write saw it, and nothing is left to land.
+    assert asyncio.run(scenario()) == (True, True, True)
+
+
+def test_an_inner_timeout_before_the_statement_fires_as_it_would_in_a_task() -> None:
+    async def scenario() -> str:
+        loop = asyncio.get_running_loop()
+        never: asyncio.Future[str] = loop.create_future()
+
+        async def write() -> str:
+            try:
+                async with asyncio.timeout(0.02):  # how libraries bound a pool's wait on Python 3.12+
+                    return await never
+            except TimeoutError:
+                return "timed out where it waited"
+
+        return await Landing(write())
+
+    assert asyncio.run(scenario()) == "timed out where it waited"
