@@ -201,7 +201,7 @@ class _Door(gates.MiddlewareDoor[Scope]):
 
     async def principal(self) -> object:
         resolved = self.middleware.principal(self.request)
-        if inspect.isawaitable(resolved):
+        if resolved.__class__ is not str and inspect.isawaitable(resolved):  # a str, most often: no check
             resolved = await resolved
         return resolved
 

@@ -11,6 +11,7 @@ ASGI) read a scope the same way.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 from urllib.parse import quote
@@ -73,6 +74,12 @@ def header_fields(scope: Scope, name: bytes) -> list[str]:
     return [bytes(v).decode("latin-1") for k, v in scope.get("headers", ()) if bytes(k).lower() == name]
 
 
+@functools.lru_cache(maxsize=32)
+def _wanted(names: tuple[str, ...]) -> frozenset[bytes]:
+    # A policy's fingerprint headers, as the bytes a scope carries them in.
+    return frozenset(n.lower().encode("latin-1") for n in names)
+
+
 def parse(scope: Scope, fingerprint_headers: Iterable[str], *, exact_length: bool = False) -> Request:
     """What the sequence needs of an ASGI request (the server delimits every
     body; `exact_length` refuses one shorter than its Content-Length too).
@@ -80,19 +87,20 @@ def parse(scope: Scope, fingerprint_headers: Iterable[str], *, exact_length: boo
     >>> parse({"method": "post", "path": "/orders", "headers": [(b"idempotency-key", b"k1")]}, ()).key_fields
     ['k1']
     """
-    # One pass over the headers (the key fields, Content-Length, the fingerprint's).
-    wanted = {n.lower() for n in fingerprint_headers}
+    # One pass over the headers (the key fields, Content-Length, the
+    # fingerprint's), compared as bytes: only the fields kept are decoded.
+    wanted = _wanted(tuple(fingerprint_headers))  # a Policy's tuple: the same object, no copy
     keys: list[str] = []
     length: str | None = None
     fingerprinted: list[tuple[str, str]] = []
     for name, value in scope.get("headers", ()):
-        lname = bytes(name).decode("latin-1").lower()
-        if lname == "idempotency-key":
+        lname = (name if name.__class__ is bytes else bytes(name)).lower()
+        if lname == b"idempotency-key":
             keys.append(bytes(value).decode("latin-1"))
-        elif lname == "content-length" and length is None:
+        elif lname == b"content-length" and length is None:
             length = bytes(value).decode("latin-1")
         if lname in wanted:
-            fingerprinted.append((lname, bytes(value).decode("latin-1")))
+            fingerprinted.append((lname.decode("latin-1"), bytes(value).decode("latin-1")))
     return Request(
         str(scope.get("method", "GET")).upper(), request_target(scope), keys, fingerprinted, length, False, exact_length
     )

@@ -87,3 +87,29 @@ def test_an_unprotected_method_reaches_the_app_with_its_own_body_and_no_ledger_w
     ]
     assert bodies == [b"q"] and seen == []
     ledger.close()
+
+
+def test_a_scope_is_read_by_header_names_in_any_case_and_any_bytes_type() -> None:
+    from idemctl.exchange.scope import parse
+
+    scope = {
+        "method": "post",
+        "path": "/orders",
+        "query_string": b"b=2",
+        "headers": [
+            (b"Idempotency-Key", b"k1"),
+            (bytearray(b"CONTENT-LENGTH"), memoryview(b"2")),
+            (b"content-length", b"99"),  # a second field: the first one counts
+            (memoryview(b"Content-Type"), b"application/json"),
+            (b"x-other", b"not fingerprinted"),
+            (b"idempotency-key", bytearray(b"k2")),
+        ],
+    }
+    request = parse(scope, ("Content-Type", "x-absent"))
+    assert (request.method, request.target) == ("POST", "/orders?b=2")
+    assert request.key_fields == ["k1", "k2"]
+    assert request.content_length == "2"
+    assert request.headers == [("content-type", "application/json")]
+    # The same policy's names again, and another policy's: each set of names is its own.
+    assert parse(scope, ("x-other",)).headers == [("x-other", "not fingerprinted")]
+    assert parse(scope, ()).headers == []
