@@ -40,6 +40,7 @@ from .common import (
     now_ms,
 )
 from .peers_systems import asyncpg_url, call_asgi, create_schema, drop_schema, idemctl_asgi, psycopg_url
+from .pg_floors import Floors
 
 DEFAULT_BASE = "postgresql://postgres@127.0.0.1:5432/test"
 SEEDS = 20
@@ -59,7 +60,6 @@ def _child(base: str, schema: str, n: int, quick: bool, manifest: str) -> None:
     """Under callgrind: every segment, one request at a time."""
     from idemctl import Ledger
 
-    from .inflight import _Floors
     from .instructions import QUICK_WARM_UP, WARM_UP, Segments
     from .postgres import _connect
 
@@ -69,7 +69,7 @@ def _child(base: str, schema: str, n: int, quick: bool, manifest: str) -> None:
     ledger.init()
     on_psycopg = Ledger.open(url + "&async_driver=psycopg")
     apps = {"idemctl": idemctl_asgi(ledger), "idemctl-psycopg": idemctl_asgi(on_psycopg)}
-    floors = _Floors(url, asyncpg_url(base, schema), 2, SEEDS)
+    floors = Floors(url, asyncpg_url(base, schema), 2, SEEDS)
     loop.run_until_complete(floors.open())
     raw = _connect(base, schema)
     raw_sql = _raw_statements()

@@ -1281,6 +1281,19 @@ def _postgres_instructions(ins: dict[str, Any] | None) -> list[str]:
         "process only (PostgreSQL's own work is in its server processes), so they hold on a busy machine. Each "
         "ASGI row is divided by the asyncpg floor, each synchronous row by the raw psycopg statements.",
     ]
+    ours, floor = by.get(("asgi", "idemctl", "first")), by.get(("asgi", "floor-asyncpg", "first"))
+    ours_r, floor_r = by.get(("asgi", "idemctl", "replay")), by.get(("asgi", "floor-asyncpg", "replay"))
+    if ours and floor and ours_r and floor_r:
+        aims = INFLIGHT_AIMS
+        lines[-1] += (
+            f" Where the CPU is the bound (10 and 50 in flight), a first call at {aims['vs_floor_first']:g}× the "
+            f"floor's rate could spend {_n(round(floor['instructions'] / aims['vs_floor_first'] - floor['instructions']))}"
+            f" instructions above asyncpg's and a replay at {aims['vs_floor_replay']:g}× "
+            f"{_n(round(floor_r['instructions'] / aims['vs_floor_replay'] - floor_r['instructions']))}; idemctl "
+            f"spends {_n(ours['instructions'] - floor['instructions'])} and "
+            f"{_n(ours_r['instructions'] - floor_r['instructions'])} (the ASGI exchange, the request sequence, the "
+            "fingerprint, the decision, the stored answer's headers, a write awaited whole)."
+        )
     return lines
 
 
