@@ -1286,7 +1286,8 @@ def _postgres_instructions(ins: dict[str, Any] | None) -> list[str]:
     if ours and floor and ours_r and floor_r:
         aims = INFLIGHT_AIMS
         lines[-1] += (
-            f" Where the CPU is the bound (10 and 50 in flight), a first call at {aims['vs_floor_first']:g}× the "
+            f" Were this process's instructions the whole cost of a request, a first call at "
+            f"{aims['vs_floor_first']:g}× the "
             f"floor's rate could spend {_n(round(floor['instructions'] / aims['vs_floor_first'] - floor['instructions']))}"
             f" instructions above asyncpg's and a replay at {aims['vs_floor_replay']:g}× "
             f"{_n(round(floor_r['instructions'] / aims['vs_floor_replay'] - floor_r['instructions']))}; idemctl "
