@@ -6,11 +6,14 @@ may have committed, and nobody could release it. Running every write as a
 task of its own behind ``asyncio.shield`` keeps it whole, but costs a task,
 a shield and three more turns of the event loop on every request, though
 almost none is ever cancelled. :class:`Landing` drives the write's
-coroutine itself instead. The task waits on a stand-in future for each
-future the write waits on, so a cancellation reaches the stand-in, never
-the driver's own future (asyncpg would send the server a cancel request).
-While the engine says a statement is on the wire (deadlines.ON_THE_WIRE),
-the rest of the write is then handed to a new task (`rest`), the request's
+coroutine itself instead. For each future the write waits on, the task is
+handed a stand-in (asyncio's protocol for a future-like object) that puts
+the task's wake-up on that very future, so a request costs no more turns of
+the loop than a plain await, and takes the task's cancellation, which
+therefore never reaches the driver's own future unasked (asyncpg would send
+the server a cancel request). While the engine says a statement is on the
+wire (deadlines.ON_THE_WIRE), the task is woken at once instead and the
+rest of the write is handed to a new task (`rest`), the request's
 cancellation is raised at once, as a shield raises it, and the caller
 settles what lands. Before that (a pool checkout, a connect, their own
 timeouts) a cancellation goes through to the work as it would in a task:
@@ -86,29 +89,75 @@ class Landing(Generic[T]):
                         raise
                     error = exc  # as a Task would: into the work
                 continue
-            # As a Task would: the work's future is waited on, not handed a result.
+            # The task waits on the work's own future, through a stand-in
+            # that takes the task's cancellation (see _Waiting). As a Task
+            # would, the future is marked taken (so it can be awaited again).
             waited._asyncio_future_blocking = False
-            if waited.done():
-                continue
-            stand_in = waited.get_loop().create_future()
-            waited.add_done_callback(lambda _, stand_in=stand_in: stand_in.done() or stand_in.set_result(None))
+            waiting = _Waiting(waited, ON_THE_WIRE.get())
             try:
-                yield from stand_in.__await__()
-            except asyncio.CancelledError as exc:
-                if exc.args[:1] != (DEADLINE,) and ON_THE_WIRE.get():
+                yield waiting
+            except BaseException as exc:
+                if waiting.intercepted:
                     self._hand_over(waited)
                     raise
-                # The statement's own bound, or any cancellation before the
-                # statement is sent (an inner timeout, a request cancelled
-                # while waiting for a connection): it reaches the work as it
-                # would have in a task, through the future the work waits on.
-                if not waited.cancel(*exc.args):
-                    error = exc
+                # The future's own error (the task throws what it ended with),
+                # or a cancellation that reached it: into the work, as a Task would.
+                error = exc
+                continue
+            if waiting.intercepted:  # cancelled as the result came in: the rest still lands
+                self._hand_over(waited)
+                raise asyncio.CancelledError
 
     def _hand_over(self, waited: asyncio.Future[Any] | None) -> None:
         rest: asyncio.Task[T] = asyncio.ensure_future(_Resumed(self.work, waited).wait())
         hand_over(rest)
         self.rest = rest
+
+
+class _Waiting:
+    """What the task waits on while the work waits on `waited`: the task
+    registers its wake-up on `waited` itself (no extra turn of the loop),
+    and its cancellation comes here. The statement's bound, or any
+    cancellation while nothing is on the wire (an inner timeout, a request
+    cancelled while waiting for a connection), goes on to `waited`, as in
+    any task. A request's cancellation while the statement is on the wire
+    is kept from it: the task is woken with a cancelled future of its own
+    instead, and `intercepted` tells the Landing to hand the rest over."""
+
+    __slots__ = ("_asyncio_future_blocking", "context", "intercepted", "on_the_wire", "waited", "wakeup")
+
+    def __init__(self, waited: asyncio.Future[Any], on_the_wire: bool) -> None:
+        self.waited = waited
+        self.on_the_wire = on_the_wire
+        self.intercepted = False
+        self.wakeup: Any = None
+        self.context: Any = None
+        self._asyncio_future_blocking = True  # a future to wait on, for the task (asyncio.isfuture's mark)
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self.waited.get_loop()
+
+    def add_done_callback(self, fn: Any, *, context: Any = None) -> None:
+        self.wakeup, self.context = fn, context
+        self.waited.add_done_callback(fn, context=context)
+
+    def cancel(self, msg: Any = None) -> bool:
+        waited = self.waited
+        if self.intercepted:
+            return True
+        if msg == DEADLINE or not self.on_the_wire:
+            return waited.cancel(msg)
+        self.intercepted = True
+        if waited.done():
+            return False  # its wake-up is under way: the task raises the cancellation there
+        waited.remove_done_callback(self.wakeup)
+        woken: asyncio.Future[None] = waited.get_loop().create_future()
+        woken.cancel(msg)
+        waited.get_loop().call_soon(self.wakeup, woken, context=self.context)
+        return True
+
+    def result(self) -> Any:  # only asked of a future the task knows nothing of: never here
+        return self.waited.result()
 
 
 class _Resumed(Generic[T]):

@@ -184,3 +184,67 @@ def test_an_inner_timeout_before_the_statement_fires_as_it_would_in_a_task() -> 
         return await Landing(write())
 
     assert asyncio.run(scenario()) == "timed out where it waited"
+
+
+def test_a_request_cancelled_as_its_result_comes_in_still_hands_the_landed_write_over() -> None:
+    async def scenario() -> str:
+        loop = asyncio.get_running_loop()
+        server: asyncio.Future[str] = loop.create_future()
+
+        async def write() -> str:
+            ON_THE_WIRE.set(True)
+            return await server
+
+        landing = Landing(write())
+        request = asyncio.ensure_future(landing.wait())
+        await asyncio.sleep(0.01)
+        server.set_result("committed")  # the request's wake-up is under way...
+        request.cancel()  # ...when the cancellation comes
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        assert landing.rest is not None
+        return await landing.rest
+
+    assert asyncio.run(scenario()) == "committed"
+
+
+def test_a_cancellation_delivered_again_and_again_hands_the_write_over_once() -> None:
+    async def scenario() -> tuple[str, int]:
+        loop = asyncio.get_running_loop()
+        server: asyncio.Future[str] = loop.create_future()
+
+        async def write() -> str:
+            ON_THE_WIRE.set(True)
+            return await server
+
+        landing = Landing(write())
+        request = asyncio.ensure_future(landing.wait())
+        await asyncio.sleep(0.01)
+        for _ in range(3):  # as anyio's cancel scopes deliver it, until the task leaves
+            request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        loop.call_later(0.01, server.set_result, "committed")
+        assert landing.rest is not None
+        tasks_left = len(asyncio.all_tasks())  # this one and the rest
+        return await landing.rest, tasks_left
+
+    assert asyncio.run(scenario()) == ("committed", 2)
+
+
+def test_an_error_the_awaited_future_ends_with_reaches_the_write_where_it_waits() -> None:
+    async def scenario() -> str:
+        loop = asyncio.get_running_loop()
+        server: asyncio.Future[str] = loop.create_future()
+
+        async def write() -> str:
+            ON_THE_WIRE.set(True)
+            try:
+                return await server
+            except LookupError as exc:  # as a driver turns its protocol's error into its own
+                return f"translated: {exc}"
+
+        loop.call_later(0.01, server.set_exception, LookupError("lock timeout"))
+        return await Landing(write())
+
+    assert asyncio.run(scenario()) == "translated: lock timeout"
