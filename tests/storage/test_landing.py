@@ -8,12 +8,36 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from idemctl.landing import Landing
 from idemctl.storage.deadlines import ON_THE_WIRE, Deadlines
+
+
+async def sent(server: asyncio.Future[str], seen: list[Any] | None = None) -> str:
+    """A statement on the wire until `server` answers, as an engine awaits one
+    (`seen` gets the task that finished it)."""
+    ON_THE_WIRE.set(True)
+    answer = await server
+    if seen is not None:
+        seen.append(asyncio.current_task())
+    return answer
+
+
+async def cancelled_mid_write(landing: Landing[Any], *, before: Callable[[], object] = lambda: None) -> Any:
+    """The request awaiting `landing`, cancelled (after `before`) once its
+    write is under way: it raises at once; returns the task finishing the write."""
+    request = asyncio.ensure_future(landing.wait())
+    await asyncio.sleep(0.01)
+    before()
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    assert landing.rest is not None
+    return landing.rest
 
 
 def test_a_write_runs_in_the_task_that_awaits_it_and_returns_its_result() -> None:
@@ -49,27 +73,14 @@ def test_a_request_cancelled_mid_write_raises_at_once_and_the_write_lands_in_a_t
     async def scenario() -> tuple[float, bool, str, bool]:
         loop = asyncio.get_running_loop()
         server: asyncio.Future[str] = loop.create_future()  # what the driver waits on (asyncpg's waiter)
-        finished_in: list[asyncio.Task[Any] | None] = []
-
-        async def write() -> str:
-            ON_THE_WIRE.set(True)  # as an engine does around its statement
-            answer = await server
-            finished_in.append(asyncio.current_task())
-            return answer
-
-        landing = Landing(write())
-        request = asyncio.ensure_future(landing.wait())
-        await asyncio.sleep(0.01)
+        finished_in: list[Any] = []
+        landing = Landing(sent(server, finished_in))
         started = time.monotonic()
-        request.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await request
+        rest = await cancelled_mid_write(landing)
         waited = time.monotonic() - started
         untouched = not server.done()  # the cancellation never reached the driver's future
         loop.call_later(0.02, server.set_result, "committed")
-        assert landing.rest is not None
-        landed = await landing.rest
-        return waited, untouched, landed, finished_in == [landing.rest]
+        return waited, untouched, await rest, finished_in == [rest]
 
     waited, untouched, landed, in_rest = asyncio.run(scenario())
     assert waited < 0.5 and untouched and landed == "committed" and in_rest
@@ -98,20 +109,10 @@ def test_a_statement_bound_follows_the_write_into_the_task_that_finishes_it() ->
         loop = asyncio.get_running_loop()
         deadlines = Deadlines(tick_s=0.01)
         server: asyncio.Future[str] = loop.create_future()  # a frozen server: never answers
-        async def statement() -> str:
-            ON_THE_WIRE.set(True)
-            return await deadlines.within(0.2, server)
-
-        landing = Landing(statement())
-        request = asyncio.ensure_future(landing.wait())
-        await asyncio.sleep(0.02)
-        request.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await request
-        assert landing.rest is not None
+        rest = await cancelled_mid_write(Landing(deadlines.within(0.2, sent(server))))
         started = time.monotonic()
         try:
-            await landing.rest
+            await rest
         except TimeoutError:
             timed_out = True
         else:
@@ -188,22 +189,10 @@ def test_an_inner_timeout_before_the_statement_fires_as_it_would_in_a_task() -> 
 
 def test_a_request_cancelled_as_its_result_comes_in_still_hands_the_landed_write_over() -> None:
     async def scenario() -> str:
-        loop = asyncio.get_running_loop()
-        server: asyncio.Future[str] = loop.create_future()
-
-        async def write() -> str:
-            ON_THE_WIRE.set(True)
-            return await server
-
-        landing = Landing(write())
-        request = asyncio.ensure_future(landing.wait())
-        await asyncio.sleep(0.01)
-        server.set_result("committed")  # the request's wake-up is under way...
-        request.cancel()  # ...when the cancellation comes
-        with pytest.raises(asyncio.CancelledError):
-            await request
-        assert landing.rest is not None
-        return await landing.rest
+        server: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        # The request's wake-up is under way when the cancellation comes.
+        rest = await cancelled_mid_write(Landing(sent(server)), before=lambda: server.set_result("committed"))
+        return await rest
 
     assert asyncio.run(scenario()) == "committed"
 
@@ -212,12 +201,7 @@ def test_a_cancellation_delivered_again_and_again_hands_the_write_over_once() ->
     async def scenario() -> tuple[str, int]:
         loop = asyncio.get_running_loop()
         server: asyncio.Future[str] = loop.create_future()
-
-        async def write() -> str:
-            ON_THE_WIRE.set(True)
-            return await server
-
-        landing = Landing(write())
+        landing = Landing(sent(server))
         request = asyncio.ensure_future(landing.wait())
         await asyncio.sleep(0.01)
         for _ in range(3):  # as anyio's cancel scopes deliver it, until the task leaves
@@ -238,9 +222,8 @@ def test_an_error_the_awaited_future_ends_with_reaches_the_write_where_it_waits(
         server: asyncio.Future[str] = loop.create_future()
 
         async def write() -> str:
-            ON_THE_WIRE.set(True)
             try:
-                return await server
+                return await sent(server)
             except LookupError as exc:  # as a driver turns its protocol's error into its own
                 return f"translated: {exc}"
 
