@@ -103,10 +103,6 @@ class Landing(Generic[T]):
                 # The future's own error (the task throws what it ended with),
                 # or a cancellation that reached it: into the work, as a Task would.
                 error = exc
-                continue
-            if waiting.intercepted:  # cancelled as the result came in: the rest still lands
-                self._hand_over(waited)
-                raise asyncio.CancelledError
 
     def _hand_over(self, waited: asyncio.Future[Any] | None) -> None:
         rest: asyncio.Task[T] = asyncio.ensure_future(_Resumed(self.work, waited).wait())
@@ -143,10 +139,12 @@ class _Waiting:
 
     def cancel(self, msg: Any = None) -> bool:
         waited = self.waited
-        if self.intercepted:
-            return True
         if msg == DEADLINE or not self.on_the_wire:
+            # Even once intercepted: a bound that expires before the rest is
+            # handed over must still reach the statement.
             return waited.cancel(msg)
+        if self.intercepted:
+            return True  # delivered again (anyio's cancel scopes): the task is woken already
         self.intercepted = True
         if waited.done():
             return False  # its wake-up is under way: the task raises the cancellation there

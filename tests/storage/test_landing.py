@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from idemctl.landing import Landing
-from idemctl.storage.deadlines import ON_THE_WIRE, Deadlines
+from idemctl.storage.deadlines import DEADLINE, ON_THE_WIRE, Deadlines
 
 
 async def sent(server: asyncio.Future[str], seen: list[Any] | None = None) -> str:
@@ -231,3 +231,21 @@ def test_an_error_the_awaited_future_ends_with_reaches_the_write_where_it_waits(
         return await Landing(write())
 
     assert asyncio.run(scenario()) == "translated: lock timeout"
+
+
+def test_a_bound_that_expires_before_the_rest_is_handed_over_still_reaches_the_statement() -> None:
+    async def scenario() -> bool:
+        server: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        landing = Landing(sent(server))
+        request = asyncio.ensure_future(landing.wait())
+        await asyncio.sleep(0.01)
+        request.cancel()  # the request's own: kept from the statement
+        request.cancel(DEADLINE)  # the statement's bound, in the same turn of the loop
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        assert landing.rest is not None
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(landing.rest, 1.0)  # ended by the bound, not left waiting
+        return server.cancelled()
+
+    assert asyncio.run(scenario()) is True
