@@ -81,7 +81,7 @@ def copy(
         typer.Option(
             "--to",
             metavar="PATH|URL",
-            help="The ledger to copy into (a SQLite file, postgresql:// or mysql:// URL).",
+            help="The ledger to copy into (a SQLite file, or a postgresql://, mysql://, redis:// or d1:// URL).",
             show_default=False,
         ),
     ],

@@ -268,7 +268,8 @@ app = typer.Typer(
     name="idemctl",
     cls=IdemctlGroup,
     help=(
-        "Inspect, sweep and repair an Idempotency-Key ledger (SQLite file, postgresql:// or mysql:// URL).\n\n"
+        "Inspect, sweep and repair an Idempotency-Key ledger (SQLite file, postgresql://, mysql://, redis:// "
+        "or d1:// URL).\n\n"
         "Example: idemctl inspect order-42 --principal acct_A --db idempotency.db"
     ),
     epilog=EXIT_CODES_HELP + "\n\n" + ESCAPING_HELP,
@@ -336,7 +337,8 @@ def _global(
             "--db",
             metavar="PATH|URL",
             help="Ledger: a SQLite file, a postgresql:// URL or libpq connection string (host=… dbname=…), "
-            "or a mysql:// URL." + env_help(config.ENV_DB, config.DEFAULT_DB),
+            "a mysql:// URL, a redis:// URL (rediss://, redis+sentinel://), or a d1://ACCOUNT_ID/DATABASE_ID URL."
+            + env_help(config.ENV_DB, config.DEFAULT_DB),
             show_default=False,
         ),
     ] = None,
