@@ -1371,6 +1371,7 @@ python -m bench --peers    # the same, then idemctl beside idemkit and Powertool
 python -m bench --only postgres,inflight --peers --merge  # PostgreSQL alone: (7), (10) and (8)/(10) in flight with both drivers' floors, about 6 minutes; merged, page re-rendered
 python -m bench --report   # renders this page from bench/results/latest.json
 python -m bench --instructions  # (0) alone, with valgrind: merged into latest.json, page re-rendered
+python -m bench.pg_instructions  # PostgreSQL's request paths in instructions alone (both drivers' ASGI, handle, the floors), about a minute: JSON on stdout
 python -m bench --quick    # every benchmark at tiny sizes, about 2 minutes (valgrind starting Python is most of it): checks the harness only
 ```
 
