@@ -81,7 +81,7 @@ def copy(
         typer.Option(
             "--to",
             metavar="PATH|URL",
-            help="The ledger to copy into (a SQLite file, or a postgresql://, mysql://, redis:// or d1:// URL).",
+            help=f"The ledger to copy into (a file, or {accepted_urls()}).",
             show_default=False,
         ),
     ],

@@ -268,8 +268,7 @@ app = typer.Typer(
     name="idemctl",
     cls=IdemctlGroup,
     help=(
-        "Inspect, sweep and repair an Idempotency-Key ledger (SQLite file, postgresql://, mysql://, redis:// "
-        "or d1:// URL).\n\n"
+        f"Inspect, sweep and repair an Idempotency-Key ledger (a file, or {accepted_urls()}).\n\n"
         "Example: idemctl inspect order-42 --principal acct_A --db idempotency.db"
     ),
     epilog=EXIT_CODES_HELP + "\n\n" + ESCAPING_HELP,
@@ -336,8 +335,7 @@ def _global(
         typer.Option(
             "--db",
             metavar="PATH|URL",
-            help="Ledger: a SQLite file, a postgresql:// URL or libpq connection string (host=… dbname=…), "
-            "a mysql:// URL, a redis:// URL (rediss://, redis+sentinel://), or a d1://ACCOUNT_ID/DATABASE_ID URL."
+            help=f"Ledger: a file, {accepted_urls()}, or a libpq connection string (host=… dbname=…)."
             + env_help(config.ENV_DB, config.DEFAULT_DB),
             show_default=False,
         ),

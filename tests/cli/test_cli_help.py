@@ -88,3 +88,15 @@ def test_the_metavars_are_the_documented_words():
     assert metavars[("fingerprint", "--header")] == "'NAME: VALUE'"
     assert metavars[("simulate", "--file")] == "FILE"
     assert metavars[("simulate", "scenario")] == "SCENARIO"
+
+
+def test_the_help_for_a_ledger_names_every_kind_the_storage_registers():
+    from idemctl.storage.registry import kinds
+
+    schemes = [k.locations.schemes[0] for k in kinds() if k.capabilities.server and k.locations.schemes]
+    assert {"postgresql", "mysql", "d1", "redis"} <= set(schemes)
+    pages = {"idemctl": help_page(), "copy": help_page("copy")}
+    for name, page in pages.items():
+        flat = " ".join(page.split())  # the help wraps at any space
+        for scheme in schemes:
+            assert f"a {scheme}://" in flat, (name, scheme)
