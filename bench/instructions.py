@@ -423,6 +423,33 @@ def callgrind(out_dir: str, child: list[str]) -> tuple[list[dict[str, Any]], dic
     return plan["segments"], {seg["name"]: dump_files[seg["dump"] - 1] for seg in plan["segments"]}
 
 
+def rows_against_floors(
+    out_dir: str, child: list[str], sep: str, floor_of: Callable[[str, str], str]
+) -> list[dict[str, Any]]:
+    """Run `child` under callgrind (see `callgrind`; `out_dir` is removed
+    after): a row per segment named door, system and kind joined by `sep`,
+    with its instructions per request and its ratio to the segment
+    `floor_of(door, kind)` names."""
+    try:
+        segments, dumps = callgrind(out_dir, child)
+        per = {seg["name"]: _total(dumps[seg["name"]]) / seg["requests"] for seg in segments}
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    rows = []
+    for seg in segments:
+        door, system, kind = seg["name"].split(sep)
+        rows.append(
+            {
+                "door": door,
+                "system": system,
+                "kind": kind,
+                "instructions": round(per[seg["name"]]),
+                "vs_floor": round(per[seg["name"]] / per[floor_of(door, kind)], 2),
+            }
+        )
+    return rows
+
+
 def run(ctx: Context) -> dict[str, Any]:
     missing = available()
     if missing:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -162,26 +161,13 @@ def count(ctx: Context, base: str) -> dict[str, Any]:
     create_schema(base, schema)
     out_dir = os.path.join(ctx.workdir or tempfile.mkdtemp(prefix="idemctl-bench-"), "callgrind-postgres")
     ctx.log(f"  [pg_instructions] callgrind over {n} requests a segment")
+    child = ["bench.pg_instructions", "--callgrind-child", base, schema, str(n), "quick" if ctx.quick else "full"]
     try:
-        child = ["bench.pg_instructions", "--callgrind-child", base, schema, str(n), "quick" if ctx.quick else "full"]
-        segments, dumps = instructions.callgrind(out_dir, child)
-        per = {seg["name"]: instructions._total(dumps[seg["name"]]) / seg["requests"] for seg in segments}
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
-        drop_schema(base, schema)
-    rows = []
-    for seg in segments:
-        door, system, kind = seg["name"].split(":")
-        floor = per[f"{door}:{'floor-asyncpg' if door == 'asgi' else 'floor'}:{kind}"]
-        rows.append(
-            {
-                "door": door,
-                "system": system,
-                "kind": kind,
-                "instructions": round(per[seg["name"]]),
-                "vs_floor": round(per[seg["name"]] / floor, 2),
-            }
+        rows = instructions.rows_against_floors(
+            out_dir, child, ":", lambda door, kind: f"{door}:{'floor-asyncpg' if door == 'asgi' else 'floor'}:{kind}"
         )
+    finally:
+        drop_schema(base, schema)
     return {"requests_per_segment": n, "rows": rows}
 
 

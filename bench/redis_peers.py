@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import sys
 import tempfile
 import threading
@@ -319,22 +318,7 @@ def count_instructions(ctx: Context, url: str) -> dict[str, Any]:
     out_dir = os.path.join(ctx.workdir or tempfile.mkdtemp(prefix="idemctl-bench-"), "callgrind-redis")
     ctx.log(f"  [redis_peers] callgrind over {n} requests a segment")
     child = ["bench.redis_peers", "--callgrind-child", url, str(n), "quick" if ctx.quick else "full"]
-    segments, dumps = instructions.callgrind(out_dir, child)
-    per = {seg["name"]: instructions._total(dumps[seg["name"]]) / seg["requests"] for seg in segments}
-    shutil.rmtree(out_dir, ignore_errors=True)
-    rows = []
-    for seg in segments:
-        door, system, kind = seg["name"].split("_")
-        floor = per[f"{door}_floor_{kind}"]
-        rows.append(
-            {
-                "door": door,
-                "system": system,
-                "kind": kind,
-                "instructions": round(per[seg["name"]]),
-                "vs_floor": round(per[seg["name"]] / floor, 2),
-            }
-        )
+    rows = instructions.rows_against_floors(out_dir, child, "_", lambda door, kind: f"{door}_floor_{kind}")
     return {"requests_per_segment": n, "rows": rows}
 
 
