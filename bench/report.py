@@ -1261,19 +1261,8 @@ def _postgres_instructions(ins: dict[str, Any] | None) -> list[str]:
         ("sync", "floor"): "raw statements on one psycopg connection (the synchronous floor)",
         ("sync", "handle"): "idemctl, `Ledger.handle`",
     }
-    lines = [
-        "",
-        "| (8)/(10), (7) instructions a request on PostgreSQL (callgrind) | first call | ÷ floor | replay | ÷ floor |",
-        "|---|---|---|---|---|",
-    ]
     by = {(r["door"], r["system"], r["kind"]): r for r in ins["rows"]}
-    for (door, system), label in names.items():
-        if (door, system, "first") in by:
-            first, replay = by[(door, system, "first")], by[(door, system, "replay")]
-            lines.append(
-                f"| {label} | {_n(first['instructions'])} | {first['vs_floor']:.2f} "
-                f"| {_n(replay['instructions'])} | {replay['vs_floor']:.2f} |"
-            )
+    lines = _instruction_table("(8)/(10), (7) instructions a request on PostgreSQL (callgrind)", names, by)
     lines += [
         "",
         f"Counted by valgrind's callgrind in the same run, {ins['requests_per_segment']} requests a segment after a "
@@ -1846,6 +1835,22 @@ def redis_peers_table(res: dict[str, Any]) -> list[str]:
     return lines + _redis_instructions(res.get("instructions"))
 
 
+def _instruction_table(
+    title: str, labels: dict[tuple[str, str], str], by: dict[tuple[str, str, str], dict[str, Any]]
+) -> list[str]:
+    """Callgrind's rows as a first-call / replay table, a line per (door,
+    system) of `labels` in its order; what was not counted is left out."""
+    lines = ["", f"| {title} | first call | ÷ floor | replay | ÷ floor |", "|---|---|---|---|---|"]
+    for (door, system), label in labels.items():
+        if (door, system, "first") in by:
+            first, replay = by[(door, system, "first")], by[(door, system, "replay")]
+            lines.append(
+                f"| {label} | {_n(first['instructions'])} | {first['vs_floor']:.2f} "
+                f"| {_n(replay['instructions'])} | {replay['vs_floor']:.2f} |"
+            )
+    return lines
+
+
 def _redis_instructions(ins: dict[str, Any] | None) -> list[str]:
     """(13) instructions: one request at a time through each door, callgrind."""
     if not ins:
@@ -1860,21 +1865,12 @@ def _redis_instructions(ins: dict[str, Any] | None) -> list[str]:
             "idemkit, ASGI `IdempotencyMiddleware` + `RedisBackend`",
         ),
     }
-    lines = [
-        "",
-        "| (13) instructions a request on Redis (callgrind) | first call | ÷ floor | replay | ÷ floor |",
-        "|---|---|---|---|---|",
-    ]
     # Rows counted before the ASGI door was counted carry no door: WSGI's.
     by = {(r.get("door", "wsgi"), r["system"], r["kind"]): r for r in ins["rows"]}
-    for d, door in enumerate(("wsgi", "asgi")):
-        for system, labels in names.items():
-            if (door, system, "first") in by:
-                first, replay = by[(door, system, "first")], by[(door, system, "replay")]
-                lines.append(
-                    f"| {labels[d]} | {_n(first['instructions'])} | {first['vs_floor']:.2f} "
-                    f"| {_n(replay['instructions'])} | {replay['vs_floor']:.2f} |"
-                )
+    labelled = {
+        (door, system): labels[d] for d, door in enumerate(("wsgi", "asgi")) for system, labels in names.items()
+    }
+    lines = _instruction_table("(13) instructions a request on Redis (callgrind)", labelled, by)
     lines += [
         "",
         f"Counted by valgrind's callgrind in the same run, {ins['requests_per_segment']} requests a segment after a "
