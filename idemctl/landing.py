@@ -154,9 +154,6 @@ class _Waiting:
         waited.get_loop().call_soon(self.wakeup, woken, context=self.context)
         return True
 
-    def result(self) -> Any:  # only asked of a future the task knows nothing of: never here
-        return self.waited.result()
-
 
 class _Resumed(Generic[T]):
     """The rest of a work suspended on `waited` (None: on a bare yield)."""

@@ -27,13 +27,17 @@ async def sent(server: asyncio.Future[str], seen: list[Any] | None = None) -> st
     return answer
 
 
-async def cancelled_mid_write(landing: Landing[Any], *, before: Callable[[], object] = lambda: None) -> Any:
-    """The request awaiting `landing`, cancelled (after `before`) once its
-    write is under way: it raises at once; returns the task finishing the write."""
+async def cancelled_mid_write(
+    landing: Landing[Any], *, before: Callable[[], object] = lambda: None, messages: tuple[str | None, ...] = (None,)
+) -> Any:
+    """The request awaiting `landing`, cancelled (after `before`, once per
+    message) once its write is under way: it raises at once; returns the
+    task finishing the write."""
     request = asyncio.ensure_future(landing.wait())
     await asyncio.sleep(0.01)
     before()
-    request.cancel()
+    for message in messages:
+        request.cancel(message)
     with pytest.raises(asyncio.CancelledError):
         await request
     assert landing.rest is not None
@@ -201,17 +205,11 @@ def test_a_cancellation_delivered_again_and_again_hands_the_write_over_once() ->
     async def scenario() -> tuple[str, int]:
         loop = asyncio.get_running_loop()
         server: asyncio.Future[str] = loop.create_future()
-        landing = Landing(sent(server))
-        request = asyncio.ensure_future(landing.wait())
-        await asyncio.sleep(0.01)
-        for _ in range(3):  # as anyio's cancel scopes deliver it, until the task leaves
-            request.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await request
+        # Three times, as anyio's cancel scopes deliver it until the task leaves.
+        rest = await cancelled_mid_write(Landing(sent(server)), messages=(None, None, None))
         loop.call_later(0.01, server.set_result, "committed")
-        assert landing.rest is not None
         tasks_left = len(asyncio.all_tasks())  # this one and the rest
-        return await landing.rest, tasks_left
+        return await rest, tasks_left
 
     assert asyncio.run(scenario()) == ("committed", 2)
 
@@ -236,16 +234,11 @@ def test_an_error_the_awaited_future_ends_with_reaches_the_write_where_it_waits(
 def test_a_bound_that_expires_before_the_rest_is_handed_over_still_reaches_the_statement() -> None:
     async def scenario() -> bool:
         server: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        landing = Landing(sent(server))
-        request = asyncio.ensure_future(landing.wait())
-        await asyncio.sleep(0.01)
-        request.cancel()  # the request's own: kept from the statement
-        request.cancel(DEADLINE)  # the statement's bound, in the same turn of the loop
+        # The request's own cancellation (kept from the statement), then the
+        # statement's bound in the same turn of the loop.
+        rest = await cancelled_mid_write(Landing(sent(server)), messages=(None, DEADLINE))
         with pytest.raises(asyncio.CancelledError):
-            await request
-        assert landing.rest is not None
-        with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(landing.rest, 1.0)  # ended by the bound, not left waiting
+            await asyncio.wait_for(rest, 1.0)  # ended by the bound, not left waiting
         return server.cancelled()
 
     assert asyncio.run(scenario()) is True
