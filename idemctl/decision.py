@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 
-from .landing import Landing
+from .landing import Landing, Outlasting
 from .outcomes import Outcome, Reservation, Status, StoredRow, quick_init
 from .policy import Policy
 from .storage import Store
@@ -384,7 +384,7 @@ async def through_async(
         else:
             handed = asyncio.ensure_future(handed)
             try:
-                op = await asyncio.shield(handed)
+                op = await Outlasting(handed)
             except asyncio.CancelledError:
                 _keep(asyncio.ensure_future(_land_then_settle(steps, handed, in_thread, orphaned)))
                 raise
@@ -426,7 +426,7 @@ async def _through_on(
                     value, error = await landing, None
                 else:
                     rest = asyncio.ensure_future(store.run(op))
-                    value, error = await asyncio.shield(rest), None
+                    value, error = await Outlasting(rest), None
             except asyncio.CancelledError:
                 if landing is not None:
                     rest = landing.rest  # cancelled mid-write: it lands in a task of its own

@@ -143,9 +143,14 @@ class _Waiting:
             # Even once intercepted: a bound that expires before the rest is
             # handed over must still reach the statement.
             return waited.cancel(msg)
+        return self.intercept(msg)
+
+    def intercept(self, msg: Any) -> bool:
+        """Wake the task with a cancelled future of its own; `waited` runs on."""
         if self.intercepted:
             return True  # delivered again (anyio's cancel scopes): the task is woken already
         self.intercepted = True
+        waited = self.waited
         if waited.done():
             return False  # its wake-up is under way: the task raises the cancellation there
         waited.remove_done_callback(self.wakeup)
@@ -153,6 +158,49 @@ class _Waiting:
         woken.cancel(msg)
         waited.get_loop().call_soon(self.wakeup, woken, context=self.context)
         return True
+
+
+class Outlasting(Generic[T]):
+    """A task awaited as ``asyncio.shield`` awaits it: a cancellation of the
+    awaiting task raises there at once and never reaches `task`, which runs
+    on. The awaiting task's wake-up goes on `task` itself (the stand-in
+    below), so this costs no outer future and no extra turn of the loop.
+
+    >>> async def cancelled_while_waiting():
+    ...     work = asyncio.ensure_future(asyncio.sleep(0.02, "done"))
+    ...     waiter = asyncio.ensure_future(Outlasting(work).wait())
+    ...     await asyncio.sleep(0.01)
+    ...     waiter.cancel()
+    ...     try:
+    ...         await waiter
+    ...     except asyncio.CancelledError:
+    ...         return await work
+    >>> asyncio.run(cancelled_while_waiting())
+    'done'
+    """
+
+    __slots__ = ("task",)
+
+    def __init__(self, task: asyncio.Future[T]) -> None:
+        self.task = task
+
+    async def wait(self) -> T:
+        return await self
+
+    def __await__(self) -> Generator[Any, None, T]:
+        task = self.task
+        if not task.done():
+            yield _Kept(task, True)  # woken once it is done, or cancelled (raised here)
+        return task.result()
+
+
+class _Kept(_Waiting):
+    """A stand-in that keeps every cancellation from the task it waits on."""
+
+    __slots__ = ()
+
+    def cancel(self, msg: Any = None) -> bool:
+        return self.intercept(msg)
 
 
 class _Resumed(Generic[T]):
@@ -176,4 +224,4 @@ class _Resumed(Generic[T]):
         return (yield from self.work.__await__())
 
 
-__all__ = ["Landing"]
+__all__ = ["Landing", "Outlasting"]

@@ -80,9 +80,27 @@ class Deadlines:
         """`work`, awaited in the current task; TimeoutError once it has run
         `seconds` (a tick more at most). Another cancellation of the task
         is a cancellation still."""
-        task = asyncio.current_task()
-        if task is None:  # not in a task: nothing to cancel, so no bound
+        bound = self.enter(seconds)
+        if bound is None:  # not in a task: nothing to cancel, so no bound
             return await work
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if self.expired(bound):
+                raise TimeoutError(f"no answer within {seconds:g} s") from None
+            raise
+        finally:
+            self.leave(bound)
+
+    # `within` in three calls, for an engine that awaits its statement in a
+    # coroutine of its own anyway (one coroutine fewer a statement):
+    # enter, then `expired` where the await raised CancelledError, and
+    # `leave` once it is over (again is harmless).
+    def enter(self, seconds: float) -> Bound | None:
+        """Bound what the current task awaits next; None outside a task."""
+        task = asyncio.current_task()
+        if task is None:
+            return None
         loop = task.get_loop()
         outer = _ACTIVE.get()
         bound = Bound(task, loop.time() + seconds, outer)
@@ -92,18 +110,20 @@ class Deadlines:
         _ACTIVE.set(bound)
         if self._watcher is None:
             self._watcher = loop.create_task(self._watch(loop))
-        try:
-            return await work
-        except asyncio.CancelledError:
-            if bound in self._expired:
-                self._expired.discard(bound)
-                if bound.task.uncancel() <= bound.entered:
-                    raise TimeoutError(f"no answer within {seconds:g} s") from None
-            raise
-        finally:
-            self._due.discard(bound)
+        return bound
+
+    def expired(self, bound: Bound) -> bool:
+        """Whether the CancelledError being handled is `bound`'s own (its
+        deadline passed), not a cancellation of the task besides."""
+        if bound in self._expired:
             self._expired.discard(bound)
-            _ACTIVE.set(outer)
+            return bound.task.uncancel() <= bound.entered
+        return False
+
+    def leave(self, bound: Bound) -> None:
+        self._due.discard(bound)
+        self._expired.discard(bound)
+        _ACTIVE.set(bound.outer)
 
     async def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
         try:

@@ -2,7 +2,8 @@
 it runs in the request's task; a request cancelled while its statement is
 on the wire raises at once while the write lands in a task of its own; a
 cancellation before that reaches the write as in any task; and the
-statement's bound (storage/deadlines.py) holds in either task."""
+statement's bound (storage/deadlines.py) holds in either task. And a task
+awaited as asyncio.shield awaits it (`Outlasting`), with no outer future."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from idemctl.landing import Landing
+from idemctl.landing import Landing, Outlasting
 from idemctl.storage.deadlines import DEADLINE, ON_THE_WIRE, Deadlines
 
 
@@ -242,3 +243,60 @@ def test_a_bound_that_expires_before_the_rest_is_handed_over_still_reaches_the_s
         return server.cancelled()
 
     assert asyncio.run(scenario()) is True
+
+
+def test_an_outlasted_task_gives_its_result_or_its_error_to_the_task_that_awaits_it() -> None:
+    async def scenario() -> tuple[str, str, int]:
+        async def fails() -> str:
+            await asyncio.sleep(0.01)
+            raise LookupError("the app failed")
+
+        done = await Outlasting(asyncio.ensure_future(asyncio.sleep(0.01, "answered")))
+        with pytest.raises(LookupError) as raised:
+            await Outlasting(asyncio.ensure_future(fails()))
+        finished = asyncio.ensure_future(asyncio.sleep(0, "already"))
+        await asyncio.sleep(0.01)
+        return done, str(raised.value), len(asyncio.all_tasks()) if await Outlasting(finished) == "already" else -1
+
+    assert asyncio.run(scenario()) == ("answered", "the app failed", 1)
+
+
+@pytest.mark.parametrize("deliveries", [1, 3], ids=["once", "again-and-again"])
+def test_a_cancelled_waiter_raises_at_once_and_the_outlasted_task_runs_to_its_end(deliveries: int) -> None:
+    async def scenario() -> tuple[float, bool, str]:
+        work = asyncio.ensure_future(asyncio.sleep(0.2, "stored"))
+        waiter = asyncio.ensure_future(Outlasting(work).wait())
+        await asyncio.sleep(0.01)
+        started = time.monotonic()
+        for _ in range(deliveries):  # anyio's cancel scopes deliver it until the task leaves
+            waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        raised_after = time.monotonic() - started
+        return raised_after, work.cancelled(), await work
+
+    raised_after, work_cancelled, result = asyncio.run(scenario())
+    assert raised_after < 0.1
+    assert (work_cancelled, result) == (False, "stored")
+
+
+def test_a_waiter_cancelled_as_the_outlasted_task_ends_is_cancelled_and_the_task_keeps_its_result() -> None:
+    async def scenario() -> tuple[bool, str]:
+        loop = asyncio.get_running_loop()
+        gate: asyncio.Future[str] = loop.create_future()
+
+        async def app() -> str:
+            return await gate
+
+        work = asyncio.ensure_future(app())
+        waiter = asyncio.ensure_future(Outlasting(work).wait())
+        await asyncio.sleep(0.01)
+        gate.set_result("stored")
+        await asyncio.sleep(0)  # the work is done; the waiter's wake-up is under way
+        assert work.done()
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        return waiter.cancelled(), work.result()
+
+    assert asyncio.run(scenario()) == (True, "stored")

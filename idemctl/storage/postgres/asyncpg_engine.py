@@ -352,20 +352,25 @@ class AsyncpgEngine(LoopEngine):
 
     async def _fetch(self, conn: asyncpg.Connection, sql: str, params: Params) -> Rows:
         text, names = self._positional(sql)
+        deadlines = self._deadlines
+        bound = deadlines.enter(self._commit_timeout_s)  # Deadlines.within, inlined
         ON_THE_WIRE.set(True)
         try:
-            records = await self._deadlines.within(
-                self._commit_timeout_s, conn.fetch(text, *[params[n] for n in names])
-            )
-        except TimeoutError:
+            records = await conn.fetch(text, *[params[n] for n in names])
+        except asyncio.CancelledError:
+            if bound is None or not deadlines.expired(bound):
+                raise
             # Cancelled at its bound, asyncpg sent a cancel request; whatever the
             # statement did, it counts as failed, and its connection is not used again.
+            deadlines.leave(bound)
             await self._retire(conn)
             raise CommitTimeoutError(self.describe(), self._commit_timeout_s) from None
         except Exception as exc:
             raise self._error(exc, lost=conn.is_closed()) from exc
         finally:
             ON_THE_WIRE.set(False)
+            if bound is not None:
+                deadlines.leave(bound)
         return [tuple(r) for r in records]
 
     async def _retire(self, conn: asyncpg.Connection) -> None:
