@@ -369,7 +369,7 @@ async def through_async(
     are awaited as they are, with no task and no shield of their own."""
     if store is not None:
         first = _next(steps, None, None) if op is None else op
-        return await _through_on(steps, first, store, orphaned, in_thread, shielded)
+        return await through_store(steps, first, store, orphaned, in_thread, shielded)
     while True:
         if op is None or type(op) is Pause:
             if op is not None:
@@ -394,7 +394,7 @@ async def through_async(
             return op
 
 
-async def _through_on(
+async def through_store(
     steps: Steps[Any],
     op: Any,
     store: AsyncStore,
@@ -402,6 +402,8 @@ async def _through_on(
     in_thread: InThread,
     shielded: bool,
 ) -> Any:
+    """:func:`through_async` from `op` (not None) on an asynchronous
+    `store`: for a driver that knows it has one (one coroutine fewer)."""
     while True:
         kind = type(op)
         if kind is Pause:
@@ -574,4 +576,5 @@ __all__ = [
     "run",
     "run_async",
     "through_async",
+    "through_store",
 ]

@@ -6,6 +6,7 @@ takeover draws a token, and complete/release match it too."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 
 import pytest
@@ -14,6 +15,7 @@ from idemctl import Ledger, Outcome, Policy, Status, fingerprint
 from idemctl.errors import SchemaOutdatedError
 from idemctl.outcomes import InitAction
 from idemctl.schema import schema_files
+from idemctl.storage.statements import new_token
 
 TTL = 30_000
 DAY = 86_400_000
@@ -118,6 +120,26 @@ def test_each_claim_and_takeover_draws_a_new_token(short, clock):
     taken = short.takeover("acct", "k0", "fp")
     tokens.add(taken.token)
     assert len(tokens) == 51
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
+def test_forked_workers_draw_different_tokens_from_their_parent_and_each_other():
+    # A pre-fork server (gunicorn) forks its workers from one parent: each
+    # must draw its own tokens, not the parent's sequence again.
+    drawn = []
+    for _ in range(2):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its first tokens, then gone
+            os.write(write, ",".join(str(new_token()) for _ in range(3)).encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            drawn.append(pipe.read())
+        assert os.waitpid(pid, 0)[1] == 0
+    parents = ",".join(str(new_token()) for _ in range(3))
+    assert len({drawn[0], drawn[1], parents}) == 3
+    assert all(0 < int(t) < 2**53 for t in ",".join([*drawn, parents]).split(","))
 
 
 def _ledger_of_idemctl_0_1(path) -> list[tuple]:
