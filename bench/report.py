@@ -514,6 +514,8 @@ Each door's whole request (the ours column of (0)), first call / replay, counted
 |---|---|---|---|---|---|---|---|---|---|
 | 2026-12-07 | `b4b2c7a` | before: the request sequence and the ledger's steps two generators joined by the gate's begin/finish/abandon (and their event-loop twins) | 378 062 / 236 245 | 484 196 / 304 672 | 960 771 / 764 073 | 898 157 / 653 016 | 1 034 531 / 592 765 | 2 045 283 / 1 641 998 | 1 983 489 / 594 788 |
 | 2026-12-07 | `596850e` | after: the request sequence yields from the ledger's own steps, one driver per kind runs the store's work; the gate's twins, the second async driver and three need types gone | 376 428 / 234 861 | 463 070 / 294 410 | 939 011 / 753 137 | 879 984 / 645 657 | 1 010 909 / 579 084 | 2 006 599 / 1 627 064 | 1 951 859 / 581 181 |
+| 2026-12-07 | `07b0a43` | before: a shield (and its outer future) around the app's task, every psycopg write and every hand-off to a worker thread; a fencing token from `os.urandom` | 381 609 / 236 327 | 467 052 / 295 596 | 945 080 / 755 902 | 883 275 / 644 990 | 998 702 / 569 363 | 2 031 765 / 1 641 730 | 1 992 375 / 571 680 |
+| 2026-12-07 | `5e3c03e` | after: that work awaited through `landing.Outlasting` (the shield's behaviour, no outer future, one turn of the loop fewer); one coroutine fewer a statement in the event-loop driver; a fencing token from the random module's generator | 379 526 / 235 510 | 466 252 / 294 958 | 941 216 / 753 172 | 882 712 / 644 101 | 927 298 / 562 087 | 2 004 966 / 1 611 247 | 1 905 214 / 540 259 |
 """
 
 
@@ -1284,7 +1286,20 @@ def _postgres_instructions(ins: dict[str, Any] | None) -> list[str]:
             f"{_n(ours_r['instructions'] - floor_r['instructions'])} (the ASGI exchange, the request sequence, the "
             "fingerprint, the decision, the stored answer's headers, a write awaited whole)."
         )
-    return lines
+    return lines + ["", PG_INSTRUCTION_HISTORY]
+
+
+# PostgreSQL's request paths (bench/pg_instructions.py) counted before and
+# after each change to them, on the machine of the day.
+PG_INSTRUCTION_HISTORY = """The same counts before and after each change to PostgreSQL's asynchronous path, first call / replay:
+
+| measured | commit | change | ASGI on asyncpg | ASGI on psycopg | `Ledger.handle` |
+|---|---|---|---|---|---|
+| 2026-12-07 | `e9f8b4e` | before: every write a task and a shield of its own; asyncpg's timer per statement | 915 405 / 567 482 | 1 233 934 / 736 320 | – |
+| 2026-12-07 | `4220380` | a write awaited in the request's own task (`landing.Landing`); one deadline watcher per loop; header names compared as bytes | 820 801 / 478 738 | 1 208 837 / 717 825 | 415 880 / 284 423 |
+| 2026-12-07 | `5e3c03e` | the app's task and psycopg's writes awaited through `landing.Outlasting`, no shield's outer future; one coroutine fewer a statement; no system call for a fencing token | 788 006 / 475 345 | 1 146 525 / 683 706 | 414 114 / 282 735 |
+
+Where a replay's time goes beyond the floor, measured one request at a time on this machine: the same replay against a store that answers at once (no server, no socket) costs 25 µs of Python in a tight loop, and the engine's statement alone costs within 10–20 µs of asyncpg's raw one; yet a real replay takes 70–90 µs longer than the floor's. idemctl's Python runs at about half its tight-loop speed when each request alternates with the server and the kernel (its code and data no longer in the processor's caches), which is why its instruction count, not a single slow step, decides the rate. `4220380`, measured in alternated rounds on the same machine minutes after `5e3c03e`'s published run (the table above): first calls ÷ the limit 0.71 / 0.71 / 0.63 at 1 / 10 / 50 in flight, replays 0.68 / 0.62 / 0.53."""
 
 
 def _usable(res: dict[str, Any] | None) -> bool:
