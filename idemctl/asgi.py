@@ -22,7 +22,6 @@ is replayed. Needs no framework at run time.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
@@ -199,14 +198,11 @@ class _Door(gates.MiddlewareDoor[Scope]):
     def keep(self) -> Callable[[asyncio.Future[Any]], None]:
         return self.middleware._keep
 
-    async def principal(self) -> object:
-        resolved = self.middleware.principal(self.request)
-        if resolved.__class__ is not str and inspect.isawaitable(resolved):  # a str, most often: no check
-            resolved = await resolved
-        return resolved
+    def principal(self) -> object:
+        return self.middleware.principal(self.request)  # an awaitable is awaited by the driver
 
-    async def read_body(self, limit: int, declared: int | None) -> bytes:
-        return await read_body(self.receive, limit)
+    def read_body(self, limit: int, declared: int | None) -> Awaitable[bytes]:
+        return read_body(self.receive, limit)
 
     async def run(self, need: Run) -> None:
         inner = capturable_scope(self.request)

@@ -95,11 +95,11 @@ class _Door(EveryRequestProtected):
     def keep(self) -> None:
         return None  # FastAPI runs the endpoint: it is not shielded from the request
 
-    async def principal(self) -> object:
+    def principal(self) -> object:
         return self.who
 
-    async def read_body(self, limit: int, declared: int | None) -> bytes:
-        return await self.request.body()
+    def read_body(self, limit: int, declared: int | None) -> Awaitable[bytes]:
+        return self.request.body()
 
     async def run(self, need: Run) -> object:
         return LATER  # the endpoint runs once the route has returned from the sequence

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -91,8 +92,10 @@ class AsyncDoor(Door, Protocol):
     @property
     def keep(self) -> Callable[[asyncio.Future[Any]], None] | None: ...
 
-    async def principal(self) -> object: ...
-    async def read_body(self, limit: int, declared: int | None) -> bytes: ...
+    # The principal, or an awaitable of it (an async auth callback): most
+    # are plain strings, which then cost no coroutine.
+    def principal(self) -> object: ...
+    def read_body(self, limit: int, declared: int | None) -> Awaitable[bytes]: ...
     async def run(self, need: Run) -> object: ...
     async def send(self, delivery: Delivery, after: Callable[[], Awaitable[None]] | None) -> Any: ...
     async def pass_through(self) -> Any: ...
@@ -186,7 +189,9 @@ async def drive_async(
                 delivery = need.delivery
                 result = await door.send(delivery, _sweep_after(gate, delivery, door.in_thread, store))
             elif kind is ResolvePrincipal:
-                value = await door.principal()
+                value = door.principal()
+                if value.__class__ is not str and inspect.isawaitable(value):
+                    value = await value
             elif kind is ReadBody:
                 value = await door.read_body(need.limit, need.declared)
             elif kind is Run:
