@@ -294,6 +294,41 @@ def test_any_node_of_a_cluster_is_recognised_and_serves_the_ledger_a_replica_inc
     ledger.close()
 
 
+@pytest.mark.parametrize("by_text", [False, True], ids=["by-digest", "by-text"])
+def test_a_clusters_pipelines_run_the_scripts_by_digest_or_by_their_text_on_both_engines(cluster, by_text, monkeypatch):
+    # redis-py before 8.2 refuses EVALSHA in a cluster's pipeline (the sweep's
+    # turn, the batches): there the scripts go with their text instead.
+    import asyncio
+
+    from idemctl.storage.redis import aio, engine, ops
+
+    if not by_text and ops.SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES:
+        pytest.skip(f"redis-py {redis.__version__} refuses EVALSHA in a cluster's pipeline")
+    monkeypatch.setattr(engine, "SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES", by_text)
+    monkeypatch.setattr(aio, "SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES", by_text)
+    ledger = Ledger.open(cluster.url, policy=Policy(pending_ttl_ms=100, retention_ms=300))
+    ledger.init()
+    for i in range(12):
+        made = ledger.handle("acct", f"k{i}", "POST", "/o", {}, b"", lambda body: (201, {}, b"x"))
+        assert made.outcome is Outcome.EXECUTED
+    time.sleep(0.5)  # every row expired: the sweep's scripts remove their index entries
+    assert ledger.operator.sweep().keys_deleted == 12
+    lay = Layout("idemctl")
+    # Buckets whose keys live on different primaries: one pipeline per node.
+    turn = [("sweep_rows", {"keys": [lay.rows_by_time(b), lay.pending(b)], "args": [0]}) for b in (0, 1, 2, 3)]
+
+    async def on_the_loop() -> object:
+        store = ledger.core.async_store()
+        assert store is not None
+        try:
+            return await store.engine.write_turn(turn)
+        finally:
+            await ledger.aclose()
+
+    assert asyncio.run(on_the_loop()) == [[(0,)]] * 4
+    ledger.close()
+
+
 def test_listings_visit_every_primary_of_the_cluster(cluster):
     ledger = Ledger.open(cluster.url)
     ledger.init()

@@ -68,6 +68,31 @@ def probe_calls(layout: Layout) -> list[tuple[str, Params]]:
     return calls
 
 
+def queue(pipe: Any, op: str, params: Params, by_text: bool) -> None:
+    """Queue one operation on a pipeline; `by_text`: a script goes with its
+    text (EVAL), not its digest (see `SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES`)."""
+    if by_text and op in SHAS:
+        keys = params.get("keys", ())
+        # As the command itself: those cluster pipelines refuse eval() too.
+        pipe.execute_command("EVAL", SCRIPTS[op], len(keys), *keys, *params.get("args", ()))
+    else:
+        issue(pipe, op, params)
+
+
+def _cluster_pipelines_refuse_evalsha() -> bool:
+    try:
+        from redis.cluster import PIPELINE_BLOCKED_COMMANDS
+    except ImportError:  # no redis-py: no engine either
+        return False
+    return "EVALSHA" in PIPELINE_BLOCKED_COMMANDS
+
+
+# redis-py before 8.2 refuses EVALSHA in a cluster's pipeline (sync and
+# asyncio alike) but takes EVAL: there a script is sent with its text, which
+# the server compiles once and caches by its digest.
+SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES = _cluster_pipelines_refuse_evalsha()
+
+
 def eval_instead(target: Any, op: str, params: Params) -> Any:
     """The same operation with the script's text (EVAL caches it on the server)."""
     keys = params.get("keys", ())
