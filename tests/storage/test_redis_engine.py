@@ -300,12 +300,11 @@ def test_a_clusters_pipelines_run_the_scripts_by_digest_or_by_their_text_on_both
     # turn, the batches): there the scripts go with their text instead.
     import asyncio
 
-    from idemctl.storage.redis import aio, engine, ops
+    from idemctl.storage.redis import ops
 
     if not by_text and ops.SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES:
         pytest.skip(f"redis-py {redis.__version__} refuses EVALSHA in a cluster's pipeline")
-    monkeypatch.setattr(engine, "SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES", by_text)
-    monkeypatch.setattr(aio, "SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES", by_text)
+    monkeypatch.setattr(ops, "SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES", by_text)
     ledger = Ledger.open(cluster.url, policy=Policy(pending_ttl_ms=100, retention_ms=300))
     ledger.init()
     for i in range(12):

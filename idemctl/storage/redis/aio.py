@@ -16,16 +16,7 @@ from ..statements import TABLES
 from .clients import CLUSTER, async_client, closed
 from .errors import translate
 from .keys import Layout
-from .ops import (
-    PIPELINE_MAX,
-    SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES,
-    eval_instead,
-    is_noscript,
-    issue,
-    probe_calls,
-    queue,
-    time_ms,
-)
+from .ops import PIPELINE_MAX, eval_instead, is_noscript, issue, probe_calls, queue, time_ms
 from .url import RedisLocation
 
 # What a connection to one cluster node carries over from the cluster's.
@@ -126,9 +117,9 @@ class AsyncRedisEngine:
         for start in range(0, len(calls), PIPELINE_MAX):
             chunk = calls[start : start + PIPELINE_MAX]
             pipe = client.pipeline(transaction=False)
-            by_text = SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES and self.kind == CLUSTER
+            cluster = self.kind == CLUSTER
             for op, params in chunk:
-                queue(pipe, op, params, by_text)  # a pipeline's commands are not awaited one by one
+                queue(pipe, op, params, cluster)  # a pipeline's commands are not awaited one by one
             got = list(await pipe.execute(raise_on_error=False))
             for i, reply in enumerate(got):
                 if is_noscript(reply):

@@ -26,16 +26,7 @@ from ..statements import TABLES
 from .clients import CLUSTER, sync_client
 from .errors import translate
 from .keys import Layout
-from .ops import (
-    PIPELINE_MAX,
-    SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES,
-    eval_instead,
-    is_noscript,
-    issue,
-    probe_calls,
-    queue,
-    time_ms,
-)
+from .ops import PIPELINE_MAX, eval_instead, is_noscript, issue, probe_calls, queue, time_ms
 from .url import RedisLocation, parse
 
 T = TypeVar("T")
@@ -160,9 +151,9 @@ class RedisEngine:
 
     def _pipeline(self, client: Any, calls: Sequence[tuple[str, Params]]) -> list[Any]:
         pipe = client.pipeline(transaction=False)
-        by_text = SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES and self.kind == CLUSTER
+        cluster = self.kind == CLUSTER
         for op, params in calls:
-            queue(pipe, op, params, by_text)
+            queue(pipe, op, params, cluster)
         replies = list(pipe.execute(raise_on_error=False))
         for i, reply in enumerate(replies):
             if is_noscript(reply):

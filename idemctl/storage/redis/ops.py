@@ -68,10 +68,10 @@ def probe_calls(layout: Layout) -> list[tuple[str, Params]]:
     return calls
 
 
-def queue(pipe: Any, op: str, params: Params, by_text: bool) -> None:
-    """Queue one operation on a pipeline; `by_text`: a script goes with its
-    text (EVAL), not its digest (see `SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES`)."""
-    if by_text and op in SHAS:
+def queue(pipe: Any, op: str, params: Params, cluster: bool) -> None:
+    """Queue one operation on a pipeline (a `cluster`'s: its scripts go with
+    their text where `SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES` says so)."""
+    if cluster and SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES and op in SHAS:
         keys = params.get("keys", ())
         # As the command itself: those cluster pipelines refuse eval() too.
         pipe.execute_command("EVAL", SCRIPTS[op], len(keys), *keys, *params.get("args", ()))
