@@ -40,6 +40,7 @@ from .peers_systems import (
     deprovision,
     idemctl_asgi,
     idemkit_asgi,
+    idemkit_asgi_on,
     missing,
     new_tag,
     principal_header,
@@ -136,7 +137,7 @@ async def _profile(n: int, level: int, one: Go, first: Sequence[tuple[str, str]]
 # ASGI middleware around a bare ASGI app and around a FastAPI app (on the
 # driver idemctl chooses, asyncpg when installed), the same on psycopg's
 # asynchronous store (async_driver=psycopg: the path before asyncpg), and
-# idemkit's ASGI middleware.
+# idemkit's ASGI middleware around the same two apps.
 KINDS = ("first", "replay")
 
 
@@ -182,6 +183,8 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
     if "idemkit" in specs:
         kit, kit_backend = idemkit_asgi(specs["idemkit"], pool_size)
         systems["idemkit"] = kit
+        # Each FastAPI row sets idemctl beside idemkit around the same app.
+        systems["idemkit_fastapi"] = idemkit_asgi_on(kit_backend, specs["idemkit"]["ttl_s"], fastapi_app())
     try:
 
         async def via(app: Any, key: str) -> None:
@@ -257,9 +260,8 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
                     cell[system] = spread(mine, 1)
                     cell[f"{system}_vs_floor"] = spread([a / b for a, b in zip(mine, floor, strict=True)])
                 if kit is not None:
-                    theirs = rates[f"idemkit_{kind}@{level}"]
-                    for system in ("idemctl", "idemctl_fastapi"):
-                        mine = rates[f"{system}_{kind}@{level}"]
+                    for system, peer in (("idemctl", "idemkit"), ("idemctl_fastapi", "idemkit_fastapi")):
+                        mine, theirs = rates[f"{system}_{kind}@{level}"], rates[f"{peer}_{kind}@{level}"]
                         cell[f"{system}_vs_idemkit"] = spread([a / b for a, b in zip(mine, theirs, strict=True)])
                 row[kind] = cell
             out["levels"][str(level)] = row

@@ -459,13 +459,14 @@ def idemkit_asgi(spec: dict[str, Any], pool_size: int = 10) -> tuple[Any, Any]:
     return idemkit_asgi_on(backend, spec["ttl_s"]), backend
 
 
-def idemkit_asgi_on(backend: Any, ttl_s: float) -> Any:
-    """idemkit's ASGI middleware on any of its backends (PostgreSQL, Redis),
-    the principal taken from the header an auth layer would have set."""
+def idemkit_asgi_on(backend: Any, ttl_s: float, app: Any = asgi_app) -> Any:
+    """idemkit's ASGI middleware around `app` (the bare one by default) on
+    any of its backends (PostgreSQL, Redis), the principal taken from the
+    header an auth layer would have set."""
     from idemkit import HttpConfig, IdempotencyMiddleware
 
     config = HttpConfig(scope=lambda req: req.headers.get("x-account"), lease_ttl_seconds=ttl_s)
-    return IdempotencyMiddleware(asgi_app, backend=backend, config=config, manage_backend=False)
+    return IdempotencyMiddleware(app, backend=backend, config=config, manage_backend=False)
 
 
 def idemkit_wsgi_on(backend: Any, ttl_s: float, wait_s: float | None = None) -> Any:

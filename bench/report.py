@@ -1173,7 +1173,11 @@ INFLIGHT_SYSTEMS = (
     ("idemctl_fastapi", "idemctl FastAPI"),
     ("idemctl_psycopg", "idemctl ASGI on psycopg"),
     ("idemkit", "idemkit"),
+    ("idemkit_fastapi", "idemkit FastAPI"),
 )
+# Whom each idemctl system is set beside (a run from before idemkit ran
+# FastAPI set both against the bare app's idemkit).
+INFLIGHT_PEERS = {"idemctl": "idemkit", "idemctl_fastapi": "idemkit_fastapi"}
 
 
 def _inflight(res: dict[str, Any]) -> list[str]:
@@ -1189,7 +1193,9 @@ def _inflight(res: dict[str, Any]) -> list[str]:
     for _, label in systems:
         head += f" {label}/s | ÷ {'limit' if two_floors else 'floor'} |"
     ratios = [k for k, _ in systems[:2] if k != "idemkit"] if kit else []
-    head += "".join(f" {dict(INFLIGHT_SYSTEMS)[k]} ÷ idemkit |" for k in ratios)
+    names = dict(INFLIGHT_SYSTEMS)
+    peers = {k: (INFLIGHT_PEERS[k] if INFLIGHT_PEERS[k] in first_cell else "idemkit") for k in ratios}
+    head += "".join(f" {names[k]} ÷ {names[peers[k]]} |" for k in ratios)
     lines = [head, "|" + "---|" * head.count(" |")]
     for level, row in res["levels"].items():
         for kind in ("first", "replay"):
@@ -1226,6 +1232,11 @@ def _inflight(res: dict[str, Any]) -> list[str]:
             f"is taken against it. idemctl's store runs on {res.get('driver') or 'the driver it chose'}; "
             '"on psycopg" is the same middleware with `async_driver=psycopg` (the path before asyncpg).'
         )
+        if "idemkit_fastapi" in first_cell:
+            floors += (
+                " Each middleware wraps the same two apps: the bare ASGI app and a FastAPI app with one route "
+                "(idemctl FastAPI ÷ idemkit FastAPI compares like with like)."
+            )
     else:
         floors = (
             ". The floor runs idemctl's own statements on psycopg's AsyncConnection: a first call is the claim "
