@@ -72,9 +72,7 @@ def queue(pipe: Any, op: str, params: Params, cluster: bool) -> None:
     """Queue one operation on a pipeline (a `cluster`'s: its scripts go with
     their text where `SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES` says so)."""
     if cluster and SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES and op in SHAS:
-        keys = params.get("keys", ())
-        # As the command itself: those cluster pipelines refuse eval() too.
-        pipe.execute_command("EVAL", SCRIPTS[op], len(keys), *keys, *params.get("args", ()))
+        eval_instead(pipe, op, params)
     else:
         issue(pipe, op, params)
 
@@ -96,7 +94,9 @@ SCRIPTS_BY_TEXT_IN_CLUSTER_PIPELINES = _cluster_pipelines_refuse_evalsha()
 def eval_instead(target: Any, op: str, params: Params) -> Any:
     """The same operation with the script's text (EVAL caches it on the server)."""
     keys = params.get("keys", ())
-    return target.eval(SCRIPTS[op], len(keys), *keys, *params.get("args", ()))
+    # The command itself, which is what eval() sends: the cluster pipelines
+    # of redis-py before 8.2 refuse eval() (and EVALSHA) but queue this.
+    return target.execute_command("EVAL", SCRIPTS[op], len(keys), *keys, *params.get("args", ()))
 
 
 def is_noscript(reply: object) -> bool:
