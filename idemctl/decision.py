@@ -338,14 +338,14 @@ def _resumed(steps: Steps[Any]) -> Any:
     return _through(steps, op)
 
 
-async def through_async(
+def through_async(
     steps: Steps[Any],
     op: Any,
     in_thread: InThread,
     store: AsyncStore | None = None,
     orphaned: Callable[[Any], object] | None = None,
     shielded: bool = False,
-) -> Any:
+) -> Awaitable[Any]:
     """Run `op` (None: the steps' next operation) and every store operation
     and pause the steps yield after it, from an event loop, up to the first
     other thing they yield (returned: a need of their caller's) or their
@@ -367,9 +367,17 @@ async def through_async(
     `shielded` says the caller runs in a task of its own that a request's
     cancellation never reaches (the door's shielded mutation): its writes
     are awaited as they are, with no task and no shield of their own."""
+    # A plain function that returns the coroutine to await: no coroutine of
+    # its own around either loop, on every request.
     if store is not None:
         first = _next(steps, None, None) if op is None else op
-        return await through_store(steps, first, store, orphaned, in_thread, shielded)
+        return _through_on(steps, first, store, orphaned, in_thread, shielded)
+    return _through_threads(steps, op, in_thread, orphaned)
+
+
+async def _through_threads(
+    steps: Steps[Any], op: Any, in_thread: InThread, orphaned: Callable[[Any], object] | None
+) -> Any:
     while True:
         if op is None or type(op) is Pause:
             if op is not None:
@@ -394,7 +402,7 @@ async def through_async(
             return op
 
 
-async def through_store(
+async def _through_on(
     steps: Steps[Any],
     op: Any,
     store: AsyncStore,
@@ -402,8 +410,6 @@ async def through_store(
     in_thread: InThread,
     shielded: bool,
 ) -> Any:
-    """:func:`through_async` from `op` (not None) on an asynchronous
-    `store`: for a driver that knows it has one (one coroutine fewer)."""
     while True:
         kind = type(op)
         if kind is Pause:
@@ -576,5 +582,4 @@ __all__ = [
     "run",
     "run_async",
     "through_async",
-    "through_store",
 ]

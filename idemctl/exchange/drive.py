@@ -168,10 +168,7 @@ async def drive_async(
                 if claiming:
                     orphaned = functools.partial(_release_orphan, gate)
             # Up to the door's next need; raises what the sequence raised.
-            if store is None:
-                need = await decision.through_async(steps, need, door.in_thread, None, orphaned)
-            else:
-                need = await decision.through_store(steps, need, store, orphaned, door.in_thread, False)
+            need = await decision.through_async(steps, need, door.in_thread, store, orphaned)
             kind = type(need)
             if kind is End:
                 return result
@@ -274,10 +271,7 @@ async def _run_and_store(gate: Gate, steps: Exchange, run: Run, door: AsyncDoor,
     if type(need) in _STORE_WORK:
         if store is _UNKNOWN:
             store = gate.ledger.async_store()
-        if store is None:
-            need = await decision.through_async(steps, need, door.in_thread, None, shielded=True)
-        else:
-            need = await decision.through_store(steps, need, store, None, door.in_thread, True)
+        need = await decision.through_async(steps, need, door.in_thread, store, shielded=True)
     return None if type(need) is End else need
 
 
