@@ -290,6 +290,49 @@ class FreezableProxy:
 
 
 @pytest.mark.slow
+def test_a_write_in_its_requests_task_on_a_frozen_primary_fails_with_the_commit_timeout_not_a_cancellation(
+    ledger_target: str,
+) -> None:
+    # The write times out on the wire; asyncpg's cancel request never gets an
+    # answer either, so retiring the connection ends on asyncpg's own timer
+    # after the grace. That timer's cancellation belongs to the write, not to
+    # the request: the request must get the commit timeout, not be cancelled.
+    from urllib.parse import urlsplit
+
+    from idemctl.landing import Landing
+
+    pytest.importorskip("asyncpg")
+    parts = urlsplit(ledger_target)
+    proxy = FreezableProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
+    through = ledger_target.replace(parts.netloc, f"{parts.username}@127.0.0.1:{proxy.port}", 1)
+    engine = PostgresEngine(through + f"&commit_timeout={BOUND_S}&pool_max_size=1")
+
+    async def scenario() -> tuple[BaseException, object, float]:
+        aio = engine.open_async()
+        try:
+            assert await aio.execute("SELECT 1", {}) == [(1,)]
+            proxy.freeze()
+            landing = Landing(aio.execute("SELECT 2", {}))
+            started = time.monotonic()
+            try:
+                await landing
+            except BaseException as exc:  # what it raised is the point
+                return exc, landing.rest, time.monotonic() - started
+            raise AssertionError("a statement on a frozen primary returned")
+        finally:
+            aio.abandon()
+
+    try:
+        raised, rest, took = asyncio.run(scenario())
+    finally:
+        proxy.close()
+        engine.close()
+    assert isinstance(raised, CommitTimeoutError), repr(raised)
+    assert rest is None  # nothing was handed to a task of its own
+    # The bound, then at most the grace (as long as the bound here) for the cancel request.
+    assert BOUND_S - 0.02 <= took < 2 * BOUND_S + SLACK_S, took
+
+
 def test_an_asgi_request_on_a_frozen_primary_is_answered_within_the_commit_timeout_and_a_second(
     ledger_target: str,
 ) -> None:

@@ -362,6 +362,10 @@ class AsyncpgEngine(LoopEngine):
                 raise
             # Cancelled at its bound, asyncpg sent a cancel request; whatever the
             # statement did, it counts as failed, and its connection is not used again.
+            # Its outcome is settled now: off the wire, so that the wait for the
+            # cancel request (asyncpg's own timer) is not taken for the request's
+            # cancellation (landing.py).
+            ON_THE_WIRE.set(False)
             deadlines.leave(bound)
             await self._retire(conn)
             raise CommitTimeoutError(self.describe(), self._commit_timeout_s) from None
@@ -377,10 +381,12 @@ class AsyncpgEngine(LoopEngine):
         # Once the cancel request is over (asyncpg's own wait, bounded by the
         # grace): a late cancel must not reach a next statement.
         protocol = getattr(conn, "_protocol", None)
-        with contextlib.suppress(Exception):
-            if protocol is not None and protocol._is_cancelling():
-                await protocol._wait_for_cancellation(self._grace_s)
-        conn.terminate()
+        try:
+            with contextlib.suppress(Exception):
+                if protocol is not None and protocol._is_cancelling():
+                    await protocol._wait_for_cancellation(self._grace_s)
+        finally:  # the request cancelled meanwhile: closed all the same
+            conn.terminate()
 
     # -- statements --------------------------------------------------------------------
     async def execute(self, sql: str, params: Params) -> Rows:
