@@ -386,6 +386,89 @@ def _inclusive(path: str, functions: tuple[str, ...]) -> dict[str, int]:
     return found
 
 
+# Where a request's instructions go, by the C function that executes them
+# (Python 3.11 shows callgrind no Python function): each function's own
+# cost (its "self" cost, without what it calls), grouped by what it does.
+PARTS = (
+    "the interpreter loop (Python bytecode)",
+    "objects and frames (allocating, freeing, calls)",
+    "dicts, strings and attribute lookups",
+    "the rest of CPython",
+    "SHA-256 (OpenSSL)",
+    "asyncio's C tasks and futures",
+    "the driver's C code",
+    "the C library",
+)
+_OBJECTS = re.compile(
+    r"alloc|free|dealloc|gc_|frame|initialize_locals|newreference|trash|vectorcall|call|fromarray|"
+    r"_new|new_|make_gen|gen_|eval_vector|tuple|list|slot_tp_init",
+    re.IGNORECASE,
+)
+_LOOKUPS = re.compile(
+    r"dict|unicode|lookup|getattr|setattr|getmethod|set_|hash|keys|richcompare|decode|encode|bytes|ascii|str",
+    re.IGNORECASE,
+)
+_NAMES = {"ob": "ob", "cob": "ob", "fn": "fn", "cfn": "fn"}
+
+
+def _part(obj: str, fn: str) -> str:
+    if "libcrypto" in obj:
+        return PARTS[4]
+    if "_asyncio" in obj:
+        return PARTS[5]
+    if "site-packages" in obj:
+        return PARTS[6]
+    if "libc.so" in obj or "ld-linux" in obj:
+        return PARTS[7]
+    if fn.startswith("_PyEval_EvalFrameDefault"):
+        return PARTS[0]
+    if _OBJECTS.search(fn):
+        return PARTS[1]
+    if _LOOKUPS.search(fn):
+        return PARTS[2]
+    return PARTS[3]
+
+
+def self_cost_by_part(path: str) -> dict[str, int]:
+    """One dump's instructions by PARTS: each function's self cost (the
+    cost lines under its ``fn=``, not the inclusive cost after a ``calls=``),
+    its object file and name read through callgrind's name compression."""
+    names: dict[str, dict[str, str]] = {"ob": {}, "fn": {}}
+    obj = fn = ""
+    after_call = False
+    parts = dict.fromkeys(PARTS, 0)
+
+    def name(table: str, spec: str) -> str:
+        m = re.match(r"\((\d+)\)(?:\s+(.*))?$", spec)
+        if m is None:
+            return spec
+        if m.group(2) is not None:
+            names[table][m.group(1)] = m.group(2)
+        return names[table].get(m.group(1), spec)
+
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            head, eq, rest = line.partition("=")
+            if eq and head in _NAMES:
+                value = name(_NAMES[head], rest.strip())
+                if head == "ob":
+                    obj = value
+                elif head == "fn":
+                    fn = value
+                continue
+            if head == "calls":
+                after_call = True
+                continue
+            if line[:1].isdigit() or line[:1] in "+-*":
+                if after_call:  # the inclusive cost of the call just named
+                    after_call = False
+                    continue
+                fields = line.split()
+                if len(fields) > 1:
+                    parts[_part(obj, fn)] += int(fields[1])
+    return parts
+
+
 def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 2) if b else None
 
@@ -424,29 +507,42 @@ def callgrind(out_dir: str, child: list[str]) -> tuple[list[dict[str, Any]], dic
 
 
 def rows_against_floors(
-    out_dir: str, child: list[str], sep: str, floor_of: Callable[[str, str], str]
+    out_dir: str,
+    child: list[str],
+    sep: str,
+    floor_of: Callable[[str, str], str],
+    parts_of: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     """Run `child` under callgrind (see `callgrind`; `out_dir` is removed
     after): a row per segment named door, system and kind joined by `sep`,
     with its instructions per request and its ratio to the segment
-    `floor_of(door, kind)` names."""
+    `floor_of(door, kind)` names; the segments in `parts_of` and their
+    floors also say where their instructions go (`self_cost_by_part`, per
+    request)."""
+    parts: dict[str, dict[str, float]] = {}
     try:
         segments, dumps = callgrind(out_dir, child)
         per = {seg["name"]: _total(dumps[seg["name"]]) / seg["requests"] for seg in segments}
+        wanted = set(parts_of) | {floor_of(*name.split(sep)[::2]) for name in parts_of}
+        for seg in segments:
+            if seg["name"] in wanted:
+                cost = self_cost_by_part(dumps[seg["name"]])
+                parts[seg["name"]] = {part: n / seg["requests"] for part, n in cost.items()}
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     rows = []
     for seg in segments:
         door, system, kind = seg["name"].split(sep)
-        rows.append(
-            {
-                "door": door,
-                "system": system,
-                "kind": kind,
-                "instructions": round(per[seg["name"]]),
-                "vs_floor": round(per[seg["name"]] / per[floor_of(door, kind)], 2),
-            }
-        )
+        row: dict[str, Any] = {
+            "door": door,
+            "system": system,
+            "kind": kind,
+            "instructions": round(per[seg["name"]]),
+            "vs_floor": round(per[seg["name"]] / per[floor_of(door, kind)], 2),
+        }
+        if seg["name"] in parts:
+            row["parts"] = {part: round(n) for part, n in parts[seg["name"]].items()}
+        rows.append(row)
     return rows
 
 

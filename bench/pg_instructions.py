@@ -21,6 +21,7 @@ statements; idemctl runs them with its Python around them).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import sys
@@ -164,11 +165,84 @@ def count(ctx: Context, base: str) -> dict[str, Any]:
     child = ["bench.pg_instructions", "--callgrind-child", base, schema, str(n), "quick" if ctx.quick else "full"]
     try:
         rows = instructions.rows_against_floors(
-            out_dir, child, ":", lambda door, kind: f"{door}:{'floor-asyncpg' if door == 'asgi' else 'floor'}:{kind}"
+            out_dir,
+            child,
+            ":",
+            lambda door, kind: f"{door}:{'floor-asyncpg' if door == 'asgi' else 'floor'}:{kind}",
+            parts_of=("asgi:idemctl:first", "asgi:idemctl:replay"),
         )
+        counted = census(base, schema, 3 if ctx.quick else CENSUS_N)
     finally:
         drop_schema(base, schema)
-    return {"requests_per_segment": n, "rows": rows}
+    return {"requests_per_segment": n, "rows": rows, "census": counted}
+
+
+CENSUS_N = 20
+
+
+def census(base: str, schema: str, n: int = CENSUS_N) -> dict[str, dict[str, float]]:
+    """Python functions entered per ASGI request (first call, replay) on
+    asyncpg, by package, and the event loop's turns: what callgrind's
+    instructions are spent running (a generator's or coroutine's resumption
+    counts as an entry). Counted with sys.setprofile, in this process."""
+    from collections import Counter
+
+    from idemctl import Ledger
+
+    url = psycopg_url(base, schema)
+    out: dict[str, dict[str, float]] = {}
+
+    def package(filename: str) -> str:
+        for name in ("idemctl", "asyncpg", "asyncio"):
+            if f"/{name}/" in filename:
+                return name
+        return "the rest (the bench's caller and app, selectors, ...)"
+
+    async def run() -> None:
+        ledger = Ledger.open(url)
+        ledger.init()
+        app = idemctl_asgi(ledger)
+
+        async def via(key: str) -> None:
+            status, _ = await call_asgi(app, key, lambda: STORED_1K)
+            if status != 201:
+                raise AssertionError(f"{key}: {status}")
+
+        floors = Floors(url, asyncpg_url(base, schema), 2, SEEDS)
+        await floors.open()
+        for i in range(SEEDS):
+            await via(f"census-seed-{i}")
+            await floors.path("asyncpg", "first")(i, "seed")
+        for system, kind in [(system, kind) for system in ("idemctl", "floor-asyncpg") for kind in KINDS]:
+            entered: Counter[str] = Counter()
+            turns = 0
+            if system == "idemctl":
+                one = (lambda i: via(f"census-{i}")) if kind == "first" else (lambda i: via(f"census-seed-{i % SEEDS}"))
+            else:
+                raw = floors.path("asyncpg", kind)
+                one = functools.partial(raw, tag="census")
+
+            def profile(frame: Any, event: str, arg: Any) -> None:
+                nonlocal turns
+                if event == "call":
+                    entered[package(frame.f_code.co_filename)] += 1
+                    turns += frame.f_code.co_name == "_run_once"
+
+            sys.setprofile(profile)
+            try:
+                for i in range(n):
+                    await one(i)
+            finally:
+                sys.setprofile(None)
+            counts = {k: round(v / n, 1) for k, v in entered.most_common()}
+            out[f"{system}:{kind}"] = {**counts, "event-loop turns": round(turns / n, 1)}
+        await floors.close()
+        await app.wait_idle()
+        await ledger.aclose()
+        ledger.close()
+
+    asyncio.run(run())
+    return out
 
 
 def _stderr(line: str) -> None:

@@ -1297,7 +1297,47 @@ def _postgres_instructions(ins: dict[str, Any] | None) -> list[str]:
             f"{_n(ours_r['instructions'] - floor_r['instructions'])} (the ASGI exchange, the request sequence, the "
             "fingerprint, the decision, the stored answer's headers, a write awaited whole)."
         )
-    return lines + ["", PG_INSTRUCTION_HISTORY]
+    return lines + _postgres_parts(by, ins.get("census")) + ["", PG_INSTRUCTION_HISTORY]
+
+
+def _postgres_parts(by: dict[tuple[str, str, str], dict[str, Any]], census: dict[str, Any] | None) -> list[str]:
+    """Where an ASGI request's instructions go, idemctl's beside the floor's."""
+    cells = [by.get(("asgi", system, kind)) for kind in ("first", "replay") for system in ("floor-asyncpg", "idemctl")]
+    if not all(c and "parts" in c for c in cells):
+        return []
+    floor_f, ours_f, floor_r, ours_r = (c["parts"] for c in cells if c)
+    lines = [
+        "",
+        "Where an ASGI request's instructions go on asyncpg, by the C function that runs them (each function's own "
+        "cost; Python 3.11 shows callgrind no Python function):",
+        "",
+        "| part | floor, first call | idemctl, first call | above the floor | floor, replay | idemctl, replay | above the floor |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for part in floor_f:
+        lines.append(
+            f"| {part} | {_n(floor_f[part])} | {_n(ours_f[part])} | {_n(ours_f[part] - floor_f[part])} "
+            f"| {_n(floor_r[part])} | {_n(ours_r[part])} | {_n(ours_r[part] - floor_r[part])} |"
+        )
+    if census:
+        packages = sorted({k for row in census.values() for k in row if k != "event-loop turns"})
+        lines += [
+            "",
+            "Python functions entered per request (a coroutine's or generator's resumption counts as an entry), "
+            "and the event loop's turns (`sys.setprofile`, the same requests):",
+            "",
+            "| | " + " | ".join(packages) + " | event-loop turns |",
+            "|---|" + "---|" * (len(packages) + 1),
+        ]
+        for name, row in census.items():
+            system, _, kind = name.partition(":")
+            label = f"{'idemctl' if system == 'idemctl' else 'floor'}, {'first call' if kind == 'first' else 'replay'}"
+            lines.append(
+                f"| {label} | "
+                + " | ".join(_n(row.get(p, 0), 1) for p in packages)
+                + f" | {_n(row['event-loop turns'], 1)} |"
+            )
+    return lines
 
 
 # PostgreSQL's request paths (bench/pg_instructions.py) counted before and
