@@ -171,25 +171,24 @@ def count(ctx: Context, base: str) -> dict[str, Any]:
             lambda door, kind: f"{door}:{'floor-asyncpg' if door == 'asgi' else 'floor'}:{kind}",
             parts_of=("asgi:idemctl:first", "asgi:idemctl:replay"),
         )
-        counted = census(base, schema, 3 if ctx.quick else CENSUS_N)
     finally:
         drop_schema(base, schema)
+    counted = census(base, 3 if ctx.quick else CENSUS_N)
     return {"requests_per_segment": n, "rows": rows, "census": counted}
 
 
 CENSUS_N = 20
 
 
-def census(base: str, schema: str, n: int = CENSUS_N) -> dict[str, dict[str, float]]:
+def census(base: str, n: int = CENSUS_N) -> dict[str, dict[str, float]]:
     """Python functions entered per ASGI request (first call, replay) on
     asyncpg, by package, and the event loop's turns: what callgrind's
     instructions are spent running (a generator's or coroutine's resumption
-    counts as an entry). Counted with sys.setprofile, in this process."""
+    counts as an entry). Counted with sys.setprofile, in this process, on a schema of its own."""
     from collections import Counter
 
     from idemctl import Ledger
 
-    url = psycopg_url(base, schema)
     out: dict[str, dict[str, float]] = {}
 
     def package(filename: str) -> str:
@@ -241,7 +240,13 @@ def census(base: str, schema: str, n: int = CENSUS_N) -> dict[str, dict[str, flo
         await ledger.aclose()
         ledger.close()
 
-    asyncio.run(run())
+    schema = f"idemctl_bench_census_{os.getpid()}"
+    url = psycopg_url(base, schema)
+    create_schema(base, schema)
+    try:
+        asyncio.run(run())
+    finally:
+        drop_schema(base, schema)
     return out
 
 
