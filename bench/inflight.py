@@ -208,13 +208,20 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
         bases = [*DRIVERS, *systems]
         names = [f"{base}_{kind}@{level}" for level in LEVELS for base in bases for kind in KINDS]
         rates: dict[str, list[float]] = {name: [] for name in names}
+        # This process's CPU time per request (user and system), where one
+        # request in flight leaves the client waiting on the server: what
+        # each system adds to a request's wall time there.
+        cpu_us: dict[str, list[float]] = {name: [] for name in names if name.endswith("@1")}
         for rep in range(reps):
             ctx.log(f"  [inflight] round {rep + 1}/{reps}")
             for name in names[rep % len(names) :] + names[: rep % len(names)]:
                 path, level = name.split("@")
                 go = paths[path]
                 tag = f"{rep}-{level}"
+                started = time.process_time()
                 rates[name].append(await _in_flight(n, int(level), lambda i, go=go, tag=tag: go(i, tag)))
+                if name in cpu_us:
+                    cpu_us[name].append((time.process_time() - started) / n * 1e6)
                 await ours.wait_idle()
         profile = {
             "first": await _profile(n, 10, lambda i: via(ours, f"idemctl-profile-{i}")),
@@ -249,6 +256,8 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
                 cell: dict[str, Any] = {}
                 for driver in DRIVERS:
                     cell[f"floor_{driver}"] = spread(rates[f"{driver}_{kind}@{level}"], 1)
+                if level == 1:
+                    cell["cpu_us"] = {base: spread(cpu_us[f"{base}_{kind}@1"], 0) for base in bases}
                 # The limit: the faster driver's floor (its median), each
                 # round's figure divided by that round's limit.
                 limit = max(DRIVERS, key=lambda d: cell[f"floor_{d}"]["median"])
