@@ -168,7 +168,10 @@ class IdempotencyMiddleware(gates.GatedMiddleware[ASGIApp, Scope]):
         whose client left, and post-response sweeps. For a graceful shutdown
         (call it from the lifespan shutdown) and for tests."""
         loop = asyncio.get_running_loop()
-        while pending := [f for f in self._background if f.get_loop() is loop]:
+        # Only what is still running: a finished task stays in the set until
+        # its done callback runs, a turn of the loop later, and gathering only
+        # finished ones completes at once (Python 3.12+) without yielding.
+        while pending := [f for f in self._background if f.get_loop() is loop and not f.done()]:
             await asyncio.gather(*pending, return_exceptions=True)
 
     def _keep(self, future: asyncio.Future[Any]) -> None:
