@@ -174,8 +174,30 @@ def test_quick_in_flight_run_measures_every_level_and_renders_its_tables(tmp_pat
         assert counted[("asgi", "floor-asyncpg", "first")]["vs_floor"] == 1.0
         assert counted[("sync", "floor", "replay")]["vs_floor"] == 1.0
         assert all(r["instructions"] > 0 for r in counted.values())
+        # Where the instructions go: every C function's own cost in one part, so the parts add up to the total.
+        for kind in ("first", "replay"):
+            for system in ("idemctl", "floor-asyncpg"):
+                row = counted[("asgi", system, kind)]
+                assert abs(sum(row["parts"].values()) - row["instructions"]) <= len(row["parts"]), row
+            assert counted[("asgi", "idemctl", kind)]["parts"]["SHA-256 (OpenSSL)"] > 0
+            assert counted[("asgi", "floor-asyncpg", kind)]["parts"]["SHA-256 (OpenSSL)"] == 0
+        assert "parts" not in counted[("sync", "handle", "first")]
+        census = ins["census"]
+        assert set(census) == {"idemctl:first", "idemctl:replay", "floor-asyncpg:first", "floor-asyncpg:replay"}
+        assert census["idemctl:first"]["idemctl"] > census["idemctl:replay"]["idemctl"] > 0
+        assert "idemctl" not in census["floor-asyncpg:first"]
+        assert census["idemctl:first"]["event-loop turns"] > census["floor-asyncpg:first"]["event-loop turns"] > 0
+    # This process's CPU time per request at one in flight, for every system.
+    for cell in res["levels"]["1"].values():
+        assert {"asyncpg", "psycopg", "idemctl", "idemctl_fastapi", "idemctl_psycopg"} <= set(cell["cpu_us"])
+        assert all(v["median"] > 0 and v["n"] == res["rounds"] for v in cell["cpu_us"].values())
+    assert "cpu_us" not in res["levels"]["10"]["first"]
     headings = ["| (8)/(10) ASGI + PostgreSQL, in flight |", "| (8) event-loop lag: a 1 ms ticker, 50 first"]
     if "missing" not in ins:
-        headings.append("| (8)/(10), (7) instructions a request on PostgreSQL (callgrind) |")
+        headings += [
+            "| (8)/(10), (7) instructions a request on PostgreSQL (callgrind) |",
+            "| part | floor, first call | idemctl, first call | above the floor |",
+            "Python functions entered per request",
+        ]
     for heading in headings:
         assert heading in proc.stdout, heading
