@@ -26,6 +26,7 @@ statements awaited on the loop, then handed to the default executor."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -87,31 +88,55 @@ async def _lag_under(level: int, n: int, one: Go) -> dict[str, float]:
     return {"p50_ms": percentile(lags, 50), "p99_ms": percentile(lags, 99), "max_ms": lags[-1] if lags else 0.0}
 
 
-def _group(filename: str, name: str, first: Sequence[tuple[str, str]] = ()) -> str:
-    if filename == "~" and ("epoll" in name or "select" in name):
-        return "waiting for the server (epoll)"
-    for part, group in (
-        *first,
-        ("/idemctl/", "idemctl"),
-        ("/psycopg_pool/", "psycopg_pool"),
-        ("/psycopg/", "psycopg"),
-        ("/asyncpg/", "asyncpg"),
-        ("-packages/redis/", "redis-py"),  # site- or dist-packages: not a checkout's folder named redis
-        ("/asyncio/", "asyncio"),
-        ("/bench/", "the bench's caller and app"),
-    ):
-        if part in filename:
+# The profile's groups: each package's own folder, wherever it is installed
+# (a checkout folder may itself be named idemctl or redis).
+PACKAGES = (
+    ("idemctl", "idemctl"),
+    ("psycopg_pool", "psycopg_pool"),
+    ("psycopg", "psycopg"),
+    ("asyncpg", "asyncpg"),
+    ("redis", "redis-py"),
+    ("asyncio", "asyncio"),
+    ("bench", "the bench's caller and app"),
+)
+
+
+def package_roots(packages: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """(folder with a trailing separator, group) of each importable package
+    in `packages` ((module name, group) pairs), the deepest folder first so
+    that a subpackage's group wins over its parent's."""
+    import importlib.util
+
+    roots = []
+    for module, group in packages:
+        try:
+            spec = importlib.util.find_spec(module)
+        except ImportError:
+            spec = None
+        for location in (spec.submodule_search_locations or []) if spec is not None else []:
+            roots.append((os.path.join(os.path.abspath(location), ""), group))
+    return sorted(roots, key=lambda root: -len(root[0]))
+
+
+def _group(filename: str, name: str, roots: Sequence[tuple[str, str]]) -> str:
+    if filename == "~":
+        return "waiting for the server (epoll)" if "epoll" in name or "select" in name else "C calls and the rest"
+    for root, group in roots:
+        if filename.startswith(root):
             return group
-    return "C calls and the rest" if filename == "~" else "other Python"
+    return "other Python"
 
 
 async def _profile(n: int, level: int, one: Go, first: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
     """Where the time of `n` requests at `level` in flight goes (cProfile,
-    internal time by package; `first`: (path part, group) pairs tried before
-    the usual ones), and idemctl's own heaviest functions."""
+    internal time by package; `first`: (module name, group) pairs for
+    packages besides the usual ones, or parts of them), and idemctl's own
+    heaviest functions."""
     import cProfile
     import pstats
 
+    roots = package_roots([*first, *PACKAGES])
+    ours_root = next((root for root, group in package_roots(PACKAGES[:1])), None)
     profiler = cProfile.Profile()
     profiler.enable()
     await _in_flight(n, level, one)
@@ -121,10 +146,10 @@ async def _profile(n: int, level: int, one: Go, first: Sequence[tuple[str, str]]
     groups: dict[str, float] = {}
     ours: list[tuple[float, str]] = []
     for (filename, line, name), (_, _, tt, _, _) in stats.items():
-        group = _group(filename, name, first)
+        group = _group(filename, name, roots)
         groups[group] = groups.get(group, 0.0) + tt
-        if "/idemctl/" in filename:
-            ours.append((tt, f"{filename.rsplit('/idemctl/', 1)[-1]}:{line}({name})"))
+        if ours_root is not None and filename.startswith(ours_root):
+            ours.append((tt, f"{filename[len(ours_root) :]}:{line}({name})"))
     ours.sort(reverse=True)
     return {
         "us_per_request": round(total / n * 1e6, 1),

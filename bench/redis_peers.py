@@ -53,7 +53,7 @@ AIM = 1.5  # idemctl's rate over idemkit's on every row
 TTL_S = 30.0
 DAY_MS = 86_400_000
 # The profile sets the store apart from the rest of idemctl, and names idemkit's own code.
-PROFILE_GROUPS = (("/idemctl/storage/", "idemctl's store"), ("/idemkit/", "idemkit"))
+PROFILE_GROUPS = (("idemctl.storage", "idemctl's store"), ("idemkit", "idemkit"))
 Blocking = Callable[[int, str], object]
 Awaiting = Callable[[int, str], Awaitable[object]]
 
