@@ -205,6 +205,11 @@ class Dialect:
     max_params: int | None = None
     # The folder of its DDL under schema/ when it is not `name`.
     ddl: str = ""
+    # The most rows one read of an operator's listing (`pending`) asks for,
+    # on an engine that answers a statement in one document (D1's HTTP API):
+    # a long listing is read page by page. None: one statement, whose rows
+    # the driver streams.
+    list_page: int | None = None
 
     @property
     def schema_folder(self) -> str:
@@ -287,4 +292,6 @@ D1 = replace(
     max_params=100,
     # A batch is one API call and one transaction; D1 runs one at a time.
     sweep=replace(SQLITE.sweep, drain_batch=250),
+    # Each statement's rows come in one JSON answer: `pending` reads pages.
+    list_page=500,
 )

@@ -23,6 +23,12 @@ from .statements import (
 )
 from .store_base import StoreBase
 
+# The pending listing's order, and where a page of it resumes (row values:
+# every engine idemctl runs on compares them as ORDER BY sorts).
+_PENDING_ORDER = " ORDER BY updated_at, principal, key"
+_AFTER = " AND (updated_at, principal, key) > (:after_updated_at, :after_principal, :after_key)"
+_UPDATED_AT = ROW_COLUMNS.replace(" ", "").split(",").index("updated_at")
+
 
 class OperatorStatements(StoreBase):
     """Reads for the CLI and dashboards, and purge; nothing here claims a row."""
@@ -55,11 +61,34 @@ class OperatorStatements(StoreBase):
         if principal is not None:
             sql += " AND principal = :principal"
             params["principal"] = principal
-        sql += " ORDER BY updated_at, principal, key"
+        page = self.engine.dialect.list_page
+        if page is not None:
+            return self._pages(sql, params, limit, page)
+        sql += _PENDING_ORDER
         if limit is not None:
             sql += " LIMIT :limit"
             params["limit"] = limit
         return self.engine.stream(self.sql(sql), params)
+
+    def _pages(self, sql: str, params: dict[str, Any], limit: int | None, page: int) -> Iterator[tuple[Any, ...]]:
+        """The listing `sql` selects, in pages of `page` rows, each read after
+        the last row of the one before in the listing's order (its sort key
+        is unique: the primary key ends it). A row that changes between two
+        pages shows where it is when its page is read, as in any listing
+        that is not one snapshot."""
+        after: dict[str, Any] = {}
+        left = limit
+        while left is None or left > 0:
+            n = page if left is None else min(page, left)
+            rows = self._read(
+                sql + (_AFTER if after else "") + _PENDING_ORDER + " LIMIT :limit", {**params, **after, "limit": n}
+            )
+            yield from rows
+            if len(rows) < n:
+                return
+            last = rows[-1]
+            after = {"after_updated_at": last[_UPDATED_AT], "after_principal": last[0], "after_key": last[1]}
+            left = None if left is None else left - n
 
     def iter_fenced(
         self, principal: str | None, key: str | None, since: int | None, limit: int | None

@@ -11,3 +11,7 @@ from tests.ledger.test_ledger_sweep import *  # noqa: F403
 from tests.ledger.test_operator_reads import *  # noqa: F403
 
 pytestmark = [pytest.mark.engines("d1"), pytest.mark.slow]
+
+
+def test_pending_read_in_pages_on_d1_lists_every_row_once_in_order(ledger, clock, monkeypatch):
+    pending_in_pages(ledger, clock, monkeypatch)  # noqa: F405 (from test_operator_reads)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
 from idemctl import State, Status
 from idemctl.outcomes import PurgeOutcome
 
@@ -66,6 +70,46 @@ def test_pending_lists_oldest_first_and_filters_stale_and_principal(ledger, cloc
         State.PENDING_FRESH,
     ]
     assert [v.row.key for v in ledger.operator.pending(limit=2)] == ["a1", "b1"]
+
+
+@pytest.mark.engines("sqlite", "postgres", "mysql")  # on D1: tests/d1/test_contract_on_d1.py
+def test_pending_read_in_pages_lists_every_row_once_in_order_across_ties_limits_and_filters(ledger, clock, monkeypatch):
+    pending_in_pages(ledger, clock, monkeypatch)
+
+
+def pending_in_pages(ledger, clock, monkeypatch):
+    """D1 answers a statement in one document, so its listing reads pages:
+    here two-row pages, with page edges inside ties."""
+    engine = ledger.store.engine
+    monkeypatch.setattr(engine, "dialect", replace(engine.dialect, list_page=2))
+    pages: list[str] = []
+    read = engine.read
+
+    def counted(sql, params):
+        if "status = 'pending'" in sql:
+            pages.append(sql)
+        return read(sql, params)
+
+    monkeypatch.setattr(engine, "read", counted)
+    for principal, key in (("acct_B", "k1"), ("acct_A", "k3"), ("acct_A", "k2")):
+        ledger.claim(principal, key, "fp")  # one instant: the principal, then the key, orders them
+    clock.advance(10)
+    ledger.claim("acct_C", "k0", "fp")
+    ledger.claim("acct_A", "k4", "fp")
+    clock.advance(10)
+    ledger.claim("acct_A", "k5", "fp")
+
+    def listed(**options):
+        pages.clear()
+        return [(v.row.principal, v.row.key) for v in ledger.operator.pending(**options)], len(pages)
+
+    every = [("acct_A", "k2"), ("acct_A", "k3"), ("acct_B", "k1"), ("acct_A", "k4"), ("acct_C", "k0"), ("acct_A", "k5")]
+    assert listed() == (every, 4)  # three full pages, then an empty one
+    assert listed(limit=3) == (every[:3], 2)
+    assert listed(limit=4) == (every[:4], 2)
+    assert listed(principal="acct_A") == ([r for r in every if r[0] == "acct_A"], 3)
+    clock.advance(TTL + 1)
+    assert listed(stale_only=True) == (every, 4)
 
 
 def test_fenced_filters_by_principal_key_and_since(ledger, clock):
