@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 import warnings
 
 import pytest
@@ -79,6 +80,8 @@ def _fork_children_while_threads_write(ledger: Ledger) -> tuple[list[int], list[
                 try:
                     _die_after(CHILD_DEADLINE_S)
                     code = _child(ledger, n)
+                except BaseException:  # code 1; the test's output says why
+                    traceback.print_exc()
                 finally:
                     os._exit(code)
             pids.append(pid)
