@@ -5,6 +5,7 @@ min-max over repetitions, latency percentiles)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import os
 import platform
@@ -188,6 +189,30 @@ def raw_pair(conn: sqlite3.Connection, principal: str, key: str, now: int) -> No
 
 
 # -- statistics -------------------------------------------------------------------
+# -- profiles: which package a Python function lives in ----------------------------
+def package_roots(packages: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """(folder with a trailing separator, group) of each importable package
+    in `packages` ((module name, group) pairs), the deepest folder first so
+    that a subpackage's group wins over its parent's."""
+    roots = []
+    for module, group in packages:
+        try:
+            spec = importlib.util.find_spec(module)
+        except ImportError:
+            spec = None
+        for location in (spec.submodule_search_locations or []) if spec is not None else []:
+            roots.append((os.path.join(os.path.abspath(location), ""), group))
+    return sorted(roots, key=lambda root: -len(root[0]))
+
+
+def package_of(filename: str, roots: Sequence[tuple[str, str]], otherwise: str) -> str:
+    """The group of the first of `roots` (package_roots) that holds `filename`."""
+    for root, group in roots:
+        if filename.startswith(root):
+            return group
+    return otherwise
+
+
 def spread(values: Sequence[float], digits: int = 3) -> dict[str, Any]:
     """Median with min and max, and the raw values, of one figure's repetitions."""
     vals = [float(v) for v in values]

@@ -26,7 +26,6 @@ statements awaited on the loop, then handed to the default executor."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -34,7 +33,7 @@ from typing import Any
 from idemctl import Ledger
 
 from . import pg_instructions
-from .common import STORED_1K, Context, percentile, spread
+from .common import STORED_1K, Context, package_of, package_roots, percentile, spread
 from .peers_systems import (
     asyncpg_url,
     call_asgi,
@@ -101,30 +100,10 @@ PACKAGES = (
 )
 
 
-def package_roots(packages: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
-    """(folder with a trailing separator, group) of each importable package
-    in `packages` ((module name, group) pairs), the deepest folder first so
-    that a subpackage's group wins over its parent's."""
-    import importlib.util
-
-    roots = []
-    for module, group in packages:
-        try:
-            spec = importlib.util.find_spec(module)
-        except ImportError:
-            spec = None
-        for location in (spec.submodule_search_locations or []) if spec is not None else []:
-            roots.append((os.path.join(os.path.abspath(location), ""), group))
-    return sorted(roots, key=lambda root: -len(root[0]))
-
-
 def _group(filename: str, name: str, roots: Sequence[tuple[str, str]]) -> str:
     if filename == "~":
         return "waiting for the server (epoll)" if "epoll" in name or "select" in name else "C calls and the rest"
-    for root, group in roots:
-        if filename.startswith(root):
-            return group
-    return "other Python"
+    return package_of(filename, roots, "other Python")
 
 
 async def _profile(n: int, level: int, one: Go, first: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:

@@ -40,6 +40,8 @@ from .common import (
     Context,
     noop_mutation,
     now_ms,
+    package_of,
+    package_roots,
 )
 from .peers_systems import asyncpg_url, call_asgi, create_schema, drop_schema, idemctl_asgi, psycopg_url
 from .pg_floors import Floors
@@ -193,11 +195,8 @@ def census(base: str, n: int = CENSUS_N) -> dict[str, dict[str, float]]:
 
     out: dict[str, dict[str, float]] = {}
 
-    def package(filename: str) -> str:
-        for name in ("idemctl", "asyncpg", "asyncio"):
-            if f"/{name}/" in filename:
-                return name
-        return "the rest (the bench's caller and app, selectors, ...)"
+    roots = package_roots([(name, name) for name in ("idemctl", "asyncpg", "asyncio")])
+    rest = "the rest (the bench's caller and app, selectors, ...)"
 
     async def run() -> None:
         ledger = Ledger.open(url)
@@ -226,7 +225,7 @@ def census(base: str, n: int = CENSUS_N) -> dict[str, dict[str, float]]:
             def profile(frame: Any, event: str, arg: Any) -> None:
                 nonlocal turns
                 if event == "call":
-                    entered[package(frame.f_code.co_filename)] += 1
+                    entered[package_of(frame.f_code.co_filename, roots, rest)] += 1
                     turns += frame.f_code.co_name == "_run_once"
 
             # Nothing of the last segment's left on the loop: its sweeps, and

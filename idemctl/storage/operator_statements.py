@@ -27,7 +27,7 @@ from .store_base import StoreBase
 # every engine idemctl runs on compares them as ORDER BY sorts).
 _PENDING_ORDER = " ORDER BY updated_at, principal, key"
 _AFTER = " AND (updated_at, principal, key) > (:after_updated_at, :after_principal, :after_key)"
-_UPDATED_AT = ROW_COLUMNS.replace(" ", "").split(",").index("updated_at")
+_SORT_KEY = tuple(ROW_COLUMNS.replace(" ", "").split(",").index(c) for c in ("updated_at", "principal", "key"))
 
 
 class OperatorStatements(StoreBase):
@@ -86,8 +86,8 @@ class OperatorStatements(StoreBase):
             yield from rows
             if len(rows) < n:
                 return
-            last = rows[-1]
-            after = {"after_updated_at": last[_UPDATED_AT], "after_principal": last[0], "after_key": last[1]}
+            updated_at, principal, key = (rows[-1][i] for i in _SORT_KEY)
+            after = {"after_updated_at": updated_at, "after_principal": principal, "after_key": key}
             left = None if left is None else left - n
 
     def iter_fenced(

@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 
 import idemctl
-from bench.inflight import PACKAGES, _group, package_roots
+from bench.common import package_roots
+from bench.inflight import PACKAGES, _group
 from bench.redis_peers import PROFILE_GROUPS
 
 # A checkout in a folder named idemctl, inside one named redis, beside a venv.

@@ -279,6 +279,15 @@ class FreezableProxy:
                 except OSError:
                     return
 
+    @classmethod
+    def before(cls, url: str) -> tuple[FreezableProxy, str]:
+        """A proxy in front of the server `url` names, and the URL through it."""
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url)
+        proxy = cls(parts.hostname or "127.0.0.1", parts.port or 5432)
+        return proxy, url.replace(parts.netloc, f"{parts.username}@127.0.0.1:{proxy.port}", 1)
+
     def freeze(self) -> None:
         self.frozen.set()
 
@@ -297,14 +306,10 @@ def test_a_write_in_its_requests_task_on_a_frozen_primary_fails_with_the_commit_
     # answer either, so retiring the connection ends on asyncpg's own timer
     # after the grace. That timer's cancellation belongs to the write, not to
     # the request: the request must get the commit timeout, not be cancelled.
-    from urllib.parse import urlsplit
-
     from idemctl.landing import Landing
 
     pytest.importorskip("asyncpg")
-    parts = urlsplit(ledger_target)
-    proxy = FreezableProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
-    through = ledger_target.replace(parts.netloc, f"{parts.username}@127.0.0.1:{proxy.port}", 1)
+    proxy, through = FreezableProxy.before(ledger_target)
     engine = PostgresEngine(through + f"&commit_timeout={BOUND_S}&pool_max_size=1")
 
     async def scenario() -> tuple[BaseException, object, float]:
@@ -336,15 +341,11 @@ def test_a_write_in_its_requests_task_on_a_frozen_primary_fails_with_the_commit_
 def test_an_asgi_request_on_a_frozen_primary_is_answered_within_the_commit_timeout_and_a_second(
     ledger_target: str,
 ) -> None:
-    from urllib.parse import urlsplit
-
     from starlette.testclient import TestClient
 
     from idemctl.asgi import IdempotencyMiddleware
 
-    parts = urlsplit(ledger_target)
-    proxy = FreezableProxy(parts.hostname or "127.0.0.1", parts.port or 5432)
-    through = ledger_target.replace(parts.netloc, f"{parts.username}@127.0.0.1:{proxy.port}", 1)
+    proxy, through = FreezableProxy.before(ledger_target)
 
     async def orders(scope, receive, send):  # type: ignore[no-untyped-def]
         if scope["type"] == "lifespan":
