@@ -13,6 +13,24 @@ from idemctl.storage.d1 import D1Engine
 
 from .runtime import Runtime, wipe
 
+# The module that runs the ledger's contract tests again on D1, by importing them.
+CONTRACT_ON_D1 = "test_contract_on_d1.py"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The contract tests imported into CONTRACT_ON_D1 run there on D1 only:
+    the imported tests that name their own engines, or none, already ran in
+    their own modules."""
+    elsewhere = [
+        item
+        for item in items
+        if item.path.name == CONTRACT_ON_D1
+        and getattr(getattr(item, "callspec", None), "params", {}).get("backend_name") != "d1"
+    ]
+    if elsewhere:
+        config.hook.pytest_deselected(items=elsewhere)
+        items[:] = [item for item in items if item not in elsewhere]
+
 
 @pytest.fixture
 def runtime(d1_runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> Iterator[Runtime]:

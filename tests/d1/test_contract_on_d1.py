@@ -1,7 +1,8 @@
 """The ledger's contract tests (tests/ledger/: the contract, the fencing
 token, the sweep, the operator's reads), run on D1 through its HTTP API:
-the recipe's database, the same answers. A test marked for other engines
-only is not collected here (its own `engines` mark wins)."""
+the recipe's database, the same answers. The imported tests that do not run
+on D1 (marked for other engines, or on no engine at all) are deselected here
+by tests/d1/conftest.py: they run in their own modules."""
 
 import pytest
 
