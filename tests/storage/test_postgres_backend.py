@@ -278,6 +278,27 @@ def test_an_exhausted_pool_is_a_ledger_unavailable_error_after_the_pool_timeout(
     ledger.close()
 
 
+def test_a_pool_timeout_above_the_commit_timeout_waits_only_the_commit_timeout_for_a_connection(
+    ledger_target: str,
+) -> None:
+    # A request is answered within the commit timeout: waiting for a free
+    # connection is part of that, whatever pool_timeout says.
+    ledger = Ledger.open(ledger_target + "&pool_max_size=1&pool_timeout=30&commit_timeout=0.4")
+    ledger.init()
+    assert (ledger.store.engine.pool_timeout_s, ledger.store.engine.commit_timeout_s) == (30.0, 0.4)
+    ledger.claim("acct", "a", "fp")
+    rows = ledger.operator.pending()
+    next(rows)  # the streaming cursor now holds the only connection
+    started = time.monotonic()
+    with pytest.raises(LedgerUnavailableError, match=r"within 0\.4 s: .*all 1 pooled connections are busy"):
+        ledger.claim("acct", "b", "fp")
+    assert time.monotonic() - started < 10
+    rows.close()
+    assert ledger.claim("acct", "b", "fp") is not None
+    assert sorted(view.row.key for view in ledger.operator.pending()) == ["a", "b"]
+    ledger.close()
+
+
 def test_a_connection_the_server_killed_fails_one_statement_and_the_pool_replaces_it(
     ledger_target: str, pg: psycopg.Connection
 ) -> None:

@@ -206,8 +206,13 @@ class PostgresEngine:
         self.pool_timeout_s = settings.pool_timeout_s
         self.commit_timeout_s = settings.commit_timeout_s
         self._describe = settings.describe()
+        # A statement waits for a connection, a free pooled one or a new one,
+        # no longer than it may run (as on the event loop: aio.loop_bounds):
+        # a pool_timeout set above the commit timeout would hold a request
+        # past the time the documentation promises it is answered in.
+        self._acquire_s = min(self.pool_timeout_s, self.commit_timeout_s)
         self._translate = Translator(
-            self._describe, self._scrub, self.busy_timeout_ms, self.pool_timeout_s, self.pool_max_size
+            self._describe, self._scrub, self.busy_timeout_ms, self._acquire_s, self.pool_max_size
         )
         self._lock = threading.Lock()
         self._watch = CommitWatch(self.commit_timeout_s, self._describe)
@@ -249,7 +254,7 @@ class PostgresEngine:
             kwargs=kwargs,
             min_size=self.pool_min_size,
             max_size=self.pool_max_size,
-            timeout=self.pool_timeout_s,
+            timeout=self._acquire_s,
             name=f"idemctl-{os.getpid()}",
             configure=self._configure_for(mode),
             open=True,
