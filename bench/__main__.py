@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     out_path = args.out or LATEST
     if args.report:
         with open(out_path, encoding="utf-8") as f:
-            results = json.load(f)
+            results: dict[str, Any] = json.load(f)  # what a run wrote: the results' JSON object
         report.write_page(args.page, results)
         print(f"rendered {os.path.relpath(out_path)} into {os.path.relpath(args.page)}")
         return 0
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     if fs["type"] in ("tmpfs", "ramfs", "overlay") and not args.quick:
         log(f"WARNING: {workdir} is on {fs['type']}: fsync costs nothing there, figures will not match a disk")
     ctx = Context(workdir=workdir, quick=args.quick, log=log)
-    results: dict[str, Any] = {
+    results = {
         "quick": args.quick,
         "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_info(workdir),

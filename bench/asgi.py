@@ -28,14 +28,26 @@ from typing import Any
 
 from idemctl import Ledger, Outcome
 
-from .common import BODY_1K, HEADERS, STORED_1K, Context, asgi_scope, call_asgi_scope, noop_mutation, percentile, spread
+from .common import (
+    BODY_1K,
+    HEADERS,
+    STORED_1K,
+    ASGIApp,
+    Context,
+    Receive,
+    Scope,
+    Send,
+    asgi_scope,
+    call_asgi_scope,
+    noop_mutation,
+    percentile,
+    spread,
+)
 
 PRINCIPAL = "acct_bench"
 CONCURRENCY = 50
 TICK_S = 0.001
 _RESPONSE_HEADERS = [(b"content-type", b"application/json"), (b"content-length", str(len(STORED_1K)).encode())]
-
-ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
 
 def available() -> bool:
@@ -61,7 +73,7 @@ async def call(app: ASGIApp, key: str) -> tuple[int, bytes]:
     return await call_asgi_scope(app, asgi_scope(key))
 
 
-async def bare_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+async def bare_app(scope: Scope, receive: Receive, send: Send) -> None:
     more = True
     while more:
         more = (await receive()).get("more_body", False)

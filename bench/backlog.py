@@ -16,7 +16,12 @@ BACKLOG_BODY = "o" * 256  # stored body of the pre-existing rows (kept small so 
 PRINCIPALS = 1000
 
 
-def _rows(count: int, seed: int, updated_at: int, expired: bool) -> Iterator[tuple]:
+# One idempotency_keys row: principal, key, fingerprint, status, generation,
+# response status, body and headers, created_at, updated_at.
+Row = tuple[str, str, str, str, int, int | None, str | None, str | None, int, int]
+
+
+def _rows(count: int, seed: int, updated_at: int, expired: bool) -> Iterator[Row]:
     rnd = random.Random(seed)
     for i in range(count):
         key = "%032x" % rnd.getrandbits(128)
@@ -61,7 +66,7 @@ def add_rows(path: str, count: int, *, seed: int, updated_at: int) -> None:
     conn.close()
 
 
-def count_rows(path: str, where: str = "1 = 1", params: tuple = ()) -> int:
+def count_rows(path: str, where: str = "1 = 1", params: tuple[object, ...] = ()) -> int:
     conn = sqlite3.connect(path)
     try:
         return int(conn.execute(f"SELECT count(*) FROM idempotency_keys WHERE {where}", params).fetchone()[0])

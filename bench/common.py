@@ -14,9 +14,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import idemctl
 from idemctl.policy import DEFAULT_BUSY_TIMEOUT_MS
@@ -92,10 +92,18 @@ def asgi_scope(key: str, *, headers: Sequence[tuple[bytes, bytes]] = (), **extra
     }
 
 
-async def call_asgi_scope(app: Any, scope: dict[str, Any]) -> tuple[int, bytes]:
+# ASGI's shapes, as the spec (and idemctl.asgi, Starlette) spell them.
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+async def call_asgi_scope(app: ASGIApp, scope: dict[str, Any]) -> tuple[int, bytes]:
     """One request as a server makes it: the body in one message, then a
     disconnect for any further receive; returns the status and body sent."""
-    sent: list[dict[str, Any]] = []
+    sent: list[Message] = []
     delivered = False
 
     async def receive() -> dict[str, Any]:
@@ -105,7 +113,7 @@ async def call_asgi_scope(app: Any, scope: dict[str, Any]) -> tuple[int, bytes]:
             return {"type": "http.request", "body": BODY_1K, "more_body": False}
         return {"type": "http.disconnect"}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         sent.append(message)
 
     await app(scope, receive, send)
@@ -121,6 +129,9 @@ LATEST = os.path.join(HERE, "results", "latest.json")
 PAGE = os.path.join(os.path.dirname(HERE), "docs", "performance.md")
 BUSY_TIMEOUT_MS = DEFAULT_BUSY_TIMEOUT_MS  # the ledger's own, for the raw statements too
 
+# A size is a count or a duration in seconds: int or float, as given.
+_Size = TypeVar("_Size", int, float)
+
 
 @dataclass
 class Context:
@@ -131,7 +142,7 @@ class Context:
     notes: list[str] = field(default_factory=list)
     shared: dict[str, Any] = field(default_factory=dict)  # hand-overs between benchmarks (e.g. the big file)
 
-    def size(self, full: int, quick: int) -> int:
+    def size(self, full: _Size, quick: _Size) -> _Size:
         return quick if self.quick else full
 
     def path(self, name: str) -> str:

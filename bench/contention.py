@@ -16,16 +16,23 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from idemctl import Ledger
 
 from .common import BODY_1K, HEADERS, Context, latency_summary, noop_mutation, spread
 
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+
 FORK = mp.get_context("fork")
+# What a worker sends back: its index, latencies, finish times (seconds) and errors by type name.
+WorkerResult = tuple[int, list[float], list[float], dict[str, int]]
 
 
-def _worker(path: str, synchronous: str, queue: bool, index: int, start_at: float, seconds: float, out) -> None:
+def _worker(
+    path: str, synchronous: str, queue: bool, index: int, start_at: float, seconds: float, out: Queue[WorkerResult]
+) -> None:
     if path.startswith(("postgresql://", "mysql://")):
         ledger = Ledger.open(path)
     else:
@@ -105,6 +112,7 @@ def run(ctx: Context) -> dict[str, Any]:
             res = measure(path, synchronous, queue, workers, seconds)
             if workers == 1:
                 single = res
+            assert single is not None  # workers start at 1
             res["ratio_to_single"] = spread([a / single["throughput"]["median"] for a in res["throughput"]["values"]])
             res["ratio_to_single"]["total"] = round(res["requests"] / single["requests"], 3)
             ctx.log(

@@ -150,7 +150,10 @@ def read_paths(ctx: Context) -> dict[str, Any]:
     for name, (_, prefix, body, outcome) in expected.items():
         got = ledger.handle(PRINCIPAL, f"{prefix}-0", "POST", "/orders", HEADERS, body, noop_mutation).outcome
         assert got is outcome, (name, got)
-    variants = {"pk_select": pk_select, "claim_attempt_and_select": claim_then_select}
+    variants: dict[str, Callable[[int, int], None]] = {
+        "pk_select": pk_select,
+        "claim_attempt_and_select": claim_then_select,
+    }
     variants.update({name: spec[0] for name, spec in expected.items()})
     rates = _paired(reps, n, variants)
     ledger.close()

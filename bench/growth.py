@@ -97,7 +97,7 @@ def run(ctx: Context) -> dict[str, Any]:
         elapsed = timed(lambda: add_rows(path, size - loaded, seed=1000 + i, updated_at=expired_at + loaded))
         loaded = size
         ctx.log(f"  growth: {size} rows loaded in {elapsed:.1f} s")
-        entry = {"rows": size, "load_s": round(elapsed, 2)}
+        entry: dict[str, Any] = {"rows": size, "load_s": round(elapsed, 2)}
         for sync, n in (("FULL", n_full), ("NORMAL", n_normal)):
             entry[sync.lower()] = _measure(path, sync, reps, n, seed=size)
         out["sizes"].append(entry)

@@ -201,8 +201,17 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
         for name, app in systems.items():
             for i in range(seeds):
                 await via(app, f"{name}-seed-{i}")
-            paths[f"{name}_first"] = lambda i, tag, app=app, name=name: via(app, f"{name}-{tag}-{i}")
-            paths[f"{name}_replay"] = lambda i, tag, app=app, name=name: via(app, f"{name}-seed-{i % seeds}")
+
+            # Functions, not lambdas, so that their arguments have types; the
+            # defaults bind this system's app and name, as the lambdas did.
+            def first(i: int, tag: str, app: Any = app, name: str = name) -> Awaitable[None]:
+                return via(app, f"{name}-{tag}-{i}")
+
+            def replay(i: int, tag: str, app: Any = app, name: str = name) -> Awaitable[None]:
+                return via(app, f"{name}-seed-{i % seeds}")
+
+            paths[f"{name}_first"] = first
+            paths[f"{name}_replay"] = replay
         for driver in DRIVERS:
             for i in range(seeds):
                 await floors.path(driver, "first")(i, "seed")  # the keys the replay floor finds
@@ -219,11 +228,15 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
         for rep in range(reps):
             ctx.log(f"  [inflight] round {rep + 1}/{reps}")
             for name in names[rep % len(names) :] + names[: rep % len(names)]:
-                path, level = name.split("@")
+                path, level_text = name.split("@")
                 go = paths[path]
-                tag = f"{rep}-{level}"
+                tag = f"{rep}-{level_text}"
+
+                def one(i: int, go: Callable[[int, str], Awaitable[None]] = go, tag: str = tag) -> Awaitable[None]:
+                    return go(i, tag)
+
                 started = time.process_time()
-                rates[name].append(await _in_flight(n, int(level), lambda i, go=go, tag=tag: go(i, tag)))
+                rates[name].append(await _in_flight(n, int(level_text), one))
                 if name in cpu_us:
                     cpu_us[name].append((time.process_time() - started) / n * 1e6)
                 await ours.wait_idle()
@@ -234,7 +247,11 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
         for driver in DRIVERS:
             for kind in KINDS:
                 go = floors.path(driver, kind)
-                profile[f"{driver}_{kind}"] = await _profile(n, 10, lambda i, go=go: go(i, "profile"))
+
+                def profiled(i: int, go: Callable[[int, str], Awaitable[None]] = go) -> Awaitable[None]:
+                    return go(i, "profile")
+
+                profile[f"{driver}_{kind}"] = await _profile(n, 10, profiled)
         await ours.wait_idle()
         lag = await _lag_under(50, n, lambda i: via(ours, f"idemctl-lag-{i}"))
         await ours.wait_idle()
@@ -244,11 +261,12 @@ async def _measure(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[str, 
         ledger.async_store = lambda: None  # type: ignore[method-assign]
         lag_threads = await _lag_under(50, n, lambda i: via(ours, f"idemctl-lag-threads-{i}"))
         ledger.async_store = own_store  # type: ignore[method-assign]
+        async_store = ledger.async_store()  # opened by now: the rounds ran on this loop
         out: dict[str, Any] = {
             "rounds": reps,
             "requests_per_round": n,
             "pool_max_size": pool_size,
-            "driver": type(ledger.async_store().engine).__name__ if ledger.async_store() else "",
+            "driver": type(async_store.engine).__name__ if async_store else "",
             "levels": {},
             "lag_50_first_ms": lag,
             "lag_50_first_threads_ms": lag_threads,

@@ -161,10 +161,12 @@ def _child(workdir: str, n: int, quick: bool, manifest: str, adapters: bool = Tr
         lambda k: ledger.store.claim(principal, k, fp, new_token(), now),
         what="Store.claim (writer queue, statement, decoding)",
     )
-    held = {}
+    held: dict[str, Reservation] = {}
     for prefix, count in (("phase_store-w", warm_up), ("phase_store-m", n)):
         for i in range(count):
-            held[f"{prefix}{i}"] = ledger.claim(principal, f"{prefix}{i}", fp)
+            granted = ledger.claim(principal, f"{prefix}{i}", fp)
+            assert granted is not None  # a fresh key is always granted (set-up: not counted)
+            held[f"{prefix}{i}"] = granted
 
     # The ledger is its request flow, built on its single steps.
     steps = flow = ledger

@@ -7,12 +7,18 @@ the RSS after the first tenth (the warm floor of the same process)."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from idemctl import Ledger
 
 from .common import HEADERS, Context
 from .proc import FORK
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+
+# What the worker sends back: (requests, RSS in MiB) samples, and whether the replay matched.
+WorkerResult = tuple[list[tuple[int, float]], bool]
 
 BODY_16K = bytes(range(256)) * 64  # 16 KiB, not valid UTF-8: stored as a BLOB
 ANSWER_16K = (b"a" * 1023 + b"\n") * 16  # 16 KiB of text, the largest body that is stored
@@ -26,7 +32,7 @@ def _rss_mib() -> float:
     return float("nan")
 
 
-def _worker(path: str, requests: int, out) -> None:
+def _worker(path: str, requests: int, out: Queue[WorkerResult]) -> None:
     ledger = Ledger.open(path, synchronous="NORMAL")
     answer = (201, {"content-type": "text/plain"}, ANSWER_16K)
     samples: list[tuple[int, float]] = []
@@ -46,7 +52,7 @@ def run(ctx: Context) -> dict[str, Any]:
     requests = ctx.size(100_000, 2_000)
     path = ctx.path("memory.db")
     Ledger.open(path).init()
-    out = FORK.Queue()
+    out: Queue[WorkerResult] = FORK.Queue()
     proc = FORK.Process(target=_worker, args=(path, requests, out))
     proc.start()
     samples, replay_ok = out.get(timeout=1800)

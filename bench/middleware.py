@@ -6,7 +6,7 @@ the raw floor, all alternating on one file."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from idemctl import Ledger
 
@@ -24,6 +24,9 @@ from .common import (
     wsgi_environ,
 )
 
+if TYPE_CHECKING:
+    from wsgiref.types import StartResponse, WSGIEnvironment
+
 
 def available() -> bool:
     try:
@@ -33,7 +36,7 @@ def available() -> bool:
     return True
 
 
-def _app(environ: dict, start_response: Any) -> list[bytes]:
+def _app(environ: WSGIEnvironment, start_response: StartResponse) -> list[bytes]:
     environ["wsgi.input"].read()
     start_response("201 Created", [("Content-Type", "application/json"), ("Content-Length", str(len(STORED_1K)))])
     return [STORED_1K]
@@ -51,7 +54,7 @@ def _cycle(ctx: Context, synchronous: str) -> dict[str, Any]:
     app = IdempotencyMiddleware(_app, ledger, principal=lambda environ: environ.get("REMOTE_USER"))
     seen: list[str] = []
 
-    def start_response(status: str, headers: list, exc_info: Any = None) -> Any:
+    def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
         seen.append(status)
         return lambda data: None
 

@@ -157,7 +157,10 @@ async def _throughput(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[st
         async def ours_asgi_call(key: str) -> tuple[int, bytes]:
             return await call_asgi(asgi_ours, key, lambda: STORED_1K)
 
-        paths: dict[str, tuple[str, Callable[[str], object] | None, Callable[[str], Awaitable[object]] | None]] = {
+        # Each path: its door, and its call, blocking or awaited (the other None).
+        paths: dict[
+            str, tuple[str, Callable[[str], object] | None, Callable[[str], Awaitable[tuple[int, bytes]]] | None]
+        ] = {
             "idemctl_wsgi": ("wsgi", lambda key: ours.call(key), None),
             "idemctl_asgi": ("asgi", None, ours_asgi_call),
             "idemctl_function": ("fn", ours_fn_call, None),
@@ -222,17 +225,33 @@ async def _throughput(ctx: Context, specs: dict[str, dict[str, Any]]) -> dict[st
                     _expect(getattr(reply, "kind", None) == expected, f"{rid}: {expected} expected, got {reply!r}")
                 else:
                     assert awaiting is not None
-                    status, body = await awaiting(f"check-{rid}")  # type: ignore[misc]
+                    status, body = await awaiting(f"check-{rid}")
                     _expect(status == 201 and body == STORED_1K, f"{rid}: {status} {body[:80]!r}")
+            # Functions, not lambdas, so that their arguments have types; the
+            # defaults bind this path's call and id, as the lambdas did.
             if blocking is not None:
                 b = blocking
-                rounds[f"{rid}_first"] = _in_thread(n, lambda i, b=b, rid=rid: b(f"{rid}-{i}"))
-                rounds[f"{rid}_replay"] = _in_thread(n_replay, lambda i, b=b, rid=rid: b(f"seed-{rid}-{i % seeds}"))
+
+                def b_first(i: int, b: Callable[[str], object] = b, rid: str = rid) -> object:
+                    return b(f"{rid}-{i}")
+
+                def b_replay(i: int, b: Callable[[str], object] = b, rid: str = rid) -> object:
+                    return b(f"seed-{rid}-{i % seeds}")
+
+                rounds[f"{rid}_first"] = _in_thread(n, b_first)
+                rounds[f"{rid}_replay"] = _in_thread(n_replay, b_replay)
             else:
                 assert awaiting is not None
                 a = awaiting
-                rounds[f"{rid}_first"] = _on_loop(n, lambda i, a=a, rid=rid: a(f"{rid}-{i}"))
-                rounds[f"{rid}_replay"] = _on_loop(n_replay, lambda i, a=a, rid=rid: a(f"seed-{rid}-{i % seeds}"))
+
+                def a_first(i: int, a: Callable[[str], Awaitable[object]] = a, rid: str = rid) -> Awaitable[object]:
+                    return a(f"{rid}-{i}")
+
+                def a_replay(i: int, a: Callable[[str], Awaitable[object]] = a, rid: str = rid) -> Awaitable[object]:
+                    return a(f"seed-{rid}-{i % seeds}")
+
+                rounds[f"{rid}_first"] = _on_loop(n, a_first)
+                rounds[f"{rid}_replay"] = _on_loop(n_replay, a_replay)
 
         order = ["floor_postgres"] + [r["id"] for r in ROWS if r["id"] in paths and r["floor"] == "postgres"]
         order += ["floor_redis", "powertools"] if "powertools" in paths else []

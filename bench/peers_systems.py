@@ -36,6 +36,9 @@ from .common import (
     REQUEST_PATH,
     REQUEST_PRINCIPAL,
     STORED_1K,
+    Receive,
+    Scope,
+    Send,
     asgi_scope,
     call_asgi_scope,
     wsgi_environ,
@@ -233,7 +236,7 @@ def call_wsgi(app: Any, key: str, handler: Handler) -> tuple[int, dict[str, str]
     return int(status[:3]), {k.lower(): v for k, v in headers}, body
 
 
-async def asgi_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+async def asgi_app(scope: Scope, receive: Receive, send: Send) -> None:
     more = True
     while more:
         more = (await receive()).get("more_body", False)
@@ -370,7 +373,9 @@ class Powertools(System):
         self.client = redis.Redis.from_url(spec["redis_url"])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # the class's v4 rename, not a behaviour
-            self.layer = RedisCachePersistenceLayer(client=self.client)
+            # redis-py's Redis is what the layer takes, but its stubs' set() spells ex/px
+            # narrower than Powertools' RedisClientProtocol: a stub mismatch, not a bug.
+            self.layer = RedisCachePersistenceLayer(client=self.client)  # type: ignore[arg-type]
         # The key is the request's Idempotency-Key. Payload validation (its
         # fingerprint) stays at its default, off: its Redis layer drops the
         # validation hash when it completes a record, so with it on every
@@ -383,7 +388,7 @@ class Powertools(System):
             expires_after_seconds=int(spec["ttl_s"]),
         )
 
-        @idempotent_function(
+        @idempotent_function(  # type: ignore[untyped-decorator]  # Powertools types it as returning Any
             data_keyword_argument="request",
             persistence_store=self.layer,
             config=self.config,
@@ -437,7 +442,12 @@ class Powertools(System):
 
 
 def build(spec: dict[str, Any]) -> System:
-    kinds: dict[str, type[System]] = {"idemctl": IdemctlWsgi, "idemkit": IdemkitWsgi, "powertools": Powertools}
+    # Each kind's constructor takes the spec (System itself has none to call).
+    kinds: dict[str, Callable[[dict[str, Any]], System]] = {
+        "idemctl": IdemctlWsgi,
+        "idemkit": IdemkitWsgi,
+        "powertools": Powertools,
+    }
     return kinds[spec["system"]](spec)
 
 

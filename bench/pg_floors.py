@@ -6,13 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, Protocol
 
 from .common import FINGERPRINT, RESPONSE_HEADERS_JSON, STORED_1K
 from .peers_systems import PRINCIPAL
 
 DRIVERS = ("psycopg", "asyncpg")
+
+
+class FloorPath(Protocol):
+    """One request of a floor: `tag` (the round's, positional or by name)
+    keeps its first calls' keys apart."""
+
+    def __call__(self, i: int, tag: str) -> Awaitable[None]: ...
 
 
 class Floors:
@@ -65,7 +72,7 @@ class Floors:
         finally:
             self.conns.put_nowait(conn)
 
-    def path(self, driver: str, kind: str) -> Callable[[int, str], Awaitable[None]]:
+    def path(self, driver: str, kind: str) -> FloorPath:
         run = self._psycopg if driver == "psycopg" else self._asyncpg
 
         async def first(i: int, tag: str) -> None:

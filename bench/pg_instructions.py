@@ -26,7 +26,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from idemctl.storage.deadlines import TICK_S
@@ -216,6 +216,7 @@ def census(base: str, n: int = CENSUS_N) -> dict[str, dict[str, float]]:
         for system, kind in [(system, kind) for system in ("idemctl", "floor-asyncpg") for kind in KINDS]:
             entered: Counter[str] = Counter()
             turns = 0
+            one: Callable[[int], Awaitable[None]]
             if system == "idemctl":
                 one = (lambda i: via(f"census-{i}")) if kind == "first" else (lambda i: via(f"census-seed-{i % SEEDS}"))
             else:

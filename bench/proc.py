@@ -10,13 +10,19 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from idemctl import Ledger
 
 from .common import BODY_1K, HEADERS, latency_summary, noop_mutation
 
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+    from multiprocessing.synchronize import Event
+
 FORK = mp.get_context("fork")
+# What the claimer sends back: its latencies (seconds) and errors by type name.
+ClaimerResult = tuple[list[float], dict[str, int]]
 
 
 def run_measured(argv: list[str], *, timeout: float = 900) -> dict[str, Any]:
@@ -82,7 +88,7 @@ class WalSampler:
             pass
 
 
-def _claimer(target: str, interval_s: float, stop, out) -> None:
+def _claimer(target: str, interval_s: float, stop: Event, out: Queue[ClaimerResult]) -> None:
     ledger = Ledger.open(target)
     latencies: list[float] = []
     errors: dict[str, int] = {}
@@ -112,7 +118,7 @@ class Claimer:
 
     def __init__(self, target: str, interval_s: float = 0.005) -> None:
         self._stop = FORK.Event()
-        self._out = FORK.Queue()
+        self._out: Queue[ClaimerResult] = FORK.Queue()
         self._proc = FORK.Process(target=_claimer, args=(target, interval_s, self._stop, self._out))
         self.result: dict[str, Any] = {}
 

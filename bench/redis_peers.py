@@ -245,9 +245,12 @@ def measure(ctx: Context, url: str) -> dict[str, Any]:
             for kind in KINDS:
                 go = v.awaiting[f"{system}_{kind}"]
                 name = f"asgi_{kind}_10" + ("" if system == "idemctl" else f"_{system}")
-                profile[name] = loop.run_until_complete(
-                    _profile(n, 10, lambda i, go=go: go(i, "profile"), PROFILE_GROUPS)
-                )
+
+                # A function, not a lambda, so that its arguments have types.
+                def profiled(i: int, go: Awaiting = go) -> Awaitable[object]:
+                    return go(i, "profile")
+
+                profile[name] = loop.run_until_complete(_profile(n, 10, profiled, PROFILE_GROUPS))
         rows: list[dict[str, Any]] = []
         for door in DOORS:
             for level in LEVELS:

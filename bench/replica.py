@@ -322,7 +322,7 @@ class ReplicaPair:
         rows: list[tuple[object, ...]] = []
         with psycopg.connect(self.url(port), autocommit=True, connect_timeout=5) as conn:
             for statement in statements:
-                cur = conn.execute(statement)  # type: ignore[call-overload]
+                cur = conn.execute(statement)
                 rows = cur.fetchall() if cur.description else []
         return rows
 

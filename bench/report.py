@@ -5,7 +5,7 @@ of docs/performance.md: `render` gives the tables alone (what a run prints),
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, TypeGuard
 
 
 def _n(v: float | None, digits: int = 0) -> str:
@@ -558,7 +558,10 @@ def _door_bounds(res: dict[str, Any]) -> list[str]:
         "| door | first call | bound | holds | replay | bound | holds |",
         "|---|---|---|---|---|---|---|",
     ]
-    verdict = lambda got, bound: "not measured" if got is None else ("yes" if got <= bound else "**no**")  # noqa: E731
+
+    def verdict(got: float | None, bound: float) -> str:
+        return "not measured" if got is None else ("yes" if got <= bound else "**no**")
+
     for door, (first_bound, replay_bound) in DOOR_BOUNDS.items():
         first, replay = own.get(f"{door}_first"), own.get(f"{door}_replay")
         out.append(
@@ -610,7 +613,10 @@ def _instructions(res: dict[str, Any]) -> list[str]:
             f"{_n(lib.get('handle_replay'))} a replay ({_n(lib.get('raw_replay'))} raw).",
         ]
     out += ["", SAVINGS]
-    held = lambda got, aim: "holds" if got is not None and got <= aim else "**missed**"  # noqa: E731
+
+    def held(got: float | None, aim: float) -> str:
+        return "holds" if got is not None and got <= aim else "**missed**"
+
     out += [
         "",
         f"Aims: first calls ≤ {aims['first_aim']}× raw: {aims['first_ratio']:.2f}, {held(aims['first_ratio'], aims['first_aim'])}; "
@@ -1371,7 +1377,7 @@ Where a replay's time goes beyond the floor, measured one request at a time on t
 PG_CEILING = """What the aims of ≥ 0.85× / ≥ 0.8× the asyncpg floor would take. With one request in flight, idemctl's extra CPU time per request would have to shrink into the room the aim leaves (the note on the in-flight rounds sets the two side by side, from the run: a quarter to a third less on this machine). With 10 or 50 in flight the client's core is the bottleneck (the server shares the machine's two cores), and the rate follows the instruction count: at 0.85× a first call could spend about 58 000 instructions above asyncpg's floor, less than the fingerprint's SHA-256 and the ASGI exchange's parsing alone, against about 463 000 now. That work is spread over about 150 Python function entries of idemctl's per first call and 84 per replay (the table above), each doing one step of the contract; trimming one saves about a thousand instructions. Compiling did not change the picture: ten of the request path's modules (the decision loop, `landing`, the exchange's drive, sequence, scope and body, the deadlines, the fingerprint, the outcomes, the asyncpg engine) compiled with mypyc at `c1a2134` cut the ASGI first call on asyncpg from 788 350 to 734 715 instructions (−6.8 %) and a replay from 473 490 to 444 234 (−6.2 %), after changes mypyc requires (no slotted or generic dataclasses in a compiled module, interpreted subclasses of the ledger's classes, no import cycle through a compiled module); it is not shipped. The first call's two extra turns of the event loop are the app's own task, which lets the app and its completion outlive a cancelled request."""
 
 
-def _usable(res: dict[str, Any] | None) -> bool:
+def _usable(res: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
     return res is not None and "missing" not in res and "error" not in res
 
 
@@ -1545,7 +1551,8 @@ def _ok(b: dict[str, Any], name: str) -> dict[str, Any] | None:
 
 
 def _config(res: dict[str, Any], synchronous: str, queue: bool, workers: int) -> dict[str, Any] | None:
-    for c in res["configs"]:
+    configs: list[dict[str, Any]] = res["configs"]
+    for c in configs:
         if (c["synchronous"], c["write_queue"], c["workers"]) == (synchronous, queue, workers):
             return c
     return None
@@ -1749,7 +1756,9 @@ def _inflight_notes(res: dict[str, Any]) -> list[str]:
 
 
 def _group_commit_note(res: dict[str, Any]) -> str:
-    by_key = {(c["level"], c["threads"], c["group_commit"]): c for c in res["configs"]}
+    by_key: dict[tuple[str, int, bool], dict[str, Any]] = {
+        (c["level"], c["threads"], c["group_commit"]): c for c in res["configs"]
+    }
 
     def on(level: str, threads: int) -> dict[str, Any]:
         return by_key[(level, threads, True)]
