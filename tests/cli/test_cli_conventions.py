@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import shellingham
 from typer.testing import CliRunner
 
 from idemctl import Ledger, wall_clock_ms
@@ -292,7 +293,10 @@ def test_bare_idemctl_prints_the_help_and_exits_0():
 
 
 def test_completion_scripts_are_offered_for_the_shell(monkeypatch):
-    shown = CliRunner().invoke(app, ["--show-completion", "bash"], prog_name="idemctl")
+    # The flag names no shell: Typer detects the one it runs under, from the
+    # process's ancestors. Here it is bash, whether or not a shell started pytest.
+    monkeypatch.setattr(shellingham, "detect_shell", lambda *args, **kwargs: ("bash", "/bin/bash"))
+    shown = CliRunner().invoke(app, ["--show-completion"], prog_name="idemctl")
     help_text = cli("--help").stdout
     assert "--install-completion" in help_text and "--show-completion" in help_text
     assert shown.exit_code == 0
