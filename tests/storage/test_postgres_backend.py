@@ -263,19 +263,29 @@ def test_more_threads_than_pooled_connections_wait_their_turn_and_all_succeed(le
     ledger.close()
 
 
-def test_an_exhausted_pool_is_a_ledger_unavailable_error_after_the_pool_timeout(ledger_target: str) -> None:
-    ledger = Ledger.open(ledger_target + "&pool_max_size=1&pool_timeout=0.3")
+def exhaust_the_pool_then_claim(url: str, waited: str, bound_s: float) -> Ledger:
+    """A ledger at `url` (one pooled connection) whose claim finds that
+    connection held by a streaming read: LedgerUnavailableError naming
+    `waited` seconds, within `bound_s`; then, with it back, the claim lands.
+    Returns the ledger, still open."""
+    ledger = Ledger.open(url)
     ledger.init()
     ledger.claim("acct", "a", "fp")
     rows = ledger.operator.pending()
     next(rows)  # the streaming cursor now holds the only connection
     started = time.monotonic()
-    with pytest.raises(LedgerUnavailableError, match=r"within 0\.3 s: .*all 1 pooled connections are busy"):
+    with pytest.raises(
+        LedgerUnavailableError, match=rf"within {re.escape(waited)} s: .*all 1 pooled connections are busy"
+    ):
         ledger.claim("acct", "b", "fp")
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < bound_s
     rows.close()
     assert ledger.claim("acct", "b", "fp") is not None  # the connection came back
-    ledger.close()
+    return ledger
+
+
+def test_an_exhausted_pool_is_a_ledger_unavailable_error_after_the_pool_timeout(ledger_target: str) -> None:
+    exhaust_the_pool_then_claim(ledger_target + "&pool_max_size=1&pool_timeout=0.3", "0.3", 3).close()
 
 
 def test_a_pool_timeout_above_the_commit_timeout_waits_only_the_commit_timeout_for_a_connection(
@@ -283,20 +293,10 @@ def test_a_pool_timeout_above_the_commit_timeout_waits_only_the_commit_timeout_f
 ) -> None:
     # A request is answered within the commit timeout: waiting for a free
     # connection is part of that, whatever pool_timeout says.
-    ledger = Ledger.open(ledger_target + "&pool_max_size=1&pool_timeout=30&commit_timeout=0.4")
-    ledger.init()
-    assert (ledger.store.engine.pool_timeout_s, ledger.store.engine.commit_timeout_s) == (30.0, 0.4)
-    ledger.claim("acct", "a", "fp")
-    rows = ledger.operator.pending()
-    next(rows)  # the streaming cursor now holds the only connection
-    started = time.monotonic()
-    with pytest.raises(LedgerUnavailableError, match=r"within 0\.4 s: .*all 1 pooled connections are busy"):
-        ledger.claim("acct", "b", "fp")
-    assert time.monotonic() - started < 10
-    rows.close()
-    assert ledger.claim("acct", "b", "fp") is not None
-    assert sorted(view.row.key for view in ledger.operator.pending()) == ["a", "b"]
-    ledger.close()
+    url = ledger_target + "&pool_max_size=1&pool_timeout=30&commit_timeout=0.4"
+    with exhaust_the_pool_then_claim(url, "0.4", 10) as ledger:
+        assert (ledger.store.engine.pool_timeout_s, ledger.store.engine.commit_timeout_s) == (30.0, 0.4)
+        assert sorted(view.row.key for view in ledger.operator.pending()) == ["a", "b"]
 
 
 def test_a_connection_the_server_killed_fails_one_statement_and_the_pool_replaces_it(

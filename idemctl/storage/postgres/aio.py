@@ -31,7 +31,7 @@ from .pooler import (
     settings_sql,
 )
 from .schema import EXISTING, existing_tables
-from .url import ServerSettings, default_commit_timeout_s
+from .url import ServerSettings
 from .watch import AsyncCommitWatch
 
 log = logging.getLogger("idemctl")
@@ -44,23 +44,6 @@ class _AsyncPooledConnection(psycopg.AsyncConnection[tuple[Any, ...]]):
 
     statement_cursor: psycopg.AsyncCursor[tuple[Any, ...]] | None = None
     idemctl_settings: StatementSettings | None = None
-
-
-def loop_bounds(translate: Translator, commit_timeout_s: float | None) -> tuple[Translator, float, float]:
-    """An asynchronous engine's translator, commit timeout (by default
-    from the busy timeout) and how long a request waits for a connection."""
-    if commit_timeout_s is None:
-        commit_timeout_s = default_commit_timeout_s(translate.busy_timeout_ms)
-    # A request waits for a connection (a new one, or a free pooled one)
-    # no longer than a statement may run: with the server frozen, the pool
-    # timeout or libpq's connect_timeout (5 s) would hold the request
-    # past the commit timeout the documentation promises it is answered in.
-    acquire_s = min(translate.pool_timeout_s, commit_timeout_s)
-    if acquire_s < translate.pool_timeout_s:
-        translate = Translator(
-            translate.where, translate.scrub, translate.busy_timeout_ms, acquire_s, translate.pool_max_size
-        )
-    return translate, commit_timeout_s, acquire_s
 
 
 async def within_acquire(opening: Awaitable[T], acquire_s: float, where: str) -> T:
@@ -84,15 +67,13 @@ class LoopEngine:
     # Python 3.12 and later: each write keeps a task and a shield of its own.
     lands_in_place = False
 
-    def __init__(
-        self,
-        settings: ServerSettings,
-        translate: Translator,
-        pooler: str | None = None,
-        commit_timeout_s: float | None = None,
-    ) -> None:
+    def __init__(self, settings: ServerSettings, translate: Translator, pooler: str | None = None) -> None:
+        # `translate` is the synchronous engine's: its pool timeout is already
+        # the wait for a connection (settings.acquire_s).
         self._settings = settings
-        self._translate, self._commit_timeout_s, self._acquire_s = loop_bounds(translate, commit_timeout_s)
+        self._translate = translate
+        self._commit_timeout_s = settings.commit_timeout_s
+        self._acquire_s = settings.acquire_s
         # What the URL leads to (see PostgresEngine.pooler): known if the
         # synchronous engine already connected, else detected here.
         self.pooler = pooler

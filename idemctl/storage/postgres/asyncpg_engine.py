@@ -267,7 +267,7 @@ class AsyncpgEngine(LoopEngine):
                 self.pooler = mode
                 arguments = connect_arguments(self._settings, mode)
                 if arguments is None or mode not in ("none", "session"):
-                    self._psycopg = AsyncPostgresEngine(self._settings, self._translate, mode, self._commit_timeout_s)
+                    self._psycopg = AsyncPostgresEngine(self._settings, self._translate, mode)
                 else:
                     self._pool = _Pool(self._connector(mode, arguments), self._translate.pool_max_size)
             return self._pool

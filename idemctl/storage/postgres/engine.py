@@ -206,11 +206,7 @@ class PostgresEngine:
         self.pool_timeout_s = settings.pool_timeout_s
         self.commit_timeout_s = settings.commit_timeout_s
         self._describe = settings.describe()
-        # A statement waits for a connection, a free pooled one or a new one,
-        # no longer than it may run (as on the event loop: aio.loop_bounds):
-        # a pool_timeout set above the commit timeout would hold a request
-        # past the time the documentation promises it is answered in.
-        self._acquire_s = min(self.pool_timeout_s, self.commit_timeout_s)
+        self._acquire_s = settings.acquire_s
         self._translate = Translator(
             self._describe, self._scrub, self.busy_timeout_ms, self._acquire_s, self.pool_max_size
         )
@@ -405,8 +401,8 @@ class PostgresEngine:
         if self._settings.async_driver == "auto" and _asyncpg_installed():
             from .asyncpg_engine import AsyncpgEngine
 
-            return AsyncpgEngine(self._settings, self._translate, self.pooler, self.commit_timeout_s)
-        return AsyncPostgresEngine(self._settings, self._translate, self.pooler, self.commit_timeout_s)
+            return AsyncpgEngine(self._settings, self._translate, self.pooler)
+        return AsyncPostgresEngine(self._settings, self._translate, self.pooler)
 
     def close(self) -> None:
         # As on SQLite, a closed backend that is used again reconnects.

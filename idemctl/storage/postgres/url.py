@@ -329,6 +329,14 @@ class ServerSettings:
             async_driver=driver,
         )
 
+    @property
+    def acquire_s(self) -> float:
+        """How long a statement waits for a connection, a new one or a free
+        pooled one: no longer than it may run, or a frozen server would hold
+        a request past the commit timeout it is promised an answer in (by
+        the pool timeout, or libpq's 5 s connect_timeout)."""
+        return min(self.pool_timeout_s, self.commit_timeout_s)
+
     def describe(self) -> str:
         """The URL without its password (nor idemctl's or libpq's options)."""
         p = self.url_params
