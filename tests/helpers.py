@@ -33,6 +33,18 @@ from idemctl.storage.sqlite import SqliteEngine
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Milliseconds since the epoch, counted on the monotonic clock (the same in
+# every process of the machine): the clock of tests that race renewals
+# against a TTL. The lease keeper schedules its renewals on the monotonic
+# clock; a step of the wall clock (time sync on a busy CI machine) would age
+# a row it renewed on time and fail such a test for nothing idemctl did.
+STEADY_EPOCH_MS = time.time_ns() // 1_000_000 - time.monotonic_ns() // 1_000_000
+
+
+def steady_ms() -> int:
+    return STEADY_EPOCH_MS + time.monotonic_ns() // 1_000_000
+
+
 def interruptible() -> None:
     """`preexec_fn` for a child that a test sends Ctrl-C (SIGINT): its SIGINT
     as a terminal gives it. A program started from a shell without job

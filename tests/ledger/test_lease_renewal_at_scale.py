@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
-from idemctl import Outcome, Policy, wall_clock_ms
+from idemctl import Outcome, Policy
 from idemctl.leases import LeaseTick
-from tests.helpers import mysql_connect_args
+from tests.helpers import mysql_connect_args, steady_ms
 
 # The SQL engines: their planners must be shown to reach each row by its
 # key (EXPLAIN). On Redis a renewal is one script per reservation on its own
@@ -138,7 +138,7 @@ def assert_reaches_rows_by_primary_key(backend_name: str, steps: list[tuple[Any,
 def test_renewal_uses_the_primary_key_and_never_lets_a_live_owner_be_taken_over_at_a_million_rows(
     make_ledger, ledger_target, backend_name
 ):
-    owner = make_ledger(policy=Policy(pending_ttl_ms=TTL, lease_renewal=True), clock_fn=wall_clock_ms)
+    owner = make_ledger(policy=Policy(pending_ttl_ms=TTL, lease_renewal=True), clock_fn=steady_ms)
     fill(backend_name, ledger_target, ROWS)
     assert owner.operator.count_rows() == ROWS
     tickets = [owner.begin("acct_live", f"held-{i:03d}", "POST", "/orders", {}, b"{}") for i in range(HELD)]
@@ -147,7 +147,7 @@ def test_renewal_uses_the_primary_key_and_never_lets_a_live_owner_be_taken_over_
 
     # What EXPLAIN says about the very statements a tick runs.
     statements = owner.store.renew_statements(
-        [(r.principal, r.key, r.generation, r.token) for r in held if r is not None], wall_clock_ms()
+        [(r.principal, r.key, r.generation, r.token) for r in held if r is not None], steady_ms()
     )
     if backend_name == "sqlite":
         assert len(statements) == HELD  # one primary-key UPDATE each, in one transaction
@@ -181,7 +181,7 @@ def test_renewal_uses_the_primary_key_and_never_lets_a_live_owner_be_taken_over_
 
     # A second claimant in another ledger object (no leases of its own), each
     # time past the TTL since the claim: 409 in progress, never a takeover.
-    other = make_ledger(policy=Policy(pending_ttl_ms=TTL), clock_fn=wall_clock_ms, init=False)
+    other = make_ledger(policy=Policy(pending_ttl_ms=TTL), clock_fn=steady_ms, init=False)
     seen = []
     for at in (1.3, 2.1, 2.9, 4.0):  # in TTLs since the claim
         time.sleep(max(0.0, claimed + at * TTL / 1000 - time.monotonic()))

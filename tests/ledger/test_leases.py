@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from idemctl import Outcome, Policy, Reservation, Status, wall_clock_ms
-from tests.helpers import ROOT
+from idemctl import Outcome, Policy, Reservation, Status
+from tests.helpers import ROOT, STEADY_EPOCH_MS, steady_ms
 
 # The PostgreSQL tests run through PgBouncer (session and transaction pooling) too.
 THROUGH_PGBOUNCER = True
@@ -25,7 +25,7 @@ TTL = 1000  # with renewal every third of it; margins are several ticks wide
 
 
 def lease_ledger(make_ledger, **policy):  # type: ignore[no-untyped-def]
-    return make_ledger(policy=Policy(pending_ttl_ms=TTL, **policy), clock_fn=wall_clock_ms)
+    return make_ledger(policy=Policy(pending_ttl_ms=TTL, **policy), clock_fn=steady_ms)
 
 
 def slow_owner(ledger, key: str, seconds: float, runs: list[int]) -> tuple[threading.Thread, list, threading.Event]:  # type: ignore[no-untyped-def]
@@ -46,6 +46,15 @@ def slow_owner(ledger, key: str, seconds: float, runs: list[int]) -> tuple[threa
     return thread, answers, started
 
 
+def renewals_of(ledger) -> list:  # type: ignore[no-untyped-def]
+    """Every renewal (and watchdog report) of `ledger` from now on: what a
+    failed timing assertion shows, so it tells a late or missed renewal from
+    one that ran on time."""
+    ticks: list = []
+    ledger.leases.subscribe(ticks.append)
+    return ticks
+
+
 def duplicate(ledger, key: str, runs: list[int]):  # type: ignore[no-untyped-def]
     def run(body: bytes):  # type: ignore[no-untyped-def]
         runs.append(1)
@@ -56,6 +65,7 @@ def duplicate(ledger, key: str, runs: list[int]):  # type: ignore[no-untyped-def
 
 def test_a_live_mutation_three_ttls_long_is_answered_409_and_runs_once(make_ledger):
     ledger = lease_ledger(make_ledger, lease_renewal=True)
+    ticks = renewals_of(ledger)
     runs: list[int] = []
     thread, answers, _ = slow_owner(ledger, "k-slow", 3.0, runs)
     claimed = time.monotonic()
@@ -64,7 +74,7 @@ def test_a_live_mutation_three_ttls_long_is_answered_409_and_runs_once(make_ledg
         time.sleep(max(0.0, claimed + at - time.monotonic()))
         seen.append(duplicate(ledger, "k-slow", runs).outcome)
     thread.join(10)
-    assert seen == [Outcome.IN_PROGRESS] * 3
+    assert seen == [Outcome.IN_PROGRESS] * 3, ticks
     assert answers[0].outcome is Outcome.EXECUTED
     assert duplicate(ledger, "k-slow", runs).body == b"made once"
     assert len(runs) == 1
@@ -83,13 +93,16 @@ def test_without_renewal_the_same_slow_mutation_is_taken_over_and_runs_twice(mak
 
 def test_renewal_stops_after_lease_max_and_a_hung_mutation_is_taken_over(make_ledger):
     ledger = lease_ledger(make_ledger, lease_renewal=True, lease_max_ms=1500)
+    ticks = renewals_of(ledger)
     runs: list[int] = []
     thread, _, _ = slow_owner(ledger, "k-hung", 4.0, runs)
     time.sleep(1.3)
-    assert duplicate(ledger, "k-hung", runs).outcome is Outcome.IN_PROGRESS  # still renewed
-    time.sleep(1.9)  # renewals stopped at 1.5 s; the row is stale one TTL after the last one
-    assert duplicate(ledger, "k-hung", runs).outcome is Outcome.TAKEN_OVER
-    thread.join(10)
+    try:
+        assert duplicate(ledger, "k-hung", runs).outcome is Outcome.IN_PROGRESS, ticks  # still renewed
+        time.sleep(1.9)  # renewals stopped at 1.5 s; the row is stale one TTL after the last one
+        assert duplicate(ledger, "k-hung", runs).outcome is Outcome.TAKEN_OVER, ticks
+    finally:
+        thread.join(10)  # before the ledger's table goes
     assert len(runs) == 2
 
 
@@ -103,7 +116,7 @@ def test_a_renewal_racing_a_takeover_never_wins_over_the_new_owner(make_ledger):
     def renew_forever() -> None:
         while not stop.is_set():
             renewed_after.append(
-                ledger.store.renew([(first.principal, first.key, first.generation, first.token)], wall_clock_ms())
+                ledger.store.renew([(first.principal, first.key, first.generation, first.token)], steady_ms())
             )
 
     renewer = threading.Thread(target=renew_forever)
@@ -113,7 +126,7 @@ def test_a_renewal_racing_a_takeover_never_wins_over_the_new_owner(make_ledger):
         # Another owner takes the row over (as a retry past the TTL would).
         # Its `now` lies ahead of every renewal's, so a renewal that touched
         # the new owner's row would show in updated_at.
-        now = wall_clock_ms() + 5000
+        now = steady_ms() + 5000
         generation = ledger.store.takeover("acct_A", "k-race", "fp", 4242, now, now + 1, now - Policy().retention_ms)
         assert generation == 2
         mark = len(renewed_after)
@@ -149,8 +162,10 @@ def test_many_live_reservations_cost_one_statement_a_tick(make_ledger):
 
 CHILD = f"""
 import sys, time
-from idemctl import Ledger, Policy, wall_clock_ms
-ledger = Ledger.open(sys.argv[1], policy=Policy(pending_ttl_ms={TTL}, lease_renewal=True), clock=wall_clock_ms)
+from idemctl import Ledger, Policy
+def steady_ms():  # the parent's clock (tests.helpers.steady_ms)
+    return {STEADY_EPOCH_MS} + time.monotonic_ns() // 1_000_000
+ledger = Ledger.open(sys.argv[1], policy=Policy(pending_ttl_ms={TTL}, lease_renewal=True), clock=steady_ms)
 ticket = ledger.begin("acct_A", "k-killed", "POST", "/orders", {{}}, b"{{}}")
 print(ticket.outcome.value, flush=True)
 time.sleep(60)
@@ -194,9 +209,11 @@ def test_an_idempotent_function_keeps_its_lease_while_it_runs(make_ledger):
     worker = threading.Thread(target=charge, args=("o-1",))
     worker.start()
     time.sleep(1.4)
-    with pytest.raises(CallInProgressError):
-        charge("o-1")
-    worker.join(10)
+    try:
+        with pytest.raises(CallInProgressError):
+            charge("o-1")
+    finally:
+        worker.join(10)
     assert charge("o-1") == "charged"
     assert len(runs) == 1
 
@@ -207,7 +224,7 @@ def test_renewal_works_under_sqlite_group_commit(tmp_path):
     ledger = Ledger.open(
         tmp_path / "group.db",
         policy=Policy(pending_ttl_ms=TTL, lease_renewal=True),
-        clock=wall_clock_ms,
+        clock=steady_ms,
         group_commit=True,
     )
     ledger.init()
