@@ -27,16 +27,14 @@ from importlib import metadata
 from typing import Any
 
 from idemctl import Ledger, Outcome
+from idemctl.asgi import ASGIApp
+from idemctl.exchange.scope import Receive, Scope, Send
 
 from .common import (
     BODY_1K,
     HEADERS,
     STORED_1K,
-    ASGIApp,
     Context,
-    Receive,
-    Scope,
-    Send,
     asgi_scope,
     call_asgi_scope,
     noop_mutation,

@@ -14,11 +14,13 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import idemctl
+from idemctl.asgi import ASGIApp
+from idemctl.exchange.scope import Message
 from idemctl.policy import DEFAULT_BUSY_TIMEOUT_MS
 from idemctl.schema import schema_files
 from idemctl.storage.statements import CLAIM, COMPLETE, LOOKUP
@@ -90,14 +92,6 @@ def asgi_scope(key: str, *, headers: Sequence[tuple[bytes, bytes]] = (), **extra
         "server": ("bench", 80),
         **extra,
     }
-
-
-# ASGI's shapes, as the spec (and idemctl.asgi, Starlette) spell them.
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 async def call_asgi_scope(app: ASGIApp, scope: dict[str, Any]) -> tuple[int, bytes]:

@@ -30,15 +30,13 @@ from typing import Any
 from urllib.parse import quote
 
 from idemctl import Ledger, Policy
+from idemctl.exchange.scope import Receive, Scope, Send
 
 from .common import (
     BODY_1K,
     REQUEST_PATH,
     REQUEST_PRINCIPAL,
     STORED_1K,
-    Receive,
-    Scope,
-    Send,
     asgi_scope,
     call_asgi_scope,
     wsgi_environ,
