@@ -324,8 +324,7 @@ def test_a_stuck_renewal_is_reported_while_it_runs_well_before_the_ttl_then_at_t
 def test_renewals_on_time_report_every_tick_and_nothing_late(make_ledger):
     ledger = lease_ledger(make_ledger, lease_renewal=True)
     assert ledger.leases is not None
-    ticks = []
-    ledger.leases.subscribe(ticks.append)
+    ticks = renewals_of(ledger)
     ticket = ledger.begin("acct_A", "k-ticks", "POST", "/orders", {}, b"")
     time.sleep(1.2)  # three ticks or so
     ledger.finish(ticket, 201, {}, b"")
@@ -339,8 +338,7 @@ def test_failing_renewals_are_reported_as_late_before_the_ttl_passes(make_ledger
 
     ledger = lease_ledger(make_ledger, lease_renewal=True)
     assert ledger.leases is not None
-    ticks = []
-    ledger.leases.subscribe(ticks.append)
+    ticks = renewals_of(ledger)
 
     def locked(held, now):  # type: ignore[no-untyped-def]
         raise DatabaseLockedError("the ledger is locked")
